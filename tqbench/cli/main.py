@@ -1,0 +1,142 @@
+"""`tqbench`: the command line. With no command it opens the full-screen UI."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from tqbench import __version__
+from tqbench.cli import render
+from tqbench.errors import ExitCode, TqbenchError
+
+app = typer.Typer(
+    name="tqbench",
+    help="A workbench for running giant Mixture-of-Experts models on one machine with MLX.",
+    no_args_is_help=False,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False, soft_wrap=False)
+
+
+class By(str, Enum):
+    role = "role"
+    layer = "layer"
+    shard = "shard"
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"tqbench {__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def main(
+    ctx: typer.Context,
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """Inspect, plan, convert and chat with giant MoE checkpoints. Without a command: the full-screen UI."""
+    if ctx.invoked_subcommand is None:
+        _open_ui(None)
+
+
+@app.command()
+def inspect(
+    path: Annotated[Path, typer.Argument(help="Checkpoint directory (safetensors shards + config.json).")],
+    by: Annotated[By, typer.Option("--by", help="Group the totals by role, layer or shard.")] = By.role,
+    tensors: Annotated[Optional[str], typer.Option("--tensors", metavar="GLOB",
+                                                   help="List tensors whose name matches GLOB, e.g. '*layers.3.*'.")] = None,
+    limit: Annotated[int, typer.Option(help="Rows of the tensor table (JSON lists all).")] = 200,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON (stable schema) on stdout.")] = False,
+) -> None:
+    """Read a checkpoint's headers (no tensor data) and report tensors, roles, layers, experts and format.
+
+    Exits 3 when the index names shards that are not on disk (a partial download); the report covers the rest.
+    """
+    from tqbench.source import open_checkpoint, select_tensors, summarize
+    from tqbench.source.summary import tensor_row
+
+    ckpt = open_checkpoint(path)
+    summary = summarize(ckpt)
+    selected = select_tensors(ckpt, tensors) if tensors else []
+    if as_json:
+        doc = summary.to_dict()
+        doc["missing"] = [{"file": m.file, "tensors": list(m.tensors)} for m in ckpt.missing]
+        if tensors:
+            doc["tensors_matching"] = tensors
+            doc["tensor_list"] = [tensor_row(t) for t in selected]
+        print(json.dumps(doc, indent=2))
+    else:
+        out.print(render.summary_header(summary, ckpt))
+        if by is By.role:
+            out.print(render.group_table("by role", summary.by_role, "role"))
+        elif by is By.layer:
+            out.print(render.layer_table(summary))
+        else:
+            out.print(render.group_table("by shard", summary.by_shard, "shard"))
+        if ckpt.missing:
+            out.print(render.missing_table(ckpt))
+        if tensors:
+            out.print(render.tensor_table(selected, limit))
+    if ckpt.missing:
+        render.error_console().print(
+            f"tqbench: {path}: incomplete checkpoint: {len(ckpt.missing)} shard(s) named by the index are missing "
+            f"({', '.join(m.file for m in ckpt.missing[:3])}{', ...' if len(ckpt.missing) > 3 else ''})")
+        raise typer.Exit(ExitCode.INCOMPLETE)
+
+
+@app.command()
+def demo(
+    force: Annotated[bool, typer.Option("--force", help="Write the demo checkpoint again.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {\"path\": ...} as JSON.")] = False,
+) -> None:
+    """Print where the built-in demo model lives (a small Kimi-K3-architecture checkpoint), creating it if needed."""
+    from tqbench.demo import ensure_demo
+
+    path = ensure_demo(force=force)
+    print(json.dumps({"path": str(path)}) if as_json else path)
+
+
+@app.command()
+def ui(
+    path: Annotated[Optional[Path], typer.Argument(help="Checkpoint to open (default: the last one, or the demo).")] = None,
+) -> None:
+    """Open the full-screen UI."""
+    _open_ui(path)
+
+
+def _open_ui(path: Path | None) -> None:
+    from tui.app import TqbenchApp
+
+    TqbenchApp(path).run()
+
+
+def run() -> None:
+    """Console-script entry point: one-line errors and documented exit codes."""
+    try:
+        app(standalone_mode=False)
+    except TqbenchError as e:
+        render.error_console().print(f"tqbench: error: {e}", markup=False)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        render.error_console().print("tqbench: interrupted")
+        sys.exit(ExitCode.INTERRUPTED)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(ExitCode.INTERRUPTED)
+    except Exception as e:  # click usage errors and the like
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise

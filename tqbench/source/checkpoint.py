@@ -1,0 +1,214 @@
+"""A checkpoint directory: config, shard headers (never tensor data), every tensor classified, missing shards."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tqbench.errors import CheckpointError
+from tqbench.source.config import ModelConfig, read_config
+from tqbench.source.naming import Role, TensorName, classify
+from tqbench.source.shard import ShardHeader, TensorEntry, read_header
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# Quantization side tensors: they store scales and tables, not parameters.
+_METADATA_PARAMS = {"weight_scale", "weight_scale_inv", "scales", "biases", "codebook", "signs", "weight_shape",
+                    "weight_zero_point", "weight_global_scale", "input_global_scale"}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    entry: TensorEntry
+    name: TensorName
+    format: str  # storage format of the tensor's module: mxfp4, fp8, mlx-affine, mlx-mxfp4, turboquant, bf16, ...
+    params: int  # logical parameters it stores (0 for scales and other side tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+
+@dataclass(frozen=True)
+class MissingShard:
+    file: str
+    tensors: tuple[str, ...]  # what the index says lives there
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    shards: tuple[ShardHeader, ...]
+    tensors: tuple[Tensor, ...]
+    missing: tuple[MissingShard, ...]
+    index_total_size: int | None  # bytes the index says the full checkpoint holds
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    @property
+    def present_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a checkpoint's config and headers. Raises CheckpointError (one line, naming the file) on bad input."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError("not a directory" if root.exists() else "no such directory", root)
+    config = read_config(root)
+    weight_map, total_size = _read_index(root)
+    if weight_map is None:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no {INDEX_FILE} and no *.safetensors files: not a model checkpoint", root)
+        by_file: dict[str, list[str]] = {f: [] for f in files}
+    else:
+        by_file = defaultdict(list)
+        for tensor, file in weight_map.items():
+            by_file[file].append(tensor)
+
+    shards, missing = [], []
+    for file, names in sorted(by_file.items()):
+        if not (root / file).is_file():
+            missing.append(MissingShard(file, tuple(sorted(names))))
+            continue
+        header = read_header(root / file, file)
+        have = {t.name for t in header.tensors}
+        for n in names:
+            if n not in have:
+                raise CheckpointError(f"index maps tensor {n!r} to {file}, but that shard does not contain it", root / INDEX_FILE)
+        shards.append(header)
+
+    entries = [t for h in shards for t in h.tensors]
+    seen: dict[str, str] = {}
+    for t in entries:
+        if t.name in seen:
+            raise CheckpointError(f"tensor {t.name!r} appears in both {seen[t.name]} and {t.shard}", root)
+        seen[t.name] = t.shard
+
+    all_names = list(weight_map) if weight_map is not None else [t.name for t in entries]
+    _check_experts(root, config, all_names)
+    tensors = _classify_all(entries, config)
+    return Checkpoint(root, config, tuple(shards), tensors, tuple(missing), total_size)
+
+
+def _read_index(root: Path) -> tuple[dict[str, str] | None, int | None]:
+    path = root / INDEX_FILE
+    if not path.is_file():
+        return None, None
+    try:
+        index = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"invalid JSON ({e})", path) from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError("no weight_map object of tensor -> shard file", path)
+    base = root.resolve()
+    for file in set(weight_map.values()):
+        target = (root / file).resolve()
+        if Path(file).is_absolute() or target.parent != base:
+            raise CheckpointError(f"shard path {file!r} points outside the checkpoint directory", path)
+    total = (index.get("metadata") or {}).get("total_size")
+    return weight_map, int(total) if isinstance(total, (int, float)) else None
+
+
+def _check_experts(root: Path, config: ModelConfig, names: list[str]) -> None:
+    """An MoE config whose tensors show no routed experts means naming we do not know: refuse loudly."""
+    if not config.is_moe:
+        return
+    if not any(classify(n).role is Role.ROUTED_EXPERT for n in names if "expert" in n or "switch_mlp" in n):
+        raise CheckpointError(
+            f"config.json declares {config.num_experts} routed experts per layer, but no tensor name was "
+            "recognised as a routed expert (unknown expert naming)", root)
+
+
+def _classify_all(entries: list[TensorEntry], config: ModelConfig) -> tuple[Tensor, ...]:
+    cache: dict[str, TensorName] = {}
+    names = {t.name: _classify_cached(t.name, cache) for t in entries}
+    # Attention kind is a property of the layer: o_proj of a KDA layer is KDA too. The config's kda_layers win.
+    layer_kind: dict[int, str] = {}
+    for n in names.values():
+        if n.role is Role.ATTENTION and n.attention != "generic" and n.layer is not None:
+            layer_kind.setdefault(n.layer, n.attention)
+    layer_kind.update({i: "kda" for i in config.kda_layers})
+    modules: dict[str, dict[str, TensorEntry]] = defaultdict(dict)
+    for t in entries:
+        n = names[t.name]
+        modules[n.module][n.param] = t
+
+    out = []
+    for t in entries:
+        n = names[t.name]
+        if n.role is Role.ATTENTION and n.attention == "generic" and n.layer in layer_kind:
+            n = replace(n, attention=layer_kind[n.layer])
+        parts = modules[n.module]
+        fmt = module_format(parts, config)
+        out.append(Tensor(t, n, fmt, _params(t, n, parts, fmt, config)))
+    return tuple(out)
+
+
+_EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _classify_cached(name: str, cache: dict[str, TensorName]) -> TensorName:
+    """classify(), memoised by the name with its expert number blanked: K3 has 82,432 experts x 6 tensors."""
+    m = _EXPERT_NUMBER.search(name)
+    if not m:
+        return classify(name)
+    key = name[: m.start(1)] + "0" + name[m.end(1) :]
+    template = cache.get(key)
+    if template is None:
+        template = cache[key] = classify(key)
+    if template.expert is None:
+        return classify(name)
+    e = int(m.group(1))
+    module = template.module.replace(".experts.0.", f".experts.{e}.", 1)
+    t = template
+    return TensorName(name, t.role, module, t.param, t.layer, e, t.stacked, t.projection, t.attention)
+
+
+def module_format(parts: dict[str, TensorEntry], config: ModelConfig) -> str:
+    """The storage format of one module from the side tensors next to its weight."""
+    w = parts.get("weight")
+    if "weight_packed" in parts:
+        scale = parts.get("weight_scale")
+        fmt = str((config.quantization or {}).get("format", ""))
+        if "nvfp4" in fmt or "weight_global_scale" in parts:
+            return "nvfp4"
+        if "mxfp4" in fmt or (scale is not None and scale.dtype == "U8"):
+            return "mxfp4"
+        return "compressed-tensors"
+    if w is None:
+        first = next(iter(parts.values()))
+        return first.dtype.lower()
+    if w.dtype.startswith("F8"):
+        return "fp8"
+    if w.dtype == "U32" and "codebook" in parts:
+        return "turboquant"
+    if w.dtype == "U32" and "scales" in parts:
+        return "mlx-affine" if "biases" in parts else f"mlx-{_mlx_mode(parts)}"
+    return w.dtype.lower()
+
+
+def _mlx_mode(parts: dict[str, TensorEntry]) -> str:
+    return "mxfp4" if parts["scales"].dtype == "U8" else "quantized"
+
+
+def _params(t: TensorEntry, n: TensorName, parts: dict[str, TensorEntry], fmt: str, config: ModelConfig) -> int:
+    if n.param in _METADATA_PARAMS:
+        return 0
+    if fmt in ("mxfp4", "nvfp4") and n.param == "weight_packed":
+        return t.numel * 2  # two 4-bit codes per byte
+    if fmt in ("mlx-affine", "mlx-mxfp4", "mlx-quantized") and n.param == "weight":
+        group = 32 if fmt == "mlx-mxfp4" else int((config.quantization or {}).get("group_size", 64))
+        return math.prod(t.shape[:-1]) * parts["scales"].shape[-1] * group
+    if fmt == "turboquant" and n.param == "weight" and "signs" in parts:
+        return math.prod(t.shape[:-1]) * parts["signs"].shape[-1]
+    return t.numel

@@ -1,0 +1,71 @@
+"""`config.json`: the few architecture facts tqbench needs, read from flat or multimodal (`text_config`) configs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqbench.errors import CheckpointError
+
+
+def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return default
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    raw: dict[str, Any] = field(repr=False)
+    model_type: str
+    hidden_size: int | None
+    num_layers: int | None
+    vocab_size: int | None
+    num_experts: int  # routed experts per MoE layer (0: dense model)
+    top_k: int
+    first_dense: int  # leading layers with a dense MLP
+    kda_layers: tuple[int, ...]  # 0-indexed linear-attention layers
+    quantization: dict[str, Any] | None  # quantization_config / quantization block
+
+    @property
+    def text(self) -> dict[str, Any]:
+        return self.raw.get("text_config") or self.raw
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def read_config(directory: Path) -> ModelConfig:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError("no config.json: not a model checkpoint directory", directory)
+    try:
+        raw = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"invalid JSON ({e})", path) from None
+    if not isinstance(raw, dict):
+        raise CheckpointError("not a JSON object", path)
+    return parse_config(raw)
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    linear = text.get("linear_attn_config") or {}
+    kda = tuple(i - 1 for i in linear.get("kda_layers") or ())  # the config lists them 1-indexed
+    quant = _first(raw, "quantization_config", "quantization") or _first(text, "quantization_config", "quantization")
+    return ModelConfig(
+        raw=raw,
+        model_type=str(_first(raw, "model_type", default=_first(text, "model_type", default="unknown"))),
+        hidden_size=_first(text, "hidden_size", "d_model", "n_embd"),
+        num_layers=_first(text, "num_hidden_layers", "n_layer", "num_layers"),
+        vocab_size=_first(text, "vocab_size"),
+        num_experts=int(_first(text, "num_experts", "n_routed_experts", "num_local_experts", default=0) or 0),
+        top_k=int(_first(text, "num_experts_per_token", "num_experts_per_tok", "moe_topk", "top_k", default=0) or 0),
+        first_dense=int(_first(text, "first_k_dense_replace", default=0) or 0),
+        kda_layers=kda,
+        quantization=quant if isinstance(quant, dict) else None,
+    )

@@ -1,0 +1,141 @@
+"""Safetensors shard headers: read and validate them without touching tensor data.
+
+Layout of a shard: 8-byte little-endian header length N, N bytes of JSON, then the data region. Each tensor entry
+gives its dtype, shape and `data_offsets` [begin, end) relative to the start of the data region.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqbench.errors import CheckpointError
+
+# Bytes per element of every dtype the safetensors format names (sub-byte types are not used by checkpoints we read).
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+}
+
+# safetensors itself refuses headers above 100 MB; a K3 shard header is well under 1 MB.
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as a shard header describes it; `offset` is absolute within the file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    shard: str  # file name, relative to the checkpoint directory
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    file: str
+    path: Path
+    file_size: int
+    data_start: int  # 8 + header length
+    metadata: dict[str, str]
+    tensors: tuple[TensorEntry, ...]
+
+
+def read_header(path: Path, name: str | None = None) -> ShardHeader:
+    """Read and validate one shard's header. Raises CheckpointError naming the file and the problem."""
+    path = Path(path)
+    name = name or path.name
+    try:
+        size = path.stat().st_size
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise CheckpointError(f"cannot open shard: {e.strerror}", path) from None
+    try:
+        if size < 8:
+            raise CheckpointError(f"truncated: {size} bytes, too short for a safetensors header", path)
+        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"header length {n} exceeds the {MAX_HEADER_BYTES} byte limit", path)
+        if 8 + n > size:
+            raise CheckpointError(f"header length {n} runs past the end of the file ({size} bytes)", path)
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"header is not valid JSON ({e})", path) from None
+    if not isinstance(header, dict):
+        raise CheckpointError("header is not a JSON object", path)
+
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError("__metadata__ is not a JSON object", path)
+    data_start = 8 + n
+    tensors = [_entry(path, name, key, value, data_start) for key, value in header.items()]
+    _check_bounds(path, tensors, size)
+    tensors.sort(key=lambda t: t.offset)
+    return ShardHeader(name, path, size, data_start, metadata, tuple(tensors))
+
+
+def _entry(path: Path, shard: str, key: str, value: object, data_start: int) -> TensorEntry:
+    if not isinstance(value, dict):
+        raise CheckpointError(f"tensor {key!r}: entry is not a JSON object", path)
+    dtype = value.get("dtype")
+    shape = value.get("shape")
+    offsets = value.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise CheckpointError(f"tensor {key!r}: unknown dtype {dtype!r}", path)
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise CheckpointError(f"tensor {key!r}: shape {shape!r} is not a list of non-negative integers", path)
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and o >= 0 for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise CheckpointError(f"tensor {key!r}: data_offsets {offsets!r} are not [begin, end]", path)
+    nbytes = offsets[1] - offsets[0]
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if nbytes != expected:
+        raise CheckpointError(
+            f"tensor {key!r}: {nbytes} bytes in the file but shape {shape} x {dtype} needs {expected}", path
+        )
+    return TensorEntry(key, dtype, tuple(shape), data_start + offsets[0], nbytes, shard)
+
+
+def _check_bounds(path: Path, tensors: list[TensorEntry], size: int) -> None:
+    end = 0
+    owner: TensorEntry | None = None  # the tensor reaching furthest so far
+    for t in sorted(tensors, key=lambda t: t.offset):
+        if not t.nbytes:
+            continue
+        if owner is not None and t.offset < end:
+            raise CheckpointError(f"tensors {owner.name!r} and {t.name!r} overlap", path)
+        owner, end = t, t.offset + t.nbytes
+    if end > size:
+        raise CheckpointError(f"truncated: data ends at byte {end} but the file has {size} bytes", path)

@@ -1,0 +1,28 @@
+"""Human-readable sizes and counts, shared by the CLI and the TUI. GB and GiB are always told apart."""
+
+from __future__ import annotations
+
+import humanize
+
+
+def gb(n: int | float) -> str:
+    """Decimal units: 1.56 TB."""
+    return humanize.naturalsize(n, format="%.2f")
+
+
+def gib(n: int | float) -> str:
+    """Binary units: 1.42 TiB."""
+    return humanize.naturalsize(n, binary=True, format="%.2f")
+
+
+def size(n: int | float) -> str:
+    """Both: `1.56 TB (1.42 TiB)`."""
+    return f"{gb(n)} ({gib(n)})"
+
+
+def count(n: int | float) -> str:
+    """Parameter counts: 2.78 T, 105.36 B, 33.03 M."""
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return str(int(n))
