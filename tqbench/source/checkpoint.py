@@ -8,8 +8,10 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
 from tqbench.errors import CheckpointError
+from tqbench.events import CheckpointOpened, ShardScanned
 from tqbench.source.config import ModelConfig, read_config
 from tqbench.source.naming import Role, TensorName, classify
 from tqbench.source.shard import ShardHeader, TensorEntry, read_header
@@ -59,6 +61,14 @@ class Checkpoint:
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Read a checkpoint's config and headers. Raises CheckpointError (one line, naming the file) on bad input."""
+    for event in scan_checkpoint(path):
+        if isinstance(event, CheckpointOpened):
+            return event.checkpoint
+    raise AssertionError("scan_checkpoint ended without a checkpoint")
+
+
+def scan_checkpoint(path: str | Path) -> Iterator[ShardScanned | CheckpointOpened]:
+    """Like open_checkpoint, yielding a ShardScanned event per shard and finally CheckpointOpened."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError("not a directory" if root.exists() else "no such directory", root)
@@ -75,7 +85,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             by_file[file].append(tensor)
 
     shards, missing = [], []
-    for file, names in sorted(by_file.items()):
+    for i, (file, names) in enumerate(sorted(by_file.items()), 1):
         if not (root / file).is_file():
             missing.append(MissingShard(file, tuple(sorted(names))))
             continue
@@ -83,8 +93,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         have = {t.name for t in header.tensors}
         for n in names:
             if n not in have:
-                raise CheckpointError(f"index maps tensor {n!r} to {file}, but that shard does not contain it", root / INDEX_FILE)
+                raise CheckpointError(f"index maps tensor {n!r} to {file}, but that shard does not contain it",
+                                      root / INDEX_FILE)
         shards.append(header)
+        yield ShardScanned(i, len(by_file), file, len(header.tensors))
 
     entries = [t for h in shards for t in h.tensors]
     seen: dict[str, str] = {}
@@ -96,7 +108,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     all_names = list(weight_map) if weight_map is not None else [t.name for t in entries]
     _check_experts(root, config, all_names)
     tensors = _classify_all(entries, config)
-    return Checkpoint(root, config, tuple(shards), tensors, tuple(missing), total_size)
+    yield CheckpointOpened(Checkpoint(root, config, tuple(shards), tensors, tuple(missing), total_size))
 
 
 def _read_index(root: Path) -> tuple[dict[str, str] | None, int | None]:
