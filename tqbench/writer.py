@@ -54,7 +54,9 @@ class ShardWriter:
         spec = self.specs[self._next]
         if name != spec.name:
             raise ValueError(f"expected tensor {spec.name!r} next, got {name!r}")
-        buf = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
+        if isinstance(data, np.ndarray):
+            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        buf = memoryview(data)
         if buf.nbytes != spec.nbytes:
             raise ValueError(f"tensor {name!r}: {buf.nbytes} bytes given, {spec.nbytes} expected")
         self._file.write(buf)

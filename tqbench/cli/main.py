@@ -87,9 +87,10 @@ def inspect(
         if tensors:
             out.print(render.tensor_table(selected, limit))
     if ckpt.missing:
-        render.error_console().print(
+        print(
             f"tqbench: {path}: incomplete checkpoint: {len(ckpt.missing)} shard(s) named by the index are missing "
-            f"({', '.join(m.file for m in ckpt.missing[:3])}{', ...' if len(ckpt.missing) > 3 else ''})")
+            f"({', '.join(m.file for m in ckpt.missing[:3])}{', ...' if len(ckpt.missing) > 3 else ''})",
+            file=sys.stderr)
         raise typer.Exit(ExitCode.INCOMPLETE)
 
 
@@ -122,21 +123,19 @@ def _open_ui(path: Path | None) -> None:
 def run() -> None:
     """Console-script entry point: one-line errors and documented exit codes."""
     try:
-        app(standalone_mode=False)
+        # Without standalone mode click returns the code of a typer.Exit instead of exiting.
+        code = app(standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else ExitCode.OK)
     except TqbenchError as e:
-        render.error_console().print(f"tqbench: error: {e}", markup=False)
+        print(f"tqbench: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        render.error_console().print("tqbench: interrupted")
+        print("tqbench: interrupted", file=sys.stderr)
         sys.exit(ExitCode.INTERRUPTED)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
         sys.exit(ExitCode.INTERRUPTED)
-    except Exception as e:  # click usage errors and the like
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
+    except typer.TyperException as e:  # usage errors: bad option values, missing arguments
+        e.show()
+        sys.exit(getattr(e, "exit_code", ExitCode.USAGE))

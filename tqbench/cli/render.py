@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rich.console import Console, Group as RichGroup
+from rich.console import Group as RichGroup
 from rich.table import Table
 from rich.text import Text
 
@@ -75,7 +75,3 @@ def tensor_table(tensors: list[Tensor], limit: int) -> Table:
     if len(tensors) > limit:
         t.caption = f"{len(tensors) - limit:,} more (raise --limit, or use --json)"
     return t
-
-
-def error_console() -> Console:
-    return Console(stderr=True, highlight=False)

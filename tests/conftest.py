@@ -1,0 +1,53 @@
+"""Shared fixtures: small real checkpoints built on the fly."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+
+from tqbench.skeleton import K3_TEXT_CONFIG, k3_config, k3_tensor_specs, write_skeleton
+
+
+def small_k3_text(layers: int = 4, experts: int = 8) -> dict:
+    """A K3-architecture text config shrunk to a few KB of headers."""
+    text = copy.deepcopy(K3_TEXT_CONFIG)
+    text.update(hidden_size=64, num_hidden_layers=layers, vocab_size=256, intermediate_size=128,
+                num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16, num_experts=experts, num_experts_per_token=2,
+                num_shared_experts=1, moe_intermediate_size=64, routed_expert_hidden_size=32, attn_res_block_size=2)
+    text["linear_attn_config"] = dict(text["linear_attn_config"], num_heads=2, head_dim=16,
+                                      kda_layers=[i + 1 for i in range(layers) if (i + 1) % 4],
+                                      full_attn_layers=[i + 1 for i in range(layers) if (i + 1) % 4 == 0])
+    return text
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Every test gets its own tqbench cache dir and tiktoken cache, never the user's."""
+    monkeypatch.setenv("TQBENCH_CACHE_DIR", str(tmp_path_factory.mktemp("tqcache")))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
+
+
+@pytest.fixture
+def small_k3(tmp_path) -> Path:
+    """A header-only K3-layout checkpoint: 4 layers (MLA at 4), 8 experts, several shards."""
+    text = small_k3_text()
+    return write_skeleton(tmp_path / "small-k3", k3_config(text), k3_tensor_specs(text), shard_size=64 * 1024)
+
+
+def file_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+os.environ.setdefault("TQBENCH_TEST", "1")
+
+
+@pytest.fixture(scope="session")
+def k3_skeleton(tmp_path_factory) -> Path:
+    """The full Kimi K3 source layout as sparse header-only shards (~130 MB of headers, 1.56 TB apparent)."""
+    from tqbench.skeleton import write_k3_skeleton
+
+    return write_k3_skeleton(tmp_path_factory.mktemp("k3") / "Kimi-K3")

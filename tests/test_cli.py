@@ -1,0 +1,48 @@
+"""The command line as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from cli_helpers import tqbench
+from tqbench import __version__
+from tqbench.source import open_checkpoint, summarize
+
+
+def test_version_and_help(capsys, monkeypatch):
+    r = tqbench(capsys, monkeypatch, "--version")
+    assert (r.code, r.out.strip()) == (0, f"tqbench {__version__}")
+    r = tqbench(capsys, monkeypatch, "--help")
+    assert r.code == 0
+    for command in ("inspect", "demo", "ui"):
+        assert command in r.out
+
+
+def test_console_script_is_installed():
+    done = subprocess.run([sys.executable, "-m", "tqbench", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"tqbench {__version__}"
+
+
+def test_inspect_json_is_the_engine_summary(small_k3, capsys, monkeypatch):
+    r = tqbench(capsys, monkeypatch, "inspect", small_k3, "--json", "--tensors", "*layers.1.*experts.0.*")
+    assert r.code == 0, r.err
+    doc = json.loads(r.out)
+    s = summarize(open_checkpoint(small_k3))
+    assert doc["schema"] == "tqbench.inspect/1"
+    assert (doc["params"], doc["active_params"], doc["bytes"], doc["tensors"]) == (s.params, s.active_params, s.bytes, s.tensors)
+    assert doc["experts"]["bytes_by_projection"] == {"gate": 1088, "up": 1088, "down": 1088}
+    names = [t["name"] for t in doc["tensor_list"]]
+    assert names == sorted(f"language_model.model.layers.1.block_sparse_moe.experts.0.{w}.{p}"
+                           for w in ("w1", "w2", "w3") for p in ("weight_packed", "weight_scale"))
+    assert {t["role"] for t in doc["tensor_list"]} == {"routed_expert"}
+
+
+def test_inspect_tables(small_k3, capsys, monkeypatch):
+    r = tqbench(capsys, monkeypatch, "inspect", small_k3)
+    assert r.code == 0 and "routed_expert" in r.out and "kimi_k3" in r.out and "GiB" in r.out
+    r = tqbench(capsys, monkeypatch, "inspect", small_k3, "--by", "layer")
+    assert r.code == 0 and "mla" in r.out and "kda" in r.out
+    r = tqbench(capsys, monkeypatch, "inspect", small_k3, "--by", "shard", "--tensors", "*embed*")
+    assert r.code == 0 and "model-00001-of-" in r.out and "embed_tokens" in r.out

@@ -1,0 +1,3 @@
+from tqbench.cli.main import run
+
+run()
