@@ -158,7 +158,8 @@ def _experts(ckpt: Checkpoint) -> ExpertSummary | None:
     for t in routed:
         layers[t.name.layer if t.name.layer is not None else -1].append(t)
     counts = {i: _expert_count(ts) for i, ts in layers.items()}
-    first = min(layers)
+    # Measure one expert in the first layer that is complete (a partial download may cut a layer short).
+    first = min(i for i, c in counts.items() if c == max(counts.values()))
     n_first = counts[first]
     by_proj: Counter[str] = Counter()
     params_one = 0
@@ -172,7 +173,7 @@ def _experts(ckpt: Checkpoint) -> ExpertSummary | None:
             params_one += t.params
     return ExpertSummary(
         moe_layers=len(layers),
-        experts_per_layer=Counter(counts.values()).most_common(1)[0][0],
+        experts_per_layer=ckpt.config.num_experts or max(counts.values()),
         top_k=ckpt.config.top_k,
         expert_layers=sum(counts.values()),
         params_per_expert=params_one,

@@ -1,0 +1,68 @@
+"""Messages the TUI's thread workers post: small dataclasses wrapping engine events.
+
+Each load carries the `load_id` of the worker that posted it, so a screen can drop messages from a load that was
+superseded (thread workers only stop at their next cancellation check).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from textual.message import Message
+
+
+@dataclass
+class ScanStarted(Message):
+    """A load began: `text` says what is happening (opening a path, writing the demo model)."""
+
+    load_id: int
+    text: str
+    path: Any = None  # the Path being opened, once known
+
+
+@dataclass
+class ScanProgress(Message):
+    """One shard header read (tqbench.events.ShardScanned) plus the running tensor count."""
+
+    load_id: int
+    index: int
+    total: int
+    file: str
+    tensors_so_far: int
+
+    def can_replace(self, message: Message) -> bool:
+        # A newer progress message of the same load makes this one stale: queued duplicates merge.
+        return isinstance(message, ScanProgress) and message.load_id == self.load_id
+
+
+@dataclass
+class CheckpointLoaded(Message):
+    """Opening finished (tqbench.events.CheckpointOpened), with the summary and prepared table rows."""
+
+    load_id: int
+    checkpoint: Any  # tqbench.source.Checkpoint
+    summary: Any  # tqbench.source.Summary
+    tensors: list = field(repr=False)  # every Tensor, in name order (the filter's input)
+
+
+@dataclass
+class LoadFailed(Message):
+    """Opening failed: `message` is one line (a TqbenchError's text), never a traceback."""
+
+    load_id: int
+    message: str
+
+
+@dataclass
+class FilterApplied(Message):
+    """The tensor filter's result: the first rows to show and how many tensors matched."""
+
+    filter_id: int
+    pattern: str
+    rows: list = field(repr=False)  # table cells of the first matches (at most the row limit)
+    matches: int
+    total: int
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, FilterApplied)

@@ -1,0 +1,35 @@
+"""A small modal asking for a checkpoint directory to open."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Input, Label
+
+
+class OpenScreen(ModalScreen[Path | None]):
+    """Dismisses with the Path typed (user `~` expanded), or None on escape / an empty line."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, initial: str = "") -> None:
+        super().__init__()
+        self._initial = initial
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="open-dialog"):
+            yield Label("Open a checkpoint directory (Enter to open, Esc to cancel)")
+            yield Input(value=self._initial, placeholder="/path/to/checkpoint", id="open-path")
+
+    @on(Input.Submitted, "#open-path")
+    def _submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        self.dismiss(Path(text).expanduser() if text else None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

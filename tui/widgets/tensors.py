@@ -1,0 +1,147 @@
+"""The tensor table: an Input filter (substring or shell glob), an "N of M" count, the first matching rows."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Callable
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.content import Content
+from textual.containers import Horizontal, Vertical
+from textual.widgets import DataTable, Input, Label, Static
+from textual.worker import get_current_worker
+
+from tqbench import units
+from tui.messages import FilterApplied
+from tui.widgets.cells import cell, header, num
+
+ROW_LIMIT = 1000  # rows put in the table; a K3 checkpoint has ~500k tensors, the count still covers them all
+GLOB_CHARS = "*?["
+COLUMNS = (("name", False), ("shape", False), ("dtype", False), ("size", True), ("format", False), ("role", False),
+           ("layer", True), ("expert", True), ("shard", False))
+
+
+def matcher(pattern: str) -> Callable[[str], bool]:
+    """A predicate on tensor names: a shell glob over the whole name (as `tqbench inspect --tensors`) when the
+    pattern has `*`, `?` or `[`, else a case-insensitive substring."""
+    p = pattern.strip()
+    if not p:
+        return lambda name: True
+    if any(c in p for c in GLOB_CHARS):
+        match = re.compile(fnmatch.translate(p)).match
+        return lambda name: match(name) is not None
+    low = p.lower()
+    return lambda name: low in name.lower()
+
+
+def tensor_cells(t) -> tuple:
+    n = t.name
+    role = n.role.value + (f" ({n.attention})" if n.attention else "")
+    return (cell(t.entry.name), cell("x".join(map(str, t.entry.shape)) or "scalar"), cell(t.entry.dtype),
+            num(units.gb(t.nbytes)), cell(t.format), cell(role), num("-" if n.layer is None else n.layer),
+            num("-" if n.expert is None else n.expert), cell(t.entry.shard))
+
+
+def tensor_detail(t) -> str:
+    n = t.name
+    where = ", ".join(x for x in (f"layer {n.layer}" if n.layer is not None else "",
+                                  f"expert {n.expert}" if n.expert is not None else "",
+                                  n.projection if n.projection != n.role.value else "") if x)
+    parts = [f"{'x'.join(map(str, t.entry.shape)) or 'scalar'} {t.entry.dtype}", units.size(t.nbytes),
+             f"{units.count(t.params)} params", n.role.value + (f" ({where})" if where else ""), t.format,
+             t.entry.shard]
+    return " · ".join(parts)
+
+
+class TensorPanel(Vertical):
+    """Filterable tensor table. `set_tensors()` gives it the checkpoint's tensors (name order)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._tensors: list = []
+        self._shown: dict[str, object] = {}
+        self._filter_id = 0
+        self.count_text = ""
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="filter-row"):
+            yield Input(placeholder="filter: text or glob *layers.3.*", id="filter")
+            yield Label("", id="count")
+        yield DataTable(id="tensor-table", cursor_type="row")
+        yield Static("", id="tensor-detail")
+
+    def on_mount(self) -> None:
+        table = self.query_one("#tensor-table", DataTable)
+        for label, numeric in COLUMNS:
+            table.add_column(header(label, numeric), key=label)
+
+    @property
+    def table(self) -> DataTable:
+        return self.query_one("#tensor-table", DataTable)
+
+    @property
+    def filter_input(self) -> Input:
+        return self.query_one("#filter", Input)
+
+    def set_tensors(self, tensors: list) -> None:
+        self._tensors = tensors
+        self.apply_filter(self.filter_input.value)
+
+    def clear_filter(self) -> None:
+        if self.filter_input.value:
+            self.filter_input.value = ""  # Input.Changed re-applies the filter
+        else:
+            self.apply_filter("")
+
+    @on(Input.Changed, "#filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        self.apply_filter(event.value)
+
+    @on(Input.Submitted, "#filter")
+    def _filter_submitted(self) -> None:
+        self.table.focus()
+
+    def apply_filter(self, pattern: str) -> None:
+        self._filter_id += 1
+        self._run_filter(self._filter_id, pattern, self._tensors)
+
+    # An explicit description: by default @work repr()s every argument, here ~500k tensors.
+    @work(thread=True, exclusive=True, group="filter", exit_on_error=False, description="filter tensors")
+    def _run_filter(self, filter_id: int, pattern: str, tensors: list) -> None:
+        keep = matcher(pattern)
+        matches = [t for t in tensors if keep(t.entry.name)]
+        if get_current_worker().is_cancelled:
+            return
+        rows = [(t, tensor_cells(t)) for t in matches[:ROW_LIMIT]]
+        self.post_message(FilterApplied(filter_id, pattern, rows, len(matches), len(tensors)))
+
+    def on_filter_applied(self, message: FilterApplied) -> None:
+        message.stop()
+        if message.filter_id != self._filter_id:
+            return  # a newer filter is on its way
+        table = self.table
+        table.clear()
+        self._shown = {}
+        for t, cells in message.rows:
+            table.add_row(*cells, key=t.entry.name)
+            self._shown[t.entry.name] = t
+        text = f"{message.matches:,} of {message.total:,}"
+        if message.matches > len(message.rows):
+            text += f" ({len(message.rows):,} shown)"
+        self.count_text = text
+        self.query_one("#count", Label).update(text)
+        self._show_detail(next(iter(self._shown), None))
+
+    @on(DataTable.RowHighlighted, "#tensor-table")
+    def _row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self._show_detail(event.row_key.value if event.row_key else None)
+
+    def _show_detail(self, name: str | None) -> None:
+        t = self._shown.get(name) if name else None
+        self.query_one("#tensor-detail", Static).update(Content(tensor_detail(t)) if t else "")
+
+    @property
+    def row_count(self) -> int:
+        return self.table.row_count
