@@ -24,13 +24,13 @@ COLUMNS = (("name", False), ("shape", False), ("dtype", False), ("size", True), 
 
 
 def matcher(pattern: str) -> Callable[[str], bool]:
-    """A predicate on tensor names: a shell glob over the whole name (as `tqbench inspect --tensors`) when the
-    pattern has `*`, `?` or `[`, else a case-insensitive substring."""
+    """A predicate on tensor names: a shell glob matching anywhere in the name when the pattern has `*`, `?` or
+    `[` (so `experts.3.w2*` finds every layer's), else a case-insensitive substring."""
     p = pattern.strip()
     if not p:
         return lambda name: True
     if any(c in p for c in GLOB_CHARS):
-        match = re.compile(fnmatch.translate(p)).match
+        match = re.compile(fnmatch.translate(f"*{p}*")).match
         return lambda name: match(name) is not None
     low = p.lower()
     return lambda name: low in name.lower()
