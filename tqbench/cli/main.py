@@ -114,6 +114,11 @@ def ui(
     _open_ui(path)
 
 
+from tqbench.cli.plan import plan  # noqa: E402
+
+app.command()(plan)
+
+
 def _open_ui(path: Path | None) -> None:
     from tui.app import TqbenchApp
 

@@ -1,0 +1,253 @@
+"""`tqbench plan`: exact converted sizes of one or more recipes side by side, and whether each fits this machine.
+
+Registered in main.py with `app.command()(plan)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from tqbench import units
+from tqbench.errors import ExitCode, TqbenchError
+from tqbench.recipe.fit import GB, Fit, Machine, Verdict, assess, machine, measure_disk, parse_size
+from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan
+from tqbench.recipe.recipe import Recipe
+
+_out = Console(highlight=False, soft_wrap=False)
+
+
+class Platform(str, Enum):
+    darwin = "darwin"
+    linux = "linux"
+
+
+def plan(
+    src: Annotated[Path, typer.Argument(help="Source checkpoint directory (safetensors shards + config.json).")],
+    recipe: Annotated[Optional[list[str]], typer.Option(
+        "--recipe", "-r", metavar="NAME",
+        help="A recipe name, e.g. tq3a-tqTe-down4-g64 (repeat to compare side by side).")] = None,
+    bits: Annotated[Optional[int], typer.Option(help="Base bits for non-expert Linears (TurboQuant 2-4).")] = None,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", "-g", help="Group size: 32, 64 or 128.")] = None,
+    attn_bits: Annotated[Optional[int], typer.Option(help="Attention bits (default: --bits).")] = None,
+    mlp_bits: Annotated[Optional[int], typer.Option(help="Routed-expert bits (default: --bits).")] = None,
+    ternary_experts: Annotated[bool, typer.Option("--ternary-experts", help="Ternary routed experts.")] = False,
+    expert_down_bits: Annotated[Optional[int], typer.Option(help="Routed experts' down_proj bits.")] = None,
+    mlp_group_size: Annotated[Optional[int], typer.Option(help="Routed experts' group size.")] = None,
+    no_rotation: Annotated[bool, typer.Option("--no-rotation", help="No Hadamard rotation.")] = False,
+    seed: Annotated[Optional[int], typer.Option(help="Rotation seed (default 42).")] = None,
+    fmt: Annotated[Optional[str], typer.Option(
+        "--format", metavar="FORMAT", help="Base tier format: turboquant, affine or source.")] = None,
+    expert_format: Annotated[Optional[str], typer.Option(
+        metavar="FORMAT", help="Routed-expert format: turboquant, affine, mxfp4 or source.")] = None,
+    memory: Annotated[Optional[str], typer.Option(
+        metavar="SIZE", help="Memory to plan for, e.g. 512GB or 64GiB (default: this machine's RAM).")] = None,
+    gpu_limit: Annotated[Optional[str], typer.Option(
+        metavar="SIZE", help="GPU working-set limit now, e.g. 512000MiB (default: estimated from --memory).")] = None,
+    platform: Annotated[Optional[Platform], typer.Option(help="Platform planned for (default: this one).")] = None,
+    disk_gbps: Annotated[Optional[float], typer.Option(
+        help="Disk read bandwidth in GB/s (default: measured once per disk and cached).")] = None,
+    hit_rate: Annotated[Optional[float], typer.Option(
+        help="Expert-cache hit rate 0..1 for the tok/s ceiling (default: the cached fraction of experts).")] = None,
+    reduced_k: Annotated[Optional[int], typer.Option(
+        help="Reduced experts per token (default: half of top-k).")] = None,
+    shard_size: Annotated[str, typer.Option(metavar="SIZE", help="Output shard size.")] = "5GiB",
+    tensors: Annotated[Optional[str], typer.Option(
+        metavar="GLOB", help="List planned output tensors of modules matching GLOB, e.g. '*layers.3.*'.")] = None,
+    limit: Annotated[int, typer.Option(help="Rows of the tensor table (JSON lists all).")] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plans as JSON (stable schema) on stdout.")] = False,
+) -> None:
+    """Preview the exact converted size of recipes, from shard headers only, and whether each fits.
+
+    Recipes: each --recipe NAME, plus one built from the recipe flags (--bits, -g, --ternary-experts, ...) when any
+    is given; with neither, tq3-g64. Exits 1 on a bad recipe or size, 3 when shards are missing.
+    """
+    err = Console(stderr=True, highlight=False)
+    try:
+        recipes = _recipes(recipe, dict(bits=bits, group_size=group_size, attn_bits=attn_bits, mlp_bits=mlp_bits,
+                                        ternary_experts=ternary_experts, expert_down_bits=expert_down_bits,
+                                        mlp_group_size=mlp_group_size, rotation=not no_rotation, seed=seed,
+                                        format=fmt, expert_format=expert_format))
+        shard_bytes = parse_size(shard_size)
+        m = machine(parse_size(memory) if memory else None, parse_size(gpu_limit) if gpu_limit else None,
+                    platform.value if platform else None, disk_gbps * GB if disk_gbps is not None else None)
+        from tqbench.source import open_checkpoint
+
+        if err.is_terminal:
+            with err.status(f"reading shard headers of {src}"):
+                ckpt = open_checkpoint(src)
+        else:
+            ckpt = open_checkpoint(src)
+        sources = group_sources(ckpt)
+        plans = [make_plan(sources, r, shard_bytes) for r in recipes]
+        fits = [assess(p.footprint, m, hit_rate, reduced_k) for p in plans]
+        if disk_gbps is None and any(f.verdict is Verdict.STREAMING for f in fits):
+            m = _measured(m, src, err)
+            fits = [assess(p.footprint, m, hit_rate, reduced_k) for p in plans]
+    except TqbenchError as e:
+        print(f"tqbench: error: {e}", file=sys.stderr)  # one line, never wrapped
+        raise typer.Exit(e.exit_code) from None
+
+    if as_json:
+        print(json.dumps(plan_document(plans, fits, m, tensors), indent=2))
+    else:
+        _out.print(_header(plans[0], m))
+        _out.print(plan_table(plans, fits))
+        for p in plans:
+            for w in p.warnings:
+                _out.print(Text(f"{p.recipe.name}: {w}", style="yellow"))
+        if tensors:
+            for p in plans:
+                _out.print(tensor_table(p, tensors, limit))
+    if ckpt.missing:
+        print(f"tqbench: {src}: incomplete checkpoint: {len(ckpt.missing)} shard(s) missing; sizes undercount",
+              file=sys.stderr)
+        raise typer.Exit(ExitCode.INCOMPLETE)
+
+
+def _recipes(names: list[str] | None, flags: dict) -> list[Recipe]:
+    """The named recipes, then one from the flags when any flag differs from its default (or nothing was named)."""
+    recipes = [Recipe.parse(n) for n in names or []]
+    defaults = dict(bits=None, group_size=None, attn_bits=None, mlp_bits=None, ternary_experts=False,
+                    expert_down_bits=None, mlp_group_size=None, rotation=True, seed=None, format=None,
+                    expert_format=None)
+    if any(v != defaults[k] for k, v in flags.items()) or not recipes:
+        recipes.append(Recipe.from_flags(**flags))
+    return recipes
+
+
+def _measured(m: Machine, src: Path, err: Console) -> Machine:
+    """This machine's disk bandwidth, measured next to the checkpoint when it is writable (cached per disk)."""
+    directory = src if os.access(src, os.W_OK) else None
+    try:
+        if err.is_terminal:
+            with err.status("measuring disk read bandwidth (once per disk)"):
+                speed = measure_disk(directory)
+        else:
+            speed = measure_disk(directory)
+    except OSError as e:
+        return Machine(m.memory_bytes, m.gpu_limit_bytes, m.raisable_limit_bytes, m.platform, None,
+                       f"measurement failed: {e.strerror or e}")
+    source = f"{'cached' if speed.cached else 'measured'}, {speed.method}"
+    return Machine(m.memory_bytes, m.gpu_limit_bytes, m.raisable_limit_bytes, m.platform, speed.bytes_per_s, source)
+
+
+# --- JSON --------------------------------------------------------------------------------------------------------
+
+def plan_document(plans: list[Plan], fits: list[Fit], m: Machine, tensors: str | None = None) -> dict:
+    """The `--json` document (schema tqbench.plan/1)."""
+    doc = {
+        "schema": SCHEMA,
+        "source": plans[0].path,
+        "model_type": plans[0].model_type,
+        "machine": {"memory_bytes": m.memory_bytes, "gpu_limit_bytes": m.gpu_limit_bytes,
+                    "raisable_limit_bytes": m.raisable_limit_bytes, "platform": m.platform,
+                    "disk_bytes_per_s": m.disk_bytes_per_s, "disk_source": m.disk_source},
+        "plans": [],
+    }
+    for p, f in zip(plans, fits):
+        entry = {**p.to_dict(), "fit": f.to_dict()}
+        if tensors:
+            entry["tensors_matching"] = tensors
+            entry["tensors"] = [mp.to_dict() for mp in p.select(tensors)]
+        doc["plans"].append(entry)
+    return doc
+
+
+# --- tables ------------------------------------------------------------------------------------------------------
+
+def _both(n: int | None) -> str:
+    return "-" if n is None else f"{units.gb(n)}\n{units.gib(n)}"
+
+
+def _pair(n: int) -> str:
+    return f"{units.gb(n)} / {units.gib(n)}"
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _header(p: Plan, m: Machine) -> Group:
+    disk = "-" if m.disk_bytes_per_s is None else f"{m.disk_bytes_per_s / GB:.2f} GB/s ({m.disk_source})"
+    limit = _pair(m.gpu_limit_bytes)
+    return Group(
+        Text.assemble(("source  ", "bold"), p.path, ("   model  ", "bold"), p.model_type,
+                      ("   params  ", "bold"), units.count(p.params), ("   on disk  ", "bold"), _pair(p.source_bytes)),
+        Text.assemble(("machine ", "bold"), f"{m.platform}, memory {_pair(m.memory_bytes)}, GPU limit {limit}, "
+                                            f"disk {disk}"),
+    )
+
+
+def plan_table(plans: list[Plan], fits: list[Fit]) -> Table:
+    """Recipes side by side: one column each. Sizes in GB (10^9) over GiB (2^30)."""
+    t = Table(title="plan (sizes in GB over GiB)", title_justify="left")
+    t.add_column("", style="bold", no_wrap=True)
+    for p in plans:
+        t.add_column(p.recipe.name, justify="right", overflow="fold")
+
+    def row(label: str, cells: list[str], end: bool = False) -> None:
+        t.add_row(label, *cells, end_section=end)
+
+    moe = any(p.experts for p in plans)
+    row("resident", [_both(p.resident_bytes) for p in plans])
+    if moe:
+        row("routed experts", [_both(p.streamed_bytes) for p in plans])
+    row("total", [_both(p.total_bytes) for p in plans], end=True)
+    row("bits/weight", [f"{p.bits_per_weight:.3f}" if p.bits_per_weight else "-" for p in plans])
+    for role in ("attention", "routed_expert", "shared_expert"):
+        vals = [next((r.bits_per_weight for r in p.by_role if r.role == role), None) for p in plans]
+        if any(v is not None for v in vals):
+            row(f"  {role.replace('_', ' ')}", ["-" if v is None else f"{v:.3f}" for v in vals])
+    if moe:
+        row("expert page", [_page(p) for p in plans])
+    row("kept at source", [units.gb(sum(k.bytes for k in p.kept)) for p in plans])
+    row(f"shards <= {units.gib(plans[0].shard_size)}", [str(p.shards) for p in plans], end=True)
+    row("verdict", [f.verdict.value for f in fits])
+    if any(f.command for f in fits):
+        row("raise the limit", [f.command or "-" for f in fits])
+    if moe:
+        row("cache budget", [_both(f.cache_budget_bytes) for f in fits])
+        row(f"experts/token top-{fits[0].top_k}", [units.gb(f.bytes_per_token) for f in fits])
+        row(f"experts/token top-{fits[0].reduced_k}", [units.gb(f.bytes_per_token_reduced) for f in fits])
+        row("hit rate", ["-" if f.hit_rate is None else f"{f.hit_rate:.1%}" for f in fits])
+        row(f"max tok/s top-{fits[0].top_k}", [_rate(f.tok_s_ceiling) for f in fits])
+        row(f"max tok/s top-{fits[0].reduced_k}", [_rate(f.tok_s_ceiling_reduced) for f in fits])
+        sources = sorted({f.hit_rate_source for f in fits if f.hit_rate is not None})
+        t.caption = (f"hit rate: {'; '.join(sources)}. max tok/s: the disk-bound ceiling, bandwidth / (MoE layers x K "
+                     "x expert page x (1 - hit rate)); '-' when nothing is read from disk")
+    return t
+
+
+def _page(p: Plan) -> str:
+    e = p.experts
+    if e is None:
+        return "-"
+    return "\n".join([units.gb(e.bytes_per_expert), *(f"{k} {units.gb(v)}" for k, v in e.page_by_projection.items())])
+
+
+def tensor_table(p: Plan, pattern: str, limit: int) -> Table:
+    """One recipe's planned output tensors for the modules matching a glob."""
+    selected = p.select(pattern)
+    t = Table(title=f"{p.recipe.name}: modules matching {pattern!r} ({len(selected):,})", title_justify="left")
+    for c in ("output tensor", "dtype", "shape", "size", "choice (source)"):
+        t.add_column(c, justify="right" if c == "size" else "left", overflow="fold")
+    for mp in selected[:limit]:
+        s = mp.source
+        src = (f"{mp.choice.label} ({'x'.join(map(str, s.shape)) if s.shape else '-'} {s.format}"
+               + (f", {s.experts} experts" if s.experts else "") + ")")
+        for i, o in enumerate(mp.outputs):
+            t.add_row(o.name, o.dtype, "x".join(map(str, o.shape)), units.gb(o.nbytes), src if i == 0 else "",
+                      end_section=i == len(mp.outputs) - 1)
+    if len(selected) > limit:
+        t.caption = f"{len(selected) - limit:,} more modules (raise --limit, or use --json)"
+    return t
