@@ -56,7 +56,15 @@ def test_k3_totals_of_the_published_build(k3_build) -> None:
     assert 27.7 <= p.resident_bytes / GB < 27.8  # published: ~27.7 GB
     assert round(p.total_bytes / GiB) == 867  # published: 931.26 GB = 867 GiB
     assert round(p.total_bytes / GB, 2) == 931.30  # see the next test for the published 931.26
-    assert p.shards == 186 and p.shard_size == 5 * GiB
+    assert p.shard_size == 5 * GiB and p.layout == "streaming"
+    # Per-expert units pack shards as tightly as possible: ceil(total / 5 GiB).
+    assert p.shards == math.ceil(p.total_bytes / (5 * GiB)) == 174
+
+
+def test_k3_stacked_layout_gives_the_published_shard_count(k3) -> None:
+    """The seed's mlx-lm layout (one stacked tensor per layer and projection) splits into the published 186."""
+    p = make_plan(k3, Recipe.parse(K3_BUILD), layout="stacked")
+    assert p.shards == 186 and round(p.total_bytes / GB, 2) == 931.30
 
 
 def test_k3_published_total_leaves_out_vectors_and_conv_kernels(k3_build) -> None:

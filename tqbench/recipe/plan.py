@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Iterable
 
+from tqbench.recipe.files import LAYOUTS, OutTensor, count_shards, unit_sizes
 from tqbench.recipe.fit import Footprint
 from tqbench.recipe.recipe import Format, Recipe, RecipeError
 from tqbench.recipe.rules import Choice, choose
@@ -35,22 +36,6 @@ from tqbench.quant.packing import codes_per_word
 SHARD_SIZE = 5 * 2**30
 SCHEMA = "tqbench.plan/1"
 _FOUR_BIT_PACKS = ("mxfp4", "nvfp4")  # weight_packed holds two 4-bit codes per byte
-
-
-@dataclass(frozen=True)
-class OutTensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    streamed: bool = False  # a routed-expert page tensor (leading expert axis), read from disk per expert
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes,
-                "streamed": self.streamed}
 
 
 # --- layouts (the size formulas) ---------------------------------------------------------------------------------
@@ -278,6 +263,7 @@ class Plan:
     model_type: str
     modules: tuple[ModulePlan, ...] = field(repr=False)
     shard_size: int
+    layout: str  # streaming or stacked (tqbench.recipe.files)
     shards: int
     params: int
     source_bytes: int
@@ -328,7 +314,7 @@ class Plan:
             "bytes": {"total": self.total_bytes, "resident": self.resident_bytes, "streamed": self.streamed_bytes,
                       "source": self.source_bytes},
             "bits_per_weight": self.bits_per_weight,
-            "shards": {"count": self.shards, "shard_size": self.shard_size},
+            "shards": {"count": self.shards, "shard_size": self.shard_size, "layout": self.layout},
             "experts": None if e is None else {
                 "moe_layers": e.moe_layers, "experts_per_layer": e.experts_per_layer,
                 "expert_layers": e.expert_layers, "top_k": e.top_k, "bytes_per_expert": e.bytes_per_expert,
@@ -341,13 +327,16 @@ class Plan:
         }
 
 
-def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe, shard_size: int = SHARD_SIZE) -> Plan:
-    return make_plan(group_sources(ckpt), recipe, shard_size)
+def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe, shard_size: int = SHARD_SIZE,
+                    layout: str = "streaming") -> Plan:
+    return make_plan(group_sources(ckpt), recipe, shard_size, layout)
 
 
-def make_plan(sources: Sources, recipe: Recipe, shard_size: int = SHARD_SIZE) -> Plan:
+def make_plan(sources: Sources, recipe: Recipe, shard_size: int = SHARD_SIZE, layout: str = "streaming") -> Plan:
     if shard_size <= 0:
         raise RecipeError(f"shard size must be positive, got {shard_size}")
+    if layout not in LAYOUTS:
+        raise RecipeError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     ckpt = sources.checkpoint
     modules = tuple(_plan_module(s, recipe) for s in sources.modules)
     outputs = [t for m in modules for t in m.outputs]
@@ -378,23 +367,12 @@ def make_plan(sources: Sources, recipe: Recipe, shard_size: int = SHARD_SIZE) ->
 
     return Plan(
         recipe=recipe, path=str(ckpt.path), model_type=ckpt.config.model_type, modules=modules,
-        shard_size=shard_size, shards=count_shards((t.nbytes for t in outputs), shard_size),
+        shard_size=shard_size, layout=layout, shards=count_shards(unit_sizes(modules, layout), shard_size),
         params=sum(m.source.params for m in modules), source_bytes=sum(m.source.source_bytes for m in modules),
         total_bytes=total, streamed_bytes=streamed,
         by_role=tuple(RoleTotal(role, *v) for role, v in roles.items()), experts=experts,
         kept=tuple(KeptTotal(reason, *v) for reason, v in sorted(kept.items(), key=lambda kv: -kv[1][1])),
         warnings=tuple(warnings))
-
-
-def count_shards(sizes: Iterable[int], shard_size: int) -> int:
-    """Greedy split in order: a new shard when the next tensor would pass `shard_size` (mlx-lm's make_shards)."""
-    shards, used = 0, 0
-    for n in sizes:
-        if shards == 0 or (used and used + n > shard_size):
-            shards += 1
-            used = 0
-        used += n
-    return shards
 
 
 def _plan_module(s: SourceModule, recipe: Recipe) -> ModulePlan:
