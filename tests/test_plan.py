@@ -271,7 +271,7 @@ def test_cli_json_equals_the_engine(small: Path) -> None:
         f = assess(p.footprint, m, hit_rate=0.25)
         assert entry["bytes"] == {"total": p.total_bytes, "resident": p.resident_bytes,
                                   "streamed": p.streamed_bytes, "source": p.source_bytes}
-        assert entry["shards"] == {"count": p.shards, "shard_size": 200_000}
+        assert entry["shards"] == {"count": p.shards, "shard_size": 200_000, "layout": "streaming"}
         assert entry["experts"]["bytes_per_expert"] == p.experts.bytes_per_expert
         assert entry["fit"] == json.loads(json.dumps(f.to_dict()))
         assert entry["fit"]["verdict"] == "resident"
