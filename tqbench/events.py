@@ -25,3 +25,53 @@ class CheckpointOpened:
     """Opening finished; `checkpoint` is a tqbench.source.Checkpoint (immutable)."""
 
     checkpoint: Any
+
+
+@dataclass(frozen=True)
+class ConvertStarted:
+    source: str
+    dest: str
+    recipe: str
+    shards: int
+    units: int
+    bytes_in: int  # source bytes the conversion reads
+    bytes_out: int  # bytes it writes (exactly what `tqbench plan` predicts)
+    resumed_shards: int  # shards already finished by an earlier run
+    resumed_bytes_in: int
+
+
+@dataclass(frozen=True)
+class UnitConverted:
+    """One tensor, or one routed expert (all its projections), converted. Rate and ETA cover this run."""
+
+    name: str  # the first output tensor of the unit
+    layer: int | None
+    expert: int | None
+    bytes_in: int
+    bytes_out: int
+    rel_error: float | None  # worst relative error among the unit's quantized modules
+    done_in: int  # source bytes done, earlier runs included
+    total_in: int
+    elapsed: float  # seconds in this run
+    rate: float  # source bytes per second in this run
+    eta: float | None  # seconds left
+
+
+@dataclass(frozen=True)
+class ShardWritten:
+    index: int  # 1-based
+    total: int
+    file: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ConvertFinished:
+    dest: str
+    seconds: float
+    bytes_in: int
+    bytes_out: int
+    shards: int
+    mean_rel_error: float | None
+    max_rel_error: float | None

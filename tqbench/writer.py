@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -47,8 +48,20 @@ class ShardWriter:
         self.tmp = self.path.with_name(self.path.name + ".partial")
         self.specs = list(specs)
         self._next = 0
+        self._hash = hashlib.sha256()
+        self.nbytes = 0
         self._file = open(self.tmp, "wb")
-        self._file.write(header_bytes(self.specs, metadata))
+        self._put(header_bytes(self.specs, metadata))
+
+    def _put(self, buf: bytes | memoryview) -> None:
+        self._file.write(buf)
+        self._hash.update(buf)
+        self.nbytes += len(buf) if isinstance(buf, bytes) else buf.nbytes
+
+    @property
+    def sha256(self) -> str:
+        """Checksum of everything written so far (of the whole file once closed)."""
+        return self._hash.hexdigest()
 
     def write(self, name: str, data: bytes | memoryview | np.ndarray) -> None:
         spec = self.specs[self._next]
@@ -59,7 +72,7 @@ class ShardWriter:
         buf = memoryview(data)
         if buf.nbytes != spec.nbytes:
             raise ValueError(f"tensor {name!r}: {buf.nbytes} bytes given, {spec.nbytes} expected")
-        self._file.write(buf)
+        self._put(buf)
         self._next += 1
 
     def close(self) -> Path:

@@ -114,9 +114,11 @@ def ui(
     _open_ui(path)
 
 
+from tqbench.cli.convert import convert  # noqa: E402
 from tqbench.cli.plan import plan  # noqa: E402
 
 app.command()(plan)
+app.command()(convert)
 
 
 def _open_ui(path: Path | None) -> None:

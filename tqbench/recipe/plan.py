@@ -30,7 +30,6 @@ from tqbench.recipe.recipe import Format, Recipe, RecipeError
 from tqbench.recipe.rules import Choice, choose
 from tqbench.source.checkpoint import Checkpoint, Tensor
 from tqbench.source.naming import Role, TensorName
-from tqbench.source.shard import DTYPE_SIZES
 from tqbench.quant.packing import codes_per_word
 
 SHARD_SIZE = 5 * 2**30

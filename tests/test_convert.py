@@ -1,0 +1,285 @@
+"""The streaming conversion on the demo model: planned bytes == written bytes, values, layout, resume, determinism."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cli_helpers import tqbench
+from tqbench.convert import convert
+from tqbench.convert.pipeline import EXPERT_MAP, REPORT
+from tqbench.demo import DemoSpec, write_source
+from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
+from tqbench.quant import turboquant as tq
+from tqbench.recipe import Recipe, group_sources, make_plan
+from tqbench.recipe.files import assign_shards, file_units, shard_file
+from tqbench.source import open_checkpoint
+from tqbench.source.reader import ShardReader, decode_mxfp4
+from tqbench.source.shard import read_header
+
+SHARD = 150_000  # several shards for the ~0.7 MB demo
+RECIPES = ["tq3a-tqTe-down4-g64", "tq4-g32", "tq3a-tq2e-g64", "affine4-g64", "tq3a-mxfp4e-g64", "tq2-norot-g32"]
+# The demo architecture with experts wide enough for group 64 (the default demo's latent 32 stays at source).
+SPEC = DemoSpec(routed_expert_hidden_size=64, moe_intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def demo_src(tmp_path_factory) -> Path:
+    return write_source(tmp_path_factory.mktemp("src") / "demo", SPEC, seed=0)
+
+
+def run(src: Path, dst: Path, name: str, **kw) -> list:
+    return list(convert(src, dst, Recipe.parse(name), kw.pop("shard_size", SHARD), **kw))
+
+
+def output_tensors(dst: Path) -> dict[str, tuple[str, tuple[int, ...], int, str]]:
+    out = {}
+    for f in sorted(dst.glob("*.safetensors")):
+        for t in read_header(f).tensors:
+            out[t.name] = (t.dtype, t.shape, t.nbytes, f.name)
+    return out
+
+
+def read(dst: Path, name: str) -> np.ndarray:
+    for f in sorted(dst.glob("*.safetensors")):
+        h = read_header(f)
+        for t in h.tensors:
+            if t.name == name:
+                with ShardReader(dst) as r:
+                    return r.read_numpy(t)
+    raise KeyError(name)
+
+
+def file_bytes(dst: Path) -> dict[str, bytes]:
+    """Every output file; the report without its timings (the one part that may differ between runs)."""
+    out = {}
+    for p in sorted(dst.iterdir()):
+        data = p.read_bytes()
+        if p.name == REPORT:
+            doc = json.loads(data)
+            doc.pop("timings")
+            data = json.dumps(doc).encode()
+        out[p.name] = data
+    return out
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_plan_equals_written_bytes_tensor_by_tensor(demo_src, tmp_path, name):
+    events = run(demo_src, tmp_path / "out", name)
+    plan = make_plan(group_sources(open_checkpoint(demo_src)), Recipe.parse(name), SHARD)
+    shards = assign_shards(file_units(plan.modules), SHARD)
+    planned = {p.out.name: (p.out.dtype, p.out.shape, p.out.nbytes, shard_file(i, len(shards)))
+               for i, s in enumerate(shards) for u in s for p in u.pieces}
+    written = output_tensors(tmp_path / "out")
+    assert written == planned
+    assert sum(v[2] for v in written.values()) == plan.total_bytes
+    assert isinstance(events[0], ConvertStarted) and isinstance(events[-1], ConvertFinished)
+    assert events[0].bytes_out == events[-1].bytes_out == plan.total_bytes
+    assert sum(isinstance(e, ShardWritten) for e in events) == plan.shards == len(shards) > 1
+    units = [e for e in events if isinstance(e, UnitConverted)]
+    assert units[-1].done_in == units[-1].total_in == events[0].bytes_in
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {k: v[3] for k, v in planned.items()}
+    assert index["metadata"]["total_size"] == plan.total_bytes
+
+
+def _source_float(ckpt, name_prefix: str) -> np.ndarray:
+    t = {x.entry.name: x.entry for x in ckpt.tensors}
+    with ShardReader(ckpt.path) as r:
+        if f"{name_prefix}.weight_packed" in t:
+            return np.array(decode_mxfp4(r.read_mlx(t[f"{name_prefix}.weight_packed"]),
+                                         r.read_mlx(t[f"{name_prefix}.weight_scale"])))
+        return np.array(r.read_mlx(t[f"{name_prefix}.weight"]).astype(mx.float32))
+
+
+def test_turboquant_values_decode_to_the_source(demo_src, tmp_path):
+    dst = tmp_path / "out"
+    run(demo_src, dst, "tq3a-tqTe-down4-g64")
+    ckpt = open_checkpoint(demo_src)
+    report = {r["module"]: r for r in json.loads((dst / REPORT).read_text())["modules"]}
+    cases = [  # (source module, output weight/scales prefix, codebook/signs prefix, levels)
+        ("language_model.model.layers.1.self_attn.q_proj", None, None, 8),
+        ("language_model.model.layers.2.block_sparse_moe.experts.5.w1",
+         "language_model.model.layers.2.block_sparse_moe.experts.5.w1",
+         "language_model.model.layers.2.block_sparse_moe.switch_mlp.gate_proj", 3),
+        ("language_model.model.layers.2.block_sparse_moe.experts.5.w2",
+         "language_model.model.layers.2.block_sparse_moe.experts.5.w2",
+         "language_model.model.layers.2.block_sparse_moe.switch_mlp.down_proj", 16),
+    ]
+    for src, out, shared, levels in cases:
+        out = out or src
+        shared = shared or src
+        w = _source_float(ckpt, src)
+        book = read(dst, f"{shared}.codebook")
+        signs = read(dst, f"{shared}.signs")
+        assert len(book) == levels and set(np.unique(signs)) == {-1, 1}
+        np.testing.assert_array_equal(signs, tq.rotation_signs(shared, w.shape[1]))
+        w_hat = np.array(tq.dequantize(mx.array(read(dst, f"{out}.weight")), mx.array(read(dst, f"{out}.scales")),
+                                       mx.array(book), mx.array(signs), w.shape[1]))
+        rel = np.linalg.norm(w_hat - w) / np.linalg.norm(w)
+        expected = {3: 0.436, 8: 0.186, 16: 0.098}[levels]  # sqrt of each codebook's Gaussian MSE
+        assert abs(rel - expected) < 0.04, (src, rel)
+        row = report[shared]
+        if row["experts"]:
+            assert row["rel_error_mean"] == pytest.approx(rel, abs=0.05) and row["rel_error_max"] >= rel - 1e-5
+        else:
+            assert row["rel_error_mean"] == pytest.approx(rel, rel=1e-3)
+
+
+def test_affine_values_match_mlx(demo_src, tmp_path):
+    dst = tmp_path / "out"
+    run(demo_src, dst, "affine4-g64")
+    w = _source_float(open_checkpoint(demo_src), "language_model.model.layers.3.self_attn.o_proj")
+    p = "language_model.model.layers.3.self_attn.o_proj"
+    got = mx.dequantize(mx.array(read(dst, f"{p}.weight")), mx.array(read(dst, f"{p}.scales")).view(mx.float16),
+                        mx.array(read(dst, f"{p}.biases")).view(mx.float16), group_size=64, bits=4)
+    wq, s, b = mx.quantize(mx.array(w).astype(mx.float16), group_size=64, bits=4)
+    np.testing.assert_array_equal(np.array(got), np.array(mx.dequantize(wq, s, b, group_size=64, bits=4)))
+
+
+def test_mxfp4_passthrough_and_kept_tensors_copy_source_bytes(demo_src, tmp_path):
+    dst = tmp_path / "out"
+    run(demo_src, dst, "tq3a-mxfp4e-g64")
+    src = {t.entry.name: t for t in open_checkpoint(demo_src).tensors}
+    with ShardReader(demo_src) as r:
+        def raw(n):
+            return r.read_bytes(src[n].entry)
+        e = "language_model.model.layers.1.block_sparse_moe.experts.7.w3"
+        assert read(dst, f"{e}.weight").tobytes() == raw(f"{e}.weight_packed")
+        assert read(dst, f"{e}.scales").tobytes() == raw(f"{e}.weight_scale")
+        for kept in ("language_model.model.embed_tokens.weight", "language_model.model.layers.2.self_attn.A_log",
+                     "language_model.model.layers.2.block_sparse_moe.gate.e_score_correction_bias"):
+            assert read(dst, kept).tobytes() == raw(kept)
+
+
+def test_expert_map_points_at_each_experts_bytes(demo_src, tmp_path):
+    dst = tmp_path / "out"
+    run(demo_src, dst, "tq3a-tqTe-down4-g64")
+    emap = json.loads((dst / EXPERT_MAP).read_text())
+    spec = SPEC
+    assert sorted(map(int, emap["layers"])) == list(range(spec.first_k_dense_replace, spec.num_hidden_layers))
+    headers = {f: {t.name: t for t in read_header(dst / f).tensors} for f in emap["files"]}
+    for layer, info in emap["layers"].items():
+        assert len(info["experts"]) == spec.num_experts
+        assert list(info["tensors"]) == ["w1.weight", "w1.scales", "w3.weight", "w3.scales", "w2.weight", "w2.scales"]
+        for e, (fi, offset) in enumerate(info["experts"]):
+            file = emap["files"][fi]
+            blob = (dst / file).read_bytes()[offset:offset + info["length"]]
+            for key, sub in info["tensors"].items():
+                t = headers[file][f"{info['prefix']}.{e}.{key}"]
+                assert t.offset == offset + sub["offset"] and t.nbytes == sub["bytes"]
+                assert blob[sub["offset"]:sub["offset"] + sub["bytes"]] == (dst / file).read_bytes()[t.offset:t.offset + t.nbytes]
+
+
+def test_config_records_the_recipe_and_tokenizer_travels(demo_src, tmp_path):
+    dst = tmp_path / "out"
+    run(demo_src, dst, "tq3a-tqTe-down4-g64")
+    cfg = json.loads((dst / "config.json").read_text())
+    q = cfg["quantization"]
+    assert "quantization_config" not in cfg and q["recipe"]["name"] == "tq3a-tqTe-down4-g64"
+    assert q["modules"]["language_model.model.layers.1.block_sparse_moe.switch_mlp.gate_proj"] == {
+        "format": "turboquant", "bits": None, "ternary": True, "group_size": 64}
+    assert q["modules"]["language_model.model.layers.1.block_sparse_moe.switch_mlp.down_proj"]["bits"] == 4
+    for f in ("tiktoken.model", "tokenizer_config.json", "generation_config.json"):
+        assert (dst / f).read_bytes() == (demo_src / f).read_bytes()
+
+
+def test_deterministic(demo_src, tmp_path):
+    run(demo_src, tmp_path / "a", "tq3a-tqTe-down4-g64")
+    run(demo_src, tmp_path / "b", "tq3a-tqTe-down4-g64")
+    assert file_bytes(tmp_path / "a") == file_bytes(tmp_path / "b")
+
+
+def _cli(src: Path, dst: Path, env: dict | None = None, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tqbench", "convert", "--hf-path", str(src), "--mlx-path", str(dst),
+           "--bits", "3", "-g", "64", "--ternary-experts", "--expert-down-bits", "4", "--streaming",
+           "--shard-size", str(SHARD), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("kill", ["unit:1", "unit:40", "unit:130", "unit:264", "final:1", "final:2", "final:3"])
+def test_kill_and_resume_is_byte_identical(demo_src, tmp_path, kill):
+    reference = tmp_path / "ref"
+    run(demo_src, reference, "tq3a-tqTe-down4-g64")
+    dst = tmp_path / "out"
+    killed = _cli(demo_src, dst, {"TQBENCH_TEST_KILL": kill})
+    assert killed.returncode == -9  # SIGKILL: nothing was cleaned up
+    assert not (dst / "model.safetensors.index.json").exists()  # not marked complete
+    resumed = _cli(demo_src, dst)
+    assert resumed.returncode == 0, resumed.stderr
+    if kill.startswith("final"):
+        assert "resuming: 5 of 5 shards done" in " ".join(resumed.stderr.split())
+    assert not list(dst.glob("*.partial"))
+    assert file_bytes(dst) == file_bytes(reference)
+
+
+def test_write_failure_is_clear_and_resumable(demo_src, tmp_path):
+    """A file-size limit makes writes fail like a full disk: one clear line, then the same command resumes."""
+    dst = tmp_path / "out"
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)); "
+            "sys.argv = sys.argv[1:]; from tqbench.cli.main import run; run()")
+    args = ["tqbench", "convert", "--hf-path", str(demo_src), "--mlx-path", str(dst), "--recipe",
+            "tq3a-tqTe-down4-g64", "--shard-size", str(SHARD)]
+    full = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    assert full.returncode == 1
+    lines = full.stderr.strip().splitlines()
+    assert lines[-1].startswith("tqbench: error: ") and "rerun the same command to resume" in lines[-1]
+    assert not list(dst.glob("*.partial"))
+    ok = _cli(demo_src, dst)
+    assert ok.returncode == 0, ok.stderr
+    ref = tmp_path / "ref"
+    run(demo_src, ref, "tq3a-tqTe-down4-g64")
+    assert file_bytes(dst) == file_bytes(ref)
+
+
+def test_bad_sources_are_refused_before_anything_is_written(demo_src, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(demo_src, broken)
+    shard = sorted(broken.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-5])
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", broken, "--mlx-path", tmp_path / "out", "--bits", "3")
+    assert r.code == 1 and "truncated" in r.err and shard.name in r.err
+    assert not (tmp_path / "out").exists()
+    shard.unlink()
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", broken, "--mlx-path", tmp_path / "out", "--bits", "3")
+    assert r.code == 1 and "incomplete checkpoint" in r.err and not (tmp_path / "out").exists()
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", tmp_path / "out",
+                "--recipe", "tq3a-tqTe-affine4e")
+    assert r.code == 1 and r.err.startswith("tqbench: error: ") and not (tmp_path / "out").exists()
+
+
+def test_other_recipe_is_refused_unless_forced(demo_src, tmp_path, capsys, monkeypatch):
+    dst = tmp_path / "out"
+    run(demo_src, dst, "tq3a-tqTe-down4-g64")
+    before = file_bytes(dst)
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", dst, "--recipe", "tq4-g64",
+                "--shard-size", SHARD)
+    assert r.code == 1 and "another recipe or source (tq3a-tqTe-down4-g64)" in r.err and "--force" in r.err
+    assert file_bytes(dst) == before
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", tmp_path / "notes", "--bits", "3")
+    assert r.code == 1 and "not empty" in r.err and (tmp_path / "notes" / "a.txt").read_text() == "mine"
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", dst, "--recipe", "tq4-g64",
+                "--shard-size", SHARD, "--force")
+    assert r.code == 0, r.err
+    assert json.loads((dst / "config.json").read_text())["quantization"]["recipe"]["name"] == "tq4-g64"
+
+
+def test_cli_json_lines(demo_src, tmp_path, capsys, monkeypatch):
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", tmp_path / "o", "--recipe",
+                "tq3a-tqTe-down4-g64", "--shard-size", SHARD, "--json")
+    assert r.code == 0, r.err
+    events = [json.loads(line) for line in r.out.splitlines()]
+    assert events[0]["event"] == "ConvertStarted" and events[-1]["event"] == "ConvertFinished"
+    assert [e["index"] for e in events if e["event"] == "ShardWritten"] == list(range(1, events[0]["shards"] + 1))

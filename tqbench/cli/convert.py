@@ -1,0 +1,114 @@
+"""`tqbench convert`: the streaming conversion with a rich progress display (stderr) and a summary (stdout)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from tqbench import units
+from tqbench.cli.plan import _recipes
+from tqbench.errors import TqbenchError
+from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
+from tqbench.recipe.fit import parse_size
+
+
+def convert(
+    hf_path: Annotated[Path, typer.Option("--hf-path", help="Source checkpoint directory.")],
+    mlx_path: Annotated[Path, typer.Option("--mlx-path", help="Output directory (created; resumed if interrupted).")],
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", metavar="NAME",
+                                                  help="Recipe name, e.g. tq3a-tqTe-down4-g64.")] = None,
+    bits: Annotated[Optional[int], typer.Option(help="Base bits for non-expert Linears (TurboQuant 2-4).")] = None,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", "-g", help="Group size: 32, 64 or 128.")] = None,
+    attn_bits: Annotated[Optional[int], typer.Option(help="Attention bits (default: --bits).")] = None,
+    mlp_bits: Annotated[Optional[int], typer.Option(help="Routed-expert bits (default: --bits).")] = None,
+    ternary_experts: Annotated[bool, typer.Option("--ternary-experts", help="Ternary routed experts.")] = False,
+    expert_down_bits: Annotated[Optional[int], typer.Option(help="Routed experts' down_proj bits.")] = None,
+    mlp_group_size: Annotated[Optional[int], typer.Option(help="Routed experts' group size.")] = None,
+    no_rotation: Annotated[bool, typer.Option("--no-rotation", help="No Hadamard rotation.")] = False,
+    seed: Annotated[Optional[int], typer.Option(help="Rotation seed (default 42).")] = None,
+    fmt: Annotated[Optional[str], typer.Option("--format", metavar="FORMAT",
+                                               help="Base tier format: turboquant, affine or source.")] = None,
+    expert_format: Annotated[Optional[str], typer.Option(
+        metavar="FORMAT", help="Routed-expert format: turboquant, affine, mxfp4 or source.")] = None,
+    streaming: Annotated[bool, typer.Option(
+        "--streaming", help="Lay experts out for streaming (one read per expert). Always on: the only layout "
+                            "tqbench writes; accepted for TurboQuant-MLX's command line.")] = True,
+    shard_size: Annotated[str, typer.Option(metavar="SIZE", help="Output shard size.")] = "5GiB",
+    force: Annotated[bool, typer.Option("--force", help="Replace an output of another recipe or source.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print engine events as JSON lines on stdout.")] = False,
+) -> None:
+    """Convert a checkpoint with a recipe: flat memory, progress with ETA, resumable.
+
+    Rerunning the same command on an interrupted output continues where it stopped. The output holds safetensors
+    shards with each routed expert's tensors back to back, an expert map, config.json with a quantization block,
+    the tokenizer files and convert-report.json; model.safetensors.index.json is written last and marks it complete.
+    """
+    from tqbench.convert import convert as run_convert
+
+    err = Console(stderr=True, highlight=False)
+    try:
+        recipes = _recipes([recipe] if recipe else None,
+                           dict(bits=bits, group_size=group_size, attn_bits=attn_bits, mlp_bits=mlp_bits,
+                                ternary_experts=ternary_experts, expert_down_bits=expert_down_bits,
+                                mlp_group_size=mlp_group_size, rotation=not no_rotation, seed=seed, format=fmt,
+                                expert_format=expert_format))
+        if len(recipes) != 1:
+            raise TqbenchError("give either --recipe NAME or recipe flags, not both")
+        events = run_convert(hf_path, mlx_path, recipes[0], parse_size(shard_size), force)
+        if as_json:
+            for ev in events:
+                print(json.dumps({"event": type(ev).__name__, **asdict(ev)}), flush=True)
+            return
+        finished = _render(events, err)
+    except TqbenchError as e:
+        print(f"tqbench: error: {e}", file=sys.stderr)
+        raise typer.Exit(e.exit_code) from None
+    _summary(finished)
+
+
+def _render(events, err: Console) -> ConvertFinished:
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+                        DownloadColumn(), TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
+                        TextColumn("{task.fields[what]}"), console=err, transient=False)
+    task = None
+    with progress:
+        for ev in events:
+            if isinstance(ev, ConvertStarted):
+                resumed = (f" (resuming: {ev.resumed_shards} of {ev.shards} shards done)"
+                           if ev.resumed_shards else "")
+                err.print(f"converting {ev.source} -> {ev.dest} with {ev.recipe}: {ev.shards} shards, "
+                          f"{units.gb(ev.bytes_in)} in, {units.gb(ev.bytes_out)} out{resumed}")
+                task = progress.add_task("convert", total=ev.bytes_in, completed=ev.resumed_bytes_in,
+                                         rate="", what="")
+            elif isinstance(ev, UnitConverted):
+                where = f"layer {ev.layer}" if ev.layer is not None else ev.name
+                if ev.expert is not None:
+                    where += f" expert {ev.expert}"
+                error = f" err {ev.rel_error:.3f}" if ev.rel_error is not None else ""
+                progress.update(task, completed=ev.done_in, rate=f"{units.gb(ev.rate)}/s", what=where + error)
+            elif isinstance(ev, ShardWritten):
+                progress.console.print(f"  wrote {ev.file} ({units.gb(ev.bytes)})")
+            elif isinstance(ev, ConvertFinished):
+                return ev
+    raise TqbenchError("conversion ended without finishing")
+
+
+def _summary(ev: ConvertFinished) -> None:
+    t = Table(title="converted", title_justify="left")
+    t.add_column("output")
+    t.add_column("shards", justify="right")
+    t.add_column("size", justify="right")
+    t.add_column("read", justify="right")
+    t.add_column("time", justify="right")
+    t.add_column("rel. error mean / max", justify="right")
+    err = (f"{ev.mean_rel_error:.4f} / {ev.max_rel_error:.4f}" if ev.mean_rel_error is not None else "-")
+    t.add_row(ev.dest, str(ev.shards), units.size(ev.bytes_out), units.gb(ev.bytes_in), f"{ev.seconds:.1f} s", err)
+    Console(highlight=False).print(t)

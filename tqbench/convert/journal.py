@@ -1,0 +1,63 @@
+"""The conversion journal: which output shards are finished (size and checksum), so an interrupted run resumes.
+
+It lives in `<dest>/.tqbench-convert.json` and is replaced atomically after every shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+JOURNAL = ".tqbench-convert.json"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a file so that it appears whole or not at all."""
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, (json.dumps(obj, indent=2) + "\n").encode())
+
+
+@dataclass
+class Journal:
+    path: Path
+    source: str  # source fingerprint
+    plan: str  # plan fingerprint (recipe + every output tensor + shard split)
+    recipe: str
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)  # file -> {"bytes", "sha256"}
+
+    @classmethod
+    def load(cls, dest: Path) -> Journal | None:
+        path = Path(dest) / JOURNAL
+        if not path.is_file():
+            return None
+        try:
+            d = json.loads(path.read_text())
+            return cls(path, d["source"], d["plan"], d["recipe"], dict(d["shards"]))
+        except (ValueError, KeyError, TypeError):
+            return None  # a journal we cannot read is no journal: the shards are redone
+
+    def save(self) -> None:
+        write_json(self.path, {"source": self.source, "plan": self.plan, "recipe": self.recipe,
+                               "shards": self.shards})
+
+    def finished(self, dest: Path, file: str) -> bool:
+        """The shard is recorded and on disk with its recorded size."""
+        rec = self.shards.get(file)
+        p = Path(dest) / file
+        return rec is not None and p.is_file() and p.stat().st_size == rec["bytes"]
+
+    def record(self, file: str, nbytes: int, sha256: str, errors: dict[str, list[float]]) -> None:
+        """A finished shard with its size, checksum and per-module error aggregates [count, sum, max]."""
+        self.shards[file] = {"bytes": nbytes, "sha256": sha256, "errors": errors}
+        self.save()

@@ -1,0 +1,309 @@
+"""The streaming conversion: source checkpoint + recipe -> converted shards, one unit (a tensor, or one routed
+expert) in memory at a time, resumable after a crash, byte-identical in any run.
+
+Order of work: plan (exactly `tqbench plan`'s numbers), split into units and shards, then per shard: produce each
+unit on this thread (MLX), stream it into `<shard>.partial`, rename, record size + sha256 in the journal. The final
+step writes the expert map, config, tokenizer files and report, and last of all the index: a directory with
+`model.safetensors.index.json` is complete, one without it is resumable.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from tqbench.convert.journal import JOURNAL, Journal, write_atomic, write_json
+from tqbench.convert.produce import Producer
+from tqbench.errors import CheckpointError, TqbenchError
+from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
+from tqbench.recipe.files import Unit, assign_shards, file_units, shard_file
+from tqbench.recipe.plan import SHARD_SIZE, Plan, group_sources, make_plan
+from tqbench.recipe.recipe import Format, Recipe
+from tqbench.source.checkpoint import INDEX_FILE, Checkpoint, open_checkpoint
+from tqbench.source.reader import ShardReader
+from tqbench.writer import ShardWriter, TensorSpec, header_bytes
+
+EXPERT_MAP = "expert_map.json"
+REPORT = "convert-report.json"
+# Source files that are not weights and travel with the model (tokenizer, chat template, generation settings).
+_COPY_MAX_BYTES = 64 * 2**20
+
+
+class ConvertError(TqbenchError):
+    pass
+
+
+def convert(source: str | Path, dest: str | Path, recipe: Recipe, shard_size: int = SHARD_SIZE,
+            force: bool = False) -> Iterator[Any]:
+    """Convert, yielding ConvertStarted, UnitConverted per unit, ShardWritten per shard, ConvertFinished."""
+    t0 = time.monotonic()
+    src, dst = Path(source), Path(dest)
+    ckpt = open_checkpoint(src)
+    if ckpt.missing:
+        raise CheckpointError(f"incomplete checkpoint: {len(ckpt.missing)} shard(s) missing "
+                              f"({ckpt.missing[0].file}); finish the download first", src)
+    plan = make_plan(group_sources(ckpt), recipe, shard_size, "streaming")
+    units = file_units(plan.modules, "streaming")
+    shards = assign_shards(units, shard_size)
+    files = [shard_file(i, len(shards)) for i in range(len(shards))]
+    source_fp, plan_fp = source_fingerprint(ckpt), plan_fingerprint(plan, shards)
+    journal = _prepare_dest(src, dst, recipe, source_fp, plan_fp, force)
+
+    unit_in = _unit_source_bytes(units)
+    shard_in = [sum(unit_in[id(u)] for u in s) for s in shards]
+    total_in = sum(shard_in)
+    resumed = [journal.finished(dst, f) for f in files]
+    done_in = sum(b for b, r in zip(shard_in, resumed) if r)
+    yield ConvertStarted(str(src), str(dst), recipe.name, len(shards), len(units), total_in, plan.total_bytes,
+                         sum(resumed), done_in)
+
+    run_in, t_run = 0, time.monotonic()
+    with ShardReader(ckpt.path) as reader:
+        producer = Producer(ckpt, recipe, reader)
+        for i, (file, shard_units) in enumerate(zip(files, shards)):
+            if resumed[i]:
+                continue
+            errors: dict[str, list[float]] = {}  # module -> [count, sum, max] in this shard
+            specs = [TensorSpec(p.out.name, p.out.dtype, p.out.shape) for u in shard_units for p in u.pieces]
+            writer = _open_writer(dst / file, specs, recipe)
+            try:
+                for u in shard_units:
+                    worst = None
+                    for r in producer.produce(u):
+                        writer.write(r.piece.out.name, r.data)
+                        if r.rel_error is not None and r.source_bytes:
+                            agg = errors.setdefault(r.piece.module.name, [0, 0.0, 0.0])
+                            agg[0] += 1
+                            agg[1] += r.rel_error
+                            agg[2] = max(agg[2], r.rel_error)
+                            worst = max(worst or 0.0, r.rel_error)
+                    run_in += unit_in[id(u)]
+                    done_in += unit_in[id(u)]
+                    elapsed = time.monotonic() - t_run
+                    rate = run_in / elapsed if elapsed > 0 else 0.0
+                    yield UnitConverted(u.pieces[0].out.name, u.layer, u.expert, unit_in[id(u)], u.nbytes, worst,
+                                        done_in, total_in, elapsed, rate,
+                                        (total_in - done_in) / rate if rate > 0 else None)
+                    _test_kill("unit")
+                writer.close()
+            except BaseException as e:
+                writer.abort()
+                _raise_if_no_room(e, dst, file)
+                raise
+            try:
+                journal.record(file, writer.nbytes, writer.sha256, errors)
+            except OSError as e:
+                _raise_if_no_room(e, dst, JOURNAL)
+                raise
+            yield ShardWritten(i + 1, len(shards), file, writer.nbytes, writer.sha256)
+
+    errors = _combined_errors(journal, files)
+    report = _report(ckpt, plan, source_fp, errors, time.monotonic() - t0)
+    try:
+        _finish(ckpt, dst, plan, shards, files, report)
+    except OSError as e:
+        _raise_if_no_room(e, dst, "the final files")
+        raise
+    count, total = sum(a[0] for a in errors.values()), sum(a[1] for a in errors.values())
+    yield ConvertFinished(str(dst), time.monotonic() - t0, total_in, plan.total_bytes, len(shards),
+                          total / count if count else None, max((a[2] for a in errors.values()), default=None))
+
+
+# --- destination checks ----------------------------------------------------------------------------------------------
+
+
+def _prepare_dest(src: Path, dst: Path, recipe: Recipe, source_fp: str, plan_fp: str, force: bool) -> Journal:
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+        raise ConvertError("the output directory must not be the source or inside it", dst)
+    if dst.exists() and not dst.is_dir():
+        raise ConvertError("exists and is not a directory", dst)
+    journal = Journal.load(dst) if dst.is_dir() else None
+    same = journal is not None and journal.source == source_fp and journal.plan == plan_fp
+    if dst.is_dir() and any(dst.iterdir()) and not same:
+        if not force:
+            what = (f"holds a conversion of another recipe or source ({journal.recipe})" if journal
+                    else "is not empty and holds no tqbench conversion")
+            raise ConvertError(f"{what}; use --force to replace it", dst)
+        shutil.rmtree(dst)
+    if same and (dst / INDEX_FILE).is_file() and force:
+        shutil.rmtree(dst)  # --force on a finished identical conversion: redo it
+        same = False
+    dst.mkdir(parents=True, exist_ok=True)
+    if same:
+        (dst / INDEX_FILE).unlink(missing_ok=True)  # reopened: complete again only when the final step ends
+        return journal
+    journal = Journal(dst / JOURNAL, source_fp, plan_fp, recipe.name)
+    journal.save()
+    return journal
+
+
+def _open_writer(path: Path, specs: list[TensorSpec], recipe: Recipe) -> ShardWriter:
+    try:
+        return ShardWriter(path, specs, {"format": "mlx", "tqbench_recipe": recipe.name})
+    except OSError as e:
+        _raise_if_no_room(e, path.parent, path.name)
+        raise
+
+
+def _raise_if_no_room(e: BaseException, dst: Path, what: str) -> None:
+    """A full disk (or quota, or file-size limit) becomes one clear, resumable error."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        raise ConvertError(f"no room to write {what} ({e.strerror}): free space and rerun the same command to "
+                           "resume", dst) from None
+
+
+# --- fingerprints and accounting -------------------------------------------------------------------------------------
+
+
+def source_fingerprint(ckpt: Checkpoint) -> str:
+    """sha256 of config.json and every tensor's header entry: changes when the source changes."""
+    h = hashlib.sha256((ckpt.path / "config.json").read_bytes())
+    for t in sorted(ckpt.tensors, key=lambda t: t.entry.name):
+        e = t.entry
+        h.update(f"{e.name}|{e.dtype}|{e.shape}|{e.shard}|{e.offset}|{e.nbytes}\n".encode())
+    return h.hexdigest()
+
+
+def plan_fingerprint(plan: Plan, shards: list[list[Unit]]) -> str:
+    h = hashlib.sha256(f"{plan.recipe.name}|{plan.shard_size}|{plan.layout}\n".encode())
+    for i, s in enumerate(shards):
+        for u in s:
+            for p in u.pieces:
+                h.update(f"{i}|{p.out.name}|{p.out.dtype}|{p.out.shape}\n".encode())
+    return h.hexdigest()
+
+
+def _unit_source_bytes(units: list[Unit]) -> dict[int, int]:
+    """Source bytes each unit reads: a module's whole source for the first unit it appears in, one expert's share
+    for per-expert units."""
+    seen: set[tuple[int, int | None]] = set()
+    out: dict[int, int] = {}
+    for u in units:
+        n = 0
+        for p in u.pieces:
+            key = (id(p.module), p.expert)
+            if key not in seen:
+                seen.add(key)
+                s = p.module.source
+                n += s.source_bytes // s.experts if p.expert is not None else s.source_bytes
+        out[id(u)] = n
+    return out
+
+
+def _combined_errors(journal: Journal, files: list[str]) -> dict[str, list[float]]:
+    """Per-module [count, sum, max] over all shards, combined in shard order (the same in any run or resume)."""
+    out: dict[str, list[float]] = {}
+    for f in files:
+        for module, (n, total, worst) in journal.shards[f]["errors"].items():
+            agg = out.setdefault(module, [0, 0.0, 0.0])
+            agg[0] += n
+            agg[1] += total
+            agg[2] = max(agg[2], worst)
+    return out
+
+
+def _test_kill(stage: str) -> None:
+    """Test hook: TQBENCH_TEST_KILL=unit:N (or final:N) SIGKILLs this process at the N-th such point."""
+    spec = os.environ.get("TQBENCH_TEST_KILL")
+    if not spec or not spec.startswith(stage + ":"):
+        return
+    n = int(spec.split(":")[1]) - 1
+    os.environ["TQBENCH_TEST_KILL"] = f"{stage}:{n}"
+    if n <= 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- the final step --------------------------------------------------------------------------------------------------
+
+
+def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, shards: list[list[Unit]], files: list[str],
+            report: dict[str, Any]) -> None:
+    weight_map: dict[str, str] = {}
+    for file, s in zip(files, shards):
+        for u in s:
+            for p in u.pieces:
+                weight_map[p.out.name] = file
+    write_json(dst / EXPERT_MAP, expert_map(plan, shards, files))
+    _test_kill("final")
+    write_json(dst / "config.json", converted_config(ckpt, plan))
+    _test_kill("final")
+    for f in sorted(ckpt.path.iterdir()):
+        if f.is_file() and _travels(f):
+            write_atomic(dst / f.name, f.read_bytes())
+    write_json(dst / REPORT, report)
+    _test_kill("final")
+    # Last: the index. Its presence marks the directory complete.
+    write_json(dst / INDEX_FILE, {"metadata": {"total_size": plan.total_bytes, "format": "tqbench",
+                                               "recipe": plan.recipe.name}, "weight_map": weight_map})
+
+
+def _travels(f: Path) -> bool:
+    skip = {"config.json", INDEX_FILE, JOURNAL, EXPERT_MAP, REPORT}
+    return (f.name not in skip and not f.name.endswith((".safetensors", ".partial", ".bin", ".pt", ".pth"))
+            and not f.name.startswith(".") and f.stat().st_size <= _COPY_MAX_BYTES)
+
+
+def expert_map(plan: Plan, shards: list[list[Unit]], files: list[str]) -> dict[str, Any]:
+    """Where each routed expert lives: per layer, one (file, offset, length) per expert and the sub-ranges of its
+    tensors (the same for every expert of a layer), so a runtime reads an expert with one pread."""
+    layers: dict[str, dict[str, Any]] = {}
+    for fi, (file, s) in enumerate(zip(files, shards)):
+        specs = [TensorSpec(p.out.name, p.out.dtype, p.out.shape) for u in s for p in u.pieces]
+        offset = len(header_bytes(specs, {"format": "mlx", "tqbench_recipe": plan.recipe.name}))
+        for u in s:
+            if u.expert is not None:
+                layer = layers.setdefault(str(u.layer), {"experts": [], "tensors": None, "length": u.nbytes})
+                if layer["tensors"] is None:
+                    rel, tensors = 0, {}
+                    for p in u.pieces:
+                        key = p.out.name.split(f".experts.{u.expert}.", 1)[1]
+                        tensors[key] = {"offset": rel, "bytes": p.out.nbytes, "dtype": p.out.dtype,
+                                        "shape": list(p.out.shape)}
+                        rel += p.out.nbytes
+                    layer["tensors"] = tensors
+                    layer["prefix"] = u.pieces[0].out.name.split(f".experts.{u.expert}.", 1)[0] + ".experts"
+                layer["experts"].append([fi, offset])
+            offset += u.nbytes
+    return {"layout": "streaming", "files": files, "layers": layers}
+
+
+def converted_config(ckpt: Checkpoint, plan: Plan) -> dict[str, Any]:
+    """The source config with its source quantization block replaced by one that records the recipe and, per
+    module, what a loader needs (format, bits, group size, rotation)."""
+    config = json.loads((ckpt.path / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"].pop("quantization_config", None)
+    modules = {}
+    for m in plan.modules:
+        c = m.choice
+        if c.format in (Format.TURBOQUANT, Format.AFFINE):
+            modules[m.name] = {"format": c.format.value, "bits": None if c.ternary else c.bits,
+                               "ternary": c.ternary, "group_size": c.group_size}
+        elif c.format is Format.MXFP4:
+            modules[m.name] = {"format": "mxfp4", "bits": 4, "group_size": 32}
+    config["quantization"] = {"method": "tqbench", "recipe": plan.recipe.to_dict(), "layout": "streaming",
+                              "expert_map": EXPERT_MAP, "modules": modules}
+    return config
+
+
+def _report(ckpt: Checkpoint, plan: Plan, source_fp: str, errors: dict[str, list[float]],
+            seconds: float) -> dict[str, Any]:
+    """Deterministic except `timings`: per module its choice, bytes and relative error (mean and max over experts)."""
+    rows = []
+    for m in plan.modules:
+        n, total, worst = errors.get(m.name, (0, 0.0, 0.0))
+        rows.append({"module": m.name, "role": m.role.value, "choice": m.choice.label, "bytes": m.bytes,
+                     "experts": m.source.experts or None, "rel_error_mean": total / n if n else None,
+                     "rel_error_max": worst if n else None})
+    return {"recipe": plan.recipe.to_dict(), "source": str(ckpt.path), "source_fingerprint": source_fp,
+            "bytes": {"total": plan.total_bytes, "resident": plan.resident_bytes, "streamed": plan.streamed_bytes},
+            "modules": rows, "timings": {"seconds": round(seconds, 3)}}
+

@@ -1,0 +1,145 @@
+"""Producing the bytes of planned output tensors from source tensors (on the one MLX thread).
+
+A unit is one tensor or one routed expert (gate, up, down). Each module is decoded to float once per unit (for an
+expert: only that expert's source bytes), quantized, and handed back as numpy arrays ready to write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import mlx.core as mx
+import numpy as np
+
+from tqbench.quant import turboquant as tq
+from tqbench.recipe.files import Piece, Unit
+from tqbench.recipe.plan import ModulePlan
+from tqbench.recipe.recipe import Format, Recipe
+from tqbench.source.checkpoint import Checkpoint
+from tqbench.source.reader import ShardReader, decode_fp8, decode_mxfp4
+from tqbench.source.shard import TensorEntry
+
+# Output param -> source param of copied per-expert mxfp4 tensors (the packed bytes are the MLX uint32 codes).
+_MXFP4_SOURCE = {"weight": "weight_packed", "scales": "weight_scale"}
+
+
+@dataclass(frozen=True)
+class Produced:
+    piece: Piece
+    data: np.ndarray
+    source_bytes: int  # source bytes this piece consumed (counted once per module)
+    rel_error: float | None  # relative quantization error of the piece's module (None: copied exactly)
+
+
+def to_numpy(a: mx.array) -> np.ndarray:
+    """An evaluated MLX array as numpy, bf16 as its uint16 bit pattern."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.array(a, copy=False)
+
+
+class Producer:
+    def __init__(self, ckpt: Checkpoint, recipe: Recipe, reader: ShardReader):
+        self.recipe = recipe
+        self.reader = reader
+        self.entries = {t.entry.name: t.entry for t in ckpt.tensors}
+        self._last_key: tuple[int, int | None] | None = None
+        self._last: tuple[dict[str, np.ndarray], int, float | None] | None = None
+
+    # --- source access -------------------------------------------------------------------------------------------
+
+    def source_parts(self, m: ModulePlan, expert: int | None) -> dict[str, TensorEntry]:
+        """The module's source tensors by param, for one expert when `expert` is given."""
+        s = m.source
+        if expert is None or not s.experts:
+            return {t.name.param: t.entry for t in s.tensors}
+        if s.per_expert:
+            first = s.template[0].name.module
+            i = first.rfind(".experts.")
+            module = f"{first[:i]}.experts.{expert}.{first[i + len('.experts.'):].partition('.')[2]}"
+            return {t.name.param: self.entries[f"{module}.{t.name.param}"] for t in s.template}
+        return {t.name.param: _slice(t.entry, expert, s.experts) for t in s.tensors}
+
+    def decode(self, parts: dict[str, TensorEntry], fmt: str) -> mx.array:
+        """The module's weight as float32 (out, in)."""
+        read = self.reader.read_mlx
+        if fmt in ("mxfp4",):
+            return decode_mxfp4(read(parts["weight_packed"]), read(parts["weight_scale"]))
+        if fmt == "fp8":
+            scale = parts.get("weight_scale_inv") or parts["weight_scale"]
+            return decode_fp8(read(parts["weight"]), read(scale))
+        return read(parts["weight"]).astype(mx.float32)
+
+    # --- per module ----------------------------------------------------------------------------------------------
+
+    def signs(self, m: ModulePlan, n: int) -> np.ndarray:
+        """Rotation signs of a module; all +1 without rotation or when no Hadamard transform of length n exists."""
+        if self.recipe.rotation and tq.hadamard_ok(n):
+            return tq.rotation_signs(m.name, n, self.recipe.seed)
+        return np.ones(n, np.float16)
+
+    def module_outputs(self, m: ModulePlan, expert: int | None) -> tuple[dict[str, np.ndarray], int, float | None]:
+        """All output params of a module (for one expert), the source bytes read, and the relative error."""
+        c = m.choice
+        parts = self.source_parts(m, expert)
+        nbytes = sum(e.nbytes for e in parts.values())
+        if c.format in (Format.TURBOQUANT, Format.AFFINE):
+            w = self.decode(parts, m.source.format)
+            out: dict[str, np.ndarray] = {}
+            if c.format is Format.TURBOQUANT:
+                kind = "T" if c.ternary else str(c.bits)
+                signs = self.signs(m, w.shape[-1])
+                q = tq.quantize(w, kind, c.group_size, mx.array(signs) if signs.min() < 0 else None)
+                out = {"weight": to_numpy(q.weight), "scales": to_numpy(q.scales), "codebook": tq.codebook(kind),
+                       "signs": signs}
+                err = q.rel_error
+            else:
+                wq, scales, biases = mx.quantize(w.astype(mx.float16), group_size=c.group_size, bits=c.bits)
+                w_hat = mx.dequantize(wq, scales, biases, group_size=c.group_size, bits=c.bits).astype(mx.float32)
+                err_a = mx.sqrt(mx.sum((w_hat - w) ** 2) / mx.maximum(mx.sum(w * w), 1e-30))
+                mx.eval(wq, scales, biases, err_a)
+                out = {"weight": to_numpy(wq), "scales": to_numpy(scales), "biases": to_numpy(biases)}
+                err = err_a.item()
+            if "bias" in parts:
+                out["bias"] = to_numpy(self.reader.read_mlx(parts["bias"]).astype(mx.float16))
+            return out, nbytes, err
+        # Copied exactly: kept tensors under their source names, mxfp4 experts as MLX uint32 codes + u8 scales.
+        out = {}
+        for param, e in parts.items():
+            raw = self.reader.read_numpy(e)
+            if param == "weight_packed" and m.source.format == "mxfp4":
+                out["weight"] = raw.reshape(*raw.shape[:-1], -1, 4).view(np.uint32).reshape(*raw.shape[:-1], -1)
+            else:
+                out[{"weight_scale": "scales"}.get(param, param) if m.source.format == "mxfp4" else param] = raw
+        return out, nbytes, None
+
+    def produce(self, unit: Unit) -> list[Produced]:
+        """The unit's pieces. A module's outputs are computed once and kept until the next module: its tensors
+        may span consecutive units (a quantized Linear's weight, scales, codebook and signs)."""
+        results = []
+        for p in unit.pieces:
+            key = (id(p.module), p.expert)
+            first = self._last_key != key
+            if first:
+                self._last = None  # free the previous module's arrays first
+                self._last = self.module_outputs(p.module, p.expert)
+                self._last_key = key
+            outputs, nbytes, err = self._last
+            data = outputs[_output_key(p, outputs)]
+            if data.nbytes != p.out.nbytes:
+                raise AssertionError(f"{p.out.name}: produced {data.nbytes} bytes, planned {p.out.nbytes}")
+            results.append(Produced(p, data, nbytes if first else 0, err))
+        return results
+
+
+def _output_key(p: Piece, outputs: dict[str, np.ndarray]) -> str:
+    """Which produced array a piece is: its param, or for kept tensors its source tensor's param."""
+    if p.param in outputs:
+        return p.param
+    return p.param.rpartition(".")[2]
+
+
+def _slice(e: TensorEntry, i: int, n: int) -> TensorEntry:
+    """Expert i of a stacked tensor with a leading expert axis of n."""
+    per = e.nbytes // n
+    return TensorEntry(f"{e.name}[{i}]", e.dtype, e.shape[1:], e.offset + i * per, per, e.shard)
+
