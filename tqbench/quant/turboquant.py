@@ -17,6 +17,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from tqbench.quant import packing
+
 # Lloyd-Max reconstruction levels for N(0, 1), ascending; boundaries are the midpoints.
 CODEBOOKS: dict[str, tuple[float, ...]] = {
     "2": (-1.5104, -0.4528, 0.4528, 1.5104),
@@ -39,8 +41,8 @@ def codebook(kind: str) -> np.ndarray:
 
 
 def codes_per_word(levels: int) -> int:
-    """How many codes one uint32 word holds: 20 trits, or floor(32 / bits)."""
-    return 20 if levels == 3 else 32 // int(math.log2(levels))
+    """How many codes of a codebook with `levels` entries one uint32 word holds: 20 trits, or floor(32 / bits)."""
+    return packing.codes_per_word(int(math.log2(levels)), ternary=levels == 3)
 
 
 def hadamard_ok(n: int) -> bool:
