@@ -34,6 +34,7 @@ EXPERT_MAP = "expert_map.json"
 REPORT = "convert-report.json"
 # Source files that are not weights and travel with the model (tokenizer, chat template, generation settings).
 _COPY_MAX_BYTES = 64 * 2**20
+PREFETCH_WORKERS = 2  # threads reading the next unit's source bytes (they never touch MLX)
 
 
 class ConvertError(TqbenchError):
@@ -65,7 +66,9 @@ def convert(source: str | Path, dest: str | Path, recipe: Recipe, shard_size: in
                          sum(resumed), done_in)
 
     run_in, t_run = 0, time.monotonic()
-    with ShardReader(ckpt.path) as reader:
+    order = [u for i, s in enumerate(shards) if not resumed[i] for u in s]
+    following = {id(u): nxt for u, nxt in zip(order, order[1:])}
+    with ShardReader(ckpt.path, workers=PREFETCH_WORKERS) as reader:
         producer = Producer(ckpt, recipe, reader)
         for i, (file, shard_units) in enumerate(zip(files, shards)):
             if resumed[i]:
@@ -75,6 +78,8 @@ def convert(source: str | Path, dest: str | Path, recipe: Recipe, shard_size: in
             writer = _open_writer(dst / file, specs, recipe)
             try:
                 for u in shard_units:
+                    if (nxt := following.get(id(u))) is not None:
+                        reader.prefetch(producer.unit_entries(nxt, after=u))  # read ahead while MLX works on this unit
                     worst = None
                     for r in producer.produce(u):
                         writer.write(r.piece.out.name, r.data)

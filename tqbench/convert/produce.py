@@ -42,6 +42,8 @@ class Producer:
         self.recipe = recipe
         self.reader = reader
         self.entries = {t.entry.name: t.entry for t in ckpt.tensors}
+        block = (ckpt.config.quantization or {}).get("weight_block_size") or (128, 128)
+        self.fp8_block = (int(block[0]), int(block[1]))
         self._last_key: tuple[int, int | None] | None = None
         self._last: tuple[dict[str, np.ndarray], int, float | None] | None = None
 
@@ -66,7 +68,7 @@ class Producer:
             return decode_mxfp4(read(parts["weight_packed"]), read(parts["weight_scale"]))
         if fmt == "fp8":
             scale = parts.get("weight_scale_inv") or parts["weight_scale"]
-            return decode_fp8(read(parts["weight"]), read(scale))
+            return decode_fp8(read(parts["weight"]), read(scale), self.fp8_block)
         return read(parts["weight"]).astype(mx.float32)
 
     # --- per module ----------------------------------------------------------------------------------------------
@@ -112,6 +114,18 @@ class Producer:
                 out[{"weight_scale": "scales"}.get(param, param) if m.source.format == "mxfp4" else param] = raw
         return out, nbytes, None
 
+    def unit_entries(self, unit: Unit, after: Unit) -> list[TensorEntry]:
+        """The source tensors `unit` will read when produced right after `after` (for prefetching): a module that
+        `after` ends with is still computed then, so its tensors are not read again."""
+        last = after.pieces[-1]
+        seen, out = {(id(last.module), last.expert)}, []
+        for p in unit.pieces:
+            key = (id(p.module), p.expert)
+            if key not in seen:
+                seen.add(key)
+                out.extend(self.source_parts(p.module, p.expert).values())
+        return out
+
     def produce(self, unit: Unit) -> list[Produced]:
         """The unit's pieces. A module's outputs are computed once and kept until the next module: its tensors
         may span consecutive units (a quantized Linear's weight, scales, codebook and signs)."""
@@ -123,6 +137,7 @@ class Producer:
                 self._last = None  # free the previous module's arrays first
                 self._last = self.module_outputs(p.module, p.expert)
                 self._last_key = key
+                self.reader.discard(list(self.source_parts(p.module, p.expert).values()))  # unread side tensors
             outputs, nbytes, err = self._last
             data = outputs[_output_key(p, outputs)]
             if data.nbytes != p.out.nbytes:

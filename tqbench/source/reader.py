@@ -6,6 +6,8 @@ Byte reads are safe on any thread (os.pread releases the GIL); decoding touches 
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,18 +24,43 @@ _CHUNK = 1 << 30  # pread reads at most ~2 GiB at once on Linux
 
 
 class ShardReader:
-    """Reads tensors' bytes from a checkpoint's shards, keeping one file descriptor per shard."""
+    """Reads tensors' bytes from a checkpoint's shards, keeping one file descriptor per shard.
 
-    def __init__(self, root: Path):
+    With `workers`, `prefetch` starts reads on helper threads (they only read bytes) and `read_bytes` collects them.
+    """
+
+    def __init__(self, root: Path, workers: int = 0):
         self.root = Path(root)
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tqbench-read") if workers else None
+        self._pending: dict[tuple[str, int, int], Future[bytes]] = {}
 
     def _fd(self, shard: str) -> int:
-        if shard not in self._fds:
-            self._fds[shard] = os.open(self.root / shard, os.O_RDONLY)
-        return self._fds[shard]
+        with self._lock:
+            if shard not in self._fds:
+                self._fds[shard] = os.open(self.root / shard, os.O_RDONLY)
+            return self._fds[shard]
+
+    def prefetch(self, entries: list[TensorEntry]) -> None:
+        """Start reading these tensors in the background (no-op without workers)."""
+        if self._pool is None:
+            return
+        for t in entries:
+            key = (t.shard, t.offset, t.nbytes)
+            if key not in self._pending:
+                self._pending[key] = self._pool.submit(self._pread, t)
+
+    def discard(self, entries: list[TensorEntry]) -> None:
+        """Drop prefetched reads that will not be collected."""
+        for t in entries:
+            self._pending.pop((t.shard, t.offset, t.nbytes), None)
 
     def read_bytes(self, t: TensorEntry) -> bytes:
+        future = self._pending.pop((t.shard, t.offset, t.nbytes), None)
+        return future.result() if future is not None else self._pread(t)
+
+    def _pread(self, t: TensorEntry) -> bytes:
         fd, parts, done = self._fd(t.shard), [], 0
         while done < t.nbytes:
             chunk = os.pread(fd, min(_CHUNK, t.nbytes - done), t.offset + done)
@@ -53,6 +80,11 @@ class ShardReader:
         return a.view(mx.bfloat16) if t.dtype == "BF16" else a
 
     def close(self) -> None:
+        if self._pool is not None:
+            for f in self._pending.values():
+                f.cancel()
+            self._pool.shutdown(wait=True)
+            self._pending.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -71,10 +103,10 @@ def decode_mxfp4(packed: mx.array, scales: mx.array) -> mx.array:
     return mx.dequantize(words, scales, None, group_size=32, bits=4, mode="mxfp4").astype(mx.float32)
 
 
-def decode_fp8(weight: mx.array, scale_inv: mx.array) -> mx.array:
-    """fp8 e4m3 with block scales (scale_inv shaped ceil(out/b) x ceil(in/b)) -> float32."""
+def decode_fp8(weight: mx.array, scale_inv: mx.array, block: tuple[int, int] = (128, 128)) -> mx.array:
+    """fp8 e4m3 with block scales (scale_inv shaped ceil(out/bo) x ceil(in/bi)) -> float32."""
     out, inp = weight.shape[-2:]
     w = mx.from_fp8(weight, dtype=mx.float32)
-    bo, bi = -(-out // scale_inv.shape[-2]), -(-inp // scale_inv.shape[-1])
+    bo, bi = block
     s = mx.repeat(mx.repeat(scale_inv.astype(mx.float32), bo, axis=-2), bi, axis=-1)[..., :out, :inp]
     return w * s
