@@ -122,25 +122,45 @@ class Quantized:
     rel_error: float  # ||W - W_hat|| / ||W||, measured in the rotated domain (the rotation is orthogonal)
 
 
+@lru_cache(maxsize=16)
+def _quantizer(kind: str, group: int):
+    """A compiled (fused) kernel: rotated rows -> codes, fp16 group scales, squared error and squared norm.
+
+    The code of a value is the number of codebook boundaries below it, and its reconstruction is the first level
+    plus the steps it passed: elementwise work only, which MLX fuses into one pass over the weights.
+    """
+    book = [float(v) for v in codebook(kind).astype(np.float32)]
+    bounds = [(a + b) / 2 for a, b in zip(book, book[1:])]
+    steps = [b - a for a, b in zip(book, book[1:])]
+
+    def run(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+        scales = mx.maximum(mx.sqrt(mx.mean(g * g, axis=-1, keepdims=True)), MIN_SCALE).astype(mx.float16)
+        s32 = scales.astype(mx.float32)
+        v = g / s32
+        codes = mx.zeros(v.shape, dtype=mx.uint32)
+        recon = mx.full(v.shape, book[0], dtype=mx.float32)
+        for b, step in zip(bounds, steps):
+            above = v > b
+            codes = codes + above.astype(mx.uint32)
+            recon = recon + mx.where(above, step, 0.0)
+        err = mx.sum((recon * s32 - g) ** 2)
+        return codes.reshape(x.shape), scales.squeeze(-1), err, mx.sum(g * g)
+
+    return mx.compile(run)
+
+
 def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None) -> Quantized:
     """Quantize w (..., out, in); `signs` None means no rotation."""
     n = w.shape[-1]
     if n % group:
         raise ValueError(f"in dimension {n} is not a multiple of the group size {group}")
     x = rotate(w, signs) if signs is not None else w.astype(mx.float32)
-    g = x.reshape(*x.shape[:-1], n // group, group)
-    scales = mx.maximum(mx.sqrt(mx.mean(g * g, axis=-1, keepdims=True)), MIN_SCALE).astype(mx.float16)
-    s32 = scales.astype(mx.float32)
-    book = mx.array(codebook(kind)).astype(mx.float32)
-    bounds = (book[1:] + book[:-1]) / 2
-    codes = (g / s32)[..., None] > bounds  # count of boundaries below each value = its code
-    codes = codes.astype(mx.uint32).sum(axis=-1)
-    recon = book[codes] * s32
-    err = mx.sqrt(mx.sum((recon - g) ** 2) / mx.maximum(mx.sum(g * g), 1e-30))
-    packed = pack(codes.reshape(x.shape), len(CODEBOOKS[kind]))
-    scales = scales.squeeze(-1)
-    mx.eval(packed, scales, err)
-    return Quantized(packed, scales, err.item())
+    codes, scales, err, norm = _quantizer(kind, group)(x)
+    packed = pack(codes, len(CODEBOOKS[kind]))
+    rel = mx.sqrt(err / mx.maximum(norm, 1e-30))
+    mx.eval(packed, scales, rel)
+    return Quantized(packed, scales, rel.item())
 
 
 def dequantize(weight: mx.array, scales: mx.array, book: mx.array, signs: mx.array | None, n: int) -> mx.array:
