@@ -1,12 +1,15 @@
-"""`TqbenchApp`: the full-screen workbench. Each workbench area is an app mode; Source is the first."""
+"""`TqbenchApp`: the full-screen workbench. Each workbench area is an app mode: Source first, then Recipe."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from textual.app import App
 from textual.binding import Binding
+from textual.reactive import reactive
 
+from tui.screens.recipe import RecipeScreen
 from tui.screens.source import SourceScreen
 
 
@@ -15,11 +18,23 @@ class TqbenchApp(App[None]):
 
     TITLE = "tqbench"
     CSS_PATH = "app.tcss"
-    MODES = {"source": SourceScreen}  # later: "recipe", "convert", "chat", "streaming"
+    MODES = {"source": SourceScreen, "recipe": RecipeScreen}  # later: "convert", "chat", "streaming"
     DEFAULT_MODE = "source"
-    BINDINGS = [Binding("q", "quit", "Quit")]
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("s", "switch_mode('source')", "Source"),
+        Binding("p", "switch_mode('recipe')", "Recipe"),
+    ]
+
+    # The tqbench.source.Checkpoint opened last, for every screen (the Source screen sets it; the Recipe screen
+    # watches it). Never compared: a new load always notifies, and comparing 500k tensors would be slow.
+    checkpoint: reactive[Any] = reactive(None, always_update=True, init=False)
 
     def __init__(self, path: Path | str | None = None) -> None:
         super().__init__()
         self.start_path = Path(path).expanduser() if path is not None else None
-        self.checkpoint = None  # the tqbench.source.Checkpoint opened last, for every screen
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "switch_mode":
+            return parameters[0] != self.current_mode  # the key of the screen already shown is hidden
+        return True

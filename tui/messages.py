@@ -66,3 +66,41 @@ class FilterApplied(Message):
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, FilterApplied)
+
+
+@dataclass
+class SourcesGrouped(Message):
+    """A checkpoint's tensors grouped into output modules (tqbench.recipe.group_sources), done once per checkpoint."""
+
+    checkpoint: Any  # tqbench.source.Checkpoint the grouping is of
+    sources: Any = field(repr=False)  # tqbench.recipe.Sources
+
+
+@dataclass
+class PlansReady(Message):
+    """Plans made by a plan worker (tqbench.recipe.make_plan), keyed by Recipe."""
+
+    request_id: int
+    checkpoint: Any
+    plans: dict = field(repr=False)  # Recipe -> Plan
+
+
+@dataclass
+class PlanFailed(Message):
+    """Grouping or planning failed: `message` is one line."""
+
+    message: str
+
+
+@dataclass
+class RecipeChosen(Message):
+    """The recipe editor holds a new valid recipe (from its controls or a typed name)."""
+
+    recipe: Any  # tqbench.recipe.Recipe
+
+
+@dataclass
+class MachineChosen(Message):
+    """The memory size or disk bandwidth typed in the recipe editor gave a new machine to plan for."""
+
+    machine: Any  # tqbench.recipe.Machine

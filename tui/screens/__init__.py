@@ -1,6 +1,7 @@
-"""Screens of the TUI. Source is the first; Recipe, Convert, Chat and Streaming join as app modes later."""
+"""Screens of the TUI. Source and Recipe are app modes; Convert, Chat and Streaming join later."""
 
 from tui.screens.open import OpenScreen
+from tui.screens.recipe import RecipeScreen
 from tui.screens.source import SourceScreen
 
-__all__ = ["OpenScreen", "SourceScreen"]
+__all__ = ["OpenScreen", "RecipeScreen", "SourceScreen"]
