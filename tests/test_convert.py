@@ -283,3 +283,24 @@ def test_cli_json_lines(demo_src, tmp_path, capsys, monkeypatch):
     events = [json.loads(line) for line in r.out.splitlines()]
     assert events[0]["event"] == "ConvertStarted" and events[-1]["event"] == "ConvertFinished"
     assert [e["index"] for e in events if e["event"] == "ShardWritten"] == list(range(1, events[0]["shards"] + 1))
+
+
+def test_destination_status(demo_src, tmp_path):
+    from tqbench.convert import destination_status, layout
+
+    lay = layout(demo_src, Recipe.parse("tq3a-tqTe-down4-g64"), SHARD)
+    dst = tmp_path / "out"
+    assert destination_status(lay, dst).state == "new"
+    events = convert(lay.ckpt, dst, Recipe.parse("tq3a-tqTe-down4-g64"), SHARD)
+    for ev in events:
+        if isinstance(ev, ShardWritten) and ev.index == 2:
+            break
+    events.close()  # what a cancel does: the shard in progress is dropped
+    assert not list(dst.glob("*.partial"))
+    st = destination_status(lay, dst)
+    assert (st.state, st.done_shards, st.total_shards) == ("resumable", 2, len(lay.files))
+    run(demo_src, dst, "tq3a-tqTe-down4-g64")
+    assert destination_status(lay, dst).state == "complete"
+    other = layout(demo_src, Recipe.parse("tq4-g64"), SHARD)
+    st = destination_status(other, dst)
+    assert st.state == "conflict" and "tq3a-tqTe-down4-g64" in st.detail

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -41,21 +42,66 @@ class ConvertError(TqbenchError):
     pass
 
 
-def convert(source: str | Path, dest: str | Path, recipe: Recipe, shard_size: int = SHARD_SIZE,
-            force: bool = False) -> Iterator[Any]:
-    """Convert, yielding ConvertStarted, UnitConverted per unit, ShardWritten per shard, ConvertFinished."""
-    t0 = time.monotonic()
-    src, dst = Path(source), Path(dest)
-    ckpt = open_checkpoint(src)
+@dataclass(frozen=True)
+class Layout:
+    """Everything decided before a byte is written: the plan, its units and shards, and the fingerprints."""
+
+    ckpt: Checkpoint
+    plan: Plan
+    units: list[Unit]
+    shards: list[list[Unit]]
+    files: list[str]
+    source_fp: str
+    plan_fp: str
+
+
+def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SHARD_SIZE) -> Layout:
+    ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
     if ckpt.missing:
         raise CheckpointError(f"incomplete checkpoint: {len(ckpt.missing)} shard(s) missing "
-                              f"({ckpt.missing[0].file}); finish the download first", src)
+                              f"({ckpt.missing[0].file}); finish the download first", ckpt.path)
     plan = make_plan(group_sources(ckpt), recipe, shard_size, "streaming")
     units = file_units(plan.modules, "streaming")
     shards = assign_shards(units, shard_size)
     files = [shard_file(i, len(shards)) for i in range(len(shards))]
-    source_fp, plan_fp = source_fingerprint(ckpt), plan_fingerprint(plan, shards)
-    journal = _prepare_dest(src, dst, recipe, source_fp, plan_fp, force)
+    return Layout(ckpt, plan, units, shards, files, source_fingerprint(ckpt), plan_fingerprint(plan, shards))
+
+
+@dataclass(frozen=True)
+class DestinationStatus:
+    state: str  # "new" (absent or empty), "resumable", "complete", "conflict" (other recipe/source/files)
+    done_shards: int
+    total_shards: int
+    detail: str  # one line for the user
+
+
+def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
+    """What converting into `dest` would do: start, resume (how far), nothing, or need --force."""
+    dst, n = Path(dest), len(lay.files)
+    if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
+        return DestinationStatus("new", 0, n, "new output")
+    journal = Journal.load(dst) if dst.is_dir() else None
+    if journal is None or journal.source != lay.source_fp or journal.plan != lay.plan_fp:
+        what = (f"holds a conversion of another recipe or source ({journal.recipe})" if journal
+                else "is not empty and holds no tqbench conversion")
+        return DestinationStatus("conflict", 0, n, what)
+    done = sum(journal.finished(dst, f) for f in lay.files)
+    if done == n and (dst / INDEX_FILE).is_file():
+        return DestinationStatus("complete", done, n, "already converted with this recipe")
+    return DestinationStatus("resumable", done, n, f"interrupted: {done} of {n} shards done")
+
+
+def convert(source: str | Path | Checkpoint, dest: str | Path, recipe: Recipe, shard_size: int = SHARD_SIZE,
+            force: bool = False) -> Iterator[Any]:
+    """Convert, yielding ConvertStarted, UnitConverted per unit, ShardWritten per shard, ConvertFinished.
+    `source` may be an opened Checkpoint (the UI has one already). Closing the generator stops cleanly: the shard
+    being written is dropped and the output resumes later."""
+    t0 = time.monotonic()
+    lay = layout(source, recipe, shard_size)
+    ckpt, plan, units, shards, files = lay.ckpt, lay.plan, lay.units, lay.shards, lay.files
+    src, dst = ckpt.path, Path(dest)
+    source_fp = lay.source_fp
+    journal = _prepare_dest(src, dst, recipe, lay.source_fp, lay.plan_fp, force)
 
     unit_in = _unit_source_bytes(units)
     shard_in = [sum(unit_in[id(u)] for u in s) for s in shards]
