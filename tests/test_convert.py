@@ -304,3 +304,11 @@ def test_destination_status(demo_src, tmp_path):
     other = layout(demo_src, Recipe.parse("tq4-g64"), SHARD)
     st = destination_status(other, dst)
     assert st.state == "conflict" and "tq3a-tqTe-down4-g64" in st.detail
+
+
+def test_bytes_in_is_the_source_once(demo_src, tmp_path):
+    """Progress counts every source tensor byte exactly once (rate and ETA depend on it)."""
+    events = run(demo_src, tmp_path / "out", "tq3a-tqTe-down4-g64")
+    index = json.loads((demo_src / "model.safetensors.index.json").read_text())
+    assert events[0].bytes_in == index["metadata"]["total_size"]
+    assert sum(e.bytes_in for e in events if isinstance(e, UnitConverted)) == events[0].bytes_in

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tqbench.convert.journal import JOURNAL, Journal, write_atomic, write_json
-from tqbench.convert.produce import Producer
+from tqbench.convert.produce import Producer, shared_expert_piece
 from tqbench.errors import CheckpointError, TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
 from tqbench.recipe.files import Unit, assign_shards, file_units, shard_file
@@ -240,7 +240,7 @@ def _unit_source_bytes(units: list[Unit]) -> dict[int, int]:
         n = 0
         for p in u.pieces:
             key = (id(p.module), p.expert)
-            if key not in seen:
+            if key not in seen and not shared_expert_piece(p):
                 seen.add(key)
                 s = p.module.source
                 n += s.source_bytes // s.experts if p.expert is not None else s.source_bytes

@@ -114,6 +114,13 @@ class Producer:
                 out[{"weight_scale": "scales"}.get(param, param) if m.source.format == "mxfp4" else param] = raw
         return out, nbytes, None
 
+    def shared(self, p: Piece) -> np.ndarray:
+        """A routed-expert module's per-layer codebook or signs: constants of the recipe, no source bytes needed."""
+        c = p.module.choice
+        if p.param == "codebook":
+            return tq.codebook("T" if c.ternary else str(c.bits))
+        return self.signs(p.module, p.module.source.shape[1])
+
     def unit_entries(self, unit: Unit, after: Unit) -> list[TensorEntry]:
         """The source tensors `unit` will read when produced right after `after` (for prefetching): a module that
         `after` ends with is still computed then, so its tensors are not read again."""
@@ -121,7 +128,7 @@ class Producer:
         seen, out = {(id(last.module), last.expert)}, []
         for p in unit.pieces:
             key = (id(p.module), p.expert)
-            if key not in seen:
+            if key not in seen and not shared_expert_piece(p):
                 seen.add(key)
                 out.extend(self.source_parts(p.module, p.expert).values())
         return out
@@ -131,6 +138,9 @@ class Producer:
         may span consecutive units (a quantized Linear's weight, scales, codebook and signs)."""
         results = []
         for p in unit.pieces:
+            if shared_expert_piece(p):
+                results.append(Produced(p, self.shared(p), 0, None))
+                continue
             key = (id(p.module), p.expert)
             first = self._last_key != key
             if first:
@@ -144,6 +154,11 @@ class Producer:
                 raise AssertionError(f"{p.out.name}: produced {data.nbytes} bytes, planned {p.out.nbytes}")
             results.append(Produced(p, data, nbytes if first else 0, err))
         return results
+
+
+def shared_expert_piece(p: Piece) -> bool:
+    """A per-layer tensor that all experts of a routed module share (TurboQuant codebook and signs)."""
+    return p.expert is None and bool(p.module.source.experts) and p.param in ("codebook", "signs")
 
 
 def _output_key(p: Piece, outputs: dict[str, np.ndarray]) -> str:
