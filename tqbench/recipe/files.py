@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 LAYOUTS = ("streaming", "stacked")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OutTensor:
     name: str
     dtype: str
@@ -40,7 +40,7 @@ class OutTensor:
                 "streamed": self.streamed}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """One output tensor in file order and what produces it: `module`'s output `param`, for one expert or all."""
 
@@ -50,7 +50,7 @@ class Piece:
     expert: int | None = None  # per-expert piece of a routed-expert module
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Unit:
     pieces: tuple[Piece, ...]
     layer: int | None = None

@@ -23,7 +23,7 @@ _METADATA_PARAMS = {"weight_scale", "weight_scale_inv", "scales", "biases", "cod
                     "weight_zero_point", "weight_global_scale", "input_global_scale"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Tensor:
     entry: TensorEntry
     name: TensorName

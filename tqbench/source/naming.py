@@ -71,7 +71,7 @@ _STACKED = re.compile(r"\.(?:switch_mlp|experts)\.(gate_proj|up_proj|down_proj|g
 _NON_TEXT = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector", "visual.")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorName:
     """What a tensor name says about the tensor."""
 

@@ -39,7 +39,7 @@ DTYPE_SIZES: dict[str, int] = {
 MAX_HEADER_BYTES = 100_000_000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One tensor as a shard header describes it; `offset` is absolute within the file."""
 
