@@ -104,3 +104,71 @@ class MachineChosen(Message):
     """The memory size or disk bandwidth typed in the recipe editor gave a new machine to plan for."""
 
     machine: Any  # tqbench.recipe.Machine
+
+
+# ---- the Convert screen ---------------------------------------------------------------------------------------------
+
+@dataclass
+class DestinationChecked(Message):
+    """The conversion's layout (tqbench.convert.layout, cached per checkpoint/recipe/shard size) and what converting
+    into `dest` would do (tqbench.convert.destination_status), with the shards already finished there."""
+
+    request_id: int
+    key: Any  # (checkpoint, recipe, shard_size) the layout is for
+    layout: Any = field(repr=False)  # tqbench.convert.Layout
+    status: Any  # tqbench.convert.DestinationStatus (with the shards an earlier run finished)
+    dest: Any  # Path
+
+
+@dataclass
+class DestinationCheckFailed(Message):
+    request_id: int
+    message: str
+
+
+@dataclass
+class ConvertBegan(Message):
+    """The engine's ConvertStarted: totals and what an earlier run finished."""
+
+    run_id: int
+    event: Any  # tqbench.events.ConvertStarted
+
+
+@dataclass
+class ConvertProgress(Message):
+    """The latest UnitConverted with every layer's totals so far (posted at most ~10 times a second; the totals are
+    exact because they are counted off the UI thread from every event)."""
+
+    run_id: int
+    unit: Any  # tqbench.events.UnitConverted
+    layers: tuple = field(repr=False)  # tui.tally.LayerStats copies, in layer order
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, ConvertProgress) and message.run_id == self.run_id
+
+
+@dataclass
+class ConvertShardWritten(Message):
+    run_id: int
+    event: Any  # tqbench.events.ShardWritten
+
+
+@dataclass
+class ConvertDone(Message):
+    run_id: int
+    event: Any  # tqbench.events.ConvertFinished
+
+
+@dataclass
+class ConvertStopped(Message):
+    """A cancelled conversion has stopped: its generator is closed, no shard is half-written."""
+
+    run_id: int
+
+
+@dataclass
+class ConvertFailed(Message):
+    """The conversion raised: `message` is one line (a TqbenchError's text)."""
+
+    run_id: int
+    message: str

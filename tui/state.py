@@ -1,4 +1,5 @@
-"""UI state kept between runs: the checkpoint opened last (JSON in tqbench.paths.state_file())."""
+"""UI state kept between runs: the checkpoint opened last, and where each checkpoint was last converted with each
+recipe (JSON in tqbench.paths.state_file())."""
 
 from __future__ import annotations
 
@@ -10,26 +11,23 @@ from tqbench.paths import state_file
 
 def last_checkpoint() -> Path | None:
     """The remembered checkpoint directory, if it is recorded and still exists."""
-    try:
-        data = json.loads(state_file().read_text())
-    except (OSError, ValueError):
-        return None
-    last = data.get("last_checkpoint") if isinstance(data, dict) else None
+    last = _load().get("last_checkpoint")
     if isinstance(last, str) and Path(last).is_dir():
         return Path(last)
     return None
 
 
-def remember_checkpoint(path: Path) -> None:
-    """Record `path` (absolute) as the last checkpoint; a cache that cannot be written is not an error."""
-    file = state_file()
+def _load() -> dict:
     try:
-        data = json.loads(file.read_text())
-        if not isinstance(data, dict):
-            data = {}
+        data = json.loads(state_file().read_text())
     except (OSError, ValueError):
-        data = {}
-    data["last_checkpoint"] = str(Path(path).resolve())
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save(data: dict) -> None:
+    """Write the state atomically; a cache that cannot be written is not an error."""
+    file = state_file()
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_name(file.name + ".tmp")
@@ -37,6 +35,35 @@ def remember_checkpoint(path: Path) -> None:
         tmp.replace(file)
     except OSError:
         pass
+
+
+def remember_checkpoint(path: Path) -> None:
+    """Record `path` (absolute) as the last checkpoint."""
+    data = _load()
+    data["last_checkpoint"] = str(Path(path).resolve())
+    _save(data)
+
+
+def remember_conversion(source: Path, recipe: str, dest: Path, shard_size: str) -> None:
+    """Record where `source` was last converted with `recipe` (and the shard size typed), so the Convert screen offers
+    the same destination again (to resume it)."""
+    data = _load()
+    conversions = data.get("conversions")
+    if not isinstance(conversions, dict):
+        conversions = {}
+    conversions[f"{Path(source).resolve()}|{recipe}"] = {"dest": str(Path(dest).resolve()),
+                                                         "shard_size": shard_size}
+    data["conversions"] = conversions
+    _save(data)
+
+
+def last_conversion(source: Path, recipe: str) -> tuple[Path, str] | None:
+    """The destination and shard size `source` was last converted into with `recipe`, if recorded."""
+    conversions = _load().get("conversions")
+    entry = conversions.get(f"{Path(source).resolve()}|{recipe}") if isinstance(conversions, dict) else None
+    if isinstance(entry, dict) and isinstance(entry.get("dest"), str) and isinstance(entry.get("shard_size"), str):
+        return Path(entry["dest"]), entry["shard_size"]
+    return None
 
 
 def display_path(path: Path) -> str:

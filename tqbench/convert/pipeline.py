@@ -73,31 +73,45 @@ class DestinationStatus:
     done_shards: int
     total_shards: int
     detail: str  # one line for the user
+    finished: tuple[bool, ...] = ()  # per output shard: finished by an earlier run
+
+
+def _conflict(journal: Journal | None, recipe: Recipe) -> str:
+    if journal is None:
+        return "is not empty and holds no tqbench conversion"
+    if journal.recipe == recipe.name:
+        return f"holds a {recipe.name} conversion of another source or shard size"
+    return f"holds a conversion of another recipe or source ({journal.recipe})"
 
 
 def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
     """What converting into `dest` would do: start, resume (how far), nothing, or need --force."""
     dst, n = Path(dest), len(lay.files)
     if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
-        return DestinationStatus("new", 0, n, "new output")
+        return DestinationStatus("new", 0, n, "new output", (False,) * n)
     journal = Journal.load(dst) if dst.is_dir() else None
     if journal is None or journal.source != lay.source_fp or journal.plan != lay.plan_fp:
-        what = (f"holds a conversion of another recipe or source ({journal.recipe})" if journal
-                else "is not empty and holds no tqbench conversion")
-        return DestinationStatus("conflict", 0, n, what)
-    done = sum(journal.finished(dst, f) for f in lay.files)
+        return DestinationStatus("conflict", 0, n, _conflict(journal, lay.plan.recipe), (False,) * n)
+    finished = tuple(journal.finished(dst, f) for f in lay.files)
+    done = sum(finished)
     if done == n and (dst / INDEX_FILE).is_file():
-        return DestinationStatus("complete", done, n, "already converted with this recipe")
-    return DestinationStatus("resumable", done, n, f"interrupted: {done} of {n} shards done")
+        return DestinationStatus("complete", done, n, "already converted with this recipe", finished)
+    return DestinationStatus("resumable", done, n, f"interrupted: {done} of {n} shards done", finished)
 
 
-def convert(source: str | Path | Checkpoint, dest: str | Path, recipe: Recipe, shard_size: int = SHARD_SIZE,
-            force: bool = False) -> Iterator[Any]:
+def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: Recipe,
+            shard_size: int = SHARD_SIZE, force: bool = False) -> Iterator[Any]:
     """Convert, yielding ConvertStarted, UnitConverted per unit, ShardWritten per shard, ConvertFinished.
-    `source` may be an opened Checkpoint (the UI has one already). Closing the generator stops cleanly: the shard
-    being written is dropped and the output resumes later."""
+    `source` may be an opened Checkpoint or a Layout computed for this recipe and shard size (faces that checked
+    the destination have one). Closing the generator stops cleanly: the shard being written is dropped and the
+    output resumes later."""
     t0 = time.monotonic()
-    lay = layout(source, recipe, shard_size)
+    if isinstance(source, Layout):
+        if source.plan.recipe != recipe or source.plan.shard_size != shard_size:
+            raise ValueError("the layout was computed for another recipe or shard size")
+        lay = source
+    else:
+        lay = layout(source, recipe, shard_size)
     ckpt, plan, units, shards, files = lay.ckpt, lay.plan, lay.units, lay.shards, lay.files
     src, dst = ckpt.path, Path(dest)
     source_fp = lay.source_fp
@@ -179,9 +193,7 @@ def _prepare_dest(src: Path, dst: Path, recipe: Recipe, source_fp: str, plan_fp:
     same = journal is not None and journal.source == source_fp and journal.plan == plan_fp
     if dst.is_dir() and any(dst.iterdir()) and not same:
         if not force:
-            what = (f"holds a conversion of another recipe or source ({journal.recipe})" if journal
-                    else "is not empty and holds no tqbench conversion")
-            raise ConvertError(f"{what}; use --force to replace it", dst)
+            raise ConvertError(f"{_conflict(journal, recipe)}; use --force to replace it", dst)
         shutil.rmtree(dst)
     if same and (dst / INDEX_FILE).is_file() and force:
         shutil.rmtree(dst)  # --force on a finished identical conversion: redo it

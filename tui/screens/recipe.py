@@ -207,6 +207,7 @@ class RecipeScreen(Screen):
     def on_recipe_chosen(self, message: RecipeChosen) -> None:
         if message.recipe != self.recipe:
             self.recipe = message.recipe
+            self.app.recipe = message.recipe  # what the Convert screen converts with
             self._refresh()
 
     def on_machine_chosen(self, message: MachineChosen) -> None:
@@ -262,4 +263,5 @@ class RecipeScreen(Screen):
         if recipe is not None:
             self.editor.set_recipe(recipe)
             self.recipe = recipe
+            self.app.recipe = recipe
             self._refresh()

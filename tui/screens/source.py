@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from textual import work
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
+from textual.widgets import DataTable, Footer, Header, Input, Static, TabbedContent, TabPane
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from tqbench.errors import TqbenchError
@@ -181,8 +181,17 @@ class SourceScreen(Screen):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ("focus_filter", "toggle_grouping", "clear_filter", "show_tab"):
-            return self._loaded  # nothing to filter or group before a checkpoint is shown
+            if not self._loaded:
+                return False  # nothing to filter or group before a checkpoint is shown
+        if action == "clear_filter":
+            # Only while there is a filter to clear or the filter has focus: then the footer has room for every mode.
+            panel = self.query_one(TensorPanel)
+            return bool(panel.filter_input.value) or self.focused is panel.filter_input
         return True
+
+    @on(Input.Changed, "#filter")
+    def _filter_typed(self) -> None:
+        self.refresh_bindings()
 
     def _focus_active_table(self) -> None:
         tabs = self.query_one(TabbedContent)

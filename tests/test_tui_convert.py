@@ -1,0 +1,425 @@
+"""The Convert screen, driven with Pilot: real conversions of a tiny seeded demo source, checked against the engine's
+`tqbench.convert.convert` run directly (files byte for byte, totals, per-layer aggregates), plus cancel, resume,
+conflicts and quitting mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import types
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from textual.widgets import Input, ProgressBar, Static
+
+import tqbench.convert
+import tqbench.convert.pipeline as pipeline
+from tqbench import units
+from tqbench.convert import destination_status, layout
+from tqbench.convert.pipeline import REPORT
+from tqbench.demo import DemoSpec, write_source
+from tqbench.events import ConvertFinished, ShardWritten, UnitConverted
+from tqbench.recipe import Recipe
+from tui.app import TqbenchApp
+from tui.screens.confirm import ConfirmScreen
+from tui.screens.convert import ConvertScreen, default_dest
+from tui.widgets.layer_table import LayerTable
+
+SIZE = (80, 24)
+RECIPE = "tq3a-tqTe-down4-g64"  # the Recipe screen's initial recipe
+SHARD = 150_000  # five shards of the demo below
+SPEC = DemoSpec(routed_expert_hidden_size=64, moe_intermediate_size=128)  # experts wide enough for group 64
+
+_real_convert = tqbench.convert.convert
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory) -> Path:
+    return write_source(tmp_path_factory.mktemp("demo") / "src", SPEC, seed=0)
+
+
+@pytest.fixture
+def src(demo_dir, tmp_path) -> Path:
+    """A private copy of the demo source (the default destination is created next to it)."""
+    import shutil
+
+    return Path(shutil.copytree(demo_dir, tmp_path / "src"))
+
+
+@pytest.fixture(scope="module")
+def direct(demo_dir, tmp_path_factory):
+    """The engine run directly: (output directory, events)."""
+    out = tmp_path_factory.mktemp("direct") / "out"
+    return out, list(_real_convert(demo_dir, out, Recipe.parse(RECIPE), SHARD))
+
+
+def output_files(dst: Path) -> dict[str, bytes]:
+    """Every output file; the report without its timings (the one part that differs between runs)."""
+    out = {}
+    for p in sorted(dst.iterdir()):
+        data = p.read_bytes()
+        if p.name == REPORT:
+            doc = json.loads(data)
+            doc.pop("timings")
+            doc.pop("source")  # the source's path (each test converts its own copy)
+            data = json.dumps(doc).encode()
+        out[p.name] = data
+    return out
+
+
+async def settle(pilot) -> None:
+    """Wait for the check and convert workers, the workers they lead to, and the messages they post."""
+    for _ in range(50):
+        await pilot.app.workers.wait_for_complete()
+        await pilot.pause()
+        if not any(w.is_running for w in pilot.app.workers):
+            await pilot.pause()
+            if not any(w.is_running for w in pilot.app.workers):
+                return
+
+
+async def open_convert(pilot, shard: int | None = SHARD) -> ConvertScreen:
+    await settle(pilot)
+    await pilot.press("c")
+    await settle(pilot)
+    screen = pilot.app.screen
+    assert isinstance(screen, ConvertScreen)
+    if shard is not None:
+        await set_field(pilot, "#shard-size", str(shard))
+    return screen
+
+
+async def set_field(pilot, selector: str, value: str) -> None:
+    field = pilot.app.screen.query_one(selector, Input)
+    field.value = value
+    field.focus()
+    await pilot.pause()
+    await pilot.press("enter")  # submits: checks at once, focus back on the table
+    await settle(pilot)
+
+
+def status_text(screen) -> str:
+    return str(screen.query_one("#convert-status", Static).render())
+
+
+def rate_text(screen) -> str:
+    return str(screen.query_one("#convert-rate", Static).render())
+
+
+def expected_layers(events) -> list[dict[str, str]]:
+    """Per-layer rows computed straight from a run's UnitConverted events, formatted as the table formats them."""
+    acc: dict = defaultdict(lambda: {"units": 0, "in": 0, "out": 0, "errors": []})
+    for ev in events:
+        if isinstance(ev, UnitConverted):
+            a = acc[ev.layer]
+            a["units"] += 1
+            a["in"] += ev.bytes_in
+            a["out"] += ev.bytes_out
+            if ev.rel_error is not None:
+                a["errors"].append(ev.rel_error)
+    rows = []
+    for layer, a in acc.items():  # insertion order: the order units are converted in
+        errs = a["errors"]
+        mean = sum(errs) / len(errs) if errs else None  # summed in event order, as the screen sums
+        rows.append({"layer": "-" if layer is None else str(layer), "units": f"{a['units']}/{a['units']}",
+                     "read": units.gb(a["in"]), "written": units.gb(a["out"]),
+                     "err mean": "-" if mean is None else f"{mean:.4f}",
+                     "err max": "-" if not errs else f"{max(errs):.4f}"})
+    return rows
+
+
+def gated_convert(gate: threading.Event, after_shard: int = 1):
+    """The engine's convert, held after its `after_shard`-th ShardWritten until `gate` is set (on the engine thread),
+    so a test cancels at an exact point. Closing it closes the real generator."""
+    def convert(*args, **kwargs):
+        gen = _real_convert(*args, **kwargs)
+        try:
+            for ev in gen:
+                yield ev
+                if isinstance(ev, ShardWritten) and ev.index == after_shard:
+                    assert gate.wait(20), "the test never opened the gate"
+        finally:
+            gen.close()
+    return convert
+
+
+async def wait_for(pilot, condition, what: str) -> None:
+    for _ in range(400):
+        if condition():
+            return
+        await pilot.pause(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ---- a full conversion ----------------------------------------------------------------------------------------------
+
+async def test_screen_shows_source_recipe_and_default_destination(src):
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot, shard=None)
+        assert app.recipe == Recipe.parse(RECIPE)
+        assert RECIPE in str(screen.query_one("#convert-recipe", Static).render())
+        assert str(src) in str(screen.query_one("#convert-source", Static).render())
+        assert Path(screen.query_one("#dest", Input).value) == default_dest(src, RECIPE) == src.parent / f"src-{RECIPE}"
+        assert screen.query_one("#shard-size", Input).value == "5GiB"
+        lay = layout(src, Recipe.parse(RECIPE))
+        assert status_text(screen).startswith(f"new output: {len(lay.files)} shard")
+        assert units.gb(lay.plan.total_bytes) in status_text(screen)
+        # Before a run, the table lists the layout's layers with nothing done.
+        per_layer = defaultdict(int)
+        for u in lay.units:
+            per_layer["-" if u.layer is None else str(u.layer)] += 1
+        assert [(r["layer"], r["units"]) for r in screen.table.rows_text] == \
+            [(k, f"0/{n}") for k, n in per_layer.items()]
+        assert not screen.query_one("#convert-bar-row").display
+
+
+async def test_full_conversion_matches_the_engine(src, direct):
+    out, events = direct
+    finished = events[-1]
+    assert isinstance(finished, ConvertFinished)
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        await pilot.press("r")
+        await settle(pilot)
+        assert not screen.running
+        dest = default_dest(src, RECIPE)
+        # Same files, byte for byte, as the engine run directly.
+        ours, theirs = output_files(dest), output_files(out)
+        assert sorted(ours) == sorted(theirs)
+        assert sum(n.endswith(".safetensors") for n in ours) == finished.shards == 5
+        for name in theirs:
+            assert ours[name] == theirs[name], name
+        # The totals shown are the ConvertFinished event's.
+        ev = screen.finished_event
+        assert (ev.bytes_in, ev.bytes_out, ev.shards, ev.mean_rel_error, ev.max_rel_error) == \
+            (finished.bytes_in, finished.bytes_out, finished.shards, finished.mean_rel_error, finished.max_rel_error)
+        summary = rate_text(screen)
+        assert f"done in {ev.seconds:.1f} s: read {units.gb(finished.bytes_in)}, wrote " \
+               f"{units.size(finished.bytes_out)} in {finished.shards} shards" in summary
+        assert f"mean {finished.mean_rel_error:.4f}, max {finished.max_rel_error:.4f}" in summary
+        assert summary.rstrip().endswith(f"output {dest}")
+        assert status_text(screen).startswith("complete:")
+        # Per-layer rows equal the aggregates of the direct run's UnitConverted events.
+        assert screen.table.rows_text == expected_layers(events)
+        assert len(screen.table.rows_text) == len({e.layer for e in events if isinstance(e, UnitConverted)})
+
+
+async def test_progress_shows_engine_rate_eta_and_shards(src, monkeypatch):
+    """Mid-run (held after the second shard): the bar is the last unit's done_in of total_in, rate and ETA are the
+    engine's numbers, and shards count what was written."""
+    gate = threading.Event()
+    monkeypatch.setattr(tqbench.convert, "convert", gated_convert(gate, after_shard=2))
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: screen.shards_done == 2 and screen.last_unit is not None
+                       and "shards 2/5" in rate_text(screen), "the second shard")
+        u = screen.last_unit
+        bar = screen.query_one("#convert-bar", ProgressBar)
+        assert (bar.total, bar.progress) == (u.total_in, u.done_in)
+        line = rate_text(screen)
+        assert line.startswith(f"{units.gb(u.rate)}/s  ETA ")
+        assert "shards 2/5" in line
+        assert status_text(screen).startswith("converting")
+        assert app.screen.query_one("#dest", Input).disabled
+        gate.set()
+        await settle(pilot)
+        assert screen.finished_event is not None
+
+
+# ---- cancel, reopen, resume -----------------------------------------------------------------------------------------
+
+async def test_cancel_leaves_a_resumable_output_and_reopening_resumes_it(src, direct, monkeypatch):
+    out, _ = direct
+    dest = default_dest(src, RECIPE)
+    gate = threading.Event()
+    monkeypatch.setattr(tqbench.convert, "convert", gated_convert(gate, after_shard=1))
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: screen.shards_done == 1, "the first shard")
+        await pilot.press("x")
+        assert screen._stopping and "stopping" in status_text(screen)
+        gate.set()  # the engine converts one more unit, sees the stop and closes the generator
+        await settle(pilot)
+        assert not screen.running
+        assert not list(dest.glob("*.partial"))
+        lay = layout(src, Recipe.parse(RECIPE), SHARD)
+        status = destination_status(lay, dest)
+        assert (status.state, status.done_shards, status.total_shards) == ("resumable", 1, 5)
+        text = status_text(screen)
+        assert text.startswith("cancelled at ") and "only whole shards were kept" in text
+        assert "resumable: 1 of 5 shards done.  r: resume" in text
+        # The table now counts the first shard's units as done, the rest not.
+        first = defaultdict(int)
+        for u in lay.shards[0]:
+            first[u.layer] += 1
+        for u_layer, n in first.items():
+            assert screen.table.row_text(u_layer)["units"].startswith(f"{n}/")
+    monkeypatch.setattr(tqbench.convert, "convert", _real_convert)
+
+    # Reopened (a new app): the same destination and shard size come back, resumable.
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot, shard=None)
+        assert Path(screen.query_one("#dest", Input).value) == dest
+        assert screen.query_one("#shard-size", Input).value == str(SHARD)
+        assert status_text(screen) == "resumable: 1 of 5 shards done.  r: resume"
+        await pilot.press("r")
+        await settle(pilot)
+        assert screen.started.resumed_shards == 1
+        assert screen.finished_event is not None
+        assert "(resumed: 1 of 5 shards were done before)" in rate_text(screen)
+    ours, theirs = output_files(dest), output_files(out)
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert ours[name] == theirs[name], name
+
+
+async def test_quit_while_converting_stops_first(src, monkeypatch):
+    dest = default_dest(src, RECIPE)
+    gate = threading.Event()
+    monkeypatch.setattr(tqbench.convert, "convert", gated_convert(gate, after_shard=2))
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: screen.shards_done == 2, "the second shard")
+        await pilot.press("q")
+        assert app.is_running and screen._stopping
+        gate.set()
+        await wait_for(pilot, lambda: not app.is_running, "the app to exit")
+    assert not list(dest.glob("*.partial"))
+    status = destination_status(layout(src, Recipe.parse(RECIPE), SHARD), dest)
+    assert (status.state, status.done_shards) == ("resumable", 2)
+
+
+# ---- conflicts ------------------------------------------------------------------------------------------------------
+
+async def test_conflicting_destination_is_shown_and_not_written(src, direct):
+    out, _ = direct
+    dest = default_dest(src, RECIPE)
+    list(_real_convert(src, dest, Recipe.parse("tq4-g32"), SHARD))  # another recipe's complete output
+    before = output_files(dest)
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        assert status_text(screen) == ("conflict: the output holds a conversion of another recipe or source "
+                                       "(tq4-g32).  f: replace it")
+        assert screen.check_action("start", ()) is None  # shown, disabled
+        await pilot.press("r")
+        await pilot.press("enter")
+        await settle(pilot)
+        assert not screen.running and output_files(dest) == before
+        # f asks first; n keeps the output.
+        await pilot.press("f")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("n")
+        await settle(pilot)
+        assert app.screen is screen and output_files(dest) == before
+        # f, y: replaced by this recipe's conversion.
+        await pilot.press("f")
+        await pilot.pause()
+        await pilot.press("y")
+        await settle(pilot)
+        assert screen.finished_event is not None and status_text(screen).startswith("complete:")
+    ours, theirs = output_files(dest), output_files(out)
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert ours[name] == theirs[name], name
+
+
+async def test_a_directory_that_is_no_conversion_is_a_conflict(src):
+    dest = default_dest(src, RECIPE)
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine\n")
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        assert status_text(screen) == "conflict: the output is not empty and holds no tqbench conversion.  f: replace it"
+        await pilot.press("r")
+        await settle(pilot)
+    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
+
+
+async def test_bad_fields_are_one_line_errors(src):
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        await set_field(pilot, "#shard-size", "lots")
+        assert status_text(screen).startswith("error: shard size: cannot read 'lots' as a size")
+        assert screen.check_action("start", ()) is None
+        await set_field(pilot, "#shard-size", str(SHARD))
+        await set_field(pilot, "#dest", str(src / "inside"))
+        assert status_text(screen) == "error: the output directory must not be the source or inside it"
+        await pilot.press("r")
+        await settle(pilot)
+        assert not (src / "inside").exists()
+
+
+async def test_recipe_from_the_recipe_screen_and_its_default_destination(src):
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        await pilot.press("p")
+        await settle(pilot)
+        name = app.screen.query_one("#recipe-name", Input)
+        name.value = "tq4-g32"
+        await settle(pilot)
+        await pilot.press("c")
+        await settle(pilot)
+        assert app.screen is screen and screen.recipe == Recipe.parse("tq4-g32")
+        assert "tq4-g32" in str(screen.query_one("#convert-recipe", Static).render())
+        assert Path(screen.query_one("#dest", Input).value) == default_dest(src, "tq4-g32")
+        assert status_text(screen).startswith("new output")
+
+
+async def test_without_a_checkpoint_the_screen_says_how_to_get_one(tmp_path):
+    app = TqbenchApp(tmp_path / "nothing-here")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("c")
+        await settle(pilot)
+        empty = app.screen.query_one("#convert-empty", Static)
+        assert empty.display and "No checkpoint loaded yet" in str(empty.render())
+        await pilot.press("r")
+        assert app.is_running
+
+
+async def test_layout_fits_80x24(src):
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        await pilot.press("r")
+        await settle(pilot)
+        table = screen.query_one(LayerTable)
+        assert table.region.height >= 8 and table.region.bottom <= 23
+        for w in (table, screen.query_one("#convert-status"), screen.query_one("#convert-rate"),
+                  screen.query_one("#dest")):
+            assert w.region.right <= 80 and w.region.height
+
+
+# ---- snapshot -------------------------------------------------------------------------------------------------------
+
+def test_snapshot_finished_conversion(demo_dir, tmp_path, monkeypatch, snap_compare):
+    """A finished conversion at 80x24: timings frozen (a fake engine clock), paths relative to the working directory."""
+    import shutil
+
+    shutil.copytree(demo_dir, tmp_path / "src")
+    monkeypatch.chdir(tmp_path)
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(pipeline, "time", types.SimpleNamespace(monotonic=lambda: next(ticks) * 0.001))
+
+    async def run_before(pilot) -> None:
+        await open_convert(pilot)
+        await pilot.press("r")
+        await settle(pilot)
+
+    assert snap_compare(TqbenchApp(Path("src")), terminal_size=SIZE, run_before=run_before)
