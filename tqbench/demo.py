@@ -1,19 +1,30 @@
-"""The built-in demo model: a tiny Kimi K3 written in the layout of Moonshot's HF release, in seconds, without MLX.
+"""The built-in demo model: a tiny Kimi K3 in the layout of Moonshot's HF release.
 
 Same config keys, tensor names, dtypes and mxfp4 compressed-tensors experts as the real checkpoint, so every tool can be
-tried on it and `mlx_lm.load` runs it. Weights are seeded random (each tensor from its own seed), so the files are
-byte-identical for a given spec and seed. Names, shapes and dtypes come from `tqbench.skeleton` (the K3 layout):
-routed experts U8 (mxfp4), `A_log`, `dt_bias` and `e_score_correction_bias` F32, everything else BF16.
+tried on it and `mlx_lm.load` runs it. Two kinds share one writer (`write_checkpoint`, which takes a weights source):
+
+- the shipped demo (`tqbench/demo_model/`, copied into the user cache by `ensure_demo`): trained on the Python standard
+  library's own source by `scripts/train_demo.py` (see docs/demo-model.md); its weights come from an mlx-lm model's
+  parameters through `mlx_weights`;
+- seeded random checkpoints of any `DemoSpec` (`write_source`, for tests and scaled-up benchmark models): each tensor
+  from its own seed, so the files are byte-identical for a given spec and seed.
+
+Names, shapes and dtypes come from `tqbench.skeleton` (the K3 layout): routed experts U8 (mxfp4), `A_log`, `dt_bias`
+and `e_score_correction_bias` F32, everything else BF16. This module never imports MLX.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import shutil
+import sysconfig
 import tempfile
 import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -26,7 +37,11 @@ from tqbench.skeleton import K3_TEXT_CONFIG, k3_tensor_specs, shard_name
 from tqbench.tokenizer import NAMED_SPECIAL, NUM_SPECIAL, train_bpe, write_tokenizer
 from tqbench.writer import ShardWriter, TensorSpec, to_bf16
 
-DEMO_VERSION = 1  # bump whenever the default demo's bytes change: the cached copy is found by this name
+DEMO_VERSION = 2  # bump whenever the default demo's bytes change: the cached copy is found by this name
+SHIPPED_DEMO = Path(__file__).parent / "demo_model"  # the trained demo checkpoint inside the package
+
+# A weights source: the data of one tensor of the plan, in its file dtype (bf16 as uint16 bits, experts as U8).
+WeightSource = Callable[[TensorSpec], np.ndarray]
 
 # The demo tokenizer's training text: a little prose and a little Python, fixed forever for a given DEMO_VERSION.
 DEMO_CORPUS = """\
@@ -117,19 +132,57 @@ class DemoSpec:
         return layer >= self.first_k_dense_replace
 
 
+# The shipped demo: hidden 128, 8 layers (KDA, MLA at 4 and 8), layer 0 dense, 7 LatentMoE layers of 64 experts top-4
+# in a 64-wide latent space plus 2 shared experts, a 4096-merge BPE. About 8 M parameters, 2.9 M active per token.
+TRAINED_SPEC = DemoSpec(
+    hidden_size=128,
+    num_hidden_layers=8,
+    mla_every=4,
+    intermediate_size=384,
+    first_k_dense_replace=1,
+    num_experts=64,
+    num_experts_per_token=4,
+    moe_intermediate_size=64,
+    routed_expert_hidden_size=64,
+    num_shared_experts=2,
+    num_attention_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    kda_num_heads=4,
+    kda_head_dim=32,
+    attn_res_block_size=4,
+    bpe_merges=4096,
+    num_shards=4,
+)
+
+
 def demo_path() -> Path:
     return cache_dir() / "demo" / f"kimi-k3-demo-v{DEMO_VERSION}"
 
 
 def ensure_demo(force: bool = False) -> Path:
-    """The demo checkpoint in the cache, written first if missing (or rewritten if `force`)."""
+    """The demo checkpoint in the cache: a copy of the shipped trained one, made first if missing (again if `force`).
+
+    A copy, not the package folder itself, so that the path is writable and stable across reinstalls and tools that
+    write next to a checkpoint never touch the installed package (or, in an editable install, the source tree)."""
     path = demo_path()
     if force or not path.is_dir():
-        _build(path, DemoSpec(), 0, replace=force)
+        if not (SHIPPED_DEMO / "config.json").is_file():
+            raise FileNotFoundError(f"the shipped demo model is missing: {SHIPPED_DEMO}")
+        _build(path, lambda tmp: _copy_files(SHIPPED_DEMO, tmp), replace=force)
     return path
 
 
-# ---- config ---------------------------------------------------------------------------------------------------------
+def _copy_files(src: Path, dest: Path) -> None:
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.startswith((".", "__")):
+            shutil.copyfile(f, dest / f.name)
+
+
+# ---- config ----------------------------------------------------------------------------------------------------------
 
 
 def _special_ids(spec: DemoSpec) -> dict[str, int]:
@@ -235,7 +288,7 @@ def source_config(spec: DemoSpec) -> dict:
     }
 
 
-# ---- tensors --------------------------------------------------------------------------------------------------------
+# ---- tensors ---------------------------------------------------------------------------------------------------------
 
 
 def tensor_plan(spec: DemoSpec) -> list[TensorSpec]:
@@ -289,20 +342,143 @@ def _shard_index(sizes: list[int], n: int) -> list[int]:
     return [ids[r] for r in raw]
 
 
-# ---- writing --------------------------------------------------------------------------------------------------------
+# ---- weights from a trained mlx-lm model -----------------------------------------------------------------------------
+
+
+def mlx_weights(spec: DemoSpec, params: Mapping[str, np.ndarray]) -> WeightSource:
+    """A weights source from the float parameters of mlx-lm's kimi_k3 `Model` built for `spec` (names as
+    `mlx.utils.tree_flatten(model.parameters())` gives them): the inverse of that model's `sanitize`.
+
+    Routed experts are packed with our exact mxfp4 packer, `A_log`, `dt_bias` and the router bias stay F32 and the rest
+    is rounded to bf16. mlx-lm keeps one `A_log` per KDA head and reads the first `heads` values of the source's
+    `[heads * head_dim]` tensor, so the per-head values are written there, repeated to fill the tensor."""
+    p = {k: np.asarray(v, dtype=np.float32) for k, v in params.items()}
+    P = spec.kda_num_heads * spec.kda_head_dim
+
+    @lru_cache(maxsize=1)
+    def expert(key: str, e: int) -> tuple[np.ndarray, np.ndarray]:
+        return pack_mxfp4(p[key][e])
+
+    def value(name: str) -> np.ndarray:
+        n = name.removeprefix("language_model.")
+        m = re.match(r"model\.layers\.(\d+)\.(.*)$", n)
+        if m is None:
+            return p["language_model." + n]
+        lp, rest = f"language_model.model.layers.{m.group(1)}", m.group(2)
+        if x := re.match(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight_(packed|scale)$", rest):
+            proj = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[x.group(2)]
+            packed, scales = expert(f"{lp}.mlp.switch_mlp.{proj}.weight", int(x.group(1)))
+            return packed if x.group(3) == "packed" else scales
+        if rest == "block_sparse_moe.gate.e_score_correction_bias":
+            return p[f"{lp}.mlp.e_score_correction_bias"]
+        if rest.startswith("block_sparse_moe."):
+            return p[f"{lp}.mlp.{rest.removeprefix('block_sparse_moe.')}"]
+        a = f"{lp}.self_attn."
+        if x := re.match(r"self_attn\.([qkv])_proj\.weight$", rest):
+            return p[a + "qkv_proj.weight"][P * "qkv".index(x.group(1)):][:P]
+        if x := re.match(r"self_attn\.([qkv])_conv1d\.weight$", rest):  # MLX [3P, k, 1] -> source [P, 1, k]
+            return p[a + "qkv_conv.conv.weight"][P * "qkv".index(x.group(1)):][:P].transpose(0, 2, 1)
+        if rest == "self_attn.A_log":
+            return np.resize(p[a + "A_log"], P)
+        if rest == "self_attn.kv_b_proj.weight":  # embed_q [H, kv_lora, nope] + unembed_out [H, v, kv_lora]
+            wk, wv = p[a + "embed_q.weight"], p[a + "unembed_out.weight"]
+            return np.concatenate([wk.swapaxes(-1, -2), wv], axis=1).reshape(-1, wk.shape[1])
+        return p[f"{lp}.{rest}"]
+
+    def source(t: TensorSpec) -> np.ndarray:
+        x = value(t.name)
+        if x.shape != t.shape:
+            raise ValueError(f"{t.name}: the model gives shape {x.shape}, the K3 layout wants {t.shape}")
+        if t.dtype == "U8":
+            return x
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return to_bf16(x) if t.dtype == "BF16" else x
+
+    return source
+
+
+def random_weights(seed: int) -> WeightSource:
+    """Seeded random weights (each tensor from its own seed, chosen by name)."""
+    return lambda t: _array(seed, t)
+
+
+# ---- the training corpus of the shipped demo: the Python standard library's own source -------------------------------
+
+# Skipped besides site-packages: test suites, and generated data rather than code (codec tables, pydoc's topic texts,
+# the build's sysconfig data and config directory).
+CORPUS_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "pydoc_data"})
+HELDOUT_EVERY = 20  # one file in 20 (by a hash of its relative path) is held out for validation
+
+
+def stdlib_root() -> Path:
+    """The running interpreter's standard library directory."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(root: Path | None = None) -> list[str]:
+    """The corpus: every `.py` file of the standard library at `root` (default: the running interpreter's) outside
+    the skipped directories, as sorted relative POSIX paths."""
+    root = Path(root or stdlib_root())
+    out = []
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root).as_posix()
+        dirs = rel.split("/")[:-1]
+        if any(d in CORPUS_SKIP_DIRS or d.startswith("config-") for d in dirs) or rel.startswith("_sysconfigdata"):
+            continue
+        if f.is_file():
+            out.append(rel)
+    return sorted(out)
+
+
+def is_heldout(rel: str) -> bool:
+    """Whether a corpus file belongs to the validation split: decided by its relative path alone."""
+    return int.from_bytes(hashlib.sha256(rel.encode()).digest()[:4], "big") % HELDOUT_EVERY == 0
+
+
+def encode_files(encoding, root: Path, files: list[str], eos: int) -> np.ndarray:
+    """Token ids of `files` (UTF-8 text, in order), each followed by `eos`, as one uint32 stream."""
+    ids: list[int] = []
+    for rel in files:
+        ids += encoding.encode_ordinary((Path(root) / rel).read_text(encoding="utf-8"))
+        ids.append(eos)
+    return np.array(ids, dtype=np.uint32)
+
+
+def special_ids(spec: DemoSpec) -> dict[str, int]:
+    """bos, eos (a chat turn's end, also the end of a training document) and pad ids of a demo's vocabulary."""
+    return _special_ids(spec)
+
+
+# ---- writing ---------------------------------------------------------------------------------------------------------
+
+
+def write_checkpoint(dest: Path, spec: DemoSpec, weights: WeightSource, ranks: dict[bytes, int]) -> Path:
+    """Write a K3-layout source checkpoint for `spec` (tensors from `weights`, a tiktoken vocabulary `ranks` of
+    `spec.base_vocab` tokens) to `dest`, replacing it, atomically: it is built in a temporary directory next to `dest`
+    and renamed into place."""
+    if len(ranks) != spec.base_vocab:
+        raise ValueError(f"the tokenizer has {len(ranks)} tokens, the spec wants {spec.base_vocab}")
+    return _build(Path(dest), lambda tmp: _write_into(tmp, spec, weights, ranks), replace=True)
 
 
 def write_source(dest: Path, spec: DemoSpec = DemoSpec(), seed: int = 0) -> Path:
-    """Write a K3-layout source checkpoint for `spec` to `dest` (replacing it), atomically: it is built in a
-    temporary directory next to `dest` and renamed into place."""
-    return _build(Path(dest), spec, seed, replace=True)
+    """Write a seeded random K3-layout source checkpoint for `spec` to `dest` (replacing it), atomically."""
+    return write_checkpoint(dest, spec, random_weights(seed), demo_tokenizer_ranks(spec))
 
 
-def _build(dest: Path, spec: DemoSpec, seed: int, replace: bool) -> Path:
+def demo_tokenizer_ranks(spec: DemoSpec) -> dict[bytes, int]:
+    """The random demo's tokenizer: `spec.bpe_merges` merges trained on `DEMO_CORPUS`."""
+    ranks = train_bpe(DEMO_CORPUS.encode(), spec.bpe_merges)
+    if len(ranks) != spec.base_vocab:
+        raise ValueError(f"the demo corpus supports only {len(ranks) - 256} merges, {spec.bpe_merges} asked")
+    return ranks
+
+
+def _build(dest: Path, fill: Callable[[Path], None], replace: bool) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
     try:
-        _write_into(tmp, spec, seed)
+        fill(tmp)
         if dest.exists() and not replace:  # another process finished first
             shutil.rmtree(tmp)
         else:
@@ -313,12 +489,8 @@ def _build(dest: Path, spec: DemoSpec, seed: int, replace: bool) -> Path:
     return dest
 
 
-def _write_into(out: Path, spec: DemoSpec, seed: int) -> None:
-    ranks = train_bpe(DEMO_CORPUS.encode(), spec.bpe_merges)
-    if len(ranks) != spec.base_vocab:
-        raise ValueError(f"the demo corpus supports only {len(ranks) - 256} merges, {spec.bpe_merges} asked")
+def _write_into(out: Path, spec: DemoSpec, weights: WeightSource, ranks: dict[bytes, int]) -> None:
     write_tokenizer(out, ranks)
-
     plan = tensor_plan(spec)
     index = _shard_index([t.nbytes for t in plan], spec.num_shards)
     m = index[-1] + 1
@@ -328,7 +500,7 @@ def _write_into(out: Path, spec: DemoSpec, seed: int) -> None:
         tensors = [t for t, i in zip(plan, index) if i == k]
         with ShardWriter(out / fname, tensors, {"format": "pt"}) as w:
             for t in tensors:
-                w.write(t.name, _array(seed, t))
+                w.write(t.name, weights(t))
                 weight_map[t.name] = fname
     total = sum(t.nbytes for t in plan)
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})

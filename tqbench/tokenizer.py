@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import heapq
 import json
-import os
 from collections import Counter, defaultdict
 from pathlib import Path
 
