@@ -342,3 +342,20 @@ def test_cli_incomplete_checkpoint_exits_3(small: Path, tmp_path: Path) -> None:
     assert r.exit_code == 3
     assert "incomplete checkpoint" in r.stderr
     assert any("incomplete checkpoint" in w for w in json.loads(r.stdout)["plans"][0]["warnings"])
+
+
+def test_unit_sizes_are_the_units(tmp_path) -> None:
+    """The fast shard count (unit_sizes) and the units convert writes agree, in both layouts and with kept experts."""
+    from tqbench.demo import DemoSpec, write_source
+    from tqbench.recipe.files import file_units, unit_sizes
+
+    src = write_source(tmp_path / "demo", DemoSpec(), seed=0)
+    sources = group_sources(open_checkpoint(src))
+    for name in ("tq3a-tqTe-down4-g32", "tq3a-mxfp4e-g64", "tq4-g64"):
+        for layout in ("streaming", "stacked"):
+            p = make_plan(sources, Recipe.parse(name), 100_000, layout)
+            units = file_units(p.modules, layout)
+            assert list(unit_sizes(p.modules, layout)) == [u.nbytes for u in units]
+            assert sum(u.nbytes for u in units) == p.total_bytes
+            experts = [u for u in units if u.expert is not None]
+            assert len(experts) == (3 * 16 if layout == "streaming" else 0)

@@ -33,7 +33,8 @@ import numpy as np
 
 from tqbench.paths import cache_dir
 from tqbench.quant.mxfp4 import pack_mxfp4
-from tqbench.skeleton import K3_TEXT_CONFIG, k3_tensor_specs, shard_name
+from tqbench.recipe.files import shard_file
+from tqbench.skeleton import K3_TEXT_CONFIG, k3_tensor_specs
 from tqbench.tokenizer import NAMED_SPECIAL, NUM_SPECIAL, train_bpe, write_tokenizer
 from tqbench.writer import ShardWriter, TensorSpec, to_bf16
 
@@ -496,7 +497,7 @@ def _write_into(out: Path, spec: DemoSpec, weights: WeightSource, ranks: dict[by
     m = index[-1] + 1
     weight_map: dict[str, str] = {}
     for k in range(m):
-        fname = shard_name(k, m)
+        fname = shard_file(k, m)
         tensors = [t for t, i in zip(plan, index) if i == k]
         with ShardWriter(out / fname, tensors, {"format": "pt"}) as w:
             for t in tensors:

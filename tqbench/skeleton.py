@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tqbench.recipe.files import assign_shards, shard_file
 from tqbench.writer import TensorSpec, header_bytes
 
 # The published Kimi K3 config (text part under text_config), as described in shared/reference/kimi-k3.md.
@@ -163,33 +164,16 @@ def k3_tensor_specs(text: dict[str, Any], prefix: str = "language_model.") -> li
     return specs
 
 
-def split_shards(specs: list[TensorSpec], shard_size: int) -> list[list[TensorSpec]]:
-    """Greedy split in order into shards of at most `shard_size` data bytes (a larger tensor gets its own shard)."""
-    shards: list[list[TensorSpec]] = [[]]
-    size = 0
-    for s in specs:
-        if shards[-1] and size + s.nbytes > shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(s)
-        size += s.nbytes
-    return shards
-
-
-def shard_name(i: int, n: int) -> str:
-    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-
-
 def write_skeleton(dest: Path, config: dict[str, Any], specs: list[TensorSpec], shard_size: int = 5 * 2**30) -> Path:
     """Write config.json, an index and sparse shards whose headers describe `specs` (data left unwritten)."""
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    groups = split_shards(specs, shard_size)
+    groups = assign_shards(specs, shard_size)
     weight_map: dict[str, str] = {}
     for i, group in enumerate(groups):
-        name = shard_name(i, len(groups))
+        name = shard_file(i, len(groups))
         head = header_bytes(group)
         with open(tmp / name, "wb") as f:
             f.write(head)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, TypeVar
 
 from tqbench.source.naming import Role
 from tqbench.source.shard import DTYPE_SIZES
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from tqbench.recipe.plan import ModulePlan
 
 LAYOUTS = ("streaming", "stacked")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,68 +79,61 @@ def expert_module_name(module: ModulePlan, expert: int) -> str:
     return f"{moe}.experts.{expert}.{s.tname.projection}_proj"
 
 
-def file_units(modules: Iterable[ModulePlan], layout: str = "streaming") -> list[Unit]:
+def _groups(modules: Iterable[ModulePlan], layout: str) -> Iterator[list[ModulePlan]]:
+    """Modules in file order, grouped: one layer's routed-expert modules together (streaming layout), any other
+    module alone."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    units: list[Unit] = []
-    run: list[ModulePlan] = []  # one layer's routed-expert modules
+    run: list[ModulePlan] = []
+    for m in modules:
+        if layout == "streaming" and m.role is Role.ROUTED_EXPERT and m.source.experts:
+            if run and run[0].source.tname.layer != m.source.tname.layer:
+                yield run
+                run = []
+            run.append(m)
+            continue
+        if run:
+            yield run
+            run = []
+        yield [m]
+    if run:
+        yield run
 
-    def flush() -> None:
-        if not run:
-            return
-        layer = run[0].source.tname.layer
-        shared = [Piece(o, m, _param(m, o)) for m in run for o in m.outputs if not o.streamed]
-        units.extend(Unit((p,), layer) for p in shared)
-        for e in range(max(m.source.experts for m in run)):
+
+def _is_run(group: list[ModulePlan]) -> bool:
+    return any(o.streamed for o in group[0].outputs) and group[0].role is Role.ROUTED_EXPERT
+
+
+def file_units(modules: Iterable[ModulePlan], layout: str = "streaming") -> list[Unit]:
+    units: list[Unit] = []
+    for group in _groups(modules, layout):
+        layer = group[0].source.tname.layer
+        if layout != "streaming" or not _is_run(group):
+            units.extend(Unit((Piece(o, m, _param(m, o)),), layer) for m in group for o in m.outputs)
+            continue
+        # Per-layer tensors every expert shares come first, then each expert's tensors back to back.
+        units.extend(Unit((Piece(o, m, _param(m, o)),), layer) for m in group for o in m.outputs if not o.streamed)
+        for e in range(max(m.source.experts for m in group)):
             pieces = []
-            for m in run:
+            for m in group:
                 for o in m.outputs:
                     if o.streamed:
                         param = _param(m, o)
                         out = OutTensor(f"{expert_module_name(m, e)}.{param}", o.dtype, o.shape[1:], True)
                         pieces.append(Piece(out, m, param, e))
             units.append(Unit(tuple(pieces), layer, e))
-        run.clear()
-
-    for m in modules:
-        streamable = layout == "streaming" and m.role is Role.ROUTED_EXPERT and m.source.experts
-        if streamable and (not run or run[0].source.tname.layer == m.source.tname.layer):
-            run.append(m)
-            continue
-        flush()
-        if streamable:
-            run.append(m)
-        else:
-            units.extend(Unit((Piece(o, m, _param(m, o)),), m.source.tname.layer) for o in m.outputs)
-    flush()
     return units
 
 
-def unit_sizes(modules: Iterable[ModulePlan], layout: str = "streaming") -> Iterable[int]:
+def unit_sizes(modules: Iterable[ModulePlan], layout: str = "streaming") -> Iterator[int]:
     """The byte sizes of file_units(modules, layout), without building them (K3 has 82,432 expert units)."""
-    run: list[ModulePlan] = []
-
-    def flush() -> Iterable[int]:
-        if run:
-            yield from (o.nbytes for m in run for o in m.outputs if not o.streamed)
-            experts = {m.source.experts for m in run}
-            if len(experts) != 1:  # ragged layers: fall back to the exact units
-                yield from (u.nbytes for u in file_units(run, layout))
-            else:
-                yield from [sum(o.nbytes // o.shape[0] for m in run for o in m.outputs if o.streamed)] * experts.pop()
-            run.clear()
-
-    for m in modules:
-        streamable = layout == "streaming" and m.role is Role.ROUTED_EXPERT and m.source.experts
-        if streamable and (not run or run[0].source.tname.layer == m.source.tname.layer):
-            run.append(m)
+    for group in _groups(modules, layout):
+        experts = {m.source.experts for m in group}
+        if layout != "streaming" or not _is_run(group) or len(experts) != 1:
+            yield from (u.nbytes for u in file_units(group, layout))  # small, or ragged layers: the exact units
             continue
-        yield from flush()
-        if streamable:
-            run.append(m)
-        else:
-            yield from (o.nbytes for o in m.outputs)
-    yield from flush()
+        yield from (o.nbytes for m in group for o in m.outputs if not o.streamed)
+        yield from [sum(o.nbytes // o.shape[0] for m in group for o in m.outputs if o.streamed)] * experts.pop()
 
 
 def count_shards(sizes: Iterable[int], shard_size: int) -> int:
@@ -153,9 +147,10 @@ def count_shards(sizes: Iterable[int], shard_size: int) -> int:
     return shards
 
 
-def assign_shards(units: Iterable[Unit], shard_size: int) -> list[list[Unit]]:
-    """Greedy split in order: a new shard when the next unit would pass `shard_size` (a larger unit gets a shard)."""
-    shards: list[list[Unit]] = []
+def assign_shards(units: Iterable[T], shard_size: int) -> list[list[T]]:
+    """Greedy split in order of anything with `nbytes` (units, tensor specs): a new shard when the next one would
+    pass `shard_size` (a larger one gets a shard of its own)."""
+    shards: list[list[T]] = []
     used = 0
     for u in units:
         if not shards or (used and used + u.nbytes > shard_size):
