@@ -14,6 +14,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColum
 from rich.table import Table
 
 from tqbench import units
+from tqbench.cli import options
 from tqbench.cli.plan import _recipes
 from tqbench.errors import TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
@@ -25,23 +26,21 @@ def convert(
     mlx_path: Annotated[Path, typer.Option("--mlx-path", help="Output directory (created; resumed if interrupted).")],
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", metavar="NAME",
                                                   help="Recipe name, e.g. tq3a-tqTe-down4-g64.")] = None,
-    bits: Annotated[Optional[int], typer.Option(help="Base bits for non-expert Linears (TurboQuant 2-4).")] = None,
-    group_size: Annotated[Optional[int], typer.Option("--group-size", "-g", help="Group size: 32, 64 or 128.")] = None,
-    attn_bits: Annotated[Optional[int], typer.Option(help="Attention bits (default: --bits).")] = None,
-    mlp_bits: Annotated[Optional[int], typer.Option(help="Routed-expert bits (default: --bits).")] = None,
-    ternary_experts: Annotated[bool, typer.Option("--ternary-experts", help="Ternary routed experts.")] = False,
-    expert_down_bits: Annotated[Optional[int], typer.Option(help="Routed experts' down_proj bits.")] = None,
-    mlp_group_size: Annotated[Optional[int], typer.Option(help="Routed experts' group size.")] = None,
-    no_rotation: Annotated[bool, typer.Option("--no-rotation", help="No Hadamard rotation.")] = False,
-    seed: Annotated[Optional[int], typer.Option(help="Rotation seed (default 42).")] = None,
-    fmt: Annotated[Optional[str], typer.Option("--format", metavar="FORMAT",
-                                               help="Base tier format: turboquant, affine or source.")] = None,
-    expert_format: Annotated[Optional[str], typer.Option(
-        metavar="FORMAT", help="Routed-expert format: turboquant, affine, mxfp4 or source.")] = None,
+    bits: options.Bits = None,
+    group_size: options.GroupSize = None,
+    attn_bits: options.AttnBits = None,
+    mlp_bits: options.MlpBits = None,
+    ternary_experts: options.TernaryExperts = False,
+    expert_down_bits: options.ExpertDownBits = None,
+    mlp_group_size: options.MlpGroupSize = None,
+    no_rotation: options.NoRotation = False,
+    seed: options.Seed = None,
+    fmt: options.BaseFormat = None,
+    expert_format: options.ExpertFormat = None,
     streaming: Annotated[bool, typer.Option(
         "--streaming", help="Lay experts out for streaming (one read per expert). Always on: the only layout "
                             "tqbench writes; accepted for TurboQuant-MLX's command line.")] = True,
-    shard_size: Annotated[str, typer.Option(metavar="SIZE", help="Output shard size.")] = "5GiB",
+    shard_size: options.ShardSize = "5GiB",
     force: Annotated[bool, typer.Option("--force", help="Replace an output of another recipe or source.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print engine events as JSON lines on stdout.")] = False,
 ) -> None:

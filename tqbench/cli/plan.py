@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tqbench import units
+from tqbench.cli import options
 from tqbench.errors import ExitCode, TqbenchError
 from tqbench.recipe.fit import GB, Fit, Machine, Verdict, assess, machine, measure_disk, parse_size
 from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan
@@ -36,19 +37,17 @@ def plan(
     recipe: Annotated[Optional[list[str]], typer.Option(
         "--recipe", "-r", metavar="NAME",
         help="A recipe name, e.g. tq3a-tqTe-down4-g64 (repeat to compare side by side).")] = None,
-    bits: Annotated[Optional[int], typer.Option(help="Base bits for non-expert Linears (TurboQuant 2-4).")] = None,
-    group_size: Annotated[Optional[int], typer.Option("--group-size", "-g", help="Group size: 32, 64 or 128.")] = None,
-    attn_bits: Annotated[Optional[int], typer.Option(help="Attention bits (default: --bits).")] = None,
-    mlp_bits: Annotated[Optional[int], typer.Option(help="Routed-expert bits (default: --bits).")] = None,
-    ternary_experts: Annotated[bool, typer.Option("--ternary-experts", help="Ternary routed experts.")] = False,
-    expert_down_bits: Annotated[Optional[int], typer.Option(help="Routed experts' down_proj bits.")] = None,
-    mlp_group_size: Annotated[Optional[int], typer.Option(help="Routed experts' group size.")] = None,
-    no_rotation: Annotated[bool, typer.Option("--no-rotation", help="No Hadamard rotation.")] = False,
-    seed: Annotated[Optional[int], typer.Option(help="Rotation seed (default 42).")] = None,
-    fmt: Annotated[Optional[str], typer.Option(
-        "--format", metavar="FORMAT", help="Base tier format: turboquant, affine or source.")] = None,
-    expert_format: Annotated[Optional[str], typer.Option(
-        metavar="FORMAT", help="Routed-expert format: turboquant, affine, mxfp4 or source.")] = None,
+    bits: options.Bits = None,
+    group_size: options.GroupSize = None,
+    attn_bits: options.AttnBits = None,
+    mlp_bits: options.MlpBits = None,
+    ternary_experts: options.TernaryExperts = False,
+    expert_down_bits: options.ExpertDownBits = None,
+    mlp_group_size: options.MlpGroupSize = None,
+    no_rotation: options.NoRotation = False,
+    seed: options.Seed = None,
+    fmt: options.BaseFormat = None,
+    expert_format: options.ExpertFormat = None,
     memory: Annotated[Optional[str], typer.Option(
         metavar="SIZE", help="Memory to plan for, e.g. 512GB or 64GiB (default: this machine's RAM).")] = None,
     gpu_limit: Annotated[Optional[str], typer.Option(
@@ -60,7 +59,7 @@ def plan(
         help="Expert-cache hit rate 0..1 for the tok/s ceiling (default: the cached fraction of experts).")] = None,
     reduced_k: Annotated[Optional[int], typer.Option(
         help="Reduced experts per token (default: half of top-k).")] = None,
-    shard_size: Annotated[str, typer.Option(metavar="SIZE", help="Output shard size.")] = "5GiB",
+    shard_size: options.ShardSize = "5GiB",
     tensors: Annotated[Optional[str], typer.Option(
         metavar="GLOB", help="List planned output tensors of modules matching GLOB, e.g. '*layers.3.*'.")] = None,
     limit: Annotated[int, typer.Option(help="Rows of the tensor table (JSON lists all).")] = 50,
