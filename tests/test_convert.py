@@ -312,3 +312,24 @@ def test_bytes_in_is_the_source_once(demo_src, tmp_path):
     index = json.loads((demo_src / "model.safetensors.index.json").read_text())
     assert events[0].bytes_in == index["metadata"]["total_size"]
     assert sum(e.bytes_in for e in events if isinstance(e, UnitConverted)) == events[0].bytes_in
+
+
+def test_ctrl_c_exits_130_and_leaves_a_resumable_output(demo_src, tmp_path):
+    import signal
+
+    dst = tmp_path / "out"
+    cmd = [sys.executable, "-m", "tqbench", "convert", "--hf-path", str(demo_src), "--mlx-path", str(dst),
+           "--recipe", "tq3a-tqTe-down4-g64", "--shard-size", str(SHARD), "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if json.loads(line)["event"] == "ShardWritten":
+            proc.send_signal(signal.SIGINT)
+            break
+    proc.stdout.read()
+    assert proc.wait(timeout=60) == 130
+    assert proc.stderr.read().strip().endswith("tqbench: interrupted")
+    assert not list(dst.glob("*.partial")) and not (dst / "model.safetensors.index.json").exists()
+    assert _cli(demo_src, dst).returncode == 0
+    ref = tmp_path / "ref"
+    run(demo_src, ref, "tq3a-tqTe-down4-g64")
+    assert file_bytes(dst) == file_bytes(ref)

@@ -132,7 +132,10 @@ def run() -> None:
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(standalone_mode=False)
-        sys.exit(code if isinstance(code, int) else ExitCode.OK)
+        code = code if isinstance(code, int) else ExitCode.OK
+        if code == ExitCode.INTERRUPTED:  # Typer turns Ctrl-C inside a command into Exit(130)
+            print("tqbench: interrupted", file=sys.stderr)
+        sys.exit(code)
     except TqbenchError as e:
         print(f"tqbench: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
@@ -141,7 +144,8 @@ def run() -> None:
         sys.exit(ExitCode.INTERRUPTED)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except typer.Abort:
+    except typer.Abort:  # click's name for Ctrl-C inside a command
+        print("tqbench: interrupted", file=sys.stderr)
         sys.exit(ExitCode.INTERRUPTED)
     except typer.TyperException as e:  # usage errors: bad option values, missing arguments
         e.show()
