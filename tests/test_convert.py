@@ -333,3 +333,19 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_output(demo_src, tmp_path):
     ref = tmp_path / "ref"
     run(demo_src, ref, "tq3a-tqTe-down4-g64")
     assert file_bytes(dst) == file_bytes(ref)
+
+
+@pytest.mark.parametrize("name", ["tq3a-tqTe-down4-g64", "affine4-g64", "tq3a-tq2e-g32-mlpg128", "tq3a-mxfp4e-g64"])
+def test_inspect_reads_a_converted_output(demo_src, tmp_path, name):
+    """Inspecting the output finds the same parameters as the source, and names the formats."""
+    from tqbench.source import summarize
+
+    run(demo_src, tmp_path / "out", name)
+    src, out = summarize(open_checkpoint(demo_src)), summarize(open_checkpoint(tmp_path / "out"))
+    assert out.params == src.params and out.active_params == src.active_params
+    assert out.experts.experts_per_layer == SPEC.num_experts and out.experts.moe_layers == src.experts.moe_layers
+    routed = {g.key: g.formats for g in out.by_role}["routed_expert"]
+    # mlpg128 keeps the 64-wide gate/up experts as they are (in % 128 != 0): mxfp4 in MLX's layout.
+    expected = {"tq3a-tqTe-down4-g64": {"turboquant"}, "affine4-g64": {"affine"},
+                "tq3a-tq2e-g32-mlpg128": {"mlx-mxfp4", "turboquant"}, "tq3a-mxfp4e-g64": {"mxfp4"}}[name]
+    assert set(routed) == expected

@@ -24,7 +24,7 @@ from tqbench.convert.journal import JOURNAL, Journal, write_atomic, write_json
 from tqbench.convert.produce import Producer, shared_expert_piece
 from tqbench.errors import CheckpointError, TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
-from tqbench.recipe.files import Unit, assign_shards, file_units, shard_file
+from tqbench.recipe.files import Unit, assign_shards, expert_module_name, file_units, shard_file
 from tqbench.recipe.plan import SHARD_SIZE, Plan, group_sources, make_plan
 from tqbench.recipe.recipe import Format, Recipe
 from tqbench.source.checkpoint import INDEX_FILE, Checkpoint, open_checkpoint
@@ -348,10 +348,15 @@ def converted_config(ckpt: Checkpoint, plan: Plan) -> dict[str, Any]:
     for m in plan.modules:
         c = m.choice
         if c.format in (Format.TURBOQUANT, Format.AFFINE):
-            modules[m.name] = {"format": c.format.value, "bits": None if c.ternary else c.bits,
-                               "ternary": c.ternary, "group_size": c.group_size}
+            entry = {"format": c.format.value, "bits": None if c.ternary else c.bits, "ternary": c.ternary,
+                     "group_size": c.group_size}
         elif c.format is Format.MXFP4:
-            modules[m.name] = {"format": "mxfp4", "bits": 4, "group_size": 32}
+            entry = {"format": "mxfp4", "bits": 4, "ternary": False, "group_size": 32}
+        else:
+            continue
+        modules[m.name] = entry
+        if m.source.experts:  # the per-expert tensors, `<moe>.experts.*.<proj>`, share it
+            modules[expert_module_name(m, "*")] = entry
     config["quantization"] = {"method": "tqbench", "recipe": plan.recipe.to_dict(), "layout": "streaming",
                               "expert_map": EXPERT_MAP, "modules": modules}
     return config

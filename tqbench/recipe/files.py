@@ -68,7 +68,7 @@ def _param(module: ModulePlan, out: OutTensor) -> str:
     return out.name[len(prefix):] if out.name.startswith(prefix) else out.name
 
 
-def expert_module_name(module: ModulePlan, expert: int) -> str:
+def expert_module_name(module: ModulePlan, expert: int | str) -> str:
     """`<moe>.experts.E.<proj>`: the source's per-expert name (`experts.E.w1`), or `<proj>_proj` for stacked sources."""
     s = module.source
     if s.per_expert:

@@ -161,8 +161,9 @@ def _classify_all(entries: list[TensorEntry], config: ModelConfig) -> tuple[Tens
         if n.role is Role.ATTENTION and n.attention == "generic" and n.layer in layer_kind:
             n = replace(n, attention=layer_kind[n.layer])
         parts = modules[n.module]
-        fmt = module_format(parts, config)
-        out.append(Tensor(t, n, fmt, _params(t, n, parts, fmt, config)))
+        entry = converted_entry(config, n.module)
+        fmt = entry["format"] if entry else module_format(parts, config)
+        out.append(Tensor(t, n, fmt, _params(t, n, parts, fmt, config, entry)))
     return tuple(out)
 
 
@@ -184,6 +185,15 @@ def _classify_cached(name: str, cache: dict[str, TensorName]) -> TensorName:
     module = template.module.replace(".experts.0.", f".experts.{e}.", 1)
     t = template
     return TensorName(name, t.role, module, t.param, t.layer, e, t.stacked, t.projection, t.attention)
+
+
+def converted_entry(config: ModelConfig, module: str) -> dict | None:
+    """What a tqbench conversion's config records for a module (per-expert modules under `experts.*`)."""
+    q = config.quantization or {}
+    if q.get("method") != "tqbench":
+        return None
+    modules = q.get("modules") or {}
+    return modules.get(module) or modules.get(_EXPERT_NUMBER.sub(".experts.*.", module + ".")[:-1])
 
 
 def module_format(parts: dict[str, TensorEntry], config: ModelConfig) -> str:
@@ -213,9 +223,12 @@ def _mlx_mode(parts: dict[str, TensorEntry]) -> str:
     return "mxfp4" if parts["scales"].dtype == "U8" else "quantized"
 
 
-def _params(t: TensorEntry, n: TensorName, parts: dict[str, TensorEntry], fmt: str, config: ModelConfig) -> int:
+def _params(t: TensorEntry, n: TensorName, parts: dict[str, TensorEntry], fmt: str, config: ModelConfig,
+            entry: dict | None = None) -> int:
     if n.param in _METADATA_PARAMS:
         return 0
+    if entry is not None and n.param == "weight" and "scales" in parts:  # a tqbench output: the config has g
+        return math.prod(t.shape[:-1]) * parts["scales"].shape[-1] * int(entry["group_size"])
     if fmt in ("mxfp4", "nvfp4") and n.param == "weight_packed":
         return t.numel * 2  # two 4-bit codes per byte
     if fmt in ("mlx-affine", "mlx-mxfp4", "mlx-quantized") and n.param == "weight":
