@@ -83,7 +83,8 @@ def _render(events, err: Console) -> ConvertFinished:
             if isinstance(ev, ConvertStarted):
                 resumed = (f" (resuming: {ev.resumed_shards} of {ev.shards} shards done)"
                            if ev.resumed_shards else "")
-                err.print(f"converting {ev.source} -> {ev.dest} with {ev.recipe}: {ev.shards} shards, "
+                err.print(f"converting {ev.source} -> {ev.dest} with {ev.recipe}: {ev.shards} "
+                          f"shard{'s' if ev.shards != 1 else ''}, "
                           f"{units.gb(ev.bytes_in)} in, {units.gb(ev.bytes_out)} out{resumed}")
                 task = progress.add_task("convert", total=ev.bytes_in, completed=ev.resumed_bytes_in,
                                          rate="", what="")
