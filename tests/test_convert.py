@@ -349,3 +349,37 @@ def test_inspect_reads_a_converted_output(demo_src, tmp_path, name):
     expected = {"tq3a-tqTe-down4-g64": {"turboquant"}, "affine4-g64": {"affine"},
                 "tq3a-tq2e-g32-mlpg128": {"mlx-mxfp4", "turboquant"}, "tq3a-mxfp4e-g64": {"mxfp4"}}[name]
     assert set(routed) == expected
+
+
+def test_stacked_bf16_experts_convert_one_expert_at_a_time(tmp_path):
+    """An MLX-style source (stacked `switch_mlp` bf16 experts): each output expert is its own slice, quantized."""
+    from tqbench.writer import save_shard, to_bf16, from_bf16
+
+    E, hidden, inter = 4, 64, 128
+    rng = np.random.default_rng(5)
+    experts = {p: to_bf16(rng.standard_normal(shape).astype(np.float32) / 8)
+               for p, shape in (("gate_proj", (E, inter, hidden)), ("up_proj", (E, inter, hidden)),
+                                ("down_proj", (E, hidden, inter)))}
+    src = tmp_path / "src"
+    src.mkdir()
+    save_shard(src / "model.safetensors", {
+        **{f"model.layers.0.mlp.switch_mlp.{p}.weight": ("BF16", w) for p, w in experts.items()},
+        "model.layers.0.mlp.gate.weight": ("BF16", to_bf16(rng.standard_normal((E, hidden)).astype(np.float32))),
+    })
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": 2,
+                                                 "num_hidden_layers": 1, "hidden_size": hidden}))
+    dst = tmp_path / "out"
+    run(src, dst, "tq4-g32", shard_size=10**9)
+    emap = json.loads((dst / EXPERT_MAP).read_text())["layers"]["0"]
+    assert list(emap["tensors"]) == ["gate_proj.weight", "gate_proj.scales", "up_proj.weight", "up_proj.scales",
+                                     "down_proj.weight", "down_proj.scales"]
+    for e in range(E):
+        for p, w in experts.items():
+            prefix = f"model.layers.0.mlp.experts.{e}.{p}"
+            shared = f"model.layers.0.mlp.switch_mlp.{p}"
+            w_hat = tq.dequantize(mx.array(read(dst, f"{prefix}.weight")), mx.array(read(dst, f"{prefix}.scales")),
+                                  mx.array(read(dst, f"{shared}.codebook")), mx.array(read(dst, f"{shared}.signs")),
+                                  w.shape[-1])
+            source = from_bf16(w[e])
+            rel = np.linalg.norm(np.array(w_hat) - source) / np.linalg.norm(source)
+            assert 0.07 < rel < 0.12, (e, p, rel)  # 4-bit: sqrt(0.0095) ~ 0.097
