@@ -16,6 +16,7 @@ from textual.widgets import Input, ProgressBar, Static
 
 import tqbench.convert
 import tqbench.convert.pipeline as pipeline
+from tui_helpers import settle
 from tqbench import units
 from tqbench.convert import destination_status, layout
 from tqbench.convert.pipeline import REPORT
@@ -67,17 +68,6 @@ def output_files(dst: Path) -> dict[str, bytes]:
             data = json.dumps(doc).encode()
         out[p.name] = data
     return out
-
-
-async def settle(pilot) -> None:
-    """Wait for the check and convert workers, the workers they lead to, and the messages they post."""
-    for _ in range(50):
-        await pilot.app.workers.wait_for_complete()
-        await pilot.pause()
-        if not any(w.is_running for w in pilot.app.workers):
-            await pilot.pause()
-            if not any(w.is_running for w in pilot.app.workers):
-                return
 
 
 async def open_convert(pilot, shard: int | None = SHARD) -> ConvertScreen:

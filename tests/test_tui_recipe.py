@@ -14,6 +14,7 @@ from textual.widgets import Input, Static
 
 from cli_helpers import tqbench
 from test_tui import write_tiny
+from tui_helpers import settle
 from tqbench import units
 from tqbench.recipe import Recipe, assess, group_sources, machine, make_plan, parse_size
 from tqbench.recipe.fit import GB, Verdict, disk_cache_file
@@ -47,17 +48,6 @@ def engine(tiny):
         return plan, assess(plan.footprint, machine(parse_size(memory), None, None, gbps * GB))
 
     return plan_and_fit
-
-
-async def settle(pilot) -> None:
-    """Wait for the load, grouping and plan workers, the workers they lead to, and the messages they post."""
-    for _ in range(8):
-        await pilot.app.workers.wait_for_complete()
-        await pilot.pause()
-        if not any(w.is_running for w in pilot.app.workers):
-            await pilot.pause()
-            if not any(w.is_running for w in pilot.app.workers):
-                return
 
 
 async def open_recipe_screen(pilot, memory: str = RESIDENT_MEMORY, disk: str = DISK) -> RecipeScreen:
