@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from tqbench.quant import turboquant as tq
-from tqbench.recipe.files import Piece, Unit
+from tqbench.recipe.files import Piece, Unit, expert_module_name
 from tqbench.recipe.plan import ModulePlan
 from tqbench.recipe.recipe import Format, Recipe
 from tqbench.source.checkpoint import Checkpoint
@@ -55,16 +55,14 @@ class Producer:
         if expert is None or not s.experts:
             return {t.name.param: t.entry for t in s.tensors}
         if s.per_expert:
-            first = s.template[0].name.module
-            i = first.rfind(".experts.")
-            module = f"{first[:i]}.experts.{expert}.{first[i + len('.experts.'):].partition('.')[2]}"
+            module = expert_module_name(m, expert)  # the source's own per-expert name
             return {t.name.param: self.entries[f"{module}.{t.name.param}"] for t in s.template}
         return {t.name.param: _slice(t.entry, expert, s.experts) for t in s.tensors}
 
     def decode(self, parts: dict[str, TensorEntry], fmt: str) -> mx.array:
         """The module's weight as float32 (out, in)."""
         read = self.reader.read_mlx
-        if fmt in ("mxfp4",):
+        if fmt == "mxfp4":
             return decode_mxfp4(read(parts["weight_packed"]), read(parts["weight_scale"]))
         if fmt == "fp8":
             scale = parts.get("weight_scale_inv") or parts["weight_scale"]
