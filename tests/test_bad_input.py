@@ -86,6 +86,19 @@ def _no_config(root):
     return root.name, "no config.json"
 
 
+def _empty_config(root):
+    (root / "config.json").write_text("{}")
+    return "config.json", "no model_type"
+
+
+def _config_without_model_type(root):
+    config = json.loads((root / "config.json").read_text())
+    config.pop("model_type", None)
+    config.get("text_config", {}).pop("model_type", None)
+    (root / "config.json").write_text(json.dumps(config))
+    return "config.json", "no model_type"
+
+
 def _not_a_checkpoint(root):
     for p in root.glob("*.safetensors"):
         p.unlink()
@@ -106,7 +119,8 @@ def _unknown_expert_naming(root):
 
 
 @pytest.mark.parametrize("breaker", [_truncate, _huge_header_length, _bad_json, _unknown_dtype, _wrong_length,
-                                     _overlap, _outside, _no_config, _not_a_checkpoint, _unknown_expert_naming])
+                                     _overlap, _outside, _no_config, _empty_config, _config_without_model_type,
+                                     _not_a_checkpoint, _unknown_expert_naming])
 def test_bad_checkpoint_gives_one_clear_line(breaker, small_k3, capsys, monkeypatch):
     where, what = breaker(small_k3)
     before = file_bytes(small_k3)
@@ -117,6 +131,16 @@ def test_bad_checkpoint_gives_one_clear_line(breaker, small_k3, capsys, monkeypa
     assert len(lines) == 1, r.err
     assert lines[0].startswith("tqbench: error: ") and where in lines[0] and what in lines[0], lines[0]
     assert file_bytes(small_k3) == before  # nothing written, nothing changed
+
+
+def test_config_without_model_type_is_refused_by_convert(small_k3, tmp_path, capsys, monkeypatch):
+    (small_k3 / "config.json").write_text("{}")
+    dest = tmp_path / "out"
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", small_k3, "--mlx-path", dest, "-r", "tq4-g64")
+    assert r.code == ExitCode.BAD_INPUT and r.out == ""
+    assert r.err.strip() == f"tqbench: error: {small_k3 / 'config.json'}: no model_type (at the top level or under " \
+                            "text_config): not a model config"
+    assert not dest.exists()
 
 
 def test_missing_shard_reports_the_rest(small_k3, capsys, monkeypatch):

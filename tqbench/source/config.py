@@ -49,7 +49,18 @@ def read_config(directory: Path) -> ModelConfig:
         raise CheckpointError(f"invalid JSON ({e})", path) from None
     if not isinstance(raw, dict):
         raise CheckpointError("not a JSON object", path)
+    if not _model_type(raw):
+        raise CheckpointError("no model_type (at the top level or under text_config): not a model config", path)
     return parse_config(raw)
+
+
+def _model_type(raw: dict[str, Any]) -> str | None:
+    """The model type at the top level, else under a multimodal `text_config`; None when neither has one."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    for value in (raw.get("model_type"), text.get("model_type")):
+        if isinstance(value, str) and value.strip():
+            return value
+    return None
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
@@ -59,7 +70,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     quant = _first(raw, "quantization_config", "quantization") or _first(text, "quantization_config", "quantization")
     return ModelConfig(
         raw=raw,
-        model_type=str(_first(raw, "model_type", default=_first(text, "model_type", default="unknown"))),
+        model_type=_model_type(raw) or "unknown",
         hidden_size=_first(text, "hidden_size", "d_model", "n_embd"),
         num_layers=_first(text, "num_hidden_layers", "n_layer", "num_layers"),
         vocab_size=_first(text, "vocab_size"),
