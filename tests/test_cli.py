@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from cli_helpers import tqbench
 from tqbench import __version__
@@ -46,3 +49,22 @@ def test_inspect_tables(small_k3, capsys, monkeypatch):
     assert r.code == 0 and "mla" in r.out and "kda" in r.out
     r = tqbench(capsys, monkeypatch, "inspect", small_k3, "--by", "shard", "--tensors", "*embed*")
     assert r.code == 0 and "model-00001-of-" in r.out and "embed_tokens" in r.out
+
+
+@pytest.mark.parametrize("args", [[], ["ui"]])
+def test_ui_without_a_terminal_is_refused_at_once(args):
+    """Piped or redirected, the full-screen UI would spin at 99% CPU forever: one line on stderr and exit 2."""
+    command = [sys.executable, "-m", "tqbench", *args]
+    done = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "needs a terminal" in done.stderr
+    # A terminal on stdin but stdout piped: refused the same way.
+    leader, follower = os.openpty()
+    try:
+        done = subprocess.run(command, stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=60)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert done.returncode == 2 and done.stdout == "" and "needs a terminal" in done.stderr

@@ -122,6 +122,11 @@ app.command()(convert)
 
 
 def _open_ui(path: Path | None) -> None:
+    """The full-screen UI, on a terminal only: without one (piped, redirected, no stdin) Textual would spin forever."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        print("tqbench: error: the full-screen UI needs a terminal on stdin and stdout; "
+              "without one, run a command (tqbench --help)", file=sys.stderr)
+        raise typer.Exit(ExitCode.USAGE)
     from tui.app import TqbenchApp
 
     TqbenchApp(path).run()
