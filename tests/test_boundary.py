@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import pkgutil
 import subprocess
 import sys
@@ -34,3 +35,19 @@ def test_engine_never_imports_ui_libraries():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(done.stdout) == []
+
+
+def test_engine_never_imports_the_tui():
+    """`tqbench/` imports `tui` in one place only: where the `tqbench` command opens the UI."""
+    pattern = re.compile(r"^\s*(import|from)\s+tui\b", re.M)
+    importers = sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py") if pattern.search(p.read_text()))
+    assert importers == ["tqbench/cli/main.py"]
+
+
+def test_one_engine_thread_module():
+    """Both faces run MLX work through tqbench.engine; the TUI keeps no thread machinery of its own."""
+    tui = ROOT.parent / "tui"
+    assert not (tui / "background.py").exists()
+    users = sorted(str(p.relative_to(ROOT.parent)) for p in [*tui.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]
+                   if "tqbench.engine" in p.read_text())
+    assert "tqbench/cli/convert.py" in users and "tui/screens/convert.py" in users

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from textual import work
 from textual.app import App
 from textual.binding import Binding
 from textual.reactive import reactive
 
+from tqbench.engine import engine
 from tqbench.recipe import Recipe
 from tui.screens.convert import ConvertScreen
 from tui.screens.recipe import RecipeScreen
@@ -39,18 +41,22 @@ class TqbenchApp(App[None]):
     def __init__(self, path: Path | str | None = None) -> None:
         super().__init__()
         self.start_path = Path(path).expanduser() if path is not None else None
-        self.conversion: ConvertScreen | None = None  # the Convert screen while it runs a conversion
         self._quitting = False
 
     async def action_quit(self) -> None:
-        """A running conversion is stopped first (it keeps only whole shards, so it resumes later); q again quits
-        without waiting for the screen."""
-        if self.conversion is not None and not self._quitting:
+        """The engine's running job is stopped first (a conversion keeps only whole shards, so it resumes later);
+        q again quits without waiting."""
+        if engine().busy and not self._quitting:
             self._quitting = True
-            self.notify("stopping the conversion first (the output stays resumable)...")
-            self.conversion.stop_and_quit()
+            self.notify("stopping the running job first (a conversion stays resumable)...")
+            self._stop_engine_then_exit()
             return
         self.exit()
+
+    @work(thread=True, group="quit", exit_on_error=False, description="stop the engine")
+    def _stop_engine_then_exit(self) -> None:
+        engine().stop_all()
+        self.call_from_thread(self.exit)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "switch_mode":

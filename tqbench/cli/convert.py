@@ -16,6 +16,7 @@ from rich.table import Table
 from tqbench import units
 from tqbench.cli import options
 from tqbench.cli.plan import _recipes
+from tqbench.engine import submit
 from tqbench.errors import TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
 from tqbench.recipe.fit import parse_size
@@ -61,12 +62,15 @@ def convert(
                                 expert_format=expert_format))
         if len(recipes) != 1:
             raise TqbenchError("give either --recipe NAME or recipe flags, not both")
-        events = run_convert(hf_path, mlx_path, recipes[0], parse_size(shard_size), force)
-        if as_json:
-            for ev in events:
-                print(json.dumps({"event": type(ev).__name__, **asdict(ev)}), flush=True)
-            return
-        finished = _render(events, err)
+        size = parse_size(shard_size)
+        # On the engine thread; leaving the block (Ctrl-C included) closes the conversion there first, so only
+        # whole shards stay and the same command resumes.
+        with submit(lambda: run_convert(hf_path, mlx_path, recipes[0], size, force)) as events:
+            if as_json:
+                for ev in events:
+                    print(json.dumps({"event": type(ev).__name__, **asdict(ev)}), flush=True)
+                return
+            finished = _render(events, err)
     except TqbenchError as e:
         print(f"tqbench: error: {e}", file=sys.stderr)
         raise typer.Exit(e.exit_code) from None

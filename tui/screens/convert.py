@@ -5,7 +5,7 @@ checkpoint, recipe and shard size) and what converting into the destination woul
 output, a resumable one (how many shards are done), a complete one, or a conflict (another recipe or source, or
 files that are no conversion) that only `f` replaces, after a confirmation.
 
-A run is the engine's `convert()` generator on the process's one MLX thread (tui.background.run_on_engine): created,
+A run is the engine's `convert()` generator on the process's one MLX thread (tqbench.engine): created,
 iterated and closed there. A thread worker relays its events: it counts every UnitConverted into per-layer totals
 (tui.tally) and posts them at most ~10 times a second (ConvertProgress merges when queued), while rate and ETA are the
 engine's. Cancel (`x` / escape) asks the engine thread to stop after the unit in progress: it closes the generator,
@@ -28,10 +28,10 @@ from textual.widgets import Footer, Header, Input, Label, ProgressBar, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from tqbench import units
+from tqbench.engine import Job, iterate_in_daemon, submit
 from tqbench.errors import TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
 from tqbench.recipe import parse_size
-from tui.background import EngineJob, iterate_in_daemon, run_on_engine
 from tui.messages import (ConvertBegan, ConvertDone, ConvertFailed, ConvertProgress, ConvertShardWritten,
                           ConvertStopped, DestinationChecked, DestinationCheckFailed)
 from tui.screens.confirm import ConfirmScreen
@@ -120,9 +120,8 @@ class ConvertScreen(Screen):
         self._default_size = DEFAULT_SHARD_SIZE  # the shard size field's, likewise
         # the run
         self._run_id = 0
-        self._job: EngineJob | None = None
+        self._job: Job | None = None
         self._stopping = False
-        self._quit_after_stop = False
         self.started: ConvertStarted | None = None
         self.finished_event: ConvertFinished | None = None
         self.last_unit: UnitConverted | None = None
@@ -418,8 +417,7 @@ class ConvertScreen(Screen):
         self.started = self.finished_event = self.last_unit = None
         self.shards_done = sum(finished)
         remember_conversion(lay.ckpt.path, recipe.name, dest, self.query_one("#shard-size", Input).value.strip())
-        self._job = run_on_engine(conversion)
-        self.app.conversion = self  # for the app's quit
+        self._job = submit(conversion)
         for widget in self.query(ConvertInput):
             widget.disabled = True
         self.table.reset(tally.snapshot())
@@ -438,15 +436,10 @@ class ConvertScreen(Screen):
             self._job.stop()  # the engine thread stops after the unit in progress
             self._show_status()
 
-    def stop_and_quit(self) -> None:
-        """Quitting while converting: stop first (the output stays resumable), then exit."""
-        self._quit_after_stop = True
-        self.action_cancel()
-
     # ---- the run --------------------------------------------------------------------------------------------------
 
     @work(thread=True, exclusive=True, group="convert", exit_on_error=False, description="convert")
-    def _relay(self, run_id: int, job: EngineJob, tally: Tally) -> None:
+    def _relay(self, run_id: int, job: Job, tally: Tally) -> None:
         worker = get_current_worker()
         unit: UnitConverted | None = None
         posted = 0.0
@@ -461,7 +454,7 @@ class ConvertScreen(Screen):
 
         finished = False
         try:
-            for event in job.items_until(lambda: worker.is_cancelled):
+            for event in job.items(lambda: worker.is_cancelled):
                 if isinstance(event, UnitConverted):
                     tally.add(event)
                     unit, pending = event, True
@@ -547,19 +540,13 @@ class ConvertScreen(Screen):
         if self.started is not None and self.last_unit is not None:
             got = f" at {self.last_unit.done_in / max(self.last_unit.total_in, 1):.1%} ({where(self.last_unit)})"
         self._note = Content.styled(f"cancelled{got}: only whole shards were kept.", "bold $text-warning")
-        quit_after = self._quit_after_stop
         self._ended()
-        if quit_after:
-            self.app.exit()
 
     def on_convert_failed(self, message: ConvertFailed) -> None:
         if message.run_id != self._run_id:
             return
         self._note = Content.styled(f"failed: {message.message}", "bold $text-error")
-        quit_after = self._quit_after_stop
         self._ended()
-        if quit_after:
-            self.app.exit()
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """A worker that ended with an exception it did not turn into a message still ends as one line."""
@@ -576,9 +563,6 @@ class ConvertScreen(Screen):
         """The run is over (finished, stopped or failed): the form comes back and the destination is checked."""
         self._job = None
         self._stopping = False
-        self._quit_after_stop = False
-        if getattr(self.app, "conversion", None) is self:
-            self.app.conversion = None
         for widget in self.query(ConvertInput):
             widget.disabled = False
         if self.finished_event is not None:

@@ -29,7 +29,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 
 from tqbench.errors import TqbenchError
 from tqbench.recipe import Plan, Recipe, assess, group_sources, make_plan
-from tui.background import iterate_in_daemon
+from tqbench.engine import iterate_in_daemon
 from tui.messages import MachineChosen, PlanFailed, PlansReady, RecipeChosen, SourcesGrouped
 from tui.state import display_path
 from tui.widgets.plan_table import CURRENT, PlanTable

@@ -15,7 +15,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 
 from tqbench.errors import TqbenchError
 from tqbench.events import CheckpointOpened, ShardScanned
-from tui.background import iterate_in_daemon
+from tqbench.engine import iterate_in_daemon
 from tui.messages import CheckpointLoaded, LoadFailed, ScanProgress, ScanStarted
 from tui.screens.open import OpenScreen
 from tui.state import display_path, last_checkpoint, remember_checkpoint
