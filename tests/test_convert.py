@@ -383,3 +383,31 @@ def test_stacked_bf16_experts_convert_one_expert_at_a_time(tmp_path):
             source = from_bf16(w[e])
             rel = np.linalg.norm(np.array(w_hat) - source) / np.linalg.norm(source)
             assert 0.07 < rel < 0.12, (e, p, rel)  # 4-bit: sqrt(0.0095) ~ 0.097
+
+
+def test_resume_reports_the_earlier_runs_layer_errors(demo_src, tmp_path):
+    """ConvertStarted of a resumed run carries, per layer, the unit errors of the shards finished before: the same
+    aggregates an uninterrupted run's UnitConverted events give for those shards."""
+    name, dst = "tq3a-tqTe-down4-g64", tmp_path / "out"
+    full = run(demo_src, tmp_path / "ref", name)
+    gen = convert(demo_src, dst, Recipe.parse(name), SHARD)
+    shards_seen = 0
+    for ev in gen:
+        shards_seen += isinstance(ev, ShardWritten)
+        if shards_seen == 2:
+            gen.close()
+            break
+    started = run(demo_src, dst, name)[0]
+    assert isinstance(started, ConvertStarted) and started.resumed_shards == 2
+    expected: dict = {}
+    shard = 0
+    for ev in full:
+        if isinstance(ev, ShardWritten):
+            shard += 1
+        elif isinstance(ev, UnitConverted) and shard < 2 and ev.rel_error is not None:
+            n, total, worst = expected.get(ev.layer, (0, 0.0, 0.0))
+            expected[ev.layer] = (n + 1, total + ev.rel_error, max(worst, ev.rel_error))
+    got = {e.layer: (e.count, e.total, e.worst) for e in started.resumed_errors}
+    assert got.keys() == expected.keys() and expected
+    for layer, (n, total, worst) in expected.items():
+        assert got[layer][0] == n and got[layer][1] == pytest.approx(total, rel=1e-12) and got[layer][2] == worst

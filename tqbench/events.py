@@ -28,6 +28,17 @@ class CheckpointOpened:
 
 
 @dataclass(frozen=True)
+class LayerErrors:
+    """Relative errors of one layer's converted units: `count` units with an error, their sum and maximum (a unit's
+    error is its worst quantized module's)."""
+
+    layer: int | None  # None: tensors outside the layers
+    count: int
+    total: float
+    worst: float
+
+
+@dataclass(frozen=True)
 class ConvertStarted:
     source: str
     dest: str
@@ -38,6 +49,7 @@ class ConvertStarted:
     bytes_out: int  # bytes it writes (exactly what `tqbench plan` predicts)
     resumed_shards: int  # shards already finished by an earlier run
     resumed_bytes_in: int
+    resumed_errors: tuple[LayerErrors, ...] = ()  # per layer, what the earlier runs' finished shards recorded
 
 
 @dataclass(frozen=True)

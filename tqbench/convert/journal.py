@@ -57,7 +57,9 @@ class Journal:
         p = Path(dest) / file
         return rec is not None and p.is_file() and p.stat().st_size == rec["bytes"]
 
-    def record(self, file: str, nbytes: int, sha256: str, errors: dict[str, list[float]]) -> None:
-        """A finished shard with its size, checksum and per-module error aggregates [count, sum, max]."""
-        self.shards[file] = {"bytes": nbytes, "sha256": sha256, "errors": errors}
+    def record(self, file: str, nbytes: int, sha256: str, errors: dict[str, list[float]],
+               layers: dict[str, list[float]] | None = None) -> None:
+        """A finished shard with its size, checksum, per-module error aggregates [count, sum, max] and per-layer
+        aggregates of its units' errors (key: the layer number, or "" outside the layers)."""
+        self.shards[file] = {"bytes": nbytes, "sha256": sha256, "errors": errors, "layers": layers or {}}
         self.save()

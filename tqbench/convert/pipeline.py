@@ -23,7 +23,7 @@ from typing import Any, Iterator
 from tqbench.convert.journal import JOURNAL, Journal, write_atomic, write_json
 from tqbench.convert.produce import Producer, shared_expert_piece
 from tqbench.errors import CheckpointError, TqbenchError
-from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
+from tqbench.events import ConvertFinished, ConvertStarted, LayerErrors, ShardWritten, UnitConverted
 from tqbench.recipe.files import Unit, assign_shards, expert_module_name, file_units, shard_file
 from tqbench.recipe.plan import SHARD_SIZE, Plan, group_sources, make_plan
 from tqbench.recipe.recipe import Format, Recipe
@@ -123,7 +123,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     resumed = [journal.finished(dst, f) for f in files]
     done_in = sum(b for b, r in zip(shard_in, resumed) if r)
     yield ConvertStarted(str(src), str(dst), recipe.name, len(shards), len(units), total_in, plan.total_bytes,
-                         sum(resumed), done_in)
+                         sum(resumed), done_in, _resumed_errors(journal, [f for f, r in zip(files, resumed) if r]))
 
     run_in, t_run = 0, time.monotonic()
     order = [u for i, s in enumerate(shards) if not resumed[i] for u in s]
@@ -134,6 +134,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
             if resumed[i]:
                 continue
             errors: dict[str, list[float]] = {}  # module -> [count, sum, max] in this shard
+            layer_errors: dict[str, list[float]] = {}  # layer -> [units, sum, max] of the units' worst errors
             specs = [TensorSpec(p.out.name, p.out.dtype, p.out.shape) for u in shard_units for p in u.pieces]
             writer = _open_writer(dst / file, specs, recipe)
             try:
@@ -149,6 +150,8 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
                             agg[1] += r.rel_error
                             agg[2] = max(agg[2], r.rel_error)
                             worst = max(worst or 0.0, r.rel_error)
+                    if worst is not None:
+                        _add(layer_errors.setdefault("" if u.layer is None else str(u.layer), [0, 0.0, 0.0]), worst)
                     run_in += unit_in[id(u)]
                     done_in += unit_in[id(u)]
                     elapsed = time.monotonic() - t_run
@@ -163,7 +166,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
                 _raise_if_no_room(e, dst, file)
                 raise
             try:
-                journal.record(file, writer.nbytes, writer.sha256, errors)
+                journal.record(file, writer.nbytes, writer.sha256, errors, layer_errors)
             except OSError as e:
                 _raise_if_no_room(e, dst, JOURNAL)
                 raise
@@ -258,6 +261,24 @@ def _unit_source_bytes(units: list[Unit]) -> dict[int, int]:
                 n += s.source_bytes // s.experts if p.expert is not None else s.source_bytes
         out[id(u)] = n
     return out
+
+
+def _add(agg: list[float], error: float) -> None:
+    agg[0] += 1
+    agg[1] += error
+    agg[2] = max(agg[2], error)
+
+
+def _resumed_errors(journal: Journal, files: list[str]) -> tuple[LayerErrors, ...]:
+    """Per layer, the unit errors that earlier runs recorded for the finished shards `files`."""
+    out: dict[str, list[float]] = {}
+    for f in files:
+        for layer, (n, total, worst) in journal.shards[f].get("layers", {}).items():
+            agg = out.setdefault(layer, [0, 0.0, 0.0])
+            agg[0] += n
+            agg[1] += total
+            agg[2] = max(agg[2], worst)
+    return tuple(LayerErrors(int(k) if k else None, int(n), total, worst) for k, (n, total, worst) in out.items())
 
 
 def _combined_errors(journal: Journal, files: list[str]) -> dict[str, list[float]]:
