@@ -68,3 +68,13 @@ def test_ui_without_a_terminal_is_refused_at_once(args):
         os.close(leader)
         os.close(follower)
     assert done.returncode == 2 and done.stdout == "" and "needs a terminal" in done.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["inspect"], ["plan"], ["convert"], ["demo"], ["ui"]])
+def test_help_shows_no_type_for_flags(command, capsys, monkeypatch):
+    """Flags take no value: no `<bool>` after --json, --force, --version or --help."""
+    r = tqbench(capsys, monkeypatch, *command, "--help")
+    assert r.code == 0 and "Usage: tqbench" in r.out
+    assert "bool" not in r.out.lower()
+    flags = [line.split()[0] for line in r.out.splitlines() if line.strip().startswith("--")]
+    assert "--help" in flags

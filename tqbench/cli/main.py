@@ -21,6 +21,8 @@ app = typer.Typer(
     no_args_is_help=False,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: Typer's rich help labels every flag `<bool>` (even --help), and its boxes wrap when piped.
+    rich_markup_mode=None,
 )
 out = Console(highlight=False, soft_wrap=False)
 
@@ -50,7 +52,7 @@ def main(
 
 @app.command()
 def inspect(
-    path: Annotated[Path, typer.Argument(help="Checkpoint directory (safetensors shards + config.json).")],
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory (safetensors shards + config.json).")],
     by: Annotated[By, typer.Option("--by", help="Group the totals by role, layer or shard.")] = By.role,
     tensors: Annotated[Optional[str], typer.Option("--tensors", metavar="GLOB",
                                                    help="List tensors whose name matches GLOB, e.g. '*layers.3.*'.")] = None,
@@ -108,7 +110,7 @@ def demo(
 
 @app.command()
 def ui(
-    path: Annotated[Optional[Path], typer.Argument(help="Checkpoint to open (default: the last one, or the demo).")] = None,
+    path: Annotated[Optional[Path], typer.Argument(metavar="PATH", help="Checkpoint to open (default: the last one, or the demo).")] = None,
 ) -> None:
     """Open the full-screen UI."""
     _open_ui(path)

@@ -33,7 +33,7 @@ class Platform(str, Enum):
 
 
 def plan(
-    src: Annotated[Path, typer.Argument(help="Source checkpoint directory (safetensors shards + config.json).")],
+    src: Annotated[Path, typer.Argument(metavar="SRC", help="Source checkpoint directory (safetensors shards + config.json).")],
     recipe: Annotated[Optional[list[str]], typer.Option(
         "--recipe", "-r", metavar="NAME",
         help="A recipe name, e.g. tq3a-tqTe-down4-g64 (repeat to compare side by side).")] = None,
