@@ -74,7 +74,7 @@ def test_ui_without_a_terminal_is_refused_at_once(args):
 def test_help_shows_no_type_for_flags(command, capsys, monkeypatch):
     """Flags take no value: no `<bool>` after --json, --force, --version or --help."""
     r = tqbench(capsys, monkeypatch, *command, "--help")
-    assert r.code == 0 and "Usage: tqbench" in r.out
+    assert r.code == 0 and r.out.startswith("Usage: ")
     assert "bool" not in r.out.lower()
     flags = [line.split()[0] for line in r.out.splitlines() if line.strip().startswith("--")]
     assert "--help" in flags
