@@ -3,8 +3,18 @@
 For a Linear weight W (out, in): rotate each row with a seeded randomized Hadamard transform, scale each group of g
 rotated columns by its RMS (fp16, no zero point), round value/scale to a Lloyd-Max codebook for N(0, 1) and pack the
 codes into uint32 words, LSB first. At inference the input is rotated the same way, so W_rot x_rot == W x.
-See shared/reference/turboquant-recipes.md. The codebook length says the packing: 2^b levels -> b-bit codes,
-floor(32/b) per word; 3 levels (ternary) -> base-3 digits, 20 per word.
+The format is described in docs/turboquant.md.
+
+- Rotation: x_rot = H_b(x * s) with H_b the Hadamard transform of length b scaled by 1/sqrt(b), applied to each block of
+  b consecutive columns after the +-1 signs s (one per column). b = rotation_block(n): n itself when
+  mx.hadamard_transform supports n (m * 2^k, m in 1, 12, 20, 28), otherwise the largest such length dividing n
+  ("blockwise", as TurboQuant-MLX does; K3's 33,792-wide dense down_proj rotates in 33 blocks of 1024). Blocks shorter
+  than MIN_BLOCK are refused: rotate, unrotate, quantize and dequantize raise the same ValueError for such lengths.
+- Codes: the code of a value v is the number of boundaries b with v >= b (boundaries are the midpoints of the
+  full-precision published levels, in float32), so a value exactly on a boundary takes the UPPER code, as in
+  TurboQuant-MLX. Levels are stored as float16; reconstruction uses the stored float16 levels.
+- Packing: the codebook length says it: 2^b levels -> b-bit codes, floor(32/b) per word; 3 levels (ternary) -> base-3
+  digits, 20 per word.
 """
 
 from __future__ import annotations
@@ -19,12 +29,18 @@ import numpy as np
 
 from tqbench.quant import packing
 
-# Lloyd-Max reconstruction levels for N(0, 1), ascending; boundaries are the midpoints.
+# Lloyd-Max reconstruction levels for N(0, 1), ascending, as TurboQuant-MLX publishes them (they are up to 8e-4 away
+# from the exact optimum; matching them matters more). Stored as float16: the 4-decimal roundings give the very same
+# float16 codebook, but not the same boundaries, which are the midpoints of these full-precision values (in float32),
+# so codes agree with the seed's. The ternary level is published only as ~1.2240.
 CODEBOOKS: dict[str, tuple[float, ...]] = {
-    "2": (-1.5104, -0.4528, 0.4528, 1.5104),
-    "3": (-2.1519, -1.3439, -0.7560, -0.2451, 0.2451, 0.7560, 1.3439, 2.1519),
-    "4": (-2.7333, -2.0698, -1.6189, -1.2570, -0.9430, -0.6573, -0.3884, -0.1285,
-          0.1285, 0.3884, 0.6573, 0.9430, 1.2570, 1.6189, 2.0698, 2.7333),
+    "2": (-1.5104174569, -0.4527799975, 0.4527799975, 1.5104174569),
+    "3": (-2.1519452850, -1.3439090860, -0.7560051861, -0.2450941497,
+          0.2450941497, 0.7560051861, 1.3439090860, 2.1519452850),
+    "4": (-2.7332986608, -2.0698191883, -1.6188648437, -1.2570025732,
+          -0.9430078288, -0.6572738605, -0.3883729570, -0.1285059463,
+          0.1285059463, 0.3883729570, 0.6572738605, 0.9430078288,
+          1.2570025732, 1.6188648437, 2.0698191883, 2.7332986608),
     "T": (-1.2240, 0.0, 1.2240),  # ternary
 }
 # Mean squared error of each codebook on N(0, 1), as published.
@@ -33,11 +49,20 @@ CODEBOOK_MSE = {"2": 0.1175, "3": 0.0345, "4": 0.0095, "T": 0.190}
 BASE_SEED = 42
 HADAMARD_FACTORS = (1, 12, 20, 28)  # mx.hadamard_transform handles n = m * 2^k for these m
 MIN_SCALE = 1e-7
+# The shortest block a blockwise rotation may use. A shorter one barely mixes (a block of 1 is sign flips only), and no
+# quantizable Linear needs one: groups are 32, 64 or 128 columns and must divide the input length, so 32 always does.
+MIN_BLOCK = 32
 
 
 def codebook(kind: str) -> np.ndarray:
     """The codebook as float16, the dtype it is stored in."""
     return np.asarray(CODEBOOKS[kind], dtype=np.float16)
+
+
+def boundaries(kind: str) -> np.ndarray:
+    """The decision boundaries of a codebook as float32: midpoints of its full-precision levels, ascending."""
+    levels = np.asarray(CODEBOOKS[kind], dtype=np.float64)
+    return ((levels[1:] + levels[:-1]) / 2).astype(np.float32)
 
 
 def codes_per_word(levels: int) -> int:
@@ -64,25 +89,89 @@ def rotation_signs(path: str, n: int, base: int = BASE_SEED) -> np.ndarray:
     return (rng.integers(0, 2, n, dtype=np.int8) * 2 - 1).astype(np.float16)
 
 
+def rotation_block(n: int) -> int | None:
+    """The length of the Hadamard blocks a rotation of length n uses: n itself when hadamard_ok(n), else the largest
+    m * 2^k (m in HADAMARD_FACTORS) dividing n, or None when that is shorter than MIN_BLOCK (n can't be rotated)."""
+    if hadamard_ok(n):
+        return n
+    best = 0
+    for m in HADAMARD_FACTORS:
+        b = m
+        while 0 < b <= n:
+            if n % b == 0:
+                best = max(best, b)
+            b *= 2
+    return best if best >= MIN_BLOCK else None
+
+
+def rotation_record(n: int, rotated: bool) -> dict:
+    """How a module of input length n is rotated, for config records: {"kind": "hadamard" (one transform of length
+    n) | "blockwise-hadamard" (n / block transforms) | "none", "block": the transform length or None}. Raises the
+    rotation's ValueError when `rotated` and n can't be rotated."""
+    if not rotated:
+        return {"kind": "none", "block": None}
+    b = _block(n)
+    return {"kind": "hadamard" if b == n else "blockwise-hadamard", "block": b}
+
+
+def _block(n: int) -> int:
+    """rotation_block(n), or the one ValueError every rotating function raises for a length it can't rotate."""
+    b = rotation_block(n)
+    if b is None:
+        raise ValueError(f"no Hadamard rotation of length {n}: no block m * 2^k >= {MIN_BLOCK} "
+                         f"(m in {HADAMARD_FACTORS}) divides it")
+    return b
+
+
+def _check_signs(signs: mx.array, n: int) -> None:
+    if signs.shape != (n,):
+        raise ValueError(f"rotation signs have shape {tuple(signs.shape)}, expected ({n},)")
+
+
 def rotate(x: mx.array, signs: mx.array) -> mx.array:
-    """x_rot = H(x * s) / sqrt(n) along the last axis (an orthogonal map)."""
+    """x_rot = H_b(x * s) / sqrt(b) along the last axis, per block of b = rotation_block(n) columns (orthogonal)."""
     n = x.shape[-1]
-    if not hadamard_ok(n):
-        raise ValueError(f"no Hadamard transform of length {n} (need m * 2^k with m in {HADAMARD_FACTORS})")
-    return mx.hadamard_transform(x.astype(mx.float32) * signs.astype(mx.float32), scale=1 / math.sqrt(n))
+    b = _block(n)
+    _check_signs(signs, n)
+    y = x.astype(mx.float32) * signs.astype(mx.float32)
+    if b == n:
+        return mx.hadamard_transform(y, scale=1 / math.sqrt(n))
+    blocks = y.reshape(*y.shape[:-1], n // b, b)
+    return mx.hadamard_transform(blocks, scale=1 / math.sqrt(b)).reshape(y.shape)
 
 
-@lru_cache(maxsize=4)
-def _hadamard_matrix(n: int) -> mx.array:
-    """M with rotate-without-signs(x) == x @ M; M is orthogonal but not symmetric for m = 20 or 28."""
-    m = mx.hadamard_transform(mx.eye(n), scale=1 / math.sqrt(n))
-    mx.eval(m)
-    return m
+def _factors(b: int) -> tuple[int, int]:
+    """(m, 2^k) with b = m * 2^k, m in HADAMARD_FACTORS."""
+    for m in reversed(HADAMARD_FACTORS):
+        if b % m == 0 and (q := b // m) & (q - 1) == 0:
+            return m, q
+    raise ValueError(f"no Hadamard transform of length {b}")
+
+
+@lru_cache(maxsize=None)
+def _factor_matrix(m: int) -> np.ndarray:
+    """A (m, m) with mx.hadamard_transform(x, scale=1/sqrt(m)) == x @ A; not symmetric for m = 20 or 28."""
+    return np.array(mx.hadamard_transform(mx.eye(m), scale=1 / math.sqrt(m)))
 
 
 def unrotate(x_rot: mx.array, signs: mx.array) -> mx.array:
-    """The inverse of rotate: x = (x_rot @ M^T) * s."""
-    return (x_rot @ _hadamard_matrix(x_rot.shape[-1]).T) * signs.astype(mx.float32)
+    """The inverse of rotate (float32), per block of b = rotation_block(n) columns.
+
+    mx.hadamard_transform of length b = m * 2^k is x -> x @ kron(A, S) / sqrt(b), with A the (m, m) factor matrix and
+    S the symmetric Sylvester matrix of 2^k. Its inverse is the transpose: viewing a block as X (m, 2^k), rotate
+    computes A^T X S / sqrt(b), so X = A Y S / sqrt(b): the power-of-two transform along the last axis, then A.
+    """
+    n = x_rot.shape[-1]
+    b = _block(n)
+    _check_signs(signs, n)
+    m, p = _factors(b)
+    lead = x_rot.shape[:-1]
+    y = x_rot.astype(mx.float32).reshape(*lead, n // b, m, p)
+    if p > 1:
+        y = mx.hadamard_transform(y, scale=1 / math.sqrt(p))
+    if m > 1:
+        y = mx.array(_factor_matrix(m)) @ y
+    return y.reshape(*lead, n) * signs.astype(mx.float32)
 
 
 def pack(codes: mx.array, levels: int) -> mx.array:
@@ -126,11 +215,12 @@ class Quantized:
 def _quantizer(kind: str, group: int):
     """A compiled (fused) kernel: rotated rows -> codes, fp16 group scales, squared error and squared norm.
 
-    The code of a value is the number of codebook boundaries below it, and its reconstruction is the first level
-    plus the steps it passed: elementwise work only, which MLX fuses into one pass over the weights.
+    The code of a value is the number of codebook boundaries at or below it (a tie takes the upper code), and its
+    reconstruction is the first stored level plus the steps it passed: elementwise work only, which MLX fuses into
+    one pass over the weights.
     """
     book = [float(v) for v in codebook(kind).astype(np.float32)]
-    bounds = [(a + b) / 2 for a, b in zip(book, book[1:])]
+    bounds = [float(v) for v in boundaries(kind)]
     steps = [b - a for a, b in zip(book, book[1:])]
 
     def run(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
@@ -141,7 +231,7 @@ def _quantizer(kind: str, group: int):
         codes = mx.zeros(v.shape, dtype=mx.uint32)
         recon = mx.full(v.shape, book[0], dtype=mx.float32)
         for b, step in zip(bounds, steps):
-            above = v > b
+            above = v >= b
             codes = codes + above.astype(mx.uint32)
             recon = recon + mx.where(above, step, 0.0)
         err = mx.sum((recon * s32 - g) ** 2)
@@ -151,8 +241,10 @@ def _quantizer(kind: str, group: int):
 
 
 def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None) -> Quantized:
-    """Quantize w (..., out, in); `signs` None means no rotation."""
+    """Quantize w (..., out, in); `signs` None means no rotation, else the rotation of rotate()."""
     n = w.shape[-1]
+    if signs is not None:
+        _block(n)
     if n % group:
         raise ValueError(f"in dimension {n} is not a multiple of the group size {group}")
     x = rotate(w, signs) if signs is not None else w.astype(mx.float32)
@@ -164,7 +256,9 @@ def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None) -> Quan
 
 
 def dequantize(weight: mx.array, scales: mx.array, book: mx.array, signs: mx.array | None, n: int) -> mx.array:
-    """Float32 W_hat (..., out, n) from stored tensors; un-rotates when `signs` is given."""
+    """Float32 W_hat (..., out, n) from stored tensors; un-rotates when `signs` is given (the rotation of rotate())."""
+    if signs is not None:
+        _block(n)
     codes = unpack(weight, book.shape[0], n)
     group = n // scales.shape[-1]
     vals = book.astype(mx.float32)[codes].reshape(*codes.shape[:-1], n // group, group)
