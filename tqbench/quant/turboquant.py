@@ -8,8 +8,9 @@ The format is described in docs/turboquant.md.
 - Rotation: x_rot = H_b(x * s) with H_b the Hadamard transform of length b scaled by 1/sqrt(b), applied to each block of
   b consecutive columns after the +-1 signs s (one per column). b = rotation_block(n): n itself when
   mx.hadamard_transform supports n (m * 2^k, m in 1, 12, 20, 28), otherwise the largest such length dividing n
-  ("blockwise", as TurboQuant-MLX does; K3's 33,792-wide dense down_proj rotates in 33 blocks of 1024). Blocks shorter
-  than MIN_BLOCK are refused: rotate, unrotate, quantize and dequantize raise the same ValueError for such lengths.
+  ("blockwise", as TurboQuant-MLX does: K3's 33,792-wide dense down_proj rotates in 11 blocks of 3072 = 12 * 2^8,
+  not 33 blocks of 1024). Blocks shorter than MIN_BLOCK are refused: rotate, unrotate, quantize and dequantize raise
+  the same ValueError for such lengths.
 - Codes: the code of a value v is the number of boundaries b with v >= b (boundaries are the midpoints of the
   full-precision published levels, in float32), so a value exactly on a boundary takes the UPPER code, as in
   TurboQuant-MLX. Levels are stored as float16; reconstruction uses the stored float16 levels.
