@@ -270,10 +270,21 @@ def test_other_recipe_is_refused_unless_forced(demo_src, tmp_path, capsys, monke
     (tmp_path / "notes" / "a.txt").write_text("mine")
     r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", tmp_path / "notes", "--bits", "3")
     assert r.code == 1 and "not empty" in r.err and (tmp_path / "notes" / "a.txt").read_text() == "mine"
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", tmp_path / "notes", "--bits", "3",
+                "--force")
+    assert r.code == 1 and "never deletes files it did not write" in r.err
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["a.txt"]
+    (dst / "my-notes.md").write_text("kept")  # a user's file inside a conversion survives --force
+    old_shards = sorted(p.name for p in dst.glob("*.safetensors"))
     r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", dst, "--recipe", "tq4-g64",
                 "--shard-size", SHARD, "--force")
     assert r.code == 0, r.err
     assert json.loads((dst / "config.json").read_text())["quantization"]["recipe"]["name"] == "tq4-g64"
+    assert (dst / "my-notes.md").read_text() == "kept"
+    ref = tmp_path / "ref"
+    run(demo_src, ref, "tq4-g64")
+    assert {k: v for k, v in file_bytes(dst).items() if k != "my-notes.md"} == file_bytes(ref)
+    assert old_shards  # the old recipe's shards were replaced, not left behind (file_bytes compared every file)
 
 
 def test_cli_json_lines(demo_src, tmp_path, capsys, monkeypatch):

@@ -327,15 +327,16 @@ async def test_conflicting_destination_is_shown_and_not_written(src, direct):
         assert ours[name] == theirs[name], name
 
 
-async def test_a_directory_that_is_no_conversion_is_a_conflict(src):
+async def test_a_directory_that_is_no_conversion_is_never_replaced(src):
     dest = default_dest(src, RECIPE)
     dest.mkdir()
     (dest / "notes.txt").write_text("mine\n")
     app = TqbenchApp(src)
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_convert(pilot)
-        assert status_text(screen) == "conflict: the output is not empty and holds no tqbench conversion.  f: replace it"
-        await pilot.press("r")
+        assert status_text(screen) == ("not an output: the directory is not empty and holds no tqbench conversion; "
+                                       "choose another")
+        await pilot.press("r", "f", "y")  # neither starts nor replaces
         await settle(pilot)
     assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
 

@@ -34,7 +34,8 @@ class Journal:
     source: str  # source fingerprint
     plan: str  # plan fingerprint (recipe + every output tensor + shard split)
     recipe: str
-    shards: dict[str, dict[str, Any]] = field(default_factory=dict)  # file -> {"bytes", "sha256"}
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)  # file -> {"bytes", "sha256", errors}
+    copied: list[str] = field(default_factory=list)  # files copied from the source (tokenizer, chat template)
 
     @classmethod
     def load(cls, dest: Path) -> Journal | None:
@@ -43,13 +44,13 @@ class Journal:
             return None
         try:
             d = json.loads(path.read_text())
-            return cls(path, d["source"], d["plan"], d["recipe"], dict(d["shards"]))
+            return cls(path, d["source"], d["plan"], d["recipe"], dict(d["shards"]), list(d.get("copied", [])))
         except (ValueError, KeyError, TypeError):
             return None  # a journal we cannot read is no journal: the shards are redone
 
     def save(self) -> None:
         write_json(self.path, {"source": self.source, "plan": self.plan, "recipe": self.recipe,
-                               "shards": self.shards})
+                               "shards": self.shards, "copied": self.copied})
 
     def finished(self, dest: Path, file: str) -> bool:
         """The shard is recorded and on disk with its recorded size."""

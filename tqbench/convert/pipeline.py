@@ -13,7 +13,7 @@ import errno
 import hashlib
 import json
 import os
-import shutil
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -69,7 +69,8 @@ def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SH
 
 @dataclass(frozen=True)
 class DestinationStatus:
-    state: str  # "new" (absent or empty), "resumable", "complete", "conflict" (other recipe/source/files)
+    state: str  # "new" (absent or empty), "resumable", "complete", "conflict" (a conversion of another recipe or
+    # source: --force replaces it), "foreign" (files that are no tqbench conversion: never replaced)
     done_shards: int
     total_shards: int
     detail: str  # one line for the user
@@ -90,6 +91,8 @@ def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
     if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
         return DestinationStatus("new", 0, n, "new output", (False,) * n)
     journal = Journal.load(dst) if dst.is_dir() else None
+    if not is_conversion(dst):
+        return DestinationStatus("foreign", 0, n, "is not empty and holds no tqbench conversion", (False,) * n)
     if journal is None or journal.source != lay.source_fp or journal.plan != lay.plan_fp:
         return DestinationStatus("conflict", 0, n, _conflict(journal, lay.plan.recipe), (False,) * n)
     finished = tuple(journal.finished(dst, f) for f in lay.files)
@@ -175,7 +178,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     errors = _combined_errors(journal, files)
     report = _report(ckpt, plan, source_fp, errors, time.monotonic() - t0)
     try:
-        _finish(ckpt, dst, plan, shards, files, report)
+        _finish(ckpt, dst, plan, shards, files, report, journal)
     except OSError as e:
         _raise_if_no_room(e, dst, "the final files")
         raise
@@ -194,12 +197,16 @@ def _prepare_dest(src: Path, dst: Path, recipe: Recipe, source_fp: str, plan_fp:
         raise ConvertError("exists and is not a directory", dst)
     journal = Journal.load(dst) if dst.is_dir() else None
     same = journal is not None and journal.source == source_fp and journal.plan == plan_fp
+    ours = is_conversion(dst)
     if dst.is_dir() and any(dst.iterdir()) and not same:
+        if not ours:  # --force or not: tqbench replaces only what it wrote
+            raise ConvertError("is not empty and holds no tqbench conversion; choose another output directory "
+                               "(tqbench never deletes files it did not write)", dst)
         if not force:
             raise ConvertError(f"{_conflict(journal, recipe)}; use --force to replace it", dst)
-        shutil.rmtree(dst)
+        remove_conversion(dst)
     if same and (dst / INDEX_FILE).is_file() and force:
-        shutil.rmtree(dst)  # --force on a finished identical conversion: redo it
+        remove_conversion(dst)  # --force on a finished identical conversion: redo it
         same = False
     dst.mkdir(parents=True, exist_ok=True)
     if same:
@@ -208,6 +215,39 @@ def _prepare_dest(src: Path, dst: Path, recipe: Recipe, source_fp: str, plan_fp:
     journal = Journal(dst / JOURNAL, source_fp, plan_fp, recipe.name)
     journal.save()
     return journal
+
+
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors(\.partial)?")
+
+
+def is_conversion(dst: Path) -> bool:
+    """`dst` holds a tqbench conversion (finished or not): its journal, or an index that says tqbench wrote it."""
+    if (dst / JOURNAL).is_file():
+        return True
+    try:
+        index = json.loads((dst / INDEX_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(index, dict) and (index.get("metadata") or {}).get("format") == "tqbench"
+
+
+def remove_conversion(dst: Path) -> None:
+    """Delete what a tqbench conversion wrote into `dst` and nothing else: its shards (named by the journal or the
+    index, or by tqbench's shard naming), unfinished `.partial` files, the files of the final step and the files
+    copied from the source (listed in the journal). Files a user put there stay."""
+    names = {JOURNAL, INDEX_FILE, EXPERT_MAP, REPORT, "config.json"}
+    journal = Journal.load(dst)
+    if journal is not None:
+        names |= set(journal.shards) | set(journal.copied)
+    try:
+        index = json.loads((dst / INDEX_FILE).read_text())
+        names |= set((index.get("weight_map") or {}).values())
+    except (OSError, ValueError, AttributeError):
+        pass
+    for f in dst.iterdir():
+        if f.is_file() and (f.name in names or _SHARD_NAME.fullmatch(f.name)
+                            or (f.name.endswith(".partial") and f.name[:-len(".partial")] in names)):
+            f.unlink()
 
 
 def _open_writer(path: Path, specs: list[TensorSpec], recipe: Recipe) -> ShardWriter:
@@ -308,7 +348,7 @@ def _test_kill(stage: str) -> None:
 
 
 def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, shards: list[list[Unit]], files: list[str],
-            report: dict[str, Any]) -> None:
+            report: dict[str, Any], journal: Journal) -> None:
     weight_map: dict[str, str] = {}
     for file, s in zip(files, shards):
         for u in s:
@@ -318,9 +358,11 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, shards: list[list[Unit]], f
     _test_kill("final")
     write_json(dst / "config.json", converted_config(ckpt, plan))
     _test_kill("final")
-    for f in sorted(ckpt.path.iterdir()):
-        if f.is_file() and _travels(f):
-            write_atomic(dst / f.name, f.read_bytes())
+    copied = [f for f in sorted(ckpt.path.iterdir()) if f.is_file() and _travels(f)]
+    journal.copied = [f.name for f in copied]  # recorded first: a --force later removes exactly these
+    journal.save()
+    for f in copied:
+        write_atomic(dst / f.name, f.read_bytes())
     write_json(dst / REPORT, report)
     _test_kill("final")
     # Last: the index. Its presence marks the directory complete.

@@ -363,6 +363,8 @@ class ConvertScreen(Screen):
                     "bold $text-warning")
         if s.state == "complete":
             return f"complete: {s.detail}.  f: convert again", "bold $text-success"
+        if s.state == "foreign":
+            return f"not an output: the directory {s.detail}; choose another", "bold $text-error"
         return f"conflict: the output {s.detail}.  f: replace it", "bold $text-error"
 
     # ---- starting, cancelling -------------------------------------------------------------------------------------
