@@ -53,10 +53,10 @@ class ExpertSummary:
     top_k: int
     expert_layers: int  # moe_layers x experts (what a streaming runtime pages)
     params_per_expert: int
-    bytes_per_expert: int
+    bytes_per_expert: int  # one expert's page: its own tensors (or slices), what a streaming runtime reads per expert
     bytes_by_projection: dict[str, int]  # one expert of the first MoE layer, by gate / up / down
     routed_params: int
-    routed_bytes: int
+    routed_bytes: int  # every routed-expert tensor: the experts' pages and the per-layer codebooks and signs
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,20 @@ def _layer(i: int, tensors: list[Tensor]) -> LayerSummary:
 
 def _expert_count(routed: list[Tensor]) -> int:
     ids = {t.name.expert for t in routed if t.name.expert is not None}
-    stacked = [t.entry.shape[0] for t in routed if t.name.stacked and t.entry.shape]
+    stacked = [t.entry.shape[0] for t in routed
+               if t.name.stacked and t.entry.shape and t.name.param not in _PER_LAYER_PARAMS]
     return max([len(ids)] + stacked)
+
+
+# TurboQuant's per-layer tables: one codebook and one sign vector per projection, shared by all of a layer's experts
+# (a runtime keeps them resident; they are no part of any expert's page, even when a layer has as many experts as the
+# sign vector has entries).
+_PER_LAYER_PARAMS = {"codebook", "signs"}
+
+
+def _per_expert_axis(t: Tensor, experts: int) -> bool:
+    """A stacked routed-expert tensor holds one slice per expert (its leading axis), unlike the per-layer tables."""
+    return t.name.param not in _PER_LAYER_PARAMS and bool(t.entry.shape) and t.entry.shape[0] == experts
 
 
 def _experts(ckpt: Checkpoint) -> ExpertSummary | None:
@@ -165,10 +177,10 @@ def _experts(ckpt: Checkpoint) -> ExpertSummary | None:
     params_one = 0
     first_expert = min((t.name.expert for t in layers[first] if t.name.expert is not None), default=None)
     for t in layers[first]:
-        if t.name.stacked:
+        if t.name.stacked and _per_expert_axis(t, n_first):
             by_proj[t.name.projection or "?"] += t.nbytes // n_first
             params_one += t.params // n_first
-        elif t.name.expert == first_expert:
+        elif t.name.expert is not None and t.name.expert == first_expert:
             by_proj[t.name.projection or "?"] += t.nbytes
             params_one += t.params
     return ExpertSummary(
