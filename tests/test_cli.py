@@ -78,3 +78,14 @@ def test_help_shows_no_type_for_flags(command, capsys, monkeypatch):
     assert "bool" not in r.out.lower()
     flags = [line.split()[0] for line in r.out.splitlines() if line.strip().startswith("--")]
     assert "--help" in flags
+
+
+def test_inspect_counts_shards_in_words(tmp_path, capsys, monkeypatch):
+    from conftest import small_k3_text
+    from tqbench.skeleton import k3_config, k3_tensor_specs, write_skeleton
+
+    text = small_k3_text()
+    one = write_skeleton(tmp_path / "one", k3_config(text), k3_tensor_specs(text))
+    r = tqbench(capsys, monkeypatch, "inspect", one)
+    n = len(open_checkpoint(one).tensors)
+    assert r.code == 0 and f"{n:,} in 1 shard " in r.out and "1 shards" not in r.out

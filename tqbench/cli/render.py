@@ -14,7 +14,7 @@ from tqbench.source.summary import Summary
 def summary_header(s: Summary, ckpt: Checkpoint) -> RichGroup:
     lines = [
         Text.assemble(("model   ", "bold"), s.model_type, ("   format  ", "bold"), s.format),
-        Text.assemble(("tensors ", "bold"), f"{s.tensors:,} in {len(ckpt.shards)} shards",
+        Text.assemble(("tensors ", "bold"), f"{s.tensors:,} in {len(ckpt.shards)} shard{'s' if len(ckpt.shards) != 1 else ''}",
                       ("   size  ", "bold"), units.size(s.bytes)),
         Text.assemble(("params  ", "bold"), units.count(s.params), ("   active/token  ", "bold"),
                       units.count(s.active_params)),
@@ -24,7 +24,7 @@ def summary_header(s: Summary, ckpt: Checkpoint) -> RichGroup:
         lines.append(Text.assemble(
             ("experts ", "bold"),
             f"{e.experts_per_layer} per layer x {e.moe_layers} MoE layers = {e.expert_layers:,}, top-{e.top_k}; "
-            f"one expert {units.count(e.params_per_expert)} params, {units.gb(e.bytes_per_expert)} ({proj})"))
+            f"one expert {units.count(e.params_per_expert)} params, page {units.gb(e.bytes_per_expert)} ({proj})"))
     if ckpt.missing:
         have = units.size(s.bytes)
         total = f" of {units.size(s.index_total_size)}" if s.index_total_size else ""
