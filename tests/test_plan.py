@@ -78,7 +78,7 @@ def test_k3_published_total_leaves_out_vectors_and_conv_kernels(k3_build) -> Non
 
 
 def test_k3_resident_bytes_by_hand(k3_build) -> None:
-    """Every non-expert tensor of K3 at tq3a-tqTe-down4-g64, from kimi-k3.md shapes and the reference formulas."""
+    """Every non-expert tensor of K3 at tq3a-tqTe-down4-g64, from docs/kimi-k3.md shapes and the reference formulas."""
     H, P, bf16, f32 = 7168, 12288, 2, 4
     embed = 163840 * H * bf16
     lm_head = tq(163840, H, 3)

@@ -15,7 +15,7 @@ from typing import Any
 from tqbench.recipe.files import assign_shards, shard_file
 from tqbench.writer import TensorSpec, header_bytes
 
-# The published Kimi K3 config (text part under text_config), as described in shared/reference/kimi-k3.md.
+# The published Kimi K3 config (text part under text_config), as described in docs/kimi-k3.md.
 K3_TEXT_CONFIG: dict[str, Any] = {
     "model_type": "kimi_linear",
     "hidden_size": 7168,

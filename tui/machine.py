@@ -16,7 +16,7 @@ from pathlib import Path
 from tqbench.errors import TqbenchError
 from tqbench.recipe.fit import GB, Machine, disk_cache_file, machine, parse_size
 
-# A typical PCIe 4 NVMe SSD reads ~6-7 GB/s (shared/reference/expert-streaming.md); Apple internal SSDs ~13-17.5 GB/s.
+# A typical PCIe 4 NVMe SSD reads ~6-7 GB/s (docs/expert-streaming.md); Apple internal SSDs ~13-17.5 GB/s.
 DEFAULT_DISK_GBPS = 6.0
 
 

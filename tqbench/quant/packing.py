@@ -1,6 +1,6 @@
 """Packing quantization codes into uint32 words, in vectorised numpy.
 
-Two layouts, both as TurboQuant-MLX stores them (shared/reference/turboquant-recipes.md):
+Two layouts, both as TurboQuant-MLX stores them (docs/turboquant.md):
 - b-bit codes (b = 1..16): floor(32/b) codes per word, LSB first; code j of a word sits at bits [j*b, j*b + b).
   3-bit packs 10 per word and wastes the top 2 bits.
 - ternary (codes 0, 1, 2): 20 trits per word, little-endian base 3 (word = sum t_j * 3^j; 3^20 < 2^32).

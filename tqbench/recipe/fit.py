@@ -1,6 +1,6 @@
 """Will it fit: a plan's footprint against a machine's memory, GPU working-set limit and disk bandwidth.
 
-Rules (shared/reference/expert-streaming.md):
+Rules (docs/expert-streaming.md):
 - resident: the whole model + a 3 GB reserve (1.1 GB runtime + 1.9 GB KV cache) fits under the GPU working-set limit;
 - resident after raising the limit (macOS): it fits under the limit `sudo sysctl iogpu.wired_limit_mb=N` allows. The
   default Metal limit is estimated as TurboQuant-MLX measured it (66% of RAM up to 36 GB, 75% above); the raised limit

@@ -1,6 +1,6 @@
 """Role rules: what a recipe does to one source module (a Linear, a norm, a router, a stack of routed experts).
 
-From shared/reference/turboquant-recipes.md, checked against TurboQuant-MLX's converter:
+From docs/turboquant.md, checked against TurboQuant-MLX's converter:
 - kept at source precision: embeddings, norms, routers (`gate`, `e_score_correction_bias`), AttnRes projections and
   norms, convolutions and other non-Linear parameters (`A_log`, `dt_bias`), tensors of unknown role, and any Linear
   with a dimension < 32 or `in % g != 0` (never an error: it is listed, with its bytes, in the plan);
