@@ -1,16 +1,46 @@
-"""Messages the TUI's thread workers post: small dataclasses wrapping engine events.
+"""Messages the TUI's thread workers and widgets post: small dataclasses wrapping engine events and values.
 
-Each load carries the `load_id` of the worker that posted it, so a screen can drop messages from a load that was
-superseded (thread workers only stop at their next cancellation check).
+Payloads carry the engine's own types (tqbench.source, tqbench.recipe, tqbench.convert, tqbench.events). Those
+whose modules are costly to import (tqbench.convert imports MLX) are named under TYPE_CHECKING only: with
+`from __future__ import annotations` a dataclass never evaluates its annotations, so importing this module stays
+cheap. `typing.get_type_hints` resolves every field given those modules (tests/test_tui.py checks that none is Any).
+
+Each load carries the `load_id` of the worker that posted it (and each request or run its id), so a screen can drop
+messages from work that was superseded (thread workers only stop at their next cancellation check).
+
+Merging (Textual's `Message.can_replace`): when a message pump takes a message off its queue and the next queued
+one is a message this one `can_replace`, this one is dropped unread. Every message that can come in bursts (HIGH_RATE)
+says explicitly whether it merges:
+
+- merged, because the newest carries everything the handler needs: ScanProgress (the running tensor count of a
+  load), FilterApplied (the newest filter's rows), RecipeChosen and MachineChosen (the editor's newest recipe or
+  machine: held-down keys and fast typing post one per key), ConvertProgress (the per-layer totals are cumulative
+  snapshots of a run);
+- never merged, because each one counts: ConvertShardWritten (the screen counts shards written) and PlansReady
+  (each carries plans the others lack; dropping one would only make the screen plan them again).
+
+The others (a load starting, finishing or failing, a destination checked, a run beginning, ending or failing) come
+once per action and never merge: Message.can_replace's default.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from rich.text import Text
 from textual.message import Message
 
+if TYPE_CHECKING:
+    from tqbench.convert import DestinationStatus, Layout
+    from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
+    from tqbench.recipe import Machine, Plan, Recipe, Sources
+    from tqbench.source import Checkpoint, Summary, Tensor
+    from tui.tally import LayerStats
+
+
+# ---- the Source screen ------------------------------------------------------------------------------------------------
 
 @dataclass
 class ScanStarted(Message):
@@ -18,7 +48,7 @@ class ScanStarted(Message):
 
     load_id: int
     text: str
-    path: Any = None  # the Path being opened, once known
+    path: Path | None = None  # the checkpoint directory being opened, once known
 
 
 @dataclass
@@ -32,7 +62,7 @@ class ScanProgress(Message):
     tensors_so_far: int
 
     def can_replace(self, message: Message) -> bool:
-        # A newer progress message of the same load makes this one stale: queued duplicates merge.
+        """Merged: a newer progress message of the same load carries a newer count."""
         return isinstance(message, ScanProgress) and message.load_id == self.load_id
 
 
@@ -41,9 +71,9 @@ class CheckpointLoaded(Message):
     """Opening finished (tqbench.events.CheckpointOpened), with the summary and prepared table rows."""
 
     load_id: int
-    checkpoint: Any  # tqbench.source.Checkpoint
-    summary: Any  # tqbench.source.Summary
-    tensors: list = field(repr=False)  # every Tensor, in name order (the filter's input)
+    checkpoint: Checkpoint
+    summary: Summary
+    tensors: list[Tensor] = field(repr=False)  # every Tensor, in name order (the filter's input)
 
 
 @dataclass
@@ -60,29 +90,36 @@ class FilterApplied(Message):
 
     filter_id: int
     pattern: str
-    rows: list = field(repr=False)  # table cells of the first matches (at most the row limit)
+    rows: list[tuple[Tensor, tuple[Text, ...]]] = field(repr=False)  # the first matches with their table cells
     matches: int
     total: int
 
     def can_replace(self, message: Message) -> bool:
+        """Merged: only the newest filter's rows are shown (one message per keystroke in the filter)."""
         return isinstance(message, FilterApplied)
 
+
+# ---- the Recipe screen ------------------------------------------------------------------------------------------------
 
 @dataclass
 class SourcesGrouped(Message):
     """A checkpoint's tensors grouped into output modules (tqbench.recipe.group_sources), done once per checkpoint."""
 
-    checkpoint: Any  # tqbench.source.Checkpoint the grouping is of
-    sources: Any = field(repr=False)  # tqbench.recipe.Sources
+    checkpoint: Checkpoint  # the checkpoint the grouping is of
+    sources: Sources = field(repr=False)
 
 
 @dataclass
 class PlansReady(Message):
-    """Plans made by a plan worker (tqbench.recipe.make_plan), keyed by Recipe."""
+    """Plans made by a plan worker (tqbench.recipe.make_plan), keyed by recipe."""
 
     request_id: int
-    checkpoint: Any
-    plans: dict = field(repr=False)  # Recipe -> Plan
+    checkpoint: Checkpoint
+    plans: dict[Recipe, Plan] = field(repr=False)
+
+    def can_replace(self, message: Message) -> bool:
+        """Never merged: each carries plans the others may lack (the screen caches them all)."""
+        return False
 
 
 @dataclass
@@ -96,17 +133,25 @@ class PlanFailed(Message):
 class RecipeChosen(Message):
     """The recipe editor holds a new valid recipe (from its controls or a typed name)."""
 
-    recipe: Any  # tqbench.recipe.Recipe
+    recipe: Recipe
+
+    def can_replace(self, message: Message) -> bool:
+        """Merged: the screen plans the newest recipe only (a held-down key posts one per repeat)."""
+        return isinstance(message, RecipeChosen)
 
 
 @dataclass
 class MachineChosen(Message):
     """The memory size or disk bandwidth typed in the recipe editor gave a new machine to plan for."""
 
-    machine: Any  # tqbench.recipe.Machine
+    machine: Machine
+
+    def can_replace(self, message: Message) -> bool:
+        """Merged: the screen assesses for the newest machine only (typing posts one per keystroke)."""
+        return isinstance(message, MachineChosen)
 
 
-# ---- the Convert screen ---------------------------------------------------------------------------------------------
+# ---- the Convert screen -----------------------------------------------------------------------------------------------
 
 @dataclass
 class DestinationChecked(Message):
@@ -114,10 +159,10 @@ class DestinationChecked(Message):
     into `dest` would do (tqbench.convert.destination_status), with the shards already finished there."""
 
     request_id: int
-    key: Any  # (checkpoint, recipe, shard_size) the layout is for
-    layout: Any = field(repr=False)  # tqbench.convert.Layout
-    status: Any  # tqbench.convert.DestinationStatus (with the shards an earlier run finished)
-    dest: Any  # Path
+    key: tuple[Checkpoint, Recipe, int]  # (checkpoint, recipe, shard size) the layout is for
+    layout: Layout = field(repr=False)
+    status: DestinationStatus  # with the shards an earlier run finished
+    dest: Path
 
 
 @dataclass
@@ -131,7 +176,7 @@ class ConvertBegan(Message):
     """The engine's ConvertStarted: totals and what an earlier run finished."""
 
     run_id: int
-    event: Any  # tqbench.events.ConvertStarted
+    event: ConvertStarted
 
 
 @dataclass
@@ -140,23 +185,28 @@ class ConvertProgress(Message):
     exact because they are counted off the UI thread from every event)."""
 
     run_id: int
-    unit: Any  # tqbench.events.UnitConverted
-    layers: tuple = field(repr=False)  # tui.tally.LayerStats copies, in layer order
+    unit: UnitConverted
+    layers: tuple[LayerStats, ...] = field(repr=False)  # copies, in layer order
 
     def can_replace(self, message: Message) -> bool:
+        """Merged: the totals are cumulative, so the newest of the same run says everything."""
         return isinstance(message, ConvertProgress) and message.run_id == self.run_id
 
 
 @dataclass
 class ConvertShardWritten(Message):
     run_id: int
-    event: Any  # tqbench.events.ShardWritten
+    event: ShardWritten
+
+    def can_replace(self, message: Message) -> bool:
+        """Never merged: the screen counts the shards written."""
+        return False
 
 
 @dataclass
 class ConvertDone(Message):
     run_id: int
-    event: Any  # tqbench.events.ConvertFinished
+    event: ConvertFinished
 
 
 @dataclass
@@ -172,3 +222,8 @@ class ConvertFailed(Message):
 
     run_id: int
     message: str
+
+
+# Messages that can come in bursts: each defines can_replace itself (see the module docstring).
+HIGH_RATE: tuple[type[Message], ...] = (ScanProgress, FilterApplied, PlansReady, RecipeChosen, MachineChosen,
+                                        ConvertProgress, ConvertShardWritten)

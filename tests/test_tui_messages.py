@@ -1,0 +1,153 @@
+"""tui.messages: every payload has a real type, and every high-rate message says whether queued copies merge."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+from rich.text import Text
+from textual.app import App
+from textual.message import Message
+
+import tqbench.convert
+import tqbench.events
+import tqbench.recipe
+import tqbench.source
+import tui.messages as messages
+import tui.tally
+from tqbench.events import ShardWritten, UnitConverted
+from tui.tally import LayerStats
+
+MESSAGES = [c for c in vars(messages).values()
+            if isinstance(c, type) and issubclass(c, Message) and c.__module__ == messages.__name__]
+
+
+def hints(cls) -> dict:
+    """The resolved field types, given the engine modules the messages name under TYPE_CHECKING."""
+    names = {}
+    for module in (tqbench.convert, tqbench.events, tqbench.recipe, tqbench.source, tui.tally):
+        names.update({k: v for k, v in vars(module).items() if isinstance(v, type)})
+    return typing.get_type_hints(cls, localns=names)
+
+
+def test_every_payload_has_a_real_type():
+    assert len(MESSAGES) >= 18
+    for cls in MESSAGES:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        types = hints(cls)
+        for name in fields:
+            hint = types[name]
+            assert hint is not typing.Any and typing.Any not in typing.get_args(hint), (cls.__name__, name)
+            assert hint not in (list, dict, tuple, object), f"{cls.__name__}.{name}: {hint} says nothing of items"
+    assert hints(messages.ConvertBegan)["event"] is tqbench.events.ConvertStarted
+    assert hints(messages.DestinationChecked)["layout"] is tqbench.convert.Layout
+    assert hints(messages.ConvertProgress)["layers"] == tuple[LayerStats, ...]
+    assert hints(messages.PlansReady)["plans"] == dict[tqbench.recipe.Recipe, tqbench.recipe.Plan]
+
+
+def test_importing_the_messages_does_not_import_mlx():
+    import subprocess
+    import sys
+
+    code = "import sys, tui.messages; print('mlx' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
+def test_high_rate_messages_say_whether_they_merge():
+    doc = messages.__doc__
+    for cls in messages.HIGH_RATE:
+        assert "can_replace" in vars(cls), f"{cls.__name__} does not say whether it merges"
+        assert cls.__name__ in doc, f"{cls.__name__} is not in the module docstring"
+
+
+def unit(i: int) -> UnitConverted:
+    return UnitConverted(f"t{i}", 0, None, 1, 1, None, i, 10, 0.1, 1.0, None)
+
+
+class Sink(App[None]):
+    """Records what its handlers receive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.got: list[Message] = []
+
+    def on_convert_shard_written(self, message: messages.ConvertShardWritten) -> None:
+        self.got.append(message)
+
+    def on_convert_progress(self, message: messages.ConvertProgress) -> None:
+        self.got.append(message)
+
+    def on_machine_chosen(self, message: messages.MachineChosen) -> None:
+        self.got.append(message)
+
+
+async def test_queued_progress_merges_and_shards_do_not():
+    app = Sink()
+    async with app.run_test() as pilot:
+        # Posted in one burst, as a relay worker does while the UI thread is busy.
+        shards = [messages.ConvertShardWritten(1, ShardWritten(i, 5, f"s{i}", 1, "x")) for i in range(1, 6)]
+        progress = [messages.ConvertProgress(1, unit(i), (LayerStats(0, 10, i),)) for i in range(5)]
+        other_run = messages.ConvertProgress(2, unit(9), ())
+        for m in [*shards, *progress, other_run]:
+            app.post_message(m)
+        await pilot.pause()
+        got_shards = [m for m in app.got if isinstance(m, messages.ConvertShardWritten)]
+        got_progress = [m for m in app.got if isinstance(m, messages.ConvertProgress)]
+        assert [m.event.index for m in got_shards] == [1, 2, 3, 4, 5]  # every shard counts
+        assert got_progress[-2:] == [progress[-1], other_run]  # the newest of each run is never dropped
+        assert len(got_progress) < len(progress) + 1  # queued ones of the same run merged
+
+
+def test_payload_types_match_what_the_workers_post(tmp_path):
+    """The annotations name what is really posted (checked on real values, not on the annotations alone)."""
+    from tqbench.demo import DemoSpec, write_source
+
+    src = write_source(tmp_path / "src", DemoSpec(), seed=0)
+    ckpt = tqbench.source.open_checkpoint(src)
+    sources = tqbench.recipe.group_sources(ckpt)
+    recipe = tqbench.recipe.Recipe.parse("tq4")
+    plan = tqbench.recipe.make_plan(sources, recipe)
+    lay = tqbench.convert.layout(ckpt, recipe)
+    status = tqbench.convert.destination_status(lay, tmp_path / "out")
+    values = [
+        messages.CheckpointLoaded(1, ckpt, tqbench.source.summarize(ckpt), tqbench.source.select_tensors(ckpt)),
+        messages.SourcesGrouped(ckpt, sources),
+        messages.PlansReady(1, ckpt, {recipe: plan}),
+        messages.RecipeChosen(recipe),
+        messages.DestinationChecked(1, (ckpt, recipe, 5 << 30), lay, status, tmp_path / "out"),
+        messages.ScanStarted(1, "opening", Path(src)),
+        messages.FilterApplied(1, "", [(t, (Text(t.entry.name),)) for t in ckpt.tensors[:3]], 3, 3),
+    ]
+    for m in values:
+        for name, hint in hints(type(m)).items():
+            if name in {f.name for f in dataclasses.fields(type(m))}:
+                assert_is(getattr(m, name), hint, f"{type(m).__name__}.{name}")
+
+
+def assert_is(value, hint, where: str) -> None:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):
+        assert any(_matches(value, a) for a in args), where
+        return
+    assert _matches(value, hint), f"{where}: {type(value).__name__} is not {hint}"
+
+
+def _matches(value, hint) -> bool:
+    if hint is type(None):
+        return value is None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is None:
+        return isinstance(value, hint)
+    if not isinstance(value, origin):
+        return False
+    if origin is list:
+        return all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return all(_matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items())
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_matches(v, args[0]) for v in value)
+        return len(args) == len(value) and all(_matches(v, a) for v, a in zip(value, args))
+    return True
