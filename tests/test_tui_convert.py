@@ -20,7 +20,7 @@ import tqbench.convert.pipeline as pipeline
 from tui_helpers import settle
 from tqbench import units
 from tqbench.convert import destination_status, layout
-from tqbench.convert.pipeline import REPORT
+from tqbench.layout.names import REPORT
 from tqbench.demo import DemoSpec, write_source
 from tqbench.events import ConvertFinished, ShardWritten, UnitConverted
 from tqbench.recipe import Recipe
