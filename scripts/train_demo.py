@@ -367,7 +367,7 @@ def export(work: Path, dest: Path, check: bool = True) -> dict:
         from mlx.utils import tree_flatten
         from mlx_lm.utils import load_model
 
-        from tqbench.writer import from_bf16, to_bf16
+        from tqbench.shards.writer import from_bf16, to_bf16
 
         loaded, _ = load_model(dest)
         got = dict(tree_flatten(loaded.parameters()))

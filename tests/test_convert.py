@@ -14,15 +14,16 @@ import pytest
 
 from cli_helpers import tqbench
 from tqbench.convert import convert
-from tqbench.convert.pipeline import EXPERT_MAP, REPORT
+from tqbench.layout.names import EXPERT_MAP, REPORT
 from tqbench.demo import DemoSpec, write_source
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
 from tqbench.quant import turboquant as tq
 from tqbench.recipe import Recipe, group_sources, make_plan
-from tqbench.recipe.files import assign_shards, file_units, shard_file
+from tqbench.layout.names import shard_file
+from tqbench.layout.units import assign_shards, file_units
 from tqbench.source import open_checkpoint
 from tqbench.source.reader import ShardReader, decode_mxfp4
-from tqbench.source.shard import read_header
+from tqbench.shards.header import read_header
 
 SHARD = 150_000  # several shards for the ~0.7 MB demo
 RECIPES = ["tq3a-tqTe-down4-g64", "tq4-g32", "tq3a-tq2e-g64", "affine4-g64", "tq3a-mxfp4e-g64", "tq2-norot-g32"]
@@ -364,7 +365,7 @@ def test_inspect_reads_a_converted_output(demo_src, tmp_path, name):
 
 def test_stacked_bf16_experts_convert_one_expert_at_a_time(tmp_path):
     """An MLX-style source (stacked `switch_mlp` bf16 experts): each output expert is its own slice, quantized."""
-    from tqbench.writer import save_shard, to_bf16, from_bf16
+    from tqbench.shards.writer import save_shard, to_bf16, from_bf16
 
     E, hidden, inter = 4, 64, 128
     rng = np.random.default_rng(5)

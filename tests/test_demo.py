@@ -13,7 +13,7 @@ from mlx_lm import load, stream_generate
 
 from tqbench.demo import DEMO_VERSION, DemoSpec, ensure_demo, write_source
 from tqbench.quant.mxfp4 import unpack_mxfp4
-from tqbench.source.shard import read_header
+from tqbench.shards.header import read_header
 
 SPEC = DemoSpec()
 

@@ -32,9 +32,9 @@ from tqbench.demo import (
 )
 from tqbench.modelstats import perplexity
 from tqbench.quant.mxfp4 import pack_mxfp4, unpack_mxfp4
-from tqbench.source.shard import read_header
+from tqbench.shards.header import read_header
 from tqbench.tokenizer import load_encoding
-from tqbench.writer import from_bf16, to_bf16
+from tqbench.shards.writer import from_bf16, to_bf16
 
 DOCS = json.loads((Path(__file__).resolve().parent.parent / "docs" / "demo-model.json").read_text())
 PROMPT = "def fibonacci(n):\n"

@@ -15,8 +15,8 @@ from tqbench.demo import DemoSpec, write_source
 from tqbench.recipe import Recipe, group_sources, make_plan
 from tqbench.skeleton import write_skeleton
 from tqbench.source import open_checkpoint, summarize
-from tqbench.source.shard import read_header
-from tqbench.writer import TensorSpec
+from tqbench.shards.header import read_header
+from tqbench.shards import TensorSpec
 
 # Experts narrower than the sign vectors (16 experts, 64- and 128-wide projections), as in Kimi K3 (896 vs 3072).
 SPEC = DemoSpec(routed_expert_hidden_size=64, moe_intermediate_size=128)

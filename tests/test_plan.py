@@ -217,7 +217,7 @@ def test_every_size_flag_changes_the_tensors_it_names(small: Path, variant: str,
 
 def test_dense_model_by_hand(tmp_path: Path) -> None:
     """A Llama-style dense model: no expert tier, and a down_proj (in = 352) that g64 does not divide."""
-    from tqbench.writer import TensorSpec
+    from tqbench.shards import TensorSpec
 
     H, I, V = 128, 352, 256
     specs = [TensorSpec("model.embed_tokens.weight", "BF16", (V, H))]
@@ -347,7 +347,7 @@ def test_cli_incomplete_checkpoint_exits_3(small: Path, tmp_path: Path) -> None:
 def test_unit_sizes_are_the_units(tmp_path) -> None:
     """The fast shard count (unit_sizes) and the units convert writes agree, in both layouts and with kept experts."""
     from tqbench.demo import DemoSpec, write_source
-    from tqbench.recipe.files import file_units, unit_sizes
+    from tqbench.layout.units import file_units, unit_sizes
 
     src = write_source(tmp_path / "demo", DemoSpec(), seed=0)
     sources = group_sources(open_checkpoint(src))

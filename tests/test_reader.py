@@ -7,8 +7,8 @@ import numpy as np
 
 from tqbench.quant.mxfp4 import pack_mxfp4, unpack_mxfp4
 from tqbench.source.reader import ShardReader, decode_fp8, decode_mxfp4
-from tqbench.source.shard import read_header
-from tqbench.writer import save_shard
+from tqbench.shards.header import read_header
+from tqbench.shards.writer import save_shard
 
 
 def test_prefetched_reads_equal_direct_reads(tmp_path):

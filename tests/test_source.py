@@ -11,8 +11,8 @@ from safetensors import safe_open
 
 from conftest import small_k3_text
 from tqbench.source import Role, classify, open_checkpoint, select_tensors, summarize
-from tqbench.source.shard import read_header
-from tqbench.writer import from_bf16, save_shard, to_bf16
+from tqbench.shards.header import read_header
+from tqbench.shards.writer import from_bf16, save_shard, to_bf16
 
 
 def test_header_matches_safetensors_library(tmp_path):

@@ -33,10 +33,11 @@ import numpy as np
 
 from tqbench.paths import cache_dir
 from tqbench.quant.mxfp4 import pack_mxfp4
-from tqbench.recipe.files import shard_file
+from tqbench.layout.names import shard_file
 from tqbench.skeleton import K3_TEXT_CONFIG, k3_tensor_specs
 from tqbench.tokenizer import NAMED_SPECIAL, NUM_SPECIAL, train_bpe, write_tokenizer
-from tqbench.writer import ShardWriter, TensorSpec, to_bf16
+from tqbench.shards.header import TensorSpec
+from tqbench.shards.writer import ShardWriter, to_bf16
 
 DEMO_VERSION = 2  # bump whenever the default demo's bytes change: the cached copy is found by this name
 SHIPPED_DEMO = Path(__file__).parent / "demo_model"  # the trained demo checkpoint inside the package

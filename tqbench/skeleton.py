@@ -12,8 +12,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tqbench.recipe.files import assign_shards, shard_file
-from tqbench.writer import TensorSpec, header_bytes
+from tqbench.layout.names import shard_file
+from tqbench.layout.units import assign_shards
+from tqbench.shards import TensorSpec, header_bytes
 
 # The published Kimi K3 config (text part under text_config), as described in docs/kimi-k3.md.
 K3_TEXT_CONFIG: dict[str, Any] = {

@@ -13,7 +13,6 @@ import errno
 import hashlib
 import json
 import os
-import re
 import signal
 import time
 from dataclasses import dataclass
@@ -24,15 +23,14 @@ from tqbench.convert.journal import JOURNAL, Journal, write_atomic, write_json
 from tqbench.convert.produce import Producer, shared_expert_piece
 from tqbench.errors import CheckpointError, TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, LayerErrors, ShardWritten, UnitConverted
-from tqbench.recipe.files import Unit, assign_shards, expert_module_name, file_units, shard_file
+from tqbench.layout.names import EXPERT_MAP, INDEX_FILE, REPORT, SHARD_NAME, shard_file
+from tqbench.layout.units import Unit, assign_shards, file_units
 from tqbench.recipe.plan import SHARD_SIZE, Plan, group_sources, make_plan
 from tqbench.recipe.recipe import Format, Recipe
-from tqbench.source.checkpoint import INDEX_FILE, Checkpoint, open_checkpoint
+from tqbench.source.checkpoint import Checkpoint, open_checkpoint
 from tqbench.source.reader import ShardReader
-from tqbench.writer import ShardWriter, TensorSpec, header_bytes
+from tqbench.shards import ShardWriter, TensorSpec, header_bytes
 
-EXPERT_MAP = "expert_map.json"
-REPORT = "convert-report.json"
 # Source files that are not weights and travel with the model (tokenizer, chat template, generation settings).
 _COPY_MAX_BYTES = 64 * 2**20
 PREFETCH_WORKERS = 2  # threads reading the next unit's source bytes (they never touch MLX)
@@ -138,7 +136,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
                 continue
             errors: dict[str, list[float]] = {}  # module -> [count, sum, max] in this shard
             layer_errors: dict[str, list[float]] = {}  # layer -> [units, sum, max] of the units' worst errors
-            specs = [TensorSpec(p.out.name, p.out.dtype, p.out.shape) for u in shard_units for p in u.pieces]
+            specs = [p.out for u in shard_units for p in u.pieces]
             writer = _open_writer(dst / file, specs, recipe)
             try:
                 for u in shard_units:
@@ -217,9 +215,6 @@ def _prepare_dest(src: Path, dst: Path, recipe: Recipe, source_fp: str, plan_fp:
     return journal
 
 
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors(\.partial)?")
-
-
 def is_conversion(dst: Path) -> bool:
     """`dst` holds a tqbench conversion (finished or not): its journal, or an index that says tqbench wrote it."""
     if (dst / JOURNAL).is_file():
@@ -245,7 +240,7 @@ def remove_conversion(dst: Path) -> None:
     except (OSError, ValueError, AttributeError):
         pass
     for f in dst.iterdir():
-        if f.is_file() and (f.name in names or _SHARD_NAME.fullmatch(f.name)
+        if f.is_file() and (f.name in names or SHARD_NAME.fullmatch(f.name.removesuffix('.partial'))
                             or (f.name.endswith(".partial") and f.name[:-len(".partial")] in names)):
             f.unlink()
 
@@ -381,7 +376,7 @@ def expert_map(plan: Plan, shards: list[list[Unit]], files: list[str]) -> dict[s
     tensors (the same for every expert of a layer), so a runtime reads an expert with one pread."""
     layers: dict[str, dict[str, Any]] = {}
     for fi, (file, s) in enumerate(zip(files, shards)):
-        specs = [TensorSpec(p.out.name, p.out.dtype, p.out.shape) for u in s for p in u.pieces]
+        specs = [p.out for u in s for p in u.pieces]
         offset = len(header_bytes(specs, {"format": "mlx", "tqbench_recipe": plan.recipe.name}))
         for u in s:
             if u.expert is not None:
@@ -419,7 +414,7 @@ def converted_config(ckpt: Checkpoint, plan: Plan) -> dict[str, Any]:
             continue
         modules[m.name] = entry
         if m.source.experts:  # the per-expert tensors, `<moe>.experts.*.<proj>`, share it
-            modules[expert_module_name(m, "*")] = entry
+            modules[m.expert_name("*")] = entry
     config["quantization"] = {"method": "tqbench", "recipe": plan.recipe.to_dict(), "layout": "streaming",
                               "expert_map": EXPERT_MAP, "modules": modules}
     return config

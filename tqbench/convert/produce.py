@@ -11,12 +11,12 @@ import mlx.core as mx
 import numpy as np
 
 from tqbench.quant import turboquant as tq
-from tqbench.recipe.files import Piece, Unit, expert_module_name
+from tqbench.layout.units import Piece, Unit
 from tqbench.recipe.plan import ModulePlan
 from tqbench.recipe.recipe import Format, Recipe
 from tqbench.source.checkpoint import Checkpoint
 from tqbench.source.reader import ShardReader, decode_fp8, decode_mxfp4
-from tqbench.source.shard import TensorEntry
+from tqbench.shards.header import TensorSpec
 
 # Output param -> source param of copied per-expert mxfp4 tensors (the packed bytes are the MLX uint32 codes).
 _MXFP4_SOURCE = {"weight": "weight_packed", "scales": "weight_scale"}
@@ -49,17 +49,17 @@ class Producer:
 
     # --- source access -------------------------------------------------------------------------------------------
 
-    def source_parts(self, m: ModulePlan, expert: int | None) -> dict[str, TensorEntry]:
+    def source_parts(self, m: ModulePlan, expert: int | None) -> dict[str, TensorSpec]:
         """The module's source tensors by param, for one expert when `expert` is given."""
         s = m.source
         if expert is None or not s.experts:
             return {t.name.param: t.entry for t in s.tensors}
         if s.per_expert:
-            module = expert_module_name(m, expert)  # the source's own per-expert name
+            module = m.expert_name(expert)  # the source's own per-expert name
             return {t.name.param: self.entries[f"{module}.{t.name.param}"] for t in s.template}
         return {t.name.param: _slice(t.entry, expert, s.experts) for t in s.tensors}
 
-    def decode(self, parts: dict[str, TensorEntry], fmt: str) -> mx.array:
+    def decode(self, parts: dict[str, TensorSpec], fmt: str) -> mx.array:
         """The module's weight as float32 (out, in)."""
         read = self.reader.read_mlx
         if fmt == "mxfp4":
@@ -119,7 +119,7 @@ class Producer:
             return tq.codebook("T" if c.ternary else str(c.bits))
         return self.signs(p.module, p.module.source.shape[1])
 
-    def unit_entries(self, unit: Unit, after: Unit) -> list[TensorEntry]:
+    def unit_entries(self, unit: Unit, after: Unit) -> list[TensorSpec]:
         """The source tensors `unit` will read when produced right after `after` (for prefetching): a module that
         `after` ends with is still computed then, so its tensors are not read again."""
         last = after.pieces[-1]
@@ -166,8 +166,8 @@ def _output_key(p: Piece, outputs: dict[str, np.ndarray]) -> str:
     return p.param.rpartition(".")[2]
 
 
-def _slice(e: TensorEntry, i: int, n: int) -> TensorEntry:
+def _slice(e: TensorSpec, i: int, n: int) -> TensorSpec:
     """Expert i of a stacked tensor with a leading expert axis of n."""
     per = e.nbytes // n
-    return TensorEntry(f"{e.name}[{i}]", e.dtype, e.shape[1:], e.offset + i * per, per, e.shard)
+    return TensorSpec(f"{e.name}[{i}]", e.dtype, e.shape[1:], e.shard, e.offset + i * per)
 

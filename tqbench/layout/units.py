@@ -7,46 +7,43 @@ Two layouts:
 - `stacked`: the mlx-lm layout, one `<moe>.switch_mlp.<proj>_proj.<param>` tensor per layer and projection with a
   leading expert axis (an expert is then 6 ranges). This is the layout the published K3 shard count (186) describes.
 A unit is what is never split across shards: one tensor, or one expert's tensors.
+
+The modules laid out are any objects with the `OutputModule` attributes (the recipe's ModulePlan is one): this
+package sits below the recipe and never imports it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, TypeVar
+from typing import Any, Iterable, Iterator, Protocol, TypeVar
 
-from tqbench.source.naming import Role
-from tqbench.source.shard import DTYPE_SIZES
-
-if TYPE_CHECKING:
-    from tqbench.recipe.plan import ModulePlan
+from tqbench.shards.header import TensorSpec
 
 LAYOUTS = ("streaming", "stacked")
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class OutTensor:
+class OutputModule(Protocol):
+    """What the layout needs of one planned output module."""
+
     name: str
-    dtype: str
-    shape: tuple[int, ...]
-    streamed: bool = False  # a routed-expert page tensor, read from disk per expert
+    outputs: tuple[TensorSpec, ...]  # stacked routed-expert outputs have a leading expert axis and `streamed`
 
     @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+    def layer(self) -> int | None: ...
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes,
-                "streamed": self.streamed}
+    @property
+    def experts(self) -> int: ...  # routed experts stacked in this module (0: not routed experts)
+
+    def expert_name(self, expert: int | str) -> str: ...  # `<moe>.experts.E.<proj>`
 
 
 @dataclass(frozen=True, slots=True)
 class Piece:
     """One output tensor in file order and what produces it: `module`'s output `param`, for one expert or all."""
 
-    out: OutTensor
-    module: ModulePlan
+    out: TensorSpec
+    module: Any  # an OutputModule
     param: str  # weight, scales, biases, codebook, signs, bias, or the source tensor's name for copies
     expert: int | None = None  # per-expert piece of a routed-expert module
 
@@ -62,32 +59,21 @@ class Unit:
         return sum(p.out.nbytes for p in self.pieces)
 
 
-def _param(module: ModulePlan, out: OutTensor) -> str:
+def _param(module: OutputModule, out: TensorSpec) -> str:
     """The output's parameter name within its module (copied tensors keep their source name)."""
     prefix = module.name + "."
     return out.name[len(prefix):] if out.name.startswith(prefix) else out.name
 
 
-def expert_module_name(module: ModulePlan, expert: int | str) -> str:
-    """`<moe>.experts.E.<proj>`: the source's per-expert name (`experts.E.w1`), or `<proj>_proj` for stacked sources."""
-    s = module.source
-    if s.per_expert:
-        src = s.template[0].name.module
-        i = src.rfind(".experts.")
-        return f"{src[:i]}.experts.{expert}.{src[i + len('.experts.'):].partition('.')[2]}"
-    moe = module.name.rpartition(".switch_mlp.")[0] or module.name.rpartition(".experts")[0]
-    return f"{moe}.experts.{expert}.{s.tname.projection}_proj"
-
-
-def _groups(modules: Iterable[ModulePlan], layout: str) -> Iterator[list[ModulePlan]]:
+def _groups(modules: Iterable[OutputModule], layout: str) -> Iterator[list[OutputModule]]:
     """Modules in file order, grouped: one layer's routed-expert modules together (streaming layout), any other
     module alone."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    run: list[ModulePlan] = []
+    run: list[OutputModule] = []
     for m in modules:
-        if layout == "streaming" and m.role is Role.ROUTED_EXPERT and m.source.experts:
-            if run and run[0].source.tname.layer != m.source.tname.layer:
+        if layout == "streaming" and m.experts:
+            if run and run[0].layer != m.layer:
                 yield run
                 run = []
             run.append(m)
@@ -100,35 +86,35 @@ def _groups(modules: Iterable[ModulePlan], layout: str) -> Iterator[list[ModuleP
         yield run
 
 
-def _is_run(group: list[ModulePlan]) -> bool:
-    return any(o.streamed for o in group[0].outputs) and group[0].role is Role.ROUTED_EXPERT
+def _is_run(group: list[OutputModule]) -> bool:
+    return bool(group[0].experts) and any(o.streamed for o in group[0].outputs)
 
 
-def file_units(modules: Iterable[ModulePlan], layout: str = "streaming") -> list[Unit]:
+def file_units(modules: Iterable[OutputModule], layout: str = "streaming") -> list[Unit]:
     units: list[Unit] = []
     for group in _groups(modules, layout):
-        layer = group[0].source.tname.layer
+        layer = group[0].layer
         if layout != "streaming" or not _is_run(group):
             units.extend(Unit((Piece(o, m, _param(m, o)),), layer) for m in group for o in m.outputs)
             continue
         # Per-layer tensors every expert shares come first, then each expert's tensors back to back.
         units.extend(Unit((Piece(o, m, _param(m, o)),), layer) for m in group for o in m.outputs if not o.streamed)
-        for e in range(max(m.source.experts for m in group)):
+        for e in range(max(m.experts for m in group)):
             pieces = []
             for m in group:
                 for o in m.outputs:
                     if o.streamed:
                         param = _param(m, o)
-                        out = OutTensor(f"{expert_module_name(m, e)}.{param}", o.dtype, o.shape[1:], True)
+                        out = TensorSpec(f"{m.expert_name(e)}.{param}", o.dtype, o.shape[1:], streamed=True)
                         pieces.append(Piece(out, m, param, e))
             units.append(Unit(tuple(pieces), layer, e))
     return units
 
 
-def unit_sizes(modules: Iterable[ModulePlan], layout: str = "streaming") -> Iterator[int]:
+def unit_sizes(modules: Iterable[OutputModule], layout: str = "streaming") -> Iterator[int]:
     """The byte sizes of file_units(modules, layout), without building them (K3 has 82,432 expert units)."""
     for group in _groups(modules, layout):
-        experts = {m.source.experts for m in group}
+        experts = {m.experts for m in group}
         if layout != "streaming" or not _is_run(group) or len(experts) != 1:
             yield from (u.nbytes for u in file_units(group, layout))  # small, or ragged layers: the exact units
             continue
@@ -159,7 +145,3 @@ def assign_shards(units: Iterable[T], shard_size: int) -> list[list[T]]:
         shards[-1].append(u)
         used += u.nbytes
     return shards
-
-
-def shard_file(i: int, n: int) -> str:
-    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"

@@ -24,13 +24,15 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Iterable
 
-from tqbench.recipe.files import LAYOUTS, OutTensor, count_shards, unit_sizes
+from tqbench.layout.names import per_expert_name, stacked_expert_name
+from tqbench.layout.units import LAYOUTS, count_shards, unit_sizes
 from tqbench.recipe.fit import Footprint
 from tqbench.recipe.recipe import Format, Recipe, RecipeError
 from tqbench.recipe.rules import Choice, choose
 from tqbench.source.checkpoint import Checkpoint, Tensor
 from tqbench.source.naming import Role, TensorName
 from tqbench.quant.packing import codes_per_word
+from tqbench.shards.header import TensorSpec
 
 SHARD_SIZE = 5 * 2**30
 SCHEMA = "tqbench.plan/1"
@@ -40,29 +42,29 @@ _FOUR_BIT_PACKS = ("mxfp4", "nvfp4")  # weight_packed holds two 4-bit codes per 
 # --- layouts (the size formulas) ---------------------------------------------------------------------------------
 
 def turboquant_layout(prefix: str, out: int, inp: int, bits: int | None, group: int, ternary: bool = False,
-                      experts: int = 0, bias: bool = False) -> tuple[OutTensor, ...]:
+                      experts: int = 0, bias: bool = False) -> tuple[TensorSpec, ...]:
     """`out * (4*ceil(in/w) + 2*in/g)` per matrix, + `2*in` signs + `2*len(codebook)` per layer (+ `2*out` bias)."""
     lead = (experts,) if experts else ()
     words = math.ceil(inp / codes_per_word(bits or 0, ternary))
-    ts = [OutTensor(f"{prefix}.weight", "U32", (*lead, out, words), bool(experts)),
-          OutTensor(f"{prefix}.scales", "F16", (*lead, out, inp // group), bool(experts)),
-          OutTensor(f"{prefix}.codebook", "F16", (3 if ternary else 2**bits,)),
-          OutTensor(f"{prefix}.signs", "F16", (inp,))]
+    ts = [TensorSpec(f"{prefix}.weight", "U32", (*lead, out, words), streamed=bool(experts)),
+          TensorSpec(f"{prefix}.scales", "F16", (*lead, out, inp // group), streamed=bool(experts)),
+          TensorSpec(f"{prefix}.codebook", "F16", (3 if ternary else 2**bits,)),
+          TensorSpec(f"{prefix}.signs", "F16", (inp,))]
     if bias:
-        ts.append(OutTensor(f"{prefix}.bias", "F16", (*lead, out), bool(experts)))
+        ts.append(TensorSpec(f"{prefix}.bias", "F16", (*lead, out), streamed=bool(experts)))
     return tuple(ts)
 
 
 def affine_layout(prefix: str, out: int, inp: int, bits: int, group: int, experts: int = 0,
-                  bias: bool = False) -> tuple[OutTensor, ...]:
+                  bias: bool = False) -> tuple[TensorSpec, ...]:
     """`out*in*b/8 + 4*out*in/g` per matrix (fp16 scales and biases), + `2*out` bias."""
     lead = (experts,) if experts else ()
     s = bool(experts)
-    ts = [OutTensor(f"{prefix}.weight", "U32", (*lead, out, inp * bits // 32), s),
-          OutTensor(f"{prefix}.scales", "F16", (*lead, out, inp // group), s),
-          OutTensor(f"{prefix}.biases", "F16", (*lead, out, inp // group), s)]
+    ts = [TensorSpec(f"{prefix}.weight", "U32", (*lead, out, inp * bits // 32), streamed=s),
+          TensorSpec(f"{prefix}.scales", "F16", (*lead, out, inp // group), streamed=s),
+          TensorSpec(f"{prefix}.biases", "F16", (*lead, out, inp // group), streamed=s)]
     if bias:
-        ts.append(OutTensor(f"{prefix}.bias", "F16", (*lead, out), s))
+        ts.append(TensorSpec(f"{prefix}.bias", "F16", (*lead, out), streamed=s))
     return tuple(ts)
 
 
@@ -197,7 +199,7 @@ def _stacked_count(tensors: Iterable[Tensor]) -> int:
 class ModulePlan:
     source: SourceModule
     choice: Choice
-    outputs: tuple[OutTensor, ...]
+    outputs: tuple[TensorSpec, ...]
 
     @property
     def name(self) -> str:
@@ -206,6 +208,23 @@ class ModulePlan:
     @property
     def role(self) -> Role:
         return self.source.tname.role
+
+    @property
+    def layer(self) -> int | None:
+        return self.source.tname.layer
+
+    @property
+    def experts(self) -> int:
+        """Routed experts stacked in this module (0: not routed experts)."""
+        return self.source.experts if self.role is Role.ROUTED_EXPERT else 0
+
+    def expert_name(self, expert: int | str) -> str:
+        """`<moe>.experts.E.<proj>`: the source's per-expert name (`experts.E.w1`), or `<proj>_proj` for stacked
+        sources."""
+        s = self.source
+        if s.per_expert:
+            return per_expert_name(s.template[0].name.module, expert)
+        return stacked_expert_name(self.name, s.tname.projection, expert)
 
     @property
     def bytes(self) -> int:
@@ -262,7 +281,7 @@ class Plan:
     model_type: str
     modules: tuple[ModulePlan, ...] = field(repr=False)
     shard_size: int
-    layout: str  # streaming or stacked (tqbench.recipe.files)
+    layout: str  # streaming or stacked (tqbench.layout.units)
     shards: int
     params: int
     source_bytes: int
@@ -387,14 +406,15 @@ def _plan_module(s: SourceModule, recipe: Recipe) -> ModulePlan:
     elif s.per_expert:
         outputs = _stacked_kept(s)
     elif s.experts:
-        outputs = tuple(OutTensor(t.entry.name, t.entry.dtype, t.entry.shape,
-                                  len(t.entry.shape) >= 2 and t.entry.shape[0] == s.experts) for t in s.tensors)
+        outputs = tuple(TensorSpec(t.entry.name, t.entry.dtype, t.entry.shape,
+                                   streamed=len(t.entry.shape) >= 2 and t.entry.shape[0] == s.experts)
+                        for t in s.tensors)
     else:
-        outputs = tuple(OutTensor(t.entry.name, t.entry.dtype, t.entry.shape) for t in s.tensors)
+        outputs = tuple(TensorSpec(t.entry.name, t.entry.dtype, t.entry.shape) for t in s.tensors)
     return ModulePlan(s, choice, outputs)
 
 
-def _stacked_kept(s: SourceModule) -> tuple[OutTensor, ...]:
+def _stacked_kept(s: SourceModule) -> tuple[TensorSpec, ...]:
     """Per-expert source tensors stacked as they are (mxfp4 packed bytes viewed as uint32)."""
     ts = []
     for t in s.template:
@@ -403,7 +423,7 @@ def _stacked_kept(s: SourceModule) -> tuple[OutTensor, ...]:
             p, dtype, shape = "weight", "U32", (*shape[:-1], shape[-1] // 4)
         elif p == "weight_scale" and s.format == "mxfp4":
             p = "scales"
-        ts.append(OutTensor(f"{s.name}.{p}", dtype, (s.experts, *shape), True))
+        ts.append(TensorSpec(f"{s.name}.{p}", dtype, (s.experts, *shape), streamed=True))
     return tuple(ts)
 
 

@@ -1,4 +1,4 @@
-"""Safetensors shard headers: read and validate them without touching tensor data.
+"""Safetensors shard headers: read and validate them without touching tensor data; the one tensor record.
 
 Layout of a shard: 8-byte little-endian header length N, N bytes of JSON, then the data region. Each tensor entry
 gives its dtype, shape and `data_offsets` [begin, end) relative to the start of the data region.
@@ -35,24 +35,36 @@ DTYPE_SIZES: dict[str, int] = {
     "F64": 8,
 }
 
+INDEX_FILE = "model.safetensors.index.json"  # which shard holds each tensor, for a checkpoint of several
+
 # safetensors itself refuses headers above 100 MB; a K3 shard header is well under 1 MB.
 MAX_HEADER_BYTES = 100_000_000
 
 
 @dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """One tensor as a shard header describes it; `offset` is absolute within the file."""
+class TensorSpec:
+    """One tensor: the one record used for what a shard header says, what a conversion plans to write and what a
+    writer streams. `shard` and `offset` say where it lies once in a file (`offset` absolute within the file);
+    `streamed` marks a routed-expert page tensor of a converted layout, read from disk per expert."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    shard: str  # file name, relative to the checkpoint directory
+    shard: str = ""  # file name, relative to the checkpoint directory ("" until placed)
+    offset: int = 0
+    streamed: bool = False
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes,
+                "streamed": self.streamed}
 
 
 @dataclass(frozen=True)
@@ -62,7 +74,7 @@ class ShardHeader:
     file_size: int
     data_start: int  # 8 + header length
     metadata: dict[str, str]
-    tensors: tuple[TensorEntry, ...]
+    tensors: tuple[TensorSpec, ...]
 
 
 def read_header(path: Path, name: str | None = None) -> ShardHeader:
@@ -102,7 +114,7 @@ def read_header(path: Path, name: str | None = None) -> ShardHeader:
     return ShardHeader(name, path, size, data_start, metadata, tuple(tensors))
 
 
-def _entry(path: Path, shard: str, key: str, value: object, data_start: int) -> TensorEntry:
+def _entry(path: Path, shard: str, key: str, value: object, data_start: int) -> TensorSpec:
     if not isinstance(value, dict):
         raise CheckpointError(f"tensor {key!r}: entry is not a JSON object", path)
     dtype = value.get("dtype")
@@ -125,12 +137,12 @@ def _entry(path: Path, shard: str, key: str, value: object, data_start: int) -> 
         raise CheckpointError(
             f"tensor {key!r}: {nbytes} bytes in the file but shape {shape} x {dtype} needs {expected}", path
         )
-    return TensorEntry(key, dtype, tuple(shape), data_start + offsets[0], nbytes, shard)
+    return TensorSpec(key, dtype, tuple(shape), shard, data_start + offsets[0])
 
 
-def _check_bounds(path: Path, tensors: list[TensorEntry], size: int) -> None:
+def _check_bounds(path: Path, tensors: list[TensorSpec], size: int) -> None:
     end = 0
-    owner: TensorEntry | None = None  # the tensor reaching furthest so far
+    owner: TensorSpec | None = None  # the tensor reaching furthest so far
     for t in sorted(tensors, key=lambda t: t.offset):
         if not t.nbytes:
             continue

@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tqbench.source.shard import DTYPE_SIZES
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str  # safetensors dtype name, e.g. "BF16"
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+from tqbench.shards.header import TensorSpec
 
 
 def header_bytes(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:

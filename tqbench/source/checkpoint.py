@@ -14,9 +14,8 @@ from tqbench.errors import CheckpointError
 from tqbench.events import CheckpointOpened, ShardScanned
 from tqbench.source.config import ModelConfig, read_config
 from tqbench.source.naming import Role, TensorName, classify
-from tqbench.source.shard import ShardHeader, TensorEntry, read_header
+from tqbench.shards.header import INDEX_FILE, ShardHeader, TensorSpec, read_header
 
-INDEX_FILE = "model.safetensors.index.json"
 
 # Quantization side tensors: they store scales and tables, not parameters.
 _METADATA_PARAMS = {"weight_scale", "weight_scale_inv", "scales", "biases", "codebook", "signs", "weight_shape",
@@ -25,7 +24,7 @@ _METADATA_PARAMS = {"weight_scale", "weight_scale_inv", "scales", "biases", "cod
 
 @dataclass(frozen=True, slots=True)
 class Tensor:
-    entry: TensorEntry
+    entry: TensorSpec
     name: TensorName
     format: str  # storage format of the tensor's module: mxfp4, fp8, mlx-affine, mlx-mxfp4, turboquant, bf16, ...
     params: int  # logical parameters it stores (0 for scales and other side tensors)
@@ -141,7 +140,7 @@ def _check_experts(root: Path, config: ModelConfig, names: list[str]) -> None:
             "recognised as a routed expert (unknown expert naming)", root)
 
 
-def _classify_all(entries: list[TensorEntry], config: ModelConfig) -> tuple[Tensor, ...]:
+def _classify_all(entries: list[TensorSpec], config: ModelConfig) -> tuple[Tensor, ...]:
     cache: dict[str, TensorName] = {}
     names = {t.name: _classify_cached(t.name, cache) for t in entries}
     # Attention kind is a property of the layer: o_proj of a KDA layer is KDA too. The config's kda_layers win.
@@ -150,7 +149,7 @@ def _classify_all(entries: list[TensorEntry], config: ModelConfig) -> tuple[Tens
         if n.role is Role.ATTENTION and n.attention != "generic" and n.layer is not None:
             layer_kind.setdefault(n.layer, n.attention)
     layer_kind.update({i: "kda" for i in config.kda_layers})
-    modules: dict[str, dict[str, TensorEntry]] = defaultdict(dict)
+    modules: dict[str, dict[str, TensorSpec]] = defaultdict(dict)
     for t in entries:
         n = names[t.name]
         modules[n.module][n.param] = t
@@ -196,7 +195,7 @@ def converted_entry(config: ModelConfig, module: str) -> dict | None:
     return modules.get(module) or modules.get(_EXPERT_NUMBER.sub(".experts.*.", module + ".")[:-1])
 
 
-def module_format(parts: dict[str, TensorEntry], config: ModelConfig) -> str:
+def module_format(parts: dict[str, TensorSpec], config: ModelConfig) -> str:
     """The storage format of one module from the side tensors next to its weight."""
     w = parts.get("weight")
     if "weight_packed" in parts:
@@ -219,11 +218,11 @@ def module_format(parts: dict[str, TensorEntry], config: ModelConfig) -> str:
     return w.dtype.lower()
 
 
-def _mlx_mode(parts: dict[str, TensorEntry]) -> str:
+def _mlx_mode(parts: dict[str, TensorSpec]) -> str:
     return "mxfp4" if parts["scales"].dtype == "U8" else "quantized"
 
 
-def _params(t: TensorEntry, n: TensorName, parts: dict[str, TensorEntry], fmt: str, config: ModelConfig,
+def _params(t: TensorSpec, n: TensorName, parts: dict[str, TensorSpec], fmt: str, config: ModelConfig,
             entry: dict | None = None) -> int:
     if n.param in _METADATA_PARAMS:
         return 0

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from tqbench.errors import CheckpointError
-from tqbench.source.shard import TensorEntry
+from tqbench.shards.header import TensorSpec
 
 _NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
           "F8_E8M0": np.uint8, "U16": np.uint16, "I16": np.int16, "F16": np.float16, "BF16": np.uint16,
@@ -42,7 +42,7 @@ class ShardReader:
                 self._fds[shard] = os.open(self.root / shard, os.O_RDONLY)
             return self._fds[shard]
 
-    def prefetch(self, entries: list[TensorEntry]) -> None:
+    def prefetch(self, entries: list[TensorSpec]) -> None:
         """Start reading these tensors in the background (no-op without workers)."""
         if self._pool is None:
             return
@@ -51,16 +51,16 @@ class ShardReader:
             if key not in self._pending:
                 self._pending[key] = self._pool.submit(self._pread, t)
 
-    def discard(self, entries: list[TensorEntry]) -> None:
+    def discard(self, entries: list[TensorSpec]) -> None:
         """Drop prefetched reads that will not be collected."""
         for t in entries:
             self._pending.pop((t.shard, t.offset, t.nbytes), None)
 
-    def read_bytes(self, t: TensorEntry) -> bytes:
+    def read_bytes(self, t: TensorSpec) -> bytes:
         future = self._pending.pop((t.shard, t.offset, t.nbytes), None)
         return future.result() if future is not None else self._pread(t)
 
-    def _pread(self, t: TensorEntry) -> bytes:
+    def _pread(self, t: TensorSpec) -> bytes:
         fd, parts, done = self._fd(t.shard), [], 0
         while done < t.nbytes:
             chunk = os.pread(fd, min(_CHUNK, t.nbytes - done), t.offset + done)
@@ -70,11 +70,11 @@ class ShardReader:
             done += len(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def read_numpy(self, t: TensorEntry) -> np.ndarray:
+    def read_numpy(self, t: TensorSpec) -> np.ndarray:
         """The tensor as stored (bf16 and fp8 as their raw integer bit patterns)."""
         return np.frombuffer(self.read_bytes(t), dtype=_NUMPY[t.dtype]).reshape(t.shape)
 
-    def read_mlx(self, t: TensorEntry) -> mx.array:
+    def read_mlx(self, t: TensorSpec) -> mx.array:
         """The tensor as an MLX array of its own dtype (bf16 stays bf16)."""
         a = mx.array(self.read_numpy(t))
         return a.view(mx.bfloat16) if t.dtype == "BF16" else a
