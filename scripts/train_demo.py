@@ -199,7 +199,7 @@ def train(work: Path, a: argparse.Namespace) -> dict:
     log(f"device {mx.default_device()}, {n_params:,} parameters, {len(moes)} MoE layers, batch {B} x {T}")
 
     def loss_fn(model, x, y):
-        with capture_routing() as picks:
+        with capture_routing(model) as picks:
             logits = model(x)
         loss = nn.losses.cross_entropy(logits.astype(mx.float32), y, reduction="mean")
         experts = mx.arange(E)

@@ -1,7 +1,9 @@
 """Measurements of a loaded mlx-lm model: perplexity over token windows, and routing traces with their statistics.
 
-`capture_routing()` records the experts every MoE layer of mlx-lm's kimi_k3 picks (it wraps the module's expert
-selection, so it sees exactly what the model routes, under training, `mx.compile`, prefill and cached decoding alike).
+`capture_routing(model)` records the experts every MoE block of an mlx-lm model picks: within the block, each MoE
+block's expert module (`switch_mlp`, which mlx-lm calls with the chosen expert ids) is replaced by a small module that
+records the ids and calls it, so it sees exactly what the model routes, under training, `mx.compile`, prefill and cached
+decoding alike, and nothing outside the model is patched.
 The statistics are plain numpy over a trace `[moe_layers, tokens, k]` of expert ids: how many experts cover a share of
 the routings (the skew that hot-expert caches and profiles live on) and how much consecutive tokens' expert sets overlap
 (what a per-layer LRU cache sees). MLX work stays on the calling thread.
@@ -10,31 +12,56 @@ the routings (the skew that hot-expert caches and profiles live on) and how much
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 
+def moe_blocks(model) -> list:
+    """The MoE blocks of an mlx-lm model: the modules with an expert module `switch_mlp`, which mlx-lm's kimi_k3 (like
+    its deepseek_v3 and qwen3_moe) calls with the chosen expert ids."""
+    import mlx.nn as nn
+
+    return [m for m in model.modules() if isinstance(m.get("switch_mlp"), nn.Module)]
+
+
+@functools.cache
+def _recorder_class():
+    import mlx.nn as nn
+
+    class RoutingRecorder(nn.Module):
+        """Stands in for an MoE block's `switch_mlp`: records the expert ids, then calls the experts unchanged."""
+
+        def __init__(self, experts, record):
+            super().__init__()
+            self.experts = experts
+            self.record = record  # a callable, not a child: it adds no parameters
+
+        def __call__(self, x, indices, *args, **kwargs):
+            self.record(indices)
+            return self.experts(x, indices, *args, **kwargs)
+
+    return RoutingRecorder
+
+
 @contextlib.contextmanager
-def capture_routing() -> Iterator[list]:
-    """Within the block, every kimi_k3 MoE call appends its expert ids (`[..., k]`, an mx.array) to the yielded list,
-    in call order: one entry per MoE layer per forward pass."""
-    from mlx_lm.models import kimi_k3
-
-    original = kimi_k3._group_expert_select
+def capture_routing(model) -> Iterator[list]:
+    """Within the block, every MoE block of `model` appends the expert ids it routes to (`[..., k]`, an mx.array) to
+    the yielded list, in call order: one entry per MoE layer per forward pass. Inside the block the experts'
+    parameters sit one level deeper (`switch_mlp.experts.*`); the model is restored on leaving it."""
     calls: list = []
-
-    def select(*args, **kwargs):
-        inds, weights = original(*args, **kwargs)
-        calls.append(inds)
-        return inds, weights
-
-    kimi_k3._group_expert_select = select
+    recorder = _recorder_class()
+    blocks = moe_blocks(model)
+    originals = [b.switch_mlp for b in blocks]
     try:
+        for b, experts in zip(blocks, originals):
+            b.switch_mlp = recorder(experts, calls.append)
         yield calls
     finally:
-        kimi_k3._group_expert_select = original
+        for b, experts in zip(blocks, originals):
+            b.switch_mlp = experts
 
 
 def windows(tokens: np.ndarray, window: int, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -75,7 +102,7 @@ def trace_routing(model, tokens: np.ndarray, window: int = 256, batch: int = 16,
     x, _ = windows(tokens, window, limit)
     parts = []
     for i in range(0, len(x), batch):
-        with capture_routing() as calls:
+        with capture_routing(model) as calls:
             mx.eval(model(mx.array(x[i : i + batch].astype(np.int32))))
         layers = np.stack([np.array(c) for c in calls])  # [layers, b, window, k]
         parts.append(layers.reshape(layers.shape[0], -1, layers.shape[-1]))
