@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from cli_helpers import tqbench
-from tqbench import __version__
+from tqbench import __version__, units
 from tqbench.source import open_checkpoint, summarize
 
 
@@ -44,7 +45,14 @@ def test_inspect_json_is_the_engine_summary(small_k3, capsys, monkeypatch):
 
 def test_inspect_tables(small_k3, capsys, monkeypatch):
     r = tqbench(capsys, monkeypatch, "inspect", small_k3)
-    assert r.code == 0 and "routed_expert" in r.out and "kimi_k3" in r.out and "GiB" in r.out
+    assert r.code == 0 and "routed_expert" in r.out and "kimi_k3" in r.out
+    # by role: the size in decimal and in binary units, each cell with its own unit (KiB here, not a "GiB" column)
+    lines = r.out.splitlines()
+    head = lines.index("by role") + 1
+    assert re.split(r"\s{2,}", lines[head].strip()) == ["role", "tensors", "params", "size", "binary", "formats"]
+    for g, line in zip(summarize(open_checkpoint(small_k3)).by_role, lines[head + 1:]):
+        cells = re.split(r"\s{2,}", line.strip())
+        assert cells[0] == g.key and cells[3:5] == [units.gb(g.bytes), units.gib(g.bytes)]
     r = tqbench(capsys, monkeypatch, "inspect", small_k3, "--by", "layer")
     assert r.code == 0 and "mla" in r.out and "kda" in r.out
     r = tqbench(capsys, monkeypatch, "inspect", small_k3, "--by", "shard", "--tensors", "*embed*")

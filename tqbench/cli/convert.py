@@ -15,6 +15,7 @@ from rich.table import Table
 
 from tqbench import units
 from tqbench.cli import options
+from tqbench.cli.render import show
 from tqbench.cli.plan import _recipes
 from tqbench.engine import submit
 from tqbench.errors import TqbenchError
@@ -77,7 +78,22 @@ def convert(
     _summary(finished)
 
 
+def _started_line(ev: ConvertStarted) -> str:
+    resumed = f" (resuming: {ev.resumed_shards} of {ev.shards} shards done)" if ev.resumed_shards else ""
+    return (f"converting {ev.source} -> {ev.dest} with {ev.recipe}: {ev.shards} shard{'s' if ev.shards != 1 else ''}, "
+            f"{units.gb(ev.bytes_in)} in, {units.gb(ev.bytes_out)} out{resumed}")
+
+
+def _where(ev: UnitConverted) -> str:
+    where = f"layer {ev.layer}" if ev.layer is not None else ev.name
+    if ev.expert is not None:
+        where += f" expert {ev.expert}"
+    return where + (f" err {ev.rel_error:.3f}" if ev.rel_error is not None else "")
+
+
 def _render(events, err: Console) -> ConvertFinished:
+    if not err.is_terminal:
+        return _render_plain(events, err)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
                         DownloadColumn(), TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
                         TextColumn("{task.fields[what]}"), console=err, transient=False)
@@ -85,23 +101,43 @@ def _render(events, err: Console) -> ConvertFinished:
     with progress:
         for ev in events:
             if isinstance(ev, ConvertStarted):
-                resumed = (f" (resuming: {ev.resumed_shards} of {ev.shards} shards done)"
-                           if ev.resumed_shards else "")
-                err.print(f"converting {ev.source} -> {ev.dest} with {ev.recipe}: {ev.shards} "
-                          f"shard{'s' if ev.shards != 1 else ''}, "
-                          f"{units.gb(ev.bytes_in)} in, {units.gb(ev.bytes_out)} out{resumed}")
+                err.print(_started_line(ev), highlight=False, markup=False)
                 task = progress.add_task("convert", total=ev.bytes_in, completed=ev.resumed_bytes_in,
                                          rate="", what="")
             elif isinstance(ev, UnitConverted):
-                where = f"layer {ev.layer}" if ev.layer is not None else ev.name
-                if ev.expert is not None:
-                    where += f" expert {ev.expert}"
-                error = f" err {ev.rel_error:.3f}" if ev.rel_error is not None else ""
-                progress.update(task, completed=ev.done_in, rate=f"{units.gb(ev.rate)}/s", what=where + error)
+                progress.update(task, completed=ev.done_in, rate=f"{units.gb(ev.rate)}/s", what=_where(ev))
             elif isinstance(ev, ShardWritten):
-                progress.console.print(f"  wrote {ev.file} ({units.gb(ev.bytes)})")
+                progress.console.print(f"  wrote {ev.file} ({units.gb(ev.bytes)})", markup=False)
             elif isinstance(ev, ConvertFinished):
                 return ev
+    raise TqbenchError("conversion ended without finishing")
+
+
+PLAIN_STEP = 0.10  # piped progress: one line each time another tenth of the source is done
+
+
+def _render_plain(events, err: Console) -> ConvertFinished:
+    """Piped stderr: whole lines, never redrawn or wrapped: the start, each shard, every tenth of the work."""
+    def say(line: str) -> None:
+        print(line, file=err.file, flush=True)
+
+    next_step = PLAIN_STEP
+    for ev in events:
+        if isinstance(ev, ConvertStarted):
+            say(_started_line(ev))
+            next_step = (int(ev.resumed_bytes_in / ev.bytes_in / PLAIN_STEP) + 1) * PLAIN_STEP if ev.bytes_in else 1
+        elif isinstance(ev, UnitConverted):
+            done = ev.done_in / ev.total_in if ev.total_in else 1.0
+            if done >= next_step - 1e-9:
+                eta = f", {ev.eta:.0f} s left" if ev.eta is not None else ""
+                say(f"convert {done:.0%}: {units.gb(ev.done_in)} of {units.gb(ev.total_in)}, "
+                    f"{units.gb(ev.rate)}/s{eta}, {_where(ev)}")
+                while next_step <= done + 1e-9:
+                    next_step += PLAIN_STEP
+        elif isinstance(ev, ShardWritten):
+            say(f"  wrote {ev.file} ({units.gb(ev.bytes)})")
+        elif isinstance(ev, ConvertFinished):
+            return ev
     raise TqbenchError("conversion ended without finishing")
 
 
@@ -115,4 +151,4 @@ def _summary(ev: ConvertFinished) -> None:
     t.add_column("rel. error mean / max", justify="right")
     err = (f"{ev.mean_rel_error:.4f} / {ev.max_rel_error:.4f}" if ev.mean_rel_error is not None else "-")
     t.add_row(ev.dest, str(ev.shards), units.size(ev.bytes_out), units.gb(ev.bytes_in), f"{ev.seconds:.1f} s", err)
-    Console(highlight=False).print(t)
+    show(Console(highlight=False), t)

@@ -77,17 +77,17 @@ def inspect(
             doc["tensor_list"] = [tensor_row(t) for t in selected]
         print(json.dumps(doc, indent=2))
     else:
-        out.print(render.summary_header(summary, ckpt))
+        render.show(out, render.summary_header(summary, ckpt))
         if by is By.role:
-            out.print(render.group_table("by role", summary.by_role, "role"))
+            render.show(out, render.group_table("by role", summary.by_role, "role"))
         elif by is By.layer:
-            out.print(render.layer_table(summary))
+            render.show(out, render.layer_table(summary))
         else:
-            out.print(render.group_table("by shard", summary.by_shard, "shard"))
+            render.show(out, render.group_table("by shard", summary.by_shard, "shard"))
         if ckpt.missing:
-            out.print(render.missing_table(ckpt))
+            render.show(out, render.missing_table(ckpt))
         if tensors:
-            out.print(render.tensor_table(selected, limit))
+            render.show(out, render.tensor_table(selected, limit))
     if ckpt.missing:
         print(
             f"tqbench: {path}: incomplete checkpoint: {len(ckpt.missing)} shard(s) named by the index are missing "

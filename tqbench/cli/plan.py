@@ -19,10 +19,12 @@ from rich.text import Text
 
 from tqbench import units
 from tqbench.cli import options
+from tqbench.cli.render import show
 from tqbench.errors import ExitCode, TqbenchError
 from tqbench.recipe.fit import GB, Fit, Machine, Verdict, assess, machine, measure_disk, parse_size
 from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan
 from tqbench.recipe.recipe import Recipe
+from tqbench.recipe.report import PlanReport, plan_report
 
 _out = Console(highlight=False, soft_wrap=False)
 
@@ -99,14 +101,13 @@ def plan(
     if as_json:
         print(json.dumps(plan_document(plans, fits, m, tensors), indent=2))
     else:
-        _out.print(_header(plans[0], m))
-        _out.print(plan_table(plans, fits))
+        show(_out, _header(plans[0], m), plan_table(plans, fits))
         for p in plans:
             for w in p.warnings:
-                _out.print(Text(f"{p.recipe.name}: {w}", style="yellow"))
+                show(_out, Text(f"{p.recipe.name}: {w}", style="yellow"))
         if tensors:
             for p in plans:
-                _out.print(tensor_table(p, tensors, limit))
+                show(_out, tensor_table(p, tensors, limit))
     if ckpt.missing:
         print(f"tqbench: {src}: incomplete checkpoint: {len(ckpt.missing)} shard(s) missing; sizes undercount",
               file=sys.stderr)
@@ -164,16 +165,8 @@ def plan_document(plans: list[Plan], fits: list[Fit], m: Machine, tensors: str |
 
 # --- tables ------------------------------------------------------------------------------------------------------
 
-def _both(n: int | None) -> str:
-    return "-" if n is None else f"{units.gb(n)}\n{units.gib(n)}"
-
-
 def _pair(n: int) -> str:
     return f"{units.gb(n)} / {units.gib(n)}"
-
-
-def _rate(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
 
 
 def _header(p: Plan, m: Machine) -> Group:
@@ -188,50 +181,20 @@ def _header(p: Plan, m: Machine) -> Group:
 
 
 def plan_table(plans: list[Plan], fits: list[Fit]) -> Table:
-    """Recipes side by side: one column each. Sizes in GB (10^9) over GiB (2^30)."""
-    t = Table(title="plan (sizes in GB over GiB)", title_justify="left")
+    """Recipes side by side, one column each: the rows of tqbench.recipe.report, as the TUI shows them too."""
+    return report_table(plan_report(plans, fits))
+
+
+def report_table(report: PlanReport) -> Table:
+    t = Table(title=report.title, title_justify="left")
     t.add_column("", style="bold", no_wrap=True)
-    for p in plans:
-        t.add_column(p.recipe.name, justify="right", overflow="fold")
-
-    def row(label: str, cells: list[str], end: bool = False) -> None:
-        t.add_row(label, *cells, end_section=end)
-
-    moe = any(p.experts for p in plans)
-    row("resident", [_both(p.resident_bytes) for p in plans])
-    if moe:
-        row("routed experts", [_both(p.streamed_bytes) for p in plans])
-    row("total", [_both(p.total_bytes) for p in plans], end=True)
-    row("bits/weight", [f"{p.bits_per_weight:.3f}" if p.bits_per_weight else "-" for p in plans])
-    for role in ("attention", "routed_expert", "shared_expert"):
-        vals = [next((r.bits_per_weight for r in p.by_role if r.role == role), None) for p in plans]
-        if any(v is not None for v in vals):
-            row(f"  {role.replace('_', ' ')}", ["-" if v is None else f"{v:.3f}" for v in vals])
-    if moe:
-        row("expert page", [_page(p) for p in plans])
-    row("kept at source", [units.gb(sum(k.bytes for k in p.kept)) for p in plans])
-    row(f"shards <= {units.gib(plans[0].shard_size)}", [str(p.shards) for p in plans], end=True)
-    row("verdict", [f.verdict.value for f in fits])
-    if any(f.command for f in fits):
-        row("raise the limit", [f.command or "-" for f in fits])
-    if moe:
-        row("cache budget", [_both(f.cache_budget_bytes) for f in fits])
-        row(f"experts/token top-{fits[0].top_k}", [units.gb(f.bytes_per_token) for f in fits])
-        row(f"experts/token top-{fits[0].reduced_k}", [units.gb(f.bytes_per_token_reduced) for f in fits])
-        row("hit rate", ["-" if f.hit_rate is None else f"{f.hit_rate:.1%}" for f in fits])
-        row(f"max tok/s top-{fits[0].top_k}", [_rate(f.tok_s_ceiling) for f in fits])
-        row(f"max tok/s top-{fits[0].reduced_k}", [_rate(f.tok_s_ceiling_reduced) for f in fits])
-        sources = sorted({f.hit_rate_source for f in fits if f.hit_rate is not None})
-        t.caption = (f"hit rate: {'; '.join(sources)}. max tok/s: the disk-bound ceiling, bandwidth / (MoE layers x K "
-                     "x expert page x (1 - hit rate)); '-' when nothing is read from disk")
+    for name in report.recipes:
+        t.add_column(name, justify="right", overflow="fold")
+    for r in report.rows:
+        t.add_row(r.label, *r.cells, end_section=r.section_end)
+    if report.notes:
+        t.caption = ". ".join(report.notes)
     return t
-
-
-def _page(p: Plan) -> str:
-    e = p.experts
-    if e is None:
-        return "-"
-    return "\n".join([units.gb(e.bytes_per_expert), *(f"{k} {units.gb(v)}" for k, v in e.page_by_projection.items())])
 
 
 def tensor_table(p: Plan, pattern: str, limit: int) -> Table:

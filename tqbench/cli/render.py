@@ -1,8 +1,14 @@
-"""Rich renderings of engine results for the terminal."""
+"""Renderings of engine results: rich on a terminal, plain lines that never wrap when piped.
+
+`show(console, ...)` prints rich renderables as rich does on a terminal. When the console is not a terminal (a file,
+a pipe, a test's capture) it prints each renderable as plain lines instead: text as it is, tables as columns aligned
+with two spaces and no borders, multi-line cells joined with " / ", however long the lines get. A long tensor name or
+path is never broken across lines, and `grep`, `cut` and scripts see one row per line.
+"""
 
 from __future__ import annotations
 
-from rich.console import Group as RichGroup
+from rich.console import Console, Group as RichGroup
 from rich.table import Table
 from rich.text import Text
 
@@ -35,7 +41,7 @@ def summary_header(s: Summary, ckpt: Checkpoint) -> RichGroup:
 def group_table(title: str, groups, first: str) -> Table:
     t = Table(title=title, title_justify="left")
     t.add_column(first)
-    for c in ("tensors", "params", "size", "GiB", "formats"):
+    for c in ("tensors", "params", "size", "binary", "formats"):
         t.add_column(c, justify="right" if c != "formats" else "left")
     for g in groups:
         t.add_row(str(g.key), f"{g.tensors:,}", units.count(g.params), units.gb(g.bytes), units.gib(g.bytes),
@@ -75,3 +81,48 @@ def tensor_table(tensors: list[Tensor], limit: int) -> Table:
     if len(tensors) > limit:
         t.caption = f"{len(tensors) - limit:,} more (raise --limit, or use --json)"
     return t
+
+
+# --- plain output -----------------------------------------------------------------------------------------------------
+
+def show(console: Console, *items) -> None:
+    """Print renderables: rich on a terminal; otherwise plain lines that never wrap (see the module docstring)."""
+    for item in items:
+        if console.is_terminal:
+            console.print(item)
+        else:
+            for line in plain_lines(item):
+                print(line, file=console.file)
+
+
+def plain_lines(item) -> list[str]:
+    """A str, Text, Group or Table as plain lines."""
+    if isinstance(item, Table):
+        return table_lines(item)
+    if isinstance(item, RichGroup):
+        return [line for r in item.renderables for line in plain_lines(r)]
+    return _plain(item).split("\n")
+
+
+def _plain(x) -> str:
+    if isinstance(x, Text):
+        return x.plain
+    return str(x)
+
+
+def _one_line(x) -> str:
+    return " / ".join(line for line in _plain(x).split("\n"))
+
+
+def table_lines(t: Table) -> list[str]:
+    """The title, a header row, one line per row and the caption; columns aligned with two spaces, never wrapped."""
+    columns = [[_one_line(c.header)] + [_one_line(x) for x in c.cells] for c in t.columns]
+    widths = [max(map(len, col)) for col in columns]
+    lines = [_one_line(t.title)] if t.title else []
+    for i in range(len(columns[0]) if columns else 0):
+        parts = [col[i].rjust(w) if c.justify == "right" else col[i].ljust(w)
+                 for col, w, c in zip(columns, widths, t.columns)]
+        lines.append("  ".join(parts).rstrip())
+    if t.caption:
+        lines.append(_one_line(t.caption))
+    return lines
