@@ -205,6 +205,7 @@ def _cli(src: Path, dst: Path, env: dict | None = None, *extra: str) -> subproce
     return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill", ["unit:1", "unit:40", "unit:130", "unit:264", "final:1", "final:2", "final:3"])
 def test_kill_and_resume_is_byte_identical(demo_src, tmp_path, kill):
     reference = tmp_path / "ref"
@@ -221,6 +222,7 @@ def test_kill_and_resume_is_byte_identical(demo_src, tmp_path, kill):
     assert file_bytes(dst) == file_bytes(reference)
 
 
+@pytest.mark.slow
 def test_write_failure_is_clear_and_resumable(demo_src, tmp_path):
     """A file-size limit makes writes fail like a full disk: one clear line, then the same command resumes."""
     dst = tmp_path / "out"
@@ -326,6 +328,7 @@ def test_bytes_in_is_the_source_once(demo_src, tmp_path):
     assert sum(e.bytes_in for e in events if isinstance(e, UnitConverted)) == events[0].bytes_in
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_and_leaves_a_resumable_output(demo_src, tmp_path):
     import signal
 

@@ -36,6 +36,8 @@ from tqbench.shards.header import read_header
 from tqbench.tokenizer import load_encoding
 from tqbench.shards.writer import from_bf16, to_bf16
 
+pytestmark = pytest.mark.slow  # trains/loads the shipped demo and generates with it
+
 DOCS = json.loads((Path(__file__).resolve().parent.parent / "docs" / "demo-model.json").read_text())
 PROMPT = "def fibonacci(n):\n"
 

@@ -41,6 +41,7 @@ def test_lazy_mlx_work_is_evaluated_on_the_engine_thread(eng):
     assert eng.submit(job).result() == [[x * 2 ** (i + 1) for x in range(10)] for i in range(3)]
 
 
+@pytest.mark.slow
 def test_stop_closes_the_generator_on_the_engine_thread(eng):
     gate = threading.Event()
     closed_on = []

@@ -40,6 +40,7 @@ def k3_build(k3: Sources):
     return make_plan(k3, Recipe.parse(K3_BUILD))
 
 
+@pytest.mark.slow
 def test_k3_expert_page_is_the_published_one(k3_build) -> None:
     e = k3_build.experts
     page = e.page_by_projection
@@ -49,6 +50,7 @@ def test_k3_expert_page_is_the_published_one(k3_build) -> None:
     assert (e.moe_layers, e.experts_per_layer, e.expert_layers, e.top_k) == (92, 896, 82_432, 16)
 
 
+@pytest.mark.slow
 def test_k3_totals_of_the_published_build(k3_build) -> None:
     p = k3_build
     assert p.streamed_bytes == 82_432 * 10_960_896
@@ -61,12 +63,14 @@ def test_k3_totals_of_the_published_build(k3_build) -> None:
     assert p.shards == math.ceil(p.total_bytes / (5 * GiB)) == 174
 
 
+@pytest.mark.slow
 def test_k3_stacked_layout_gives_the_published_shard_count(k3) -> None:
     """The seed's mlx-lm layout (one stacked tensor per layer and projection) splits into the published 186."""
     p = make_plan(k3, Recipe.parse(K3_BUILD), layout="stacked")
     assert p.shards == 186 and round(p.total_bytes / GB, 2) == 931.30
 
 
+@pytest.mark.slow
 def test_k3_published_total_leaves_out_vectors_and_conv_kernels(k3_build) -> None:
     """The published 931.26 GB is our total less 36 MB of 1-D and 3-D tensors: norms, AttnRes, the KDA conv kernels,
     A_log / dt_bias and the routers' e_score_correction_bias. Every other tensor agrees to the byte (next test)."""
@@ -77,6 +81,7 @@ def test_k3_published_total_leaves_out_vectors_and_conv_kernels(k3_build) -> Non
     assert round((k3_build.resident_bytes - small) / GB, 2) == 27.73
 
 
+@pytest.mark.slow
 def test_k3_resident_bytes_by_hand(k3_build) -> None:
     """Every non-expert tensor of K3 at tq3a-tqTe-down4-g64, from docs/kimi-k3.md shapes and the reference formulas."""
     H, P, bf16, f32 = 7168, 12288, 2, 4
@@ -100,6 +105,7 @@ def test_k3_resident_bytes_by_hand(k3_build) -> None:
     assert kept["router"] == (92, 92 * (896 * H * bf16 + 896 * f32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,page,published", [
     ("tqTe-down3-g64", 2 * 3072 * (4 * 180 + 112) + 3584 * (4 * 308 + 96), 813.7),
     ("tqTe-down2-g64", 2 * 3072 * (4 * 180 + 112) + 3584 * (4 * 192 + 96), 676.6),
@@ -119,6 +125,7 @@ def test_k3_expert_tiers_of_other_recipes(k3: Sources, k3_build, name: str, page
         assert round(p.total_bytes / GB) == 617  # published: ~617 GB total, the cheapest recipe
 
 
+@pytest.mark.slow
 def test_k3_outputs_of_one_source_tensor(k3_build) -> None:
     m = k3_build.module_for("language_model.model.layers.5.block_sparse_moe.experts.17.w2.weight_packed")
     assert m.name == "language_model.model.layers.5.block_sparse_moe.switch_mlp.down_proj"
@@ -137,6 +144,7 @@ def test_k3_outputs_of_one_source_tensor(k3_build) -> None:
         "language_model.model.layers.7.block_sparse_moe.switch_mlp.up_proj"]
 
 
+@pytest.mark.slow
 def test_k3_bits_per_weight(k3_build) -> None:
     roles = {r.role: r for r in k3_build.by_role}
     expert = roles["routed_expert"]
@@ -147,6 +155,7 @@ def test_k3_bits_per_weight(k3_build) -> None:
     assert k3_build.bits_per_weight == pytest.approx(k3_build.total_bytes * 8 / k3_build.params)
 
 
+@pytest.mark.slow
 def test_k3_mxfp4_passthrough_copies_the_source_bytes(k3: Sources) -> None:
     p = make_plan(k3, Recipe.parse("tq3a-mxfp4e-g64"))
     source_experts = sum(m.source.source_bytes for m in p.modules if m.role.value == "routed_expert")

@@ -143,6 +143,7 @@ def test_stacked_mlx_layout_and_missing_index(tmp_path):
     assert s.active_params == s.params - E * out * inp + 2 * out * inp
 
 
+@pytest.mark.slow
 def test_k3_published_figures(k3_skeleton):
     s = summarize(open_checkpoint(k3_skeleton))
     assert round(s.params / 1e9, 1) == 2779.5

@@ -167,6 +167,7 @@ async def test_screen_shows_source_recipe_and_default_destination(src):
         assert not screen.query_one("#convert-bar-row").display
 
 
+@pytest.mark.slow
 async def test_full_conversion_matches_the_engine(src, direct):
     out, events = direct
     finished = events[-1]
@@ -199,6 +200,7 @@ async def test_full_conversion_matches_the_engine(src, direct):
         assert len(screen.table.rows_text) == len({e.layer for e in events if isinstance(e, UnitConverted)})
 
 
+@pytest.mark.slow
 async def test_progress_shows_engine_rate_eta_and_shards(src, monkeypatch):
     """Mid-run (held after the second shard): the bar is the last unit's done_in of total_in, rate and ETA are the
     engine's numbers, and shards count what was written."""
@@ -225,6 +227,7 @@ async def test_progress_shows_engine_rate_eta_and_shards(src, monkeypatch):
 
 # ---- cancel, reopen, resume -----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 async def test_cancel_leaves_a_resumable_output_and_reopening_resumes_it(src, direct, monkeypatch):
     out, _ = direct
     dest = default_dest(src, RECIPE)
@@ -273,6 +276,7 @@ async def test_cancel_leaves_a_resumable_output_and_reopening_resumes_it(src, di
         assert ours[name] == theirs[name], name
 
 
+@pytest.mark.slow
 async def test_quit_while_converting_stops_first(src, monkeypatch):
     dest = default_dest(src, RECIPE)
     gate = threading.Event()
@@ -293,6 +297,7 @@ async def test_quit_while_converting_stops_first(src, monkeypatch):
 
 # ---- conflicts ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 async def test_conflicting_destination_is_shown_and_not_written(src, direct):
     out, _ = direct
     dest = default_dest(src, RECIPE)
@@ -341,6 +346,7 @@ async def test_a_directory_that_is_no_conversion_is_never_replaced(src):
     assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.slow
 async def test_bad_fields_are_one_line_errors(src):
     app = TqbenchApp(src)
     async with app.run_test(size=SIZE) as pilot:
@@ -356,6 +362,7 @@ async def test_bad_fields_are_one_line_errors(src):
         assert not (src / "inside").exists()
 
 
+@pytest.mark.slow
 async def test_recipe_from_the_recipe_screen_and_its_default_destination(src):
     app = TqbenchApp(src)
     async with app.run_test(size=SIZE) as pilot:
@@ -385,6 +392,7 @@ async def test_without_a_checkpoint_the_screen_says_how_to_get_one(tmp_path):
         assert app.is_running
 
 
+@pytest.mark.slow
 async def test_layout_fits_80x24(src):
     app = TqbenchApp(src)
     async with app.run_test(size=SIZE) as pilot:
@@ -400,6 +408,7 @@ async def test_layout_fits_80x24(src):
 
 # ---- snapshot -------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_snapshot_finished_conversion(demo_dir, tmp_path, monkeypatch, snap_compare):
     """A finished conversion at 80x24: timings frozen (a fake engine clock), paths relative to the working directory."""
     import shutil

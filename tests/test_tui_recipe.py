@@ -145,6 +145,7 @@ def test_disk_default_is_the_cached_measurement_else_assumed(tmp_path):
 
 # ---- the screen -----------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 async def test_p_opens_the_recipe_screen_on_the_loaded_checkpoint(tiny, engine, tmp_path):
     other = write_tiny(tmp_path / "other-k3")
     app = TqbenchApp(tiny)
@@ -172,6 +173,7 @@ async def test_p_opens_the_recipe_screen_on_the_loaded_checkpoint(tiny, engine, 
         assert screen.shown == [Recipe.parse(INITIAL_RECIPE)] and screen._plans[screen.recipe].path == str(other)
 
 
+@pytest.mark.slow
 async def test_controls_update_the_numbers(tiny, engine):
     app = TqbenchApp(tiny)
     async with app.run_test(size=SIZE) as pilot:
@@ -194,6 +196,7 @@ async def test_controls_update_the_numbers(tiny, engine):
             assert column(table, CURRENT) == expected_cells(*engine(name, RESIDENT_MEMORY)), name
 
 
+@pytest.mark.slow
 async def test_typed_names_set_the_controls_and_bad_ones_are_refused(tiny, engine):
     app = TqbenchApp(tiny)
     async with app.run_test(size=SIZE) as pilot:
@@ -228,6 +231,7 @@ async def test_typed_names_set_the_controls_and_bad_ones_are_refused(tiny, engin
         assert column(table, CURRENT) == expected_cells(*engine("affine4-mxfp4e", RESIDENT_MEMORY))
 
 
+@pytest.mark.slow
 async def test_pin_recipes_side_by_side(tiny, engine):
     app = TqbenchApp(tiny)
     async with app.run_test(size=SIZE) as pilot:
@@ -284,6 +288,7 @@ async def test_pin_recipes_side_by_side(tiny, engine):
         assert column(table, CURRENT) == expected_cells(*engine(second, RESIDENT_MEMORY))
 
 
+@pytest.mark.slow
 async def test_memory_size_decides_the_verdict(tiny, engine):
     app = TqbenchApp(tiny)
     async with app.run_test(size=SIZE) as pilot:
@@ -315,6 +320,7 @@ async def test_memory_size_decides_the_verdict(tiny, engine):
         assert column(table, CURRENT) == expected_cells(plan, fit)
 
 
+@pytest.mark.slow
 async def test_same_numbers_as_the_cli(tiny, capsys, monkeypatch):
     name = "tq3a-tqTe-down3-g64"
     result = tqbench(capsys, monkeypatch, "plan", tiny, "--recipe", name, "--memory", STREAMING_MEMORY,
@@ -354,6 +360,7 @@ async def test_without_a_checkpoint_the_screen_says_how_to_get_one(tmp_path):
         assert app.is_running
 
 
+@pytest.mark.slow
 def test_snapshot_recipe_screen(tmp_path, monkeypatch, snap_compare):
     """The Recipe screen at 80x24 on the tiny skeleton with one pinned recipe, streaming on a typed machine."""
     import tqbench.recipe.fit as fit
