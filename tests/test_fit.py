@@ -132,3 +132,31 @@ def test_disk_measurement_is_cached_per_device(tmp_path, monkeypatch) -> None:
     assert again.cached and again.bytes_per_s == first.bytes_per_s and again.method == first.method
     fresh = measure_disk(data, size=2 * MiB, block=MiB, refresh=True)
     assert not fresh.cached and fresh.size == 2 * MiB
+
+
+def test_disk_speed_is_measured_once_per_disk(tmp_path, monkeypatch) -> None:
+    """The one disk figure both faces use: none cached at first, then one measurement on the checkpoint's disk,
+    then that measurement again (for any directory on the same disk) without measuring."""
+    import tempfile
+    from pathlib import Path
+
+    from tqbench.recipe.fit import cached_disk_speed, disk_speed, measurement_directory
+
+    monkeypatch.setenv("TQBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    assert cached_disk_speed(ckpt) is None
+    first = disk_speed(ckpt)
+    assert not first.cached and first.directory == str(ckpt) and first.size == 128 * MiB
+    assert first.source == f"measured, {first.method}"
+    entry = json.loads(disk_cache_file().read_text())[str(os.stat(ckpt).st_dev)]
+    assert entry["bytes_per_s"] == first.bytes_per_s > 0
+    other = tmp_path / "other"
+    other.mkdir()
+    for again in (cached_disk_speed(other), disk_speed(other)):  # same disk: the same figure, not measured again
+        assert again.cached and again.bytes_per_s == first.bytes_per_s
+        assert again.source == f"measured earlier, {first.method}"
+    assert list(ckpt.iterdir()) == []  # no test file left behind
+    # Not a writable directory (yet): the temp directory's disk is the one measured.
+    assert measurement_directory(tmp_path / "missing") == Path(tempfile.gettempdir())
+    assert measurement_directory(ckpt) == ckpt

@@ -6,7 +6,6 @@ Registered in main.py with `app.command()(plan)`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -21,7 +20,8 @@ from tqbench import units
 from tqbench.cli import options
 from tqbench.cli.render import show
 from tqbench.errors import ExitCode, TqbenchError
-from tqbench.recipe.fit import GB, Fit, Machine, Verdict, assess, machine, measure_disk, parse_size
+from tqbench.recipe.fit import (GB, Fit, Machine, Verdict, assess, cached_disk_speed, disk_speed, machine,
+                                parse_size)
 from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan
 from tqbench.recipe.recipe import Recipe
 from tqbench.recipe.report import PlanReport, plan_report
@@ -126,19 +126,18 @@ def _recipes(names: list[str] | None, flags: dict) -> list[Recipe]:
 
 
 def _measured(m: Machine, src: Path, err: Console) -> Machine:
-    """This machine's disk bandwidth, measured next to the checkpoint when it is writable (cached per disk)."""
-    directory = src if os.access(src, os.W_OK) else None
+    """This machine's disk bandwidth for the checkpoint's disk (tqbench.recipe.fit.disk_speed: cached per disk)."""
     try:
-        if err.is_terminal:
+        if err.is_terminal and cached_disk_speed(src) is None:
             with err.status("measuring disk read bandwidth (once per disk)"):
-                speed = measure_disk(directory)
+                speed = disk_speed(src)
         else:
-            speed = measure_disk(directory)
+            speed = disk_speed(src)
     except OSError as e:
         return Machine(m.memory_bytes, m.gpu_limit_bytes, m.raisable_limit_bytes, m.platform, None,
                        f"measurement failed: {e.strerror or e}")
-    source = f"{'cached' if speed.cached else 'measured'}, {speed.method}"
-    return Machine(m.memory_bytes, m.gpu_limit_bytes, m.raisable_limit_bytes, m.platform, speed.bytes_per_s, source)
+    return Machine(m.memory_bytes, m.gpu_limit_bytes, m.raisable_limit_bytes, m.platform, speed.bytes_per_s,
+                   speed.source)
 
 
 # --- JSON --------------------------------------------------------------------------------------------------------

@@ -232,9 +232,38 @@ class DiskSpeed:
     measured_at: float
     cached: bool = False
 
+    @property
+    def source(self) -> str:
+        """Where the figure comes from, as both faces say it: `measured, O_DIRECT` or `measured earlier, ...`."""
+        return f"measured{' earlier' if self.cached else ''}, {self.method}"
+
 
 def disk_cache_file() -> Path:
     return cache_dir() / "disk.json"
+
+
+def measurement_directory(path: str | Path | None) -> Path:
+    """Where the disk holding `path` is measured: `path` itself when it is a writable directory (the checkpoint's
+    disk), else the temp directory."""
+    if path is not None and os.path.isdir(path) and os.access(path, os.W_OK):
+        return Path(path)
+    return Path(tempfile.gettempdir())
+
+
+def cached_disk_speed(path: str | Path | None) -> DiskSpeed | None:
+    """The cached measurement for the disk `disk_speed(path)` measures, or None (never measures)."""
+    entry = _read_cache().get(str(os.stat(measurement_directory(path)).st_dev))
+    try:
+        return DiskSpeed(**{**entry, "cached": True}) if isinstance(entry, dict) else None
+    except TypeError:
+        return None
+
+
+def disk_speed(path: str | Path | None) -> DiskSpeed:
+    """The read bandwidth of the disk holding `path` (a checkpoint directory), for the disk-bound ceilings: the
+    cached measurement for that disk, else one short measurement (~0.5 s, cached per disk). `tqbench plan` and the
+    TUI's Recipe screen both use this. Raises OSError when the test file cannot be written or read."""
+    return measure_disk(measurement_directory(path))
 
 
 def measure_disk(directory: str | Path | None = None, size: int = DISK_TEST_BYTES, block: int = DISK_BLOCK,
