@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train the built-in demo model: a tiny Kimi K3 (mlx-lm's kimi_k3) on the Python standard library's own source.
 
-    python scripts/train_demo.py all            # prepare, train, export (the shipped demo, into tqbench/demo_model)
+    python scripts/train_demo.py all            # prepare, train, export (the shipped demo, into tqbench/demo/checkpoint)
 
 Stages, each reading and writing files under --work (default build/demo-train):
   prepare  the corpus (the running interpreter's stdlib .py files, tests and generated data skipped, sorted), a

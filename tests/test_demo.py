@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from mlx_lm import load, stream_generate
 
-from tqbench.demo import DEMO_VERSION, DemoSpec, ensure_demo, write_source
+from tqbench.demo import DEMO_VERSION, TRAINED_SPEC, DemoSpec, ensure_demo, split_shards, tensor_plan, write_source
+from tqbench.layout.units import assign_shards
 from tqbench.quant.mxfp4 import unpack_mxfp4
 from tqbench.shards.header import read_header
 
@@ -63,6 +64,16 @@ def test_write_is_deterministic(tmp_path):
     # Rewriting in place replaces the directory and leaves nothing else behind.
     write_source(a, seed=1)
     assert digests(a) == dc and sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("spec", [SPEC, TRAINED_SPEC, DemoSpec(num_shards=7), DemoSpec(num_shards=1)])
+def test_shard_split_is_the_greedy_split_at_the_smallest_size(spec):
+    plan = tensor_plan(spec)
+    shards = split_shards(plan, spec.num_shards)
+    assert [t for s in shards for t in s] == plan and len(shards) <= spec.num_shards and all(shards)
+    largest = max(sum(t.nbytes for t in s) for s in shards)
+    assert shards == assign_shards(plan, largest)
+    assert len(assign_shards(plan, largest - 1)) > spec.num_shards  # a smaller shard size needs more shards
 
 
 def test_source_layout(demo):

@@ -1,0 +1,50 @@
+"""The built-in demo model: a tiny Kimi K3 in the layout of Moonshot's HF release.
+
+Same config keys, tensor names, dtypes and mxfp4 compressed-tensors experts as the real checkpoint, so every tool can be
+tried on it and `mlx_lm.load` runs it. Two kinds share one writer (`write_checkpoint`, which takes a weights source):
+
+- the shipped demo (`tqbench/demo/checkpoint/`, copied into the user cache by `ensure_demo`): trained on the Python
+  standard library's own source by `scripts/train_demo.py` (see docs/demo-model.md); its weights come from an mlx-lm
+  model's parameters through `mlx_weights`;
+- seeded random checkpoints of any `DemoSpec` (`write_source`, for tests and scaled-up benchmark models): each tensor
+  from its own seed, so the files are byte-identical for a given spec and seed.
+
+One concept per module: `install` (the shipped checkpoint and its cached copy), `spec` (the shape, its config and
+tensors), `weights` (random weights, the inverse of mlx-lm's name mapping), `tokenizer` (the random demo's BPE),
+`corpus` (the shipped demo's training text) and `writer` (the checkpoint writer). Nothing here imports MLX.
+"""
+
+from tqbench.demo.corpus import CORPUS_SKIP_DIRS, HELDOUT_EVERY, corpus_files, encode_files, is_heldout, stdlib_root
+from tqbench.demo.install import DEMO_VERSION, SHIPPED_DEMO, demo_path, ensure_demo
+from tqbench.demo.spec import TRAINED_SPEC, DemoSpec, source_config, special_ids, tensor_plan, text_config
+from tqbench.demo.tokenizer import DEMO_CORPUS, demo_tokenizer_ranks
+from tqbench.demo.weights import WeightSource, mlx_weights, random_weights
+from tqbench.demo.writer import build_atomically, split_shards, write_checkpoint, write_source
+
+__all__ = [
+    "CORPUS_SKIP_DIRS",
+    "DEMO_CORPUS",
+    "DEMO_VERSION",
+    "HELDOUT_EVERY",
+    "SHIPPED_DEMO",
+    "TRAINED_SPEC",
+    "DemoSpec",
+    "WeightSource",
+    "build_atomically",
+    "corpus_files",
+    "demo_path",
+    "demo_tokenizer_ranks",
+    "encode_files",
+    "ensure_demo",
+    "is_heldout",
+    "mlx_weights",
+    "random_weights",
+    "source_config",
+    "special_ids",
+    "split_shards",
+    "stdlib_root",
+    "tensor_plan",
+    "text_config",
+    "write_checkpoint",
+    "write_source",
+]
