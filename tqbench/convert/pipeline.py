@@ -20,16 +20,19 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tqbench.convert.journal import JOURNAL, Journal, write_atomic, write_json
-from tqbench.convert.produce import Producer, shared_expert_piece
+from tqbench.convert.produce import Producer, rotated, shared_expert_piece
 from tqbench.errors import CheckpointError, TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, LayerErrors, ShardWritten, UnitConverted
+from tqbench.layout import expert_map
+from tqbench.layout.quantization import ModuleQuant, quantization_block
 from tqbench.layout.names import EXPERT_MAP, INDEX_FILE, REPORT, SHARD_NAME, shard_file
 from tqbench.layout.units import Unit, assign_shards, file_units
 from tqbench.recipe.plan import SHARD_SIZE, Plan, group_sources, make_plan
+from tqbench.quant import turboquant as tq
 from tqbench.recipe.recipe import Format, Recipe
 from tqbench.source.checkpoint import Checkpoint, open_checkpoint
 from tqbench.source.reader import ShardReader
-from tqbench.shards import ShardWriter, TensorSpec, header_bytes
+from tqbench.shards import ShardWriter, TensorSpec
 
 # Source files that are not weights and travel with the model (tokenizer, chat template, generation settings).
 _COPY_MAX_BYTES = 64 * 2**20
@@ -245,9 +248,13 @@ def remove_conversion(dst: Path) -> None:
             f.unlink()
 
 
+def shard_metadata(recipe: Recipe) -> dict[str, str]:
+    return {"format": "mlx", "tqbench_recipe": recipe.name}
+
+
 def _open_writer(path: Path, specs: list[TensorSpec], recipe: Recipe) -> ShardWriter:
     try:
-        return ShardWriter(path, specs, {"format": "mlx", "tqbench_recipe": recipe.name})
+        return ShardWriter(path, specs, shard_metadata(recipe))
     except OSError as e:
         _raise_if_no_room(e, path.parent, path.name)
         raise
@@ -349,7 +356,7 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, shards: list[list[Unit]], f
         for u in s:
             for p in u.pieces:
                 weight_map[p.out.name] = file
-    write_json(dst / EXPERT_MAP, expert_map(plan, shards, files))
+    write_json(dst / EXPERT_MAP, expert_map.build(shards, files, shard_metadata(plan.recipe)))
     _test_kill("final")
     write_json(dst / "config.json", converted_config(ckpt, plan))
     _test_kill("final")
@@ -371,52 +378,28 @@ def _travels(f: Path) -> bool:
             and not f.name.startswith(".") and f.stat().st_size <= _COPY_MAX_BYTES)
 
 
-def expert_map(plan: Plan, shards: list[list[Unit]], files: list[str]) -> dict[str, Any]:
-    """Where each routed expert lives: per layer, one (file, offset, length) per expert and the sub-ranges of its
-    tensors (the same for every expert of a layer), so a runtime reads an expert with one pread."""
-    layers: dict[str, dict[str, Any]] = {}
-    for fi, (file, s) in enumerate(zip(files, shards)):
-        specs = [p.out for u in s for p in u.pieces]
-        offset = len(header_bytes(specs, {"format": "mlx", "tqbench_recipe": plan.recipe.name}))
-        for u in s:
-            if u.expert is not None:
-                layer = layers.setdefault(str(u.layer), {"experts": [], "tensors": None, "length": u.nbytes})
-                if layer["tensors"] is None:
-                    rel, tensors = 0, {}
-                    for p in u.pieces:
-                        key = p.out.name.split(f".experts.{u.expert}.", 1)[1]
-                        tensors[key] = {"offset": rel, "bytes": p.out.nbytes, "dtype": p.out.dtype,
-                                        "shape": list(p.out.shape)}
-                        rel += p.out.nbytes
-                    layer["tensors"] = tensors
-                    layer["prefix"] = u.pieces[0].out.name.split(f".experts.{u.expert}.", 1)[0] + ".experts"
-                layer["experts"].append([fi, offset])
-            offset += u.nbytes
-    return {"layout": "streaming", "files": files, "layers": layers}
-
-
 def converted_config(ckpt: Checkpoint, plan: Plan) -> dict[str, Any]:
-    """The source config with its source quantization block replaced by one that records the recipe and, per
-    module, what a loader needs (format, bits, group size, rotation)."""
+    """The source config with its source quantization block replaced by tqbench's (tqbench.layout.quantization)."""
     config = json.loads((ckpt.path / "config.json").read_text())
     config.pop("quantization_config", None)
     if isinstance(config.get("text_config"), dict):
         config["text_config"].pop("quantization_config", None)
-    modules = {}
+    modules, expert_names = {}, {}
     for m in plan.modules:
         c = m.choice
-        if c.format in (Format.TURBOQUANT, Format.AFFINE):
-            entry = {"format": c.format.value, "bits": None if c.ternary else c.bits, "ternary": c.ternary,
-                     "group_size": c.group_size}
+        if c.format is Format.TURBOQUANT:
+            n = m.source.shape[1]
+            modules[m.name] = ModuleQuant("turboquant", None if c.ternary else c.bits, c.ternary, c.group_size,
+                                          tq.rotation_record(n, rotated(plan.recipe, n)))
+        elif c.format is Format.AFFINE:
+            modules[m.name] = ModuleQuant("affine", c.bits, False, c.group_size)
         elif c.format is Format.MXFP4:
-            entry = {"format": "mxfp4", "bits": 4, "ternary": False, "group_size": 32}
+            modules[m.name] = ModuleQuant("mxfp4", 4, False, 32)
         else:
             continue
-        modules[m.name] = entry
-        if m.source.experts:  # the per-expert tensors, `<moe>.experts.*.<proj>`, share it
-            modules[m.expert_name("*")] = entry
-    config["quantization"] = {"method": "tqbench", "recipe": plan.recipe.to_dict(), "layout": "streaming",
-                              "expert_map": EXPERT_MAP, "modules": modules}
+        if m.experts:  # the per-expert tensors, `<moe>.experts.*.<proj>`, share it
+            expert_names[m.name] = m.expert_name("*")
+    config["quantization"] = quantization_block(plan.recipe.to_dict(), modules, expert_names)
     return config
 
 

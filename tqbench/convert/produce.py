@@ -72,8 +72,8 @@ class Producer:
     # --- per module ----------------------------------------------------------------------------------------------
 
     def signs(self, m: ModulePlan, n: int) -> np.ndarray:
-        """Rotation signs of a module; all +1 without rotation or when no Hadamard transform of length n exists."""
-        if self.recipe.rotation and tq.hadamard_ok(n):
+        """Rotation signs of a module; all +1 when it is stored unrotated (see `rotated`)."""
+        if rotated(self.recipe, n):
             return tq.rotation_signs(m.name, n, self.recipe.seed)
         return np.ones(n, np.float16)
 
@@ -152,6 +152,12 @@ class Producer:
                 raise AssertionError(f"{p.out.name}: produced {data.nbytes} bytes, planned {p.out.nbytes}")
             results.append(Produced(p, data, nbytes if first else 0, err))
         return results
+
+
+def rotated(recipe: Recipe, n: int) -> bool:
+    """Whether a TurboQuant module of input length n is rotated: the recipe rotates, and a Hadamard block divides
+    n (the whole length, or blockwise as TurboQuant-MLX does: K3's 33,792-wide down_proj in blocks of 3072)."""
+    return recipe.rotation and tq.rotation_block(n) is not None
 
 
 def shared_expert_piece(p: Piece) -> bool:

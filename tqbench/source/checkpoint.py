@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tqbench.errors import CheckpointError
+from tqbench.layout.quantization import ModuleQuant, QuantizationBlock
 from tqbench.events import CheckpointOpened, ShardScanned
 from tqbench.source.config import ModelConfig, read_config
 from tqbench.source.naming import Role, TensorName, classify
@@ -149,6 +150,7 @@ def _classify_all(entries: list[TensorSpec], config: ModelConfig) -> tuple[Tenso
         if n.role is Role.ATTENTION and n.attention != "generic" and n.layer is not None:
             layer_kind.setdefault(n.layer, n.attention)
     layer_kind.update({i: "kda" for i in config.kda_layers})
+    block = QuantizationBlock.from_config(config.quantization)
     modules: dict[str, dict[str, TensorSpec]] = defaultdict(dict)
     for t in entries:
         n = names[t.name]
@@ -160,8 +162,8 @@ def _classify_all(entries: list[TensorSpec], config: ModelConfig) -> tuple[Tenso
         if n.role is Role.ATTENTION and n.attention == "generic" and n.layer in layer_kind:
             n = replace(n, attention=layer_kind[n.layer])
         parts = modules[n.module]
-        entry = converted_entry(config, n.module)
-        fmt = entry["format"] if entry else module_format(parts, config)
+        entry = block.module(n.module) if block else None
+        fmt = entry.format if entry else module_format(parts, config)
         out.append(Tensor(t, n, fmt, _params(t, n, parts, fmt, config, entry)))
     return tuple(out)
 
@@ -184,15 +186,6 @@ def _classify_cached(name: str, cache: dict[str, TensorName]) -> TensorName:
     module = template.module.replace(".experts.0.", f".experts.{e}.", 1)
     t = template
     return TensorName(name, t.role, module, t.param, t.layer, e, t.stacked, t.projection, t.attention)
-
-
-def converted_entry(config: ModelConfig, module: str) -> dict | None:
-    """What a tqbench conversion's config records for a module (per-expert modules under `experts.*`)."""
-    q = config.quantization or {}
-    if q.get("method") != "tqbench":
-        return None
-    modules = q.get("modules") or {}
-    return modules.get(module) or modules.get(_EXPERT_NUMBER.sub(".experts.*.", module + ".")[:-1])
 
 
 def module_format(parts: dict[str, TensorSpec], config: ModelConfig) -> str:
@@ -223,11 +216,11 @@ def _mlx_mode(parts: dict[str, TensorSpec]) -> str:
 
 
 def _params(t: TensorSpec, n: TensorName, parts: dict[str, TensorSpec], fmt: str, config: ModelConfig,
-            entry: dict | None = None) -> int:
+            entry: ModuleQuant | None = None) -> int:
     if n.param in _METADATA_PARAMS:
         return 0
     if entry is not None and n.param == "weight" and "scales" in parts:  # a tqbench output: the config has g
-        return math.prod(t.shape[:-1]) * parts["scales"].shape[-1] * int(entry["group_size"])
+        return math.prod(t.shape[:-1]) * parts["scales"].shape[-1] * entry.group_size
     if fmt in ("mxfp4", "nvfp4") and n.param == "weight_packed":
         return t.numel * 2  # two 4-bit codes per byte
     if fmt in ("mlx-affine", "mlx-mxfp4", "mlx-quantized") and n.param == "weight":
