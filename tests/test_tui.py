@@ -113,7 +113,8 @@ async def test_summary_shows_model_type_and_counts(tiny):
         assert error_text(app) == ""
 
 
-@pytest.mark.parametrize("pattern, typed", [("*layers.2.*experts.*", True), ("w2.weight_scale", False),
+@pytest.mark.parametrize("pattern, typed", [pytest.param("*layers.2.*experts.*", True, marks=pytest.mark.slow),
+                                            ("w2.weight_scale", False),
                                             ("EXPERTS.7.", False), ("*norm*", False), ("experts.3.w2*", False)])
 async def test_filter_narrows_tensor_table(tiny, pattern, typed):
     if any(c in pattern for c in "*?["):
