@@ -276,6 +276,38 @@ async def test_cancel_leaves_a_resumable_output_and_reopening_resumes_it(src, di
         assert ours[name] == theirs[name], name
 
 
+async def test_resumed_run_shows_the_errors_of_layers_finished_before(src, direct, monkeypatch):
+    """Interrupted after two shards, then resumed: every layer's error mean and max cover all its units, those the
+    first run converted included, as computed from an uninterrupted engine run's UnitConverted events."""
+    _, events = direct
+    expected = {r["layer"]: (r["err mean"], r["err max"]) for r in expected_layers(events)}
+    lay = layout(src, Recipe.parse(RECIPE), SHARD)
+    later = {u.layer for s in lay.shards[2:] for u in s}
+    earlier_only = [("-" if l is None else str(l)) for l in dict.fromkeys(u.layer for s in lay.shards[:2] for u in s)
+                    if l not in later]
+    assert earlier_only  # layers whose units are all in the two shards of the first run
+    gate = threading.Event()
+    monkeypatch.setattr(tqbench.convert, "convert", gated_convert(gate, after_shard=2))
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: screen.shards_done == 2, "the second shard")
+        await pilot.press("x")
+        gate.set()
+        await settle(pilot)
+        assert status_text(screen).endswith("resumable: 2 of 5 shards done.  r: resume")
+        monkeypatch.setattr(tqbench.convert, "convert", _real_convert)
+        await pilot.press("r")
+        await settle(pilot)
+        assert screen.started.resumed_shards == 2 and screen.finished_event is not None
+        shown = {r["layer"]: (r["err mean"], r["err max"]) for r in screen.table.rows_text}
+        for layer in earlier_only:
+            assert screen.table.row_text(None if layer == "-" else int(layer))["read"] == "-"  # not read again
+            assert shown[layer] == expected[layer] != ("-", "-"), layer
+        assert shown == expected  # layers split between the runs too
+
+
 @pytest.mark.slow
 async def test_quit_while_converting_stops_first(src, monkeypatch):
     dest = default_dest(src, RECIPE)

@@ -173,10 +173,12 @@ class DestinationCheckFailed(Message):
 
 @dataclass
 class ConvertBegan(Message):
-    """The engine's ConvertStarted: totals and what an earlier run finished."""
+    """The engine's ConvertStarted (totals and what earlier runs finished), with every layer's totals as the run
+    starts: units of finished shards done, their errors (ConvertStarted.resumed_errors) counted."""
 
     run_id: int
     event: ConvertStarted
+    layers: tuple[LayerStats, ...] = field(default=(), repr=False)  # copies, in layer order
 
 
 @dataclass

@@ -2,14 +2,20 @@
 thread from every event, while the screen shows copies at most ~10 times a second).
 
 Units (one tensor, or one routed expert) are counted against the layout's: those in shards an earlier run finished are
-done already. Bytes and errors are this run's: the engine reports them per unit only for what it converts now. A unit's
-error is its worst quantized module's relative error; a layer's mean and max are over its units that have one.
+done already. Bytes are this run's (the engine reports them per unit only for what it converts now). Errors cover
+every run: a resumed run's are seeded from ConvertStarted.resumed_errors (per layer, what the journal recorded for the
+finished shards), then this run's units are added. A unit's error is its worst quantized module's relative error; a
+layer's mean and max are over its units that have one, earlier runs' included.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from tqbench.events import LayerErrors, UnitConverted
+    from tqbench.layout.units import Unit
 
 
 @dataclass
@@ -19,7 +25,7 @@ class LayerStats:
     done: int = 0  # units done, earlier runs included
     bytes_in: int = 0  # source bytes read in this run
     bytes_out: int = 0  # bytes written in this run
-    errors: int = 0  # units of this run with a relative error
+    errors: int = 0  # units with a relative error, earlier runs included
     error_sum: float = 0.0
     error_max: float | None = None
 
@@ -27,7 +33,7 @@ class LayerStats:
     def error_mean(self) -> float | None:
         return self.error_sum / self.errors if self.errors else None
 
-    def add(self, unit) -> None:
+    def add(self, unit: UnitConverted) -> None:
         """Count one tqbench.events.UnitConverted."""
         self.done += 1
         self.bytes_in += unit.bytes_in
@@ -37,11 +43,18 @@ class LayerStats:
             self.error_sum += unit.rel_error
             self.error_max = unit.rel_error if self.error_max is None else max(self.error_max, unit.rel_error)
 
+    def add_errors(self, earlier: LayerErrors) -> None:
+        """Count the unit errors earlier runs recorded for this layer (their units are done already)."""
+        if earlier.count:
+            self.errors += earlier.count
+            self.error_sum += earlier.total
+            self.error_max = earlier.worst if self.error_max is None else max(self.error_max, earlier.worst)
+
 
 class Tally:
     """Per-layer LayerStats in the layout's order of first appearance."""
 
-    def __init__(self, shards: Sequence[Sequence], finished: Sequence[bool]) -> None:
+    def __init__(self, shards: Sequence[Sequence[Unit]], finished: Sequence[bool]) -> None:
         """`shards`: the layout's units per output shard (tqbench.convert.Layout.shards); `finished`: per shard,
         whether an earlier run finished it."""
         self.layers: dict[int | None, LayerStats] = {}
@@ -53,11 +66,20 @@ class Tally:
                 stats.units += 1
                 stats.done += bool(done)
 
-    def add(self, unit) -> None:
-        stats = self.layers.get(unit.layer)
+    def _stats(self, layer: int | None) -> LayerStats:
+        stats = self.layers.get(layer)
         if stats is None:  # not in the layout given (never expected): still counted
-            stats = self.layers[unit.layer] = LayerStats(unit.layer, 0)
-        stats.add(unit)
+            stats = self.layers[layer] = LayerStats(layer, 0)
+        return stats
+
+    def add(self, unit: UnitConverted) -> None:
+        self._stats(unit.layer).add(unit)
+
+    def seed(self, earlier: Sequence[LayerErrors]) -> None:
+        """Start from the errors earlier runs recorded (tqbench.events.ConvertStarted.resumed_errors), once per run,
+        before its first unit."""
+        for e in earlier:
+            self._stats(e.layer).add_errors(e)
 
     def snapshot(self) -> tuple[LayerStats, ...]:
         return tuple(replace(s) for s in self.layers.values())

@@ -6,11 +6,12 @@ output, a resumable one (how many shards are done), a complete one, or a conflic
 files that are no conversion) that only `f` replaces, after a confirmation.
 
 A run is the engine's `convert()` generator on the process's one MLX thread (tqbench.engine): created,
-iterated and closed there. A thread worker relays its events: it counts every UnitConverted into per-layer totals
-(tui.tally) and posts them at most ~10 times a second (ConvertProgress merges when queued), while rate and ETA are the
-engine's. Cancel (`x` / escape) asks the engine thread to stop after the unit in progress: it closes the generator,
-which drops the shard being written, so the output keeps only whole shards and resumes later. Reopening the screen
-or coming back to it checks the destination again and offers to resume (`r`).
+iterated and closed there. A thread worker relays its events: it seeds per-layer totals (tui.tally) with the errors
+earlier runs recorded (ConvertStarted.resumed_errors), counts every UnitConverted into them and posts them at most
+~10 times a second (ConvertProgress merges when queued), while rate and ETA are the engine's. Cancel (`x` /
+escape) asks the engine thread to stop after the unit in progress: it closes the generator, which drops the shard
+being written, so the output keeps only whole shards and resumes later. Reopening the screen or coming back to it
+checks the destination again and offers to resume (`r`).
 """
 
 from __future__ import annotations
@@ -465,7 +466,8 @@ class ConvertScreen(Screen):
                     continue
                 flush()
                 if isinstance(event, ConvertStarted):
-                    self.post_message(ConvertBegan(run_id, event))
+                    tally.seed(event.resumed_errors)  # the errors of units earlier runs converted
+                    self.post_message(ConvertBegan(run_id, event, tally.snapshot()))
                 elif isinstance(event, ShardWritten):
                     self.post_message(ConvertShardWritten(run_id, event))
                 elif isinstance(event, ConvertFinished):
@@ -493,6 +495,8 @@ class ConvertScreen(Screen):
         self.shards_done = ev.resumed_shards
         self.query_one("#convert-bar", ProgressBar).update(total=ev.bytes_in, progress=ev.resumed_bytes_in)
         self._show_bytes(ev.resumed_bytes_in, ev.bytes_in)
+        if message.layers:
+            self.table.show(message.layers)
         resumed = f"resuming: {ev.resumed_shards} of {ev.shards} shards done earlier · " if ev.resumed_shards else ""
         self.query_one("#convert-rate", Static).update(Content.styled(
             f"{resumed}{ev.units:,} units, {units.gb(ev.bytes_in)} -> {units.gb(ev.bytes_out)}", "$text-muted"))

@@ -1,5 +1,5 @@
-"""The Convert screen's per-layer table: units done of the layout's, bytes read and written, relative error mean and
-max. Rows are updated in place (only those that changed); the cursor follows the layer being converted until the
+"""The Convert screen's per-layer table: units done of the layout's, bytes read and written in this run, relative error
+mean and max over every run's units (a resumed run's table includes the errors earlier runs recorded). Rows are updated in place (only those that changed); the cursor follows the layer being converted until the
 user moves it."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def error_text(x: float | None) -> str:
 
 
 def layer_cells(s: LayerStats) -> tuple[Text, ...]:
-    """One row's cells: what is shown for a layer (bytes and errors of this run; "-" before any)."""
+    """One row's cells: what is shown for a layer (bytes of this run, errors of every run; "-" before any)."""
     done = s.done >= s.units
     style = "green" if done else ""
     return (num(layer_key(s.layer)), num(f"{s.done:,}/{s.units:,}", style),
