@@ -276,6 +276,7 @@ async def test_cancel_leaves_a_resumable_output_and_reopening_resumes_it(src, di
         assert ours[name] == theirs[name], name
 
 
+@pytest.mark.slow
 async def test_resumed_run_shows_the_errors_of_layers_finished_before(src, direct, monkeypatch):
     """Interrupted after two shards, then resumed: every layer's error mean and max cover all its units, those the
     first run converted included, as computed from an uninterrupted engine run's UnitConverted events."""
