@@ -82,7 +82,7 @@ def test_plan_equals_written_bytes_tensor_by_tensor(demo_src, tmp_path, name):
     assert written == planned
     assert sum(v[2] for v in written.values()) == plan.total_bytes
     assert isinstance(events[0], ConvertStarted) and isinstance(events[-1], ConvertFinished)
-    assert events[0].bytes_out == events[-1].bytes_out == plan.total_bytes
+    assert events[0].tensor_bytes == plan.total_bytes  # bytes_out adds the headers (test_bytes_out_is_what_the_files_hold)
     assert sum(isinstance(e, ShardWritten) for e in events) == plan.shards == len(shards) > 1
     units = [e for e in events if isinstance(e, UnitConverted)]
     assert units[-1].done_in == units[-1].total_in == events[0].bytes_in
@@ -427,3 +427,16 @@ def test_resume_reports_the_earlier_runs_layer_errors(demo_src, tmp_path):
     assert got.keys() == expected.keys() and expected
     for layer, (n, total, worst) in expected.items():
         assert got[layer][0] == n and got[layer][1] == pytest.approx(total, rel=1e-12) and got[layer][2] == worst
+
+
+def test_bytes_out_is_what_the_files_hold(demo_src, tmp_path):
+    """One number for one thing: ConvertStarted/ConvertFinished.bytes_out are the shard files' sizes (headers
+    included), the ShardWritten sizes add up to them, and tensor_bytes is tqbench plan's total."""
+    events = run(demo_src, tmp_path / "out", "tq3a-tqTe-down4-g64")
+    started, finished = events[0], events[-1]
+    written = [e.bytes for e in events if isinstance(e, ShardWritten)]
+    files = sorted((tmp_path / "out").glob("*.safetensors"))
+    assert started.bytes_out == finished.bytes_out == sum(written) == sum(f.stat().st_size for f in files)
+    plan = make_plan(group_sources(open_checkpoint(demo_src)), Recipe.parse("tq3a-tqTe-down4-g64"), SHARD)
+    headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+    assert started.tensor_bytes == plan.total_bytes == started.bytes_out - headers

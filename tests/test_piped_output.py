@@ -66,7 +66,7 @@ def test_convert(tmp_path):
     dst = tmp_path / f"{LONG}-converted"
     done = piped("convert", "--hf-path", src, "--mlx-path", dst, "-r", "tq4-g64", "--shard-size", "400000")
     assert done.returncode == 0, done.stderr
-    assert line_with(done.stderr, f"converting {src} -> {dst} with tq4-g64").endswith(" out")
+    assert line_with(done.stderr, f"converting {src} -> {dst} with tq4-g64").endswith(" of tensors as tqbench plan counts, + shard headers)")
     progress = [line for line in done.stderr.splitlines() if line.startswith("convert ")]
     assert progress and progress[-1].startswith("convert 100%: ")
     wrote = [line for line in done.stderr.splitlines() if line.startswith("  wrote model-")]

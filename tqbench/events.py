@@ -46,7 +46,8 @@ class ConvertStarted:
     shards: int
     units: int
     bytes_in: int  # source bytes the conversion reads
-    bytes_out: int  # bytes it writes (exactly what `tqbench plan` predicts)
+    bytes_out: int  # bytes of the shard files it writes: tensors + headers (the ShardWritten sizes add up to it)
+    tensor_bytes: int  # of which tensor data: exactly `tqbench plan`'s total
     resumed_shards: int  # shards already finished by an earlier run
     resumed_bytes_in: int
     resumed_errors: tuple[LayerErrors, ...] = ()  # per layer, what the earlier runs' finished shards recorded
@@ -83,7 +84,7 @@ class ConvertFinished:
     dest: str
     seconds: float
     bytes_in: int
-    bytes_out: int
+    bytes_out: int  # shard files: tensors + headers
     shards: int
     mean_rel_error: float | None
     max_rel_error: float | None

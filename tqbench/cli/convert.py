@@ -81,7 +81,8 @@ def convert(
 def _started_line(ev: ConvertStarted) -> str:
     resumed = f" (resuming: {ev.resumed_shards} of {ev.shards} shards done)" if ev.resumed_shards else ""
     return (f"converting {ev.source} -> {ev.dest} with {ev.recipe}: {ev.shards} shard{'s' if ev.shards != 1 else ''}, "
-            f"{units.gb(ev.bytes_in)} in, {units.gb(ev.bytes_out)} out{resumed}")
+            f"{units.gb(ev.bytes_in)} in, {units.gb(ev.bytes_out)} out "
+            f"({units.gb(ev.tensor_bytes)} of tensors as tqbench plan counts, + shard headers){resumed}")
 
 
 def _where(ev: UnitConverted) -> str:

@@ -32,7 +32,7 @@ from tqbench.quant import turboquant as tq
 from tqbench.recipe.recipe import Format, Recipe
 from tqbench.source.checkpoint import Checkpoint, open_checkpoint
 from tqbench.source.reader import ShardReader
-from tqbench.shards import ShardWriter, TensorSpec
+from tqbench.shards import ShardWriter, TensorSpec, header_bytes
 
 # Source files that are not weights and travel with the model (tokenizer, chat template, generation settings).
 _COPY_MAX_BYTES = 64 * 2**20
@@ -54,6 +54,7 @@ class Layout:
     files: list[str]
     source_fp: str
     plan_fp: str
+    file_bytes: int  # what the shard files hold: plan.total_bytes of tensors + their headers
 
 
 def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SHARD_SIZE) -> Layout:
@@ -65,7 +66,9 @@ def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SH
     units = file_units(plan.modules, "streaming")
     shards = assign_shards(units, shard_size)
     files = [shard_file(i, len(shards)) for i in range(len(shards))]
-    return Layout(ckpt, plan, units, shards, files, source_fingerprint(ckpt), plan_fingerprint(plan, shards))
+    headers = sum(len(header_bytes([p.out for u in s for p in u.pieces], shard_metadata(recipe))) for s in shards)
+    return Layout(ckpt, plan, units, shards, files, source_fingerprint(ckpt), plan_fingerprint(plan, shards),
+                  plan.total_bytes + headers)
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,8 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     total_in = sum(shard_in)
     resumed = [journal.finished(dst, f) for f in files]
     done_in = sum(b for b, r in zip(shard_in, resumed) if r)
-    yield ConvertStarted(str(src), str(dst), recipe.name, len(shards), len(units), total_in, plan.total_bytes,
-                         sum(resumed), done_in, _resumed_errors(journal, [f for f, r in zip(files, resumed) if r]))
+    yield ConvertStarted(str(src), str(dst), recipe.name, len(shards), len(units), total_in, lay.file_bytes,
+                         plan.total_bytes, sum(resumed), done_in, _resumed_errors(journal, [f for f, r in zip(files, resumed) if r]))
 
     run_in, t_run = 0, time.monotonic()
     order = [u for i, s in enumerate(shards) if not resumed[i] for u in s]
@@ -184,7 +187,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
         _raise_if_no_room(e, dst, "the final files")
         raise
     count, total = sum(a[0] for a in errors.values()), sum(a[1] for a in errors.values())
-    yield ConvertFinished(str(dst), time.monotonic() - t0, total_in, plan.total_bytes, len(shards),
+    yield ConvertFinished(str(dst), time.monotonic() - t0, total_in, lay.file_bytes, len(shards),
                           total / count if count else None, max((a[2] for a in errors.values()), default=None))
 
 
