@@ -1,7 +1,8 @@
 """The Recipe screen, driven with Pilot on the tiny skeleton checkpoint of test_tui.py.
 
-Every number is checked against the engine (tqbench.recipe.make_plan / assess on a Recipe parsed from its name) or the
-real `tqbench plan --json`, never against the screen's own state.
+Every cell is checked against the engine's plan report (tqbench.recipe.report.plan_report of make_plan / assess on a
+Recipe parsed from its name; tests/test_report.py checks the report's values) or the real `tqbench plan`, never
+against the screen's own state.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from test_tui import write_tiny
 from tui_helpers import settle
 from tqbench import units
 from tqbench.recipe import Recipe, assess, group_sources, machine, make_plan, parse_size
-from tqbench.recipe.fit import GB, Verdict, disk_cache_file
+from tqbench.recipe.fit import GB, Verdict, cached_disk_speed, disk_cache_file, disk_speed
+from tqbench.recipe.report import plan_report
 from tqbench.source import open_checkpoint
 from tui.app import TqbenchApp
-from tui.machine import DEFAULT_DISK_GBPS, default_disk
 from tui.screens.recipe import MAX_PINS, RecipeScreen
-from tui.widgets.plan_table import CURRENT, PlanTable
+from tui.widgets.plan_table import BPW_HEADING, CURRENT, PlanTable
 from tui.widgets.recipe_editor import (CONTROLS, INITIAL_RECIPE, CycleSelect, RecipeEditor, controls_from_recipe,
                                        recipe_from_controls)
 
@@ -67,44 +68,24 @@ async def set_input(pilot, selector: str, value: str) -> None:
     await settle(pilot)
 
 
-def both(n: int | None) -> str:
-    return "-" if n is None else f"{units.gb(n)}\n{units.gib(n)}"
-
-
-def rate(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
 def expected_cells(plan, fit) -> dict[str, str]:
-    """The table's text for one recipe, formatted as tqbench plan formats it."""
-    e = plan.experts
-    return {
-        "resident": both(plan.resident_bytes),
-        "routed experts": both(plan.streamed_bytes),
-        "total": both(plan.total_bytes),
-        "bits/weight": f"{plan.bits_per_weight:.3f}",
-        "expert page": "\n".join([units.gb(e.bytes_per_expert),
-                                  *(f"{k} {units.gb(v)}" for k, v in e.page_by_projection.items())]),
-        "shards": str(plan.shards),
-        "verdict": fit.verdict.value,
-        "cache budget": both(fit.cache_budget_bytes),
-        "max tok/s top-k": rate(fit.tok_s_ceiling),
-        "max tok/s reduced": rate(fit.tok_s_ceiling_reduced),
-        "kept at source": units.gb(sum(k.bytes for k in plan.kept)),
-        "experts/token top-k": units.gb(fit.bytes_per_token),
-        "hit rate": "-" if fit.hit_rate is None else f"{fit.hit_rate:.1%}",
-    }
+    """The plan report's cells for one recipe (row key -> text), the rows `tqbench plan` prints."""
+    return plan_report([plan], [fit]).cells(0)
+
+
+def flat(text: str) -> str:
+    """A cell without its line breaks and spacing (the table wraps verdicts and the sysctl command to its width)."""
+    return "".join(text.replace(" / ", " ").split())
 
 
 def column(table: PlanTable, key: str) -> dict[str, str]:
-    cells = {row: table.text(row, key) for row in expected_keys()}
-    cells["verdict"] = cells["verdict"].replace("\n", " ")  # wrapped to the column width
+    """One column's cells by row key (the bpw heading row aside)."""
+    cells = {str(row.key.value): table.text(str(row.key.value), key) for row in table.ordered_rows}
+    assert cells.pop(BPW_HEADING, "") == ""
+    for wrapped in ("verdict", "raise the limit"):
+        if wrapped in cells:
+            cells[wrapped] = " ".join(cells[wrapped].split())
     return cells
-
-
-def expected_keys() -> list[str]:
-    return ["resident", "routed experts", "total", "bits/weight", "expert page", "shards", "verdict", "cache budget",
-            "max tok/s top-k", "max tok/s reduced", "kept at source", "experts/token top-k", "hit rate"]
 
 
 def name_field(app) -> str:
@@ -131,18 +112,6 @@ def test_controls_spell_the_same_recipe_as_the_name(name):
     assert recipe_from_controls(values, recipe.seed) == recipe
 
 
-def test_disk_default_is_the_cached_measurement_else_assumed(tmp_path):
-    assert default_disk(tmp_path) == default_disk(None)
-    assert default_disk(tmp_path).gbps == DEFAULT_DISK_GBPS and "assumed" in default_disk(tmp_path).source
-    import os
-
-    disk_cache_file().parent.mkdir(parents=True, exist_ok=True)
-    disk_cache_file().write_text(json.dumps({str(os.stat(tmp_path).st_dev): {"bytes_per_s": 1.8e9,
-                                                                             "method": "O_DIRECT"}}))
-    cached = default_disk(tmp_path)
-    assert cached.gbps == pytest.approx(1.8) and cached.source == "measured (O_DIRECT)"
-
-
 # ---- the screen -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -156,7 +125,7 @@ async def test_p_opens_the_recipe_screen_on_the_loaded_checkpoint(tiny, engine, 
         assert table.display and table.column_names == [CURRENT]
         assert name_field(app) == INITIAL_RECIPE
         assert column(table, CURRENT) == expected_cells(*engine(INITIAL_RECIPE, RESIDENT_MEMORY))
-        assert table.header_text("label").split("\n") == ["sizes in", "GB over GiB", "shards <=", "5.00 GiB"]
+        assert table.header_text("label").split("\n") == ["sizes decimal", "over binary", "shards <=", "5.00 GiB"]
 
         # Back to Source (s), open another checkpoint there: the Recipe screen plans that one.
         await pilot.press("s")
@@ -302,7 +271,7 @@ async def test_memory_size_decides_the_verdict(tiny, engine):
             assert fit.verdict is verdict
             assert column(table, CURRENT) == column(table, INITIAL_RECIPE) == expected_cells(plan, fit), memory
             if verdict is Verdict.STREAMING:
-                assert rate(fit.tok_s_ceiling) != "-"  # a real disk-bound ceiling is shown
+                assert fit.tok_s_ceiling is not None  # a real disk-bound ceiling is shown
             style = str(table.get_cell("verdict", CURRENT).style)
             assert {"resident": "green", "streaming": "yellow", "does not fit": "red"}[verdict.value] in style
 
@@ -314,37 +283,68 @@ async def test_memory_size_decides_the_verdict(tiny, engine):
         await set_input(pilot, "#disk", "fast")
         assert "disk: cannot read 'fast'" in status(app)
         assert column(table, CURRENT) == expected_cells(*engine(INITIAL_RECIPE, NO_FIT_MEMORY))
-        await set_input(pilot, "#disk", "")  # empty: the default bandwidth
+        await set_input(pilot, "#disk", "")  # empty: the measured bandwidth of the checkpoint's disk
         assert not screen.query_one("#recipe-status").has_class("error")
-        plan, fit = engine(INITIAL_RECIPE, NO_FIT_MEMORY, DEFAULT_DISK_GBPS)
+        plan, fit = engine(INITIAL_RECIPE, NO_FIT_MEMORY, disk_speed(tiny).bytes_per_s / GB)
         assert column(table, CURRENT) == expected_cells(plan, fit)
 
 
 @pytest.mark.slow
-async def test_same_numbers_as_the_cli(tiny, capsys, monkeypatch):
+async def test_same_numbers_as_the_cli(tiny, engine, capsys, monkeypatch):
+    """The Recipe screen's column and `tqbench plan`'s table (piped: one line per row) hold the same cells."""
     name = "tq3a-tqTe-down3-g64"
     result = tqbench(capsys, monkeypatch, "plan", tiny, "--recipe", name, "--memory", STREAMING_MEMORY,
-                     "--disk-gbps", DISK, "--json")
+                     "--disk-gbps", DISK)
     assert result.code == 0, result.err
-    cli = json.loads(result.out)["plans"][0]
-    assert cli["recipe"]["name"] == name and cli["fit"]["verdict"] == "streaming"
+    lines = result.out.splitlines()
+    title = next(i for i, line in enumerate(lines) if line.startswith("plan (sizes in"))
+    assert lines[title + 1].split() == [name]
+    cli = {}
+    for line in lines[title + 2:]:
+        label, _, value = line.strip().partition("  ")
+        if not value:
+            break  # the caption
+        cli[label] = value.strip()
     app = TqbenchApp(tiny)
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_recipe_screen(pilot, memory=STREAMING_MEMORY)
         await set_input(pilot, "#recipe-name", name)
         shown = column(screen.query_one(PlanTable), CURRENT)
-    b, fit, e = cli["bytes"], cli["fit"], cli["experts"]
-    assert shown["resident"] == both(b["resident"])
-    assert shown["routed experts"] == both(b["streamed"])
-    assert shown["total"] == both(b["total"])
-    assert shown["bits/weight"] == f"{cli['bits_per_weight']:.3f}"
-    assert shown["expert page"].split("\n")[0] == units.gb(e["bytes_per_expert"])
-    assert shown["shards"] == str(cli["shards"]["count"])
-    assert shown["verdict"] == fit["verdict"]
-    assert shown["cache budget"] == both(fit["cache_budget_bytes"])
-    assert shown["max tok/s top-k"] == rate(fit["tok_s_ceiling"])
-    assert shown["max tok/s reduced"] == rate(fit["tok_s_ceiling_reduced"])
-    assert shown["hit rate"] == f"{fit['hit_rate']:.1%}"
+    plan, fit = engine(name, STREAMING_MEMORY)
+    report = plan_report([plan], [fit])
+    labels = {r.key: r.label.strip() for r in report.rows}
+    assert set(shown) == set(labels) and len(cli) == len(labels)
+    assert shown["verdict"] == cli["verdict"] == "streaming"
+    assert shown["max tok/s top-k"] not in ("-", "not disk-bound")
+    for key, text in shown.items():
+        assert flat(text) == flat(cli[labels[key]]), key
+
+
+async def test_disk_is_measured_in_a_worker_as_tqbench_plan_measures_it(tiny, capsys, monkeypatch):
+    """No assumed bandwidth: the checkpoint's disk is measured once (tqbench.recipe.fit.disk_speed, in a thread
+    worker, "measuring..." meanwhile) and the CLI reports the same figure."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_recipe_screen(pilot, disk="")
+        editor = screen.query_one(RecipeEditor)
+        note = lambda: str(screen.query_one("#machine-note", Static).render())  # noqa: E731
+        speed = cached_disk_speed(tiny)  # what the screen measured when the checkpoint was opened
+        assert speed is not None and speed.directory == str(tiny) and f"disk: measured, {speed.method}" in note()
+        assert (screen.machine.disk_bytes_per_s, screen.machine.disk_source) == (speed.bytes_per_s,
+                                                                                 f"measured, {speed.method}")
+        assert screen.query_one("#disk", Input).placeholder == f"{speed.bytes_per_s / GB:.2f}"
+
+        disk_cache_file().unlink()  # a disk never measured: the worker measures it
+        editor.set_checkpoint_path(tiny)
+        assert "disk: measuring..." in note() and screen.query_one("#disk", Input).placeholder == "measuring..."
+        await settle(pilot)
+        measured = cached_disk_speed(tiny)
+        assert measured is not None and measured.directory == str(tiny)
+        assert f"disk: measured, {measured.method}" in note()
+        assert screen.machine.disk_bytes_per_s == measured.bytes_per_s
+    r = tqbench(capsys, monkeypatch, "plan", tiny, "--memory", STREAMING_MEMORY, "--platform", "linux")
+    assert r.code == 0, r.err
+    assert f"disk {measured.bytes_per_s / GB:.2f} GB/s (measured earlier, {measured.method})" in r.out
 
 
 async def test_without_a_checkpoint_the_screen_says_how_to_get_one(tmp_path):
@@ -370,7 +370,7 @@ def test_snapshot_recipe_screen(tmp_path, monkeypatch, snap_compare):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(fit, "physical_memory", lambda: 128 * GB)  # the "(here)" placeholder
     real_machine = tui.machine.machine
-    monkeypatch.setattr(tui.machine, "machine", lambda m, g, p, d: real_machine(m, g, "linux", d))
+    monkeypatch.setattr(tui.machine, "machine", lambda m, g, p, d, s=None: real_machine(m, g, "linux", d, s))
 
     async def run_before(pilot) -> None:
         await open_recipe_screen(pilot, memory=STREAMING_MEMORY)

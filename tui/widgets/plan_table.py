@@ -1,9 +1,11 @@
 """Recipes side by side: the current recipe and up to three pinned ones, one column each.
 
-The rows and their formatting are `tqbench plan`'s (tqbench/cli/plan.py: sizes as GB over GiB through tqbench.units,
-bits per weight to 3 decimals, tok/s to 2). Only the order differs: what decides a recipe (sizes, bpw, expert page,
-shards, verdict, cache budget, tok/s ceilings) comes first so that it fits 80x24; per-role bits, kept bytes, expert
-bytes per token and the hit rate follow. The table's column cursor selects a pinned recipe (to unpin or edit it).
+The rows are the engine's plan report (tqbench.recipe.report, the rows `tqbench plan` prints): the same keys, labels
+and cell text. Only the order and line breaks are this table's: what decides a recipe (sizes, bpw, expert page,
+shards, verdict, cache budget, tok/s ceilings: `Row.primary`) comes first so that it fits 80x24, then the details
+(bits per weight by role under a heading, kept bytes, expert bytes per token, the hit rate); long labels, verdicts
+and the sysctl command wrap to the column width. The table's column cursor selects a pinned recipe (to unpin or edit
+it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from textual.widgets import DataTable
 from tqbench import units
 from tqbench.recipe.fit import Fit, Verdict
 from tqbench.recipe.plan import Plan
+from tqbench.recipe.report import PlanReport, plan_report
 from tui.widgets.cells import cell, num
 
 VERDICT_STYLE = {
@@ -31,6 +34,7 @@ NAME_WIDTH = 12  # recipe names wrap at dashes in the column headers, on at most
 NAME_LINES = 3
 LABEL_WIDTH = 16  # longer labels (`experts/token top-16`) wrap, so that the current recipe and a pin fit 80 columns
 CURRENT = "current"
+BPW_HEADING = "bpw by role"  # the heading of the per-role bits per weight, which the CLI indents under bits/weight
 
 
 @dataclass(frozen=True)
@@ -44,76 +48,42 @@ class Row:
         return max([self.label.count("\n") + 1, *(c.plain.count("\n") + 1 for c in self.cells)])
 
 
-def _both(n: int | None) -> str:
-    return "-" if n is None else f"{units.gb(n)}\n{units.gib(n)}"
-
-
-def _rate(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def _page(p: Plan) -> str:
-    e = p.experts
-    if e is None:
-        return "-"
-    return "\n".join([units.gb(e.bytes_per_expert), *(f"{k} {units.gb(v)}" for k, v in e.page_by_projection.items())])
-
-
-def _command(command: str | None) -> str:
-    return "-" if not command else command.replace(" iogpu.", "\niogpu.").replace("=", "=\n")
+def _command(command: str) -> str:
+    return command.replace(" iogpu.", "\niogpu.").replace("=", "=\n")
 
 
 def verdict_cell(fit: Fit) -> Text:
     return num("\n".join(textwrap.wrap(fit.verdict.value, VERDICT_WIDTH)), VERDICT_STYLE[fit.verdict])
 
 
-def plan_rows(plans: list[Plan], fits: list[Fit]) -> list[Row]:
-    """The table's rows for recipes side by side (labels and cell text as the CLI's plan table)."""
+def screen_rows(report: PlanReport, fits: list[Fit]) -> list[Row]:
+    """The report's rows in this table's order, with their cells as styled text."""
     rows: list[Row] = []
-
-    def row(key: str, values: list[str | Text], label: str | None = None) -> None:
-        label = label or key
+    keys = {r.key for r in report.rows}
+    for r in report.primary_first:
+        if r.parent in keys and not any(x.key == BPW_HEADING for x in rows):
+            rows.append(Row(BPW_HEADING, BPW_HEADING, tuple(Text("") for _ in report.recipes)))
+        label = r.short_label or r.label
         if len(label) > LABEL_WIDTH:
             label = "\n".join(textwrap.wrap(label, LABEL_WIDTH))
-        rows.append(Row(key, label, tuple(v if isinstance(v, Text) else num(v) for v in values)))
-
-    moe = any(p.experts for p in plans)
-    row("resident", [_both(p.resident_bytes) for p in plans])
-    if moe:
-        row("routed experts", [_both(p.streamed_bytes) for p in plans])
-    row("total", [_both(p.total_bytes) for p in plans])
-    row("bits/weight", [f"{p.bits_per_weight:.3f}" if p.bits_per_weight else "-" for p in plans])
-    if moe:
-        row("expert page", [_page(p) for p in plans])
-    row("shards", [str(p.shards) for p in plans])  # of at most the shard size: see the label column's header
-    row("verdict", [verdict_cell(f) for f in fits])
-    if any(f.command for f in fits):
-        row("raise the limit", [_command(f.command) for f in fits])
-    if moe:
-        row("cache budget", [_both(f.cache_budget_bytes) for f in fits])
-        row("max tok/s top-k", [_rate(f.tok_s_ceiling) for f in fits], f"max tok/s top-{fits[0].top_k}")
-        row("max tok/s reduced", [_rate(f.tok_s_ceiling_reduced) for f in fits], f"max tok/s top-{fits[0].reduced_k}")
-    by_role = []
-    for role in ("attention", "routed_expert", "shared_expert"):
-        vals = [next((r.bits_per_weight for r in p.by_role if r.role == role), None) for p in plans]
-        if any(v is not None for v in vals):
-            by_role.append((role, vals))
-    if by_role:
-        row("bpw by role", ["" for _ in plans])  # the CLI indents these under bits/weight
-    for role, vals in by_role:
-        row(f"bpw {role}", ["-" if v is None else f"{v:.3f}" for v in vals], f"  {role.replace('_', ' ')}")
-    row("kept at source", [units.gb(sum(k.bytes for k in p.kept)) for p in plans])
-    if moe:
-        row("experts/token top-k", [units.gb(f.bytes_per_token) for f in fits], f"experts/token top-{fits[0].top_k}")
-        row("experts/token reduced", [units.gb(f.bytes_per_token_reduced) for f in fits],
-            f"experts/token top-{fits[0].reduced_k}")
-        row("hit rate", ["-" if f.hit_rate is None else f"{f.hit_rate:.1%}" for f in fits])
+        if r.key == "verdict":
+            cells = tuple(verdict_cell(f) for f in fits)
+        elif r.key == "raise the limit":
+            cells = tuple(num(_command(c) if c != "-" else c) for c in r.cells)
+        else:
+            cells = tuple(num(c) for c in r.cells)
+        rows.append(Row(r.key, label, cells))
     return rows
 
 
+def plan_rows(plans: list[Plan], fits: list[Fit]) -> list[Row]:
+    """The table's rows for recipes side by side: tqbench.recipe.report's rows, as `tqbench plan` prints them."""
+    return screen_rows(plan_report(plans, fits), fits)
+
+
 def label_header(shard_size: int) -> str:
-    """The label column's header: the units of sizes and the shard size (the CLI says both in its title and label)."""
-    return f"sizes in\nGB over GiB\nshards <=\n{units.gib(shard_size)}"
+    """The label column's header: how sizes read and the shard size (the CLI says both in its title and label)."""
+    return f"sizes decimal\nover binary\nshards <=\n{units.gib(shard_size)}"
 
 
 def wrap_name(name: str, width: int = NAME_WIDTH, lines: int = NAME_LINES) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -22,7 +22,8 @@ from textual.widgets import Input, Label, Select, Static
 from tqbench import units
 from tqbench.errors import TqbenchError
 from tqbench.recipe.recipe import AFFINE_BITS, DEFAULT_BITS, DEFAULT_SEED, GROUP_SIZES, TQ_BITS, Format, Recipe
-from tui.machine import default_disk, plan_machine, read_gbps, read_memory
+from tqbench.recipe.fit import GB, DiskSpeed, cached_disk_speed, disk_speed
+from tui.machine import plan_machine, read_gbps, read_memory
 from tui.messages import MachineChosen, RecipeChosen
 
 INITIAL_RECIPE = "tq3a-tqTe-down4-g64"  # the published Kimi K3 build
@@ -182,10 +183,12 @@ class RecipeEditor(Vertical):
         self._errors: dict[str, str] = {}  # field -> one-line error, newest last
         self._busy = False
         self._last_focused = None
-        self._disk = default_disk(None)
+        self._disk_path: Path | None = None  # the checkpoint whose disk is measured
+        self._disk: DiskSpeed | None = None  # its measured bandwidth (tqbench.recipe.fit.disk_speed)
+        self._disk_note = "not measured (no checkpoint open)"
         self._memory: int | None = None
-        self._gbps = self._disk.gbps
-        self.machine = plan_machine(None, self._gbps)
+        self._typed_gbps: float | None = None  # the disk field's value; None: the measured bandwidth
+        self.machine = plan_machine(None, None, self._disk_note)
         self._here = self.machine.memory_bytes  # this machine's memory (the default)
 
     def compose(self) -> ComposeResult:
@@ -305,8 +308,34 @@ class RecipeEditor(Vertical):
     # ---- machine ----------------------------------------------------------------------------------------------------
 
     def set_checkpoint_path(self, path: Path | str | None) -> None:
-        """Take the default disk bandwidth from the cached measurement for the checkpoint's disk (never measured)."""
-        self._disk = default_disk(path)
+        """The default disk bandwidth becomes the checkpoint's disk's (as `tqbench plan` has it): the cached
+        measurement at once, else "measuring..." until a thread worker has measured it (once per disk)."""
+        self._disk_path = Path(path) if path is not None else None
+        try:
+            self._disk = cached_disk_speed(path)
+        except OSError:
+            self._disk = None
+        if self._disk is None:
+            self._disk_note = "measuring..."
+            self._measure_disk(self._disk_path)
+        self._machine_typed()
+
+    @work(thread=True, exclusive=True, group="disk", exit_on_error=False, description="measure the disk")
+    def _measure_disk(self, path: Path | None) -> None:
+        try:
+            speed: DiskSpeed | str = disk_speed(path)
+        except OSError as e:
+            speed = f"measurement failed: {e.strerror or e}"
+        try:
+            self.app.call_from_thread(self._disk_measured, path, speed)
+        except RuntimeError:
+            pass  # the app has quit meanwhile
+
+    def _disk_measured(self, path: Path | None, speed: DiskSpeed | str) -> None:
+        if path != self._disk_path:
+            return  # another checkpoint was opened meanwhile
+        self._disk = speed if isinstance(speed, DiskSpeed) else None
+        self._disk_note = speed if isinstance(speed, str) else ""
         self._machine_typed()
 
     @on(Input.Changed, "#memory")
@@ -326,14 +355,20 @@ class RecipeEditor(Vertical):
             self._set_error("memory", f"memory: {e}")
             ok = False
         try:
-            self._gbps = read_gbps(self.query_one("#disk", Input).value, self._disk.gbps)
+            self._typed_gbps = read_gbps(self.query_one("#disk", Input).value, None)
             self._set_error("disk", None)
         except TqbenchError as e:
             self._set_error("disk", f"disk: {e}")
             ok = False
         if ok:
             try:
-                self.machine = plan_machine(self._memory, self._gbps)
+                if self._typed_gbps is not None:
+                    disk, source = self._typed_gbps * GB, "typed"
+                elif self._disk is not None:
+                    disk, source = self._disk.bytes_per_s, self._disk.source
+                else:
+                    disk, source = None, self._disk_note
+                self.machine = plan_machine(self._memory, disk, source)
             except TqbenchError as e:
                 self._set_error("memory", f"memory: {e}")
         self._show_machine()
@@ -341,12 +376,13 @@ class RecipeEditor(Vertical):
 
     def _show_machine(self) -> None:
         self.query_one("#memory", Input).placeholder = f"{units.gb(self._here)} (here)"
-        self.query_one("#disk", Input).placeholder = f"{self._disk.gbps:.2f}"
+        self.query_one("#disk", Input).placeholder = (
+            f"{self._disk.bytes_per_s / GB:.2f}" if self._disk is not None
+            else "measuring..." if self._disk_note == "measuring..." else "-")
         m = self.machine
-        typed_disk = bool(self.query_one("#disk", Input).value.strip())
         self.query_one("#machine-note", Static).update(Content.styled(
             f"{m.platform}, GPU limit {units.gb(m.gpu_limit_bytes)}\n"
-            f"disk: {'typed' if typed_disk else self._disk.source}", "$text-muted"))
+            f"disk: {m.disk_source}", "$text-muted"))
 
     # ---- messages -----------------------------------------------------------------------------------------------
 
