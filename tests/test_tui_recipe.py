@@ -7,7 +7,6 @@ against the screen's own state.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from textual.widgets import Input, Static
 from cli_helpers import tqbench
 from test_tui import write_tiny
 from tui_helpers import settle
-from tqbench import units
 from tqbench.recipe import Recipe, assess, group_sources, machine, make_plan, parse_size
 from tqbench.recipe.fit import GB, Verdict, cached_disk_speed, disk_cache_file, disk_speed
 from tqbench.recipe.report import plan_report
