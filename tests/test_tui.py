@@ -19,6 +19,7 @@ from tui.widgets.roles import RoleTable
 from tui.widgets.shards import MISSING, ShardTable
 from tui.widgets.summary import SummaryPanel
 from tui.widgets.tensors import ROW_LIMIT, TensorPanel
+from tui_helpers import burst
 
 SIZE = (80, 24)
 LAYERS = 4
@@ -144,6 +145,23 @@ async def test_filter_narrows_tensor_table(tiny, pattern, typed):
         await settle(pilot)
         assert panel.filter_input.value == ""
         assert panel.row_count == len(NAMES)
+
+
+async def test_ctrl_u_then_typing_at_once_replaces_the_filter(tiny):
+    """ctrl+u with characters right behind it (one terminal read): the characters land after the deletion."""
+    expected = [n for n in NAMES if "w2.weight_scale" in n.lower()]
+    assert 0 < len(expected) < len(NAMES)
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("slash", *"norm")
+        await settle(pilot)
+        panel = app.screen.query_one(TensorPanel)
+        burst(pilot, "ctrl+u", *"w2.weight_scale")
+        await settle(pilot)
+        assert panel.filter_input.value == "w2.weight_scale"
+        assert panel.count_text == f"{len(expected)} of {len(NAMES)}"
+        assert {key.value for key in panel.table.rows} == set(expected)
 
 
 async def test_filter_typed_keys_do_not_trigger_bindings(tiny):

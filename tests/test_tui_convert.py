@@ -17,7 +17,7 @@ from textual.widgets import Input, ProgressBar, Static
 import tqbench.convert
 from tqbench.engine import engine
 import tqbench.convert.pipeline as pipeline
-from tui_helpers import settle
+from tui_helpers import burst, settle
 from tqbench import units
 from tqbench.convert import destination_status, layout
 from tqbench.layout.names import REPORT
@@ -393,6 +393,22 @@ async def test_bad_fields_are_one_line_errors(src):
         await pilot.press("r")
         await settle(pilot)
         assert not (src / "inside").exists()
+
+
+@pytest.mark.slow
+async def test_ctrl_u_then_typing_at_once_replaces_the_shard_size(src):
+    """ctrl+u with characters right behind it (one terminal read): the characters land after the deletion."""
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot, shard=None)
+        field = screen.query_one("#shard-size", Input)
+        field.focus()
+        await pilot.pause()
+        assert field.value == "5GiB" and field.cursor_position == len("5GiB")
+        burst(pilot, "ctrl+u", *str(SHARD), "enter")
+        await settle(pilot)
+        assert field.value == str(SHARD)
+        assert status_text(screen).startswith(f"new output: {len(layout(src, Recipe.parse(RECIPE), SHARD).files)} shards")
 
 
 @pytest.mark.slow

@@ -12,3 +12,13 @@ async def settle(pilot, rounds: int = 50) -> None:
             await pilot.pause()
             if not any(w.is_running for w in pilot.app.workers):
                 return
+
+
+def burst(pilot, *keys: str) -> None:
+    """Send keys as one terminal read delivers them: back to back, the app reading none before all are sent (a paste
+    without bracketed paste, fast typing). Pilot.press waits for the app after each key, so it never shows an order
+    problem between a binding and the characters typed after it."""
+    from textual import events
+
+    for key in keys:
+        pilot.app._driver.send_message(events.Key(key, key if len(key) == 1 else None))

@@ -38,6 +38,7 @@ from tui.messages import (ConvertBegan, ConvertDone, ConvertFailed, ConvertProgr
 from tui.screens.confirm import ConfirmScreen
 from tui.state import display_path, last_conversion, remember_conversion
 from tui.tally import Tally
+from tui.widgets.inputs import OrderedInput
 from tui.widgets.layer_table import LayerTable, error_text
 
 DEFAULT_SHARD_SIZE = "5GiB"
@@ -81,8 +82,9 @@ def _pair(key: str, value: Content | str, hint: str = "") -> Content:
     return line + Content.styled(f"  {hint}", "$text-muted") if hint else line
 
 
-class ConvertInput(Input):
-    """A one-line field; escape and enter hand the keys back to the screen (the table)."""
+class ConvertInput(OrderedInput):
+    """A one-line field; escape and enter hand the keys back to the screen (the table). Its key bindings (ctrl+u,
+    ...) run in order with the characters typed around them (tui.widgets.inputs)."""
 
     BINDINGS = [Binding("escape", "screen.leave_input", show=False)]
 

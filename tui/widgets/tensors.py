@@ -15,6 +15,7 @@ from textual.worker import get_current_worker
 
 from tqbench import units
 from tui.messages import FilterApplied
+from tui.widgets.inputs import OrderedInput
 from tui.widgets.cells import cell, header, num
 
 ROW_LIMIT = 1000  # rows put in the table; a K3 checkpoint has ~500k tensors, the count still covers them all
@@ -67,7 +68,7 @@ class TensorPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="filter-row"):
-            yield Input(placeholder="filter: text or glob *layers.3.*", id="filter")
+            yield OrderedInput(placeholder="filter: text or glob *layers.3.*", id="filter")
             yield Label("", id="count")
         yield DataTable(id="tensor-table", cursor_type="row")
         yield Static("", id="tensor-detail")
