@@ -22,6 +22,8 @@ from tqbench.recipe import Recipe
 from tqbench.shards import read_header
 from tqbench.source.reader import ShardReader
 
+pytestmark = pytest.mark.slow  # four conversions and mlx-lm loads (~3 s of module setup)
+
 SHARD = 150_000
 # The expert width 352 = 11 x 32 has no Hadamard transform of its own length, so the
 # routed experts' down_proj (input 96) rotates blockwise.

@@ -2,7 +2,7 @@
 
 Read from shard headers alone. The converted layout keeps source tensor names, except routed experts, which are
 stacked per layer and projection into `<moe>.switch_mlp.{gate,up,down}_proj.*` with a leading expert axis.
-Output tensors of one quantized Linear (out, in) (reference: shared/reference/turboquant-recipes.md):
+Output tensors of one quantized Linear (out, in) (docs/turboquant.md):
 - TurboQuant b-bit, group g: `weight` U32 (out, ceil(in / floor(32/b))), `scales` F16 (out, in/g), `codebook` F16
   (2^b), `signs` F16 (in), `bias` F16 (out) when the source has one; ternary packs 20 trits per word and has a
   3-entry codebook. Routed experts add a leading E axis to weight/scales/bias; codebook and signs are per layer.
