@@ -8,13 +8,15 @@ compressed-tensors needs torch, which tqbench does not depend on, so this runs i
     /tmp/ctvenv/bin/pip install compressed-tensors numpy
     /tmp/ctvenv/bin/python scripts/ct_mxfp4_fixture.py                  # -> tests/data/compressed_tensors_mxfp4.npz
     /tmp/ctvenv/bin/python scripts/ct_mxfp4_fixture.py --compare 2000   # also a large random comparison, not saved
+    /tmp/ctvenv/bin/python scripts/ct_mxfp4_fixture.py --check-checkpoint tqbench/demo/checkpoint
 
 Each matrix goes the library's own way for the `MXFP4A16` preset (mxfp4-pack-quantized, group 32, uint8 scales):
 the per-group min/max and scale of `compute_dynamic_scales_and_zp` (what the minmax observer computes), then
 `MXFP4PackedCompressor.compress`, which writes `weight_packed` and `weight_scale`. Matrices marked bf16 are given to
 the library as bfloat16 tensors (the dtype of real checkpoints before quantization); their values are exact in float32.
 `--compare` packs random matrices with both the library and tqbench's packer (imported from this checkout; it needs
-only numpy) and reports the bytes that differ.
+only numpy) and reports the bytes that differ. `--check-checkpoint DIR` decodes every mxfp4 matrix of a checkpoint
+(tqbench's exact decoder) and checks that the library packs the decoded values into the very bytes of the file.
 """
 
 from __future__ import annotations
@@ -141,11 +143,37 @@ def compare(n: int) -> None:
           f"({diff_s} differ)")
 
 
+def check_checkpoint(root: Path) -> None:
+    """Every `*.weight_packed` / `*.weight_scale` pair of a checkpoint equals the library's packing of its decoded
+    values."""
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(ROOT))
+    from tqbench.quant.mxfp4 import unpack_mxfp4
+
+    tensors = {}
+    for f in sorted(root.glob("*.safetensors")):
+        tensors.update({k: v for k, v in load_file(f).items() if k.endswith((".weight_packed", ".weight_scale"))})
+    n = bad = 0
+    for name, packed in tensors.items():
+        if name.endswith(".weight_packed"):
+            scales = tensors[name.removesuffix("_packed") + "_scale"].numpy()
+            p, s = ct_pack(unpack_mxfp4(packed.numpy(), scales))
+            n += 1
+            bad += not (np.array_equal(p, packed.numpy()) and np.array_equal(s, scales))
+    print(f"check-checkpoint {root}: {n} mxfp4 matrices, {bad} differ from compressed-tensors' packing of their values")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--compare", type=int, default=0, metavar="N", help="also compare N random matrices, not saved")
+    p.add_argument("--check-checkpoint", type=Path, default=None, metavar="DIR",
+                   help="only check that DIR's mxfp4 tensors are the library's packing of their decoded values")
     a = p.parse_args(argv)
+    if a.check_checkpoint:
+        check_checkpoint(a.check_checkpoint)
+        return
     names, shapes, flags, ws, ps, ss = [], [], [], [], [], []
     for name, (w, bf16) in matrices().items():
         assert np.isfinite(w).all() and w.shape[1] % 32 == 0
