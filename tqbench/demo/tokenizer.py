@@ -6,7 +6,7 @@ from __future__ import annotations
 from tqbench.demo.spec import DemoSpec
 from tqbench.tokenizer import train_bpe
 
-# The demo tokenizer's training text: a little prose and a little Python, fixed forever for a given DEMO_VERSION.
+# The random demo tokenizer's training text: a little prose and a little Python; random demos' bytes depend on it.
 DEMO_CORPUS = """\
 Kimi K3 is a mixture of experts. Each token is routed to a few experts out of many, so most of the weights sit
 idle for any one token. The experts are stored in mxfp4: two four-bit codes per byte and one shared scale for
