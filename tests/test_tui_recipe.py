@@ -14,14 +14,15 @@ from textual.widgets import Input, Static
 
 from cli_helpers import tqbench
 from test_tui import write_tiny
-from tui_helpers import settle
+from tui_helpers import burst, screen_lines, settle
+from tqbench import units
 from tqbench.recipe import Recipe, assess, group_sources, machine, make_plan, parse_size
 from tqbench.recipe.fit import GB, Verdict, cached_disk_speed, disk_cache_file, disk_speed
 from tqbench.recipe.report import plan_report
 from tqbench.source import open_checkpoint
 from tui.app import TqbenchApp
 from tui.screens.recipe import MAX_PINS, RecipeScreen
-from tui.widgets.plan_table import BPW_HEADING, CURRENT, PlanTable
+from tui.widgets.plan_table import BPW_HEADING, COMPACT_WIDTH, CURRENT, PlanTable, wrap_name
 from tui.widgets.recipe_editor import (CONTROLS, INITIAL_RECIPE, CycleSelect, RecipeEditor, controls_from_recipe,
                                        recipe_from_controls)
 
@@ -84,6 +85,22 @@ def column(table: PlanTable, key: str) -> dict[str, str]:
         if wrapped in cells:
             cells[wrapped] = " ".join(cells[wrapped].split())
     return cells
+
+
+def compact_cells(plan, fit) -> dict[str, str]:
+    """What compact mode shows of the report's cells, flattened: sizes by their decimal figure, the expert page by its
+    total (tqbench.units of the engine's numbers)."""
+    first = {"resident": plan.resident_bytes, "routed experts": plan.streamed_bytes, "total": plan.total_bytes,
+             "cache budget": fit.cache_budget_bytes, "expert page": plan.experts.bytes_per_expert}
+    return {k: flat(units.gb(first[k]) if k in first else v) for k, v in expected_cells(plan, fit).items()}
+
+
+def flat_column(table: PlanTable, key: str) -> dict[str, str]:
+    return {k: flat(v) for k, v in column(table, key).items()}
+
+
+def footer(app) -> str:
+    return screen_lines(app)[-1]
 
 
 def name_field(app) -> str:
@@ -214,8 +231,9 @@ async def test_pin_recipes_side_by_side(tiny, engine):
         assert [r.name for r in screen.pins] == [first, second]
         assert table.column_names == [CURRENT, first, second]
         assert table.header_text(first).startswith("pin 1") and table.header_text(second).startswith("pin 2")
+        assert table.compact  # two pins do not fit 80 columns in full
         for key, name in ((CURRENT, current), (first, first), (second, second)):
-            assert column(table, key) == expected_cells(*engine(name, RESIDENT_MEMORY)), name
+            assert flat_column(table, key) == compact_cells(*engine(name, RESIDENT_MEMORY)), name
 
         # Pinning what is pinned already, or a fourth recipe, is refused with a message.
         await pilot.press("left")
@@ -244,7 +262,7 @@ async def test_pin_recipes_side_by_side(tiny, engine):
         await settle(pilot)
         assert [r.name for r in screen.pins] == [second, "tq2a-tqTe-down4-g64"]
         assert table.column_names == [CURRENT, second, "tq2a-tqTe-down4-g64"]
-        assert column(table, second) == expected_cells(*engine(second, RESIDENT_MEMORY))
+        assert flat_column(table, second) == compact_cells(*engine(second, RESIDENT_MEMORY))
         # e loads the selected pin into the editor; tab goes back to the editor's control focused last.
         assert table.selected_name == second  # the cursor stays on the column that took the unpinned one's place
         await pilot.press("e")
@@ -252,7 +270,90 @@ async def test_pin_recipes_side_by_side(tiny, engine):
         await pilot.press("tab")
         assert app.focused is screen.query_one("#base") and table.selected_name == CURRENT
         assert name_field(app) == second and controls(app)["base"] == "tq4"
-        assert column(table, CURRENT) == expected_cells(*engine(second, RESIDENT_MEMORY))
+        assert flat_column(table, CURRENT) == compact_cells(*engine(second, RESIDENT_MEMORY))
+
+
+@pytest.mark.slow
+async def test_three_pins_are_readable_at_80x24(tiny, engine):
+    """The current recipe and three pins side by side at 80x24: every recipe's name and total on screen, in its
+    column, as the engine computes them."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_recipe_screen(pilot)
+        table = screen.query_one(PlanTable)
+        for _ in range(MAX_PINS):
+            await pilot.press("plus", "right")  # pin, then the next base bits
+            await settle(pilot)
+        names = [r.name for r in screen.wanted]
+        assert len(names) == 1 + MAX_PINS and len(set(names)) == len(names)
+        assert table.compact and table.column_names == [CURRENT, *names[1:]]
+        totals = [units.gb(engine(n, RESIDENT_MEMORY)[0].total_bytes) for n in names]
+        lines = screen_lines(app)
+        row = next(line for line in lines if " total " in f" {line} ")
+        assert " ".join(row[row.index("total") + len("total"):].split()) == " ".join(totals)  # in column order
+        assert all(line.rstrip().__len__() <= SIZE[0] for line in lines)
+        header = "\n".join(lines[:6])
+        for i, name in enumerate(names):
+            assert ("current" if i == 0 else f"pin {i}") in header
+            parts = [part for line in lines[1:6] for part in line.split()]  # the wrapped name, piece by piece
+            assert all(piece in parts for piece in wrap_name(name, COMPACT_WIDTH) if piece), name
+
+
+@pytest.mark.slow
+async def test_ctrl_u_then_typing_at_once_sets_the_memory(tiny, engine):
+    """ctrl+u and a size typed right behind it (as a paste does): the field holds the size, the plan is assessed for
+    it."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_recipe_screen(pilot)
+        table = screen.query_one(PlanTable)
+        memory = screen.query_one("#memory", Input)
+        memory.focus()
+        memory.cursor_position = len(memory.value)
+        await pilot.press("ctrl+u", "6", "4", "G", "B")
+        await settle(pilot)
+        assert memory.value == "64GB" and screen.machine.memory_bytes == parse_size("64GB") == 64 * GB
+        assert column(table, CURRENT) == expected_cells(*engine(INITIAL_RECIPE, "64GB"))
+        burst(pilot, "ctrl+u", *STREAMING_MEMORY)  # one terminal read: nothing waits between the keys
+        await settle(pilot)
+        assert memory.value == STREAMING_MEMORY and screen.machine.memory_bytes == parse_size(STREAMING_MEMORY)
+        assert column(table, CURRENT) == expected_cells(*engine(INITIAL_RECIPE, STREAMING_MEMORY))
+
+
+@pytest.mark.slow
+async def test_tab_switches_panes_and_the_footer_says_what_the_arrows_do(tiny):
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_recipe_screen(pilot)
+        table = screen.query_one(PlanTable)
+        base, memory = screen.query_one("#base"), screen.query_one("#memory", Input)
+        assert app.focused is base and "↑↓ Row" in footer(app) and "←→ Change" in footer(app)
+        # Tab and shift+tab switch between the two panes, never into the editor's text fields.
+        await pilot.press("shift+tab")
+        assert app.focused is table and "←→ Recipe" in footer(app) and "x Unpin" in footer(app)
+        await pilot.press("shift+tab")
+        assert app.focused is base
+        await pilot.press("tab", "tab")
+        assert app.focused is base
+        # Up/down walk the rows, text fields included; left/right move a text field's cursor, and the footer says so.
+        for _ in range(7):
+            await pilot.press("down")
+        assert app.focused is memory and "←→ Cursor" in footer(app) and "↑↓ Row" in footer(app)
+        memory.cursor_position = len(memory.value)
+        before = (memory.value, screen.recipe, screen.machine)
+        await pilot.press("left", "left")
+        assert memory.cursor_position == len(memory.value) - 2 and (memory.value, screen.recipe, screen.machine) == before
+        await pilot.press("up")
+        assert app.focused is screen.query_one("#rotation")
+        await pilot.press("down", "down", "down")  # memory, disk, and no further (no wrapping)
+        assert app.focused is screen.query_one("#disk")
+        # Back into the editor on the row focused last.
+        await pilot.press("tab")
+        assert app.focused is table
+        await pilot.press("tab")
+        assert app.focused is screen.query_one("#disk")
+        assert all(len(line) <= SIZE[0] for line in screen_lines(app))
+        assert footer(app).rstrip().endswith("palette")  # the footer's keys fit (nothing cut before the palette)
 
 
 @pytest.mark.slow
@@ -373,6 +474,29 @@ def test_snapshot_recipe_screen(tmp_path, monkeypatch, snap_compare):
     async def run_before(pilot) -> None:
         await open_recipe_screen(pilot, memory=STREAMING_MEMORY)
         await pilot.press("plus", "left")  # pin, then base tq3 -> tq2
+        await settle(pilot)
+
+    assert snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=SIZE, run_before=run_before)
+
+
+@pytest.mark.slow
+def test_snapshot_recipe_screen_three_pins(tmp_path, monkeypatch, snap_compare):
+    """Three pinned recipes and the current one at 80x24 (the table's compact mode), the table focused on pin 2."""
+    import tqbench.recipe.fit as fit
+    import tui.machine
+
+    write_tiny(tmp_path / "tiny-k3")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fit, "physical_memory", lambda: 128 * GB)
+    real_machine = tui.machine.machine
+    monkeypatch.setattr(tui.machine, "machine", lambda m, g, p, d, s=None: real_machine(m, g, "linux", d, s))
+
+    async def run_before(pilot) -> None:
+        await open_recipe_screen(pilot, memory=STREAMING_MEMORY)
+        for _ in range(MAX_PINS):
+            await pilot.press("plus", "right")  # pin, then the next base bits
+            await settle(pilot)
+        await pilot.press("tab", "right", "right")
         await settle(pilot)
 
     assert snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=SIZE, run_before=run_before)

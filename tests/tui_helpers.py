@@ -22,3 +22,16 @@ def burst(pilot, *keys: str) -> None:
 
     for key in keys:
         pilot.app._driver.send_message(events.Key(key, key if len(key) == 1 else None))
+
+
+def screen_lines(app) -> list[str]:
+    """The screen as the terminal shows it, one string per line (what export_screenshot draws, as text)."""
+    import io
+
+    from rich.console import Console
+
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True, color_system="truecolor",
+                      record=True, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text(styles=False).split("\n")[:height]

@@ -8,9 +8,15 @@ plans. A change of memory or disk bandwidth only re-assesses (microseconds).
 
 Pinning: `+` (or enter outside a text field) pins the current recipe as the next column, at most MAX_PINS; a fourth
 pin is refused with a message (unpin one first: pins are never dropped silently), and so is a recipe already pinned.
-Tab moves between the editor and the table; in the table, left/right select a column, `x` / delete unpin the selected
-pinned recipe and `e` loads it into the editor. Leaving the table puts its cursor back on the current recipe, so the
-current column is always in view while editing (at 80 columns the current recipe and one pin fit side by side).
+At 80x24 the current recipe and three pins fit side by side (the table's compact mode, tui.widgets.plan_table).
+
+Focus and arrows: the screen has two panes, the editor and the table. Tab and shift+tab switch between them (never
+into the middle of the editor's rows): into the table with its cursor on the current recipe, back into the editor on
+the row focused last (the base at first). In the editor, up/down move between the rows, choice controls and text
+fields alike; left/right change a choice control and move the cursor in a text field. In the table, left/right select
+a recipe's column (`x` / delete unpin the selected pinned recipe, `e` loads it into the editor) and up/down scroll.
+The footer names what the arrows do where the focus is (`←→ Change`, `←→ Cursor`, `←→ Recipe`). Leaving the table
+puts its cursor back on the current recipe, so the current column is always in view while editing.
 """
 
 from __future__ import annotations
@@ -45,10 +51,11 @@ class RecipeScreen(Screen):
     BINDINGS = [
         Binding("plus", "pin", "Pin", key_display="+"),
         Binding("enter", "pin", "Pin", show=False),
-        Binding("x", "unpin", "Unpin"),
+        Binding("x", "unpin", "Unpin", show=False),  # shown by the table, where a pinned column is selected
         Binding("delete", "unpin", "Unpin", show=False),
-        Binding("e", "edit_pin", "Edit pin"),
+        Binding("e", "edit_pin", "Edit pin", show=False),
         Binding("tab", "switch_focus", "Table/editor", show=False),
+        Binding("shift+tab", "switch_focus", "Table/editor", show=False),
     ]
 
     def __init__(self) -> None:
@@ -236,7 +243,7 @@ class RecipeScreen(Screen):
         self._refresh()
 
     def action_switch_focus(self) -> None:
-        """Tab: from the editor to the table and back (up/down move between the editor's rows)."""
+        """Tab, shift+tab: from the editor to the table and back (up/down move between the editor's rows)."""
         if self.table.has_focus or not self.table.display:
             self.editor.focus_last()
         else:

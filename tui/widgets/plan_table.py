@@ -6,10 +6,18 @@ shards, verdict, cache budget, tok/s ceilings: `Row.primary`) comes first so tha
 (bits per weight by role under a heading, kept bytes, expert bytes per token, the hit rate); long labels, verdicts
 and the sysctl command wrap to the column width. The table's column cursor selects a pinned recipe (to unpin or edit
 it).
+
+Compact mode, when the recipes do not all fit side by side (at 80x24 with two or three pins): sizes show their decimal
+line only (the label column's header says so), the expert page its total only, and every label, cell and recipe name
+wraps at COMPACT_WIDTH (after spaces, or after `-`, `/`, `.`, `_`, `=`); columns are separated by one space instead of
+two. A K3 size (`585.12 GB`) is 9 characters, so the current recipe and three pins fit the 51 columns right of the
+editor at 80x24. What still does not fit (long recipe names, a wider terminal's worth of numbers) scrolls a whole pinned
+column at a time.
 """
 
 from __future__ import annotations
 
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -35,6 +43,8 @@ NAME_LINES = 3
 LABEL_WIDTH = 16  # longer labels (`experts/token top-16`) wrap, so that the current recipe and a pin fit 80 columns
 CURRENT = "current"
 BPW_HEADING = "bpw by role"  # the heading of the per-role bits per weight, which the CLI indents under bits/weight
+COMPACT_WIDTH = 9  # compact mode: labels, cells and names wrap at this width (`585.12 GB`, `streaming`, `max tok/s`)
+FIRST_LINE_ROWS = ("resident", "routed experts", "total", "cache budget", "expert page")  # compact: the first line
 
 
 @dataclass(frozen=True)
@@ -81,9 +91,44 @@ def plan_rows(plans: list[Plan], fits: list[Fit]) -> list[Row]:
     return screen_rows(plan_report(plans, fits), fits)
 
 
-def label_header(shard_size: int) -> str:
+def label_header(shard_size: int, compact: bool = False) -> str:
     """The label column's header: how sizes read and the shard size (the CLI says both in its title and label)."""
-    return f"sizes decimal\nover binary\nshards <=\n{units.gib(shard_size)}"
+    sizes = "sizes\ndecimal" if compact else "sizes decimal\nover binary"
+    return f"{sizes}\nshards <=\n{units.gib(shard_size)}"
+
+
+_PART = re.compile(r"[^-/._=]*[-/._=]|[^-/._=]+")
+
+
+def wrap_cell(text: str, width: int = COMPACT_WIDTH) -> str:
+    """Every line of `text` broken into lines of at most `width` characters: at spaces, else after `-`, `/`, `.`,
+    `_` or `=` inside a longer word (`not disk-` / `bound`, `iogpu.` / `wired_` / `limit_mb=`); a part longer still
+    is cut."""
+    out: list[str] = []
+    for line in text.split("\n"):
+        lines = [""]
+        for i, word in enumerate(line.split()):
+            for j, part in enumerate(_PART.findall(word)):
+                joiner = " " if i and not j else ""
+                if lines[-1] and len(lines[-1]) + len(joiner) + len(part) > width:
+                    lines.append("")
+                    joiner = ""
+                lines[-1] += joiner + part
+        for piece in lines:
+            out += [piece[k:k + width] for k in range(0, len(piece), width)] or [""]
+    return "\n".join(out)
+
+
+def compact_rows(rows: list[Row]) -> list[Row]:
+    """The rows of compact mode: sizes and the expert page on their first line, labels and cells wrapped."""
+    out = []
+    for r in rows:
+        cells = []
+        for c in r.cells:
+            plain = c.plain.split("\n")[0] if r.key in FIRST_LINE_ROWS else c.plain.replace("\n", " ")
+            cells.append(Text(wrap_cell(plain), style=c.style, justify="right", no_wrap=True, end=""))
+        out.append(Row(r.key, wrap_cell(r.label.replace("\n", " ").strip()), tuple(cells)))
+    return out
 
 
 def wrap_name(name: str, width: int = NAME_WIDTH, lines: int = NAME_LINES) -> list[str]:
@@ -102,10 +147,19 @@ def wrap_name(name: str, width: int = NAME_WIDTH, lines: int = NAME_LINES) -> li
 
 
 class PlanTable(DataTable):
-    """Fixed on the left: the row labels and the current recipe. Then the pinned recipes, scrolled a whole column at a
-    time when they do not all fit (at 80 columns, one does)."""
+    """Fixed on the left: the row labels and the current recipe. Then the pinned recipes: side by side in full, or in
+    compact mode when they do not all fit (at 80 columns, from two pins), else scrolled a whole column at a time.
+    Left/right select a recipe's column (the footer says `←→ Recipe`); up/down scroll."""
 
-    BINDINGS = [Binding("enter", "screen.pin", "Pin", show=False)]  # not DataTable's select_cursor
+    BINDINGS = [
+        Binding("enter", "screen.pin", "Pin", show=False),  # not DataTable's select_cursor
+        Binding("left", "cursor_left", "Recipe", key_display="←→"),
+        Binding("right", "cursor_right", "Recipe", show=False),
+        Binding("up", "cursor_up", "Scroll", show=False),  # no room in the footer at 80 columns
+        Binding("down", "cursor_down", "Scroll", show=False),
+        Binding("x", "screen.unpin", "Unpin"),  # the screen's actions, shown while a column can be selected
+        Binding("e", "screen.edit_pin", "Edit pin"),
+    ]
     FIXED = 2  # the label column and the current recipe stay in view
 
     def __init__(self, **kwargs) -> None:
@@ -113,6 +167,7 @@ class PlanTable(DataTable):
                          zebra_stripes=False, cursor_foreground_priority="renderable", **kwargs)
         self.column_names: list[str] = []  # CURRENT, then the pinned recipes' names
         self._shown: tuple | None = None
+        self.compact = False  # compact mode (see the module docstring)
 
     def show(self, names: list[str], plans: list[Plan], fits: list[Fit]) -> None:
         """Fill the table: `names[0]` is the current recipe, the rest are pinned. Keeps the column cursor on the
@@ -121,22 +176,33 @@ class PlanTable(DataTable):
         selected = self.selected_name
         old_index = self.cursor_column
         scroll = (self.scroll_x, self.scroll_y)
-        rows = plan_rows(plans, fits)
-        heads = [Text(label_header(plans[0].shard_size), style="dim")]
-        for i, name in enumerate(names):
-            heads.append(Text.assemble(("current" if i == 0 else f"pin {i}", "bold"), "\n",
-                                       "\n".join(wrap_name(name)), justify="right"))
-        columns = [[heads[0], *(cell(r.label) for r in rows)]]
-        columns += [[heads[i + 1], *(r.cells[i] for r in rows)] for i in range(len(names))]
-        widths = [max(len(line) for t in col for line in t.plain.split("\n")) for col in columns]
-        # When the pins do not all fit, each is widened to the space right of the fixed columns: they are then
-        # shown one at a time, never partly.
-        pad = 2 * self.cell_padding
-        room = self.size.width - self.styles.scrollbar_size_vertical - sum(w + pad for w in widths[:self.FIXED])
+        full = plan_rows(plans, fits)
+        space = self.size.width - self.styles.scrollbar_size_vertical
+        for compact in (False, True):
+            rows = compact_rows(full) if compact else full
+            heads = [Text(label_header(plans[0].shard_size, compact), style="dim")]
+            for i, name in enumerate(names):
+                wrapped = wrap_name(name, COMPACT_WIDTH if compact else NAME_WIDTH)
+                heads.append(Text.assemble(("current" if i == 0 else f"pin {i}", "bold"), "\n",
+                                           "\n".join(wrapped), justify="right"))
+            columns = [[heads[0], *(cell(r.label) for r in rows)]]
+            columns += [[heads[i + 1], *(r.cells[i] for r in rows)] for i in range(len(names))]
+            widths = [max(len(line) for t in col for line in t.plain.split("\n")) for col in columns]
+            # Compact: no cell padding, one space instead (right of the labels, left of the right-aligned values).
+            pad = 0 if compact else 2
+            if compact:
+                widths = [w + 1 for w in widths]
+            if sum(w + pad for w in widths) <= space:
+                break
+        self.compact = compact
+        # When the pins do not all fit even so, each is widened to the space right of the fixed columns: they are
+        # then shown one at a time, never partly.
+        room = space - sum(w + pad for w in widths[:self.FIXED])
         if sum(w + pad for w in widths[self.FIXED:]) > room:
             widths[self.FIXED:] = [max(w, room - pad) for w in widths[self.FIXED:]]
 
         self.clear(columns=True)
+        self.cell_padding = pad // 2
         self.column_names = [CURRENT, *names[1:]]
         for key, head, width in zip(["label", *self.column_names], heads, widths):
             self.add_column(head, key=key, width=width)

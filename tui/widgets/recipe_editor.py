@@ -3,8 +3,12 @@
 Controls and names are two spellings of one recipe: `recipe_from_controls` and `controls_from_recipe` translate, and
 `recipe_from_controls(controls_from_recipe(r), r.seed) == r` for every recipe (the seed has no control; a typed
 `seedN` is kept). A bad combination or a bad typed name shows its one-line RecipeError and the last good recipe
-stays in force. Keys on a control: left/right step through its values, space opens the list, up/down move between
-rows.
+stays in force.
+
+Keys: up/down move between the rows, choice controls and text fields alike (never wrapping: tab goes to the table).
+Left/right step a choice control through its values (space opens its list) and move the text cursor in a text field
+(the name, memory, disk bandwidth); the footer says which ("←→ Change" or "←→ Cursor", with "↑↓ Row"). Text fields
+run their editing keys in order with the characters typed after them (tui.widgets.inputs: ctrl+u then a paste).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from tqbench.recipe.recipe import AFFINE_BITS, DEFAULT_BITS, DEFAULT_SEED, GROUP
 from tqbench.recipe.fit import GB, DiskSpeed, cached_disk_speed, disk_speed
 from tui.machine import plan_machine, read_gbps, read_memory
 from tui.messages import MachineChosen, RecipeChosen
+from tui.widgets.inputs import OrderedInput
 
 INITIAL_RECIPE = "tq3a-tqTe-down4-g64"  # the published Kimi K3 build
 _PREFIX = {Format.TURBOQUANT: "tq", Format.AFFINE: "affine"}
@@ -120,11 +125,11 @@ class CycleSelect(Select[str], inherit_bindings=False):
     previous/next row. Enter is left to the screen (it pins the recipe)."""
 
     BINDINGS = [
+        Binding("up", "row(-1)", "Row", key_display="↑↓"),
+        Binding("down", "row(1)", "Row", show=False),
         Binding("left", "step(-1)", "Change", key_display="←→"),
         Binding("right", "step(1)", "Change", show=False),
         Binding("space", "show_overlay", "List", show=False),
-        Binding("up", "row(-1)", show=False),
-        Binding("down", "row(1)", show=False),
     ]
 
     def __init__(self, options: list[tuple[str, str]], **kwargs) -> None:
@@ -145,12 +150,15 @@ class CycleSelect(Select[str], inherit_bindings=False):
             self.value = self.values[i]
 
 
-class FormInput(Input):
-    """A one-line Input whose up/down move to the previous/next row, like the selects around it."""
+class FormInput(OrderedInput):
+    """A one-line text field whose up/down move to the previous/next row, like the choice controls around it; its
+    left/right move the text cursor, and the footer says so."""
 
     BINDINGS = [
-        Binding("up", "row(-1)", show=False),
-        Binding("down", "row(1)", show=False),
+        Binding("up", "row(-1)", "Row", key_display="↑↓"),
+        Binding("down", "row(1)", "Row", show=False),
+        Binding("left", "cursor_left", "Cursor", key_display="←→"),
+        Binding("right", "cursor_right", "Cursor", show=False),
     ]
 
     def __init__(self, **kwargs) -> None:
@@ -410,7 +418,7 @@ class RecipeEditor(Vertical):
         status = self.query_one("#recipe-status", Static)
         text = self.error_text
         status.set_class(bool(text), "error")
-        hint = "planning..." if self._busy else "↑↓ rows  tab: table"
+        hint = "planning..." if self._busy else "tab: table  +: pin"
         status.update(Content(text) if text else Content.styled(hint, "$text-muted"))
 
     def set_notes(self, lines: list[str]) -> None:
