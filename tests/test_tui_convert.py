@@ -17,7 +17,7 @@ from textual.widgets import Input, ProgressBar, Static
 import tqbench.convert
 from tqbench.engine import engine
 import tqbench.convert.pipeline as pipeline
-from tui_helpers import burst, settle
+from tui_helpers import burst, screen_lines, settle
 from tqbench import units
 from tqbench.convert import destination_status, layout
 from tqbench.layout.names import REPORT
@@ -157,7 +157,8 @@ async def test_screen_shows_source_recipe_and_default_destination(src):
         assert screen.query_one("#shard-size", Input).value == "5GiB"
         lay = layout(src, Recipe.parse(RECIPE))
         assert status_text(screen).startswith(f"new output: {len(lay.files)} shard")
-        assert units.gb(lay.plan.total_bytes) in status_text(screen)
+        assert (f"{units.gb(lay.plan.source_bytes)} -> {units.gb(lay.file_bytes)} "
+                f"({units.gb(lay.plan.total_bytes)} of tensors)") in status_text(screen)
         # Before a run, the table lists the layout's layers with nothing done.
         per_layer = defaultdict(int)
         for u in lay.units:
@@ -189,11 +190,11 @@ async def test_full_conversion_matches_the_engine(src, direct):
         ev = screen.finished_event
         assert (ev.bytes_in, ev.bytes_out, ev.shards, ev.mean_rel_error, ev.max_rel_error) == \
             (finished.bytes_in, finished.bytes_out, finished.shards, finished.mean_rel_error, finished.max_rel_error)
-        summary = rate_text(screen)
+        summary = " ".join(rate_text(screen).split())  # the keys are padded to the form's column
         assert f"done in {ev.seconds:.1f} s: read {units.gb(finished.bytes_in)}, wrote " \
                f"{units.size(finished.bytes_out)} in {finished.shards} shards" in summary
-        assert f"mean {finished.mean_rel_error:.4f}, max {finished.max_rel_error:.4f}" in summary
-        assert summary.rstrip().endswith(f"output {dest}")
+        assert f"rel. error mean {finished.mean_rel_error:.4f}, max {finished.max_rel_error:.4f}" in summary
+        assert summary.endswith(f"written to {dest}")
         assert status_text(screen).startswith("complete:")
         # Per-layer rows equal the aggregates of the direct run's UnitConverted events.
         assert screen.table.rows_text == expected_layers(events)
@@ -405,6 +406,8 @@ async def test_ctrl_u_then_typing_at_once_replaces_the_shard_size(src):
         field.focus()
         await pilot.pause()
         assert field.value == "5GiB" and field.cursor_position == len("5GiB")
+        keys = screen_lines(app)[-1]
+        assert "⏎ Check" in keys and "esc Table" in keys  # what the keys do in a field
         burst(pilot, "ctrl+u", *str(SHARD), "enter")
         await settle(pilot)
         assert field.value == str(SHARD)

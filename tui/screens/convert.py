@@ -86,7 +86,10 @@ class ConvertInput(OrderedInput):
     """A one-line field; escape and enter hand the keys back to the screen (the table). Its key bindings (ctrl+u,
     ...) run in order with the characters typed around them (tui.widgets.inputs)."""
 
-    BINDINGS = [Binding("escape", "screen.leave_input", show=False)]
+    BINDINGS = [
+        Binding("enter", "submit", "Check"),  # checks the output at once and goes back to the table
+        Binding("escape", "screen.leave_input", "Table", key_display="esc"),
+    ]
 
     def __init__(self, **kwargs) -> None:
         super().__init__(compact=True, select_on_focus=False, **kwargs)
@@ -357,8 +360,10 @@ class ConvertScreen(Screen):
             return f"error: {self._input_error}", "bold $text-error"
         if self._checking or self.status is None:
             return f"checking the output (planning {len(self.checkpoint.tensors):,} tensors)...", "$text-muted"
-        s, plan = self.status, self.plan_layout.plan
-        sizes = f"{units.gb(plan.source_bytes)} -> {units.gb(plan.total_bytes)}"
+        s, lay = self.status, self.plan_layout
+        # What the files will hold (as the run's "wrote"), and of it the tensors (the Recipe screen's total).
+        sizes = (f"{units.gb(lay.plan.source_bytes)} -> {units.gb(lay.file_bytes)} "
+                 f"({units.gb(lay.plan.total_bytes)} of tensors)")
         if s.state == "new":
             return f"new output: {plural(s.total_shards, 'shard')}, {sizes}.  r: start", "bold $text-success"
         if s.state == "resumable":
@@ -535,11 +540,11 @@ class ConvertScreen(Screen):
         began = self.started
         resumed = (Content.styled(f"  (resumed: {began.resumed_shards} of {began.shards} shards were done before)",
                                   "$text-muted") if began is not None and began.resumed_shards else "")
-        self.query_one("#convert-rate", Static).update(Content.assemble(
-            ("done", "bold $text-success"), f" in {ev.seconds:.1f} s: read {units.gb(ev.bytes_in)}, wrote ",
+        self.query_one("#convert-rate", Static).update(Content.assemble(  # keys aligned with the form's
+            (f"{'done':<{KEY}}", "bold $text-success"), f"in {ev.seconds:.1f} s: read {units.gb(ev.bytes_in)}, wrote ",
             (units.size(ev.bytes_out), "bold"), f" in {plural(ev.shards, 'shard')}\n",
-            ("rel. error", "bold"), f" mean {err}", resumed, "\n",
-            ("output", "bold"), " ", display_path(Path(ev.dest))))
+            (f"{'rel. error':<{KEY}}", "bold"), f"mean {err}", resumed, "\n",
+            (f"{'written to':<{KEY}}", "bold"), display_path(Path(ev.dest))))
 
     def on_convert_stopped(self, message: ConvertStopped) -> None:
         if message.run_id != self._run_id:
