@@ -59,6 +59,7 @@ RESULT_MARK = "BENCH-RESULT "
 BASE_SPEC = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, routed_expert_hidden_size=256,
                  num_experts_per_token=8, num_attention_heads=8, q_lora_rank=256, kv_lora_rank=256,
                  kda_num_heads=8, kda_head_dim=64, num_shards=4)
+PEAK_RATIO_GOAL = 1.1  # peak RSS of a ~4x larger model over the smaller one's
 DEFAULT_SIZES = "8x64,12x160"  # ~130 MB and ~420 MB of source
 QUICK_SIZES = "4x16,4x48"
 DEFAULT_RECIPES = "tq3a-tqTe-down4-g64,affine4,mxfp4e"
@@ -496,6 +497,8 @@ def summarize(models: list[dict], recipes: list[str], ms: list[dict]) -> dict:
             scaling.append(dict(recipe=a["recipe"], small=small["name"], large=large["name"], size_ratio=size_ratio,
                                 growth_small=ga, growth_large=gb, growth_ratio=growth_ratio,
                                 peak_small=a["peak_rss"], peak_large=b["peak_rss"],
+                                peak_ratio=b["peak_rss"] / a["peak_rss"] if a["peak_rss"] else None,
+                                peak_goal=PEAK_RATIO_GOAL,
                                 mlx_peak_small=a["mlx_peak_memory"], mlx_peak_large=b["mlx_peak_memory"],
                                 tensors_small=small["source_tensors"], tensors_large=large["source_tensors"],
                                 growth_per_extra_tensor=((gb - ga) / (large["source_tensors"] - small["source_tensors"])
@@ -552,6 +555,10 @@ def print_table(summary: dict, note: str) -> None:
               f"{fmt_mib(s['mlx_peak_large'])} MiB; {s['tensors_small']} -> {s['tensors_large']} source tensors"
               + ("" if s["growth_per_extra_tensor"] is None
                  else f" ({s['growth_per_extra_tensor'] / 1024:.1f} KiB of growth per extra tensor)"))
+        if s["peak_ratio"] is not None:
+            met = "meets" if s["peak_ratio"] <= PEAK_RATIO_GOAL else "misses"
+            print(f"peak RSS {s['recipe']}: {fmt_mib(s['peak_small'])} -> {fmt_mib(s['peak_large'])} MiB, "
+                  f"x{s['peak_ratio']:.3f} for x{s['size_ratio']:.2f} the source ({met} the goal <= {PEAK_RATIO_GOAL})")
     print()
     print("ratio = conversion seconds / raw seconds (read the source + write the output's bytes + fsync), median of "
           "per-repeat pairs; MB/s = source MB / conversion seconds; growth = peak RSS - floor (import + open headers); "

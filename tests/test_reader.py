@@ -50,3 +50,24 @@ def test_decode_fp8_with_block_scales():
     expected = table[codes] * np.repeat(np.repeat(scale_inv, block, 0), block, 1)[:out, :inp]
     got = np.array(decode_fp8(mx.array(codes), mx.array(scale_inv), (block, block)))
     np.testing.assert_array_equal(got, expected)
+
+
+def test_streamed_header_is_json_dumps_of_the_header_dict():
+    """header_parts/header_bytes write what json.dumps(separators=(",", ":")) of the header dict gives."""
+    import json
+    import struct
+
+    from tqbench.shards import TensorSpec, header_bytes
+    from tqbench.shards.writer import header_length
+
+    specs = [TensorSpec("a.weight", "BF16", (64, 32)), TensorSpec('odd "name" \u00e9', "U8", (3,)),
+             TensorSpec("scalar", "F32", ())]
+    meta = {"format": "mlx", "k": "v"}
+    header, offset = {"__metadata__": meta}, 0
+    for s in specs:
+        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    assert header_bytes(specs, meta) == struct.pack("<Q", len(raw)) + raw
+    assert header_length(iter(specs), meta) == 8 + len(raw)

@@ -161,8 +161,9 @@ async def test_screen_shows_source_recipe_and_default_destination(src):
                 f"({units.gb(lay.plan.total_bytes)} of tensors)") in status_text(screen)
         # Before a run, the table lists the layout's layers with nothing done.
         per_layer = defaultdict(int)
-        for u in lay.units:
-            per_layer["-" if u.layer is None else str(u.layer)] += 1
+        for shard in lay.shards():
+            for u in shard:
+                per_layer["-" if u.layer is None else str(u.layer)] += 1
         assert [(r["layer"], r["units"]) for r in screen.table.rows_text] == \
             [(k, f"0/{n}") for k, n in per_layer.items()]
         assert not screen.query_one("#convert-bar-row").display
@@ -253,7 +254,7 @@ async def test_cancel_leaves_a_resumable_output_and_reopening_resumes_it(src, di
         assert "resumable: 1 of 5 shards done.  r: resume" in text
         # The table now counts the first shard's units as done, the rest not.
         first = defaultdict(int)
-        for u in lay.shards[0]:
+        for u in next(lay.shards()):
             first[u.layer] += 1
         for u_layer, n in first.items():
             assert screen.table.row_text(u_layer)["units"].startswith(f"{n}/")
@@ -284,8 +285,9 @@ async def test_resumed_run_shows_the_errors_of_layers_finished_before(src, direc
     _, events = direct
     expected = {r["layer"]: (r["err mean"], r["err max"]) for r in expected_layers(events)}
     lay = layout(src, Recipe.parse(RECIPE), SHARD)
-    later = {u.layer for s in lay.shards[2:] for u in s}
-    earlier_only = [("-" if l is None else str(l)) for l in dict.fromkeys(u.layer for s in lay.shards[:2] for u in s)
+    shards = list(lay.shards())
+    later = {u.layer for s in shards[2:] for u in s}
+    earlier_only = [("-" if l is None else str(l)) for l in dict.fromkeys(u.layer for s in shards[:2] for u in s)
                     if l not in later]
     assert earlier_only  # layers whose units are all in the two shards of the first run
     gate = threading.Event()

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from tqbench.events import LayerErrors, UnitConverted
-    from tqbench.layout.units import Unit
 
 
 @dataclass
@@ -54,17 +53,17 @@ class LayerStats:
 class Tally:
     """Per-layer LayerStats in the layout's order of first appearance."""
 
-    def __init__(self, shards: Sequence[Sequence[Unit]], finished: Sequence[bool]) -> None:
-        """`shards`: the layout's units per output shard (tqbench.convert.Layout.shards); `finished`: per shard,
-        whether an earlier run finished it."""
+    def __init__(self, layer_units: Sequence[Sequence[tuple[int | None, int]]], finished: Sequence[bool]) -> None:
+        """`layer_units`: per output shard, (layer, units of that layer) in file order (tqbench.convert.Layout
+        .layer_units); `finished`: per shard, whether an earlier run finished it."""
         self.layers: dict[int | None, LayerStats] = {}
-        for units, done in zip(shards, finished):
-            for u in units:
-                stats = self.layers.get(u.layer)
+        for counts, done in zip(layer_units, finished):
+            for layer, n in counts:
+                stats = self.layers.get(layer)
                 if stats is None:
-                    stats = self.layers[u.layer] = LayerStats(u.layer, 0)
-                stats.units += 1
-                stats.done += bool(done)
+                    stats = self.layers[layer] = LayerStats(layer, 0)
+                stats.units += n
+                stats.done += n if done else 0
 
     def _stats(self, layer: int | None) -> LayerStats:
         stats = self.layers.get(layer)

@@ -9,16 +9,17 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 JOURNAL = ".tqbench-convert.json"
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a file so that it appears whole or not at all."""
+def write_atomic(path: Path, data: bytes | Iterable[bytes]) -> None:
+    """Write a file (bytes, or chunks of bytes) so that it appears whole or not at all."""
     tmp = path.with_name(path.name + ".partial")
     with open(tmp, "wb") as f:
-        f.write(data)
+        for chunk in [data] if isinstance(data, bytes) else data:
+            f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -15,9 +15,11 @@ import json
 import os
 import signal
 import time
+from collections import Counter
+from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, TypeVar
 
 from tqbench.convert.journal import JOURNAL, Journal, write_atomic, write_json
 from tqbench.convert.produce import Producer, rotated, shared_expert_piece
@@ -26,16 +28,18 @@ from tqbench.events import ConvertFinished, ConvertStarted, LayerErrors, ShardWr
 from tqbench.layout import expert_map
 from tqbench.layout.quantization import ModuleQuant, quantization_block
 from tqbench.layout.names import EXPERT_MAP, INDEX_FILE, REPORT, SHARD_NAME, shard_file
-from tqbench.layout.units import Unit, assign_shards, file_units
+from tqbench.layout.units import Unit, chunks, iter_units, shard_counts, split, unit_sizes
 from tqbench.recipe.plan import SHARD_SIZE, Plan, group_sources, make_plan
 from tqbench.quant import turboquant as tq
 from tqbench.recipe.recipe import Format, Recipe
 from tqbench.source.checkpoint import Checkpoint, open_checkpoint
 from tqbench.source.reader import ShardReader
-from tqbench.shards import ShardWriter, TensorSpec, header_bytes
+from tqbench.shards import ShardWriter, TensorSpec
+from tqbench.shards.writer import header_length
 
 # Source files that are not weights and travel with the model (tokenizer, chat template, generation settings).
 _COPY_MAX_BYTES = 64 * 2**20
+T = TypeVar("T")
 PREFETCH_WORKERS = 2  # threads reading the next unit's source bytes (they never touch MLX)
 
 
@@ -45,16 +49,33 @@ class ConvertError(TqbenchError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Everything decided before a byte is written: the plan, its units and shards, and the fingerprints."""
+    """Everything decided before a byte is written: the plan, how many units each shard holds, the fingerprints.
+
+    Units are not kept: `shards()` builds them again, one shard at a time, so bookkeeping memory stays flat however
+    many tensors the model has (K3: 497k source tensors, 82k expert units)."""
 
     ckpt: Checkpoint
     plan: Plan
-    units: list[Unit]
-    shards: list[list[Unit]]
-    files: list[str]
+    counts: tuple[int, ...]  # units per shard
+    files: tuple[str, ...]
+    shard_in: tuple[int, ...]  # source bytes each shard reads
+    layer_units: tuple[tuple[tuple[int | None, int], ...], ...]  # per shard: (layer, units of it) in file order
+    header_lengths: tuple[int, ...]  # per shard: its header's bytes (where its data starts)
     source_fp: str
     plan_fp: str
     file_bytes: int  # what the shard files hold: plan.total_bytes of tensors + their headers
+
+    @property
+    def units(self) -> int:
+        return sum(self.counts)
+
+    def shards(self) -> Iterator[list[Unit]]:
+        """Each shard's units, in order, built when asked for."""
+        return split(iter_units(self.plan.modules, "streaming"), self.counts)
+
+    def streamed(self) -> Iterator[Iterator[Unit]]:
+        """Like `shards()`, without holding even one shard's units (each iterator is consumed before the next)."""
+        return chunks(iter_units(self.plan.modules, "streaming"), self.counts)
 
 
 def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SHARD_SIZE) -> Layout:
@@ -63,12 +84,28 @@ def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SH
         raise CheckpointError(f"incomplete checkpoint: {len(ckpt.missing)} shard(s) missing "
                               f"({ckpt.missing[0].file}); finish the download first", ckpt.path)
     plan = make_plan(group_sources(ckpt), recipe, shard_size, "streaming")
-    units = file_units(plan.modules, "streaming")
-    shards = assign_shards(units, shard_size)
-    files = [shard_file(i, len(shards)) for i in range(len(shards))]
-    headers = sum(len(header_bytes([p.out for u in s for p in u.pieces], shard_metadata(recipe))) for s in shards)
-    return Layout(ckpt, plan, units, shards, files, source_fingerprint(ckpt), plan_fingerprint(plan, shards),
-                  plan.total_bytes + headers)
+    counts = shard_counts(unit_sizes(plan.modules, "streaming"), shard_size)
+    files = tuple(shard_file(i, len(counts)) for i in range(len(counts)))
+    h = hashlib.sha256(f"{plan.recipe.name}|{plan.shard_size}|{plan.layout}\n".encode())
+    heads, shard_in, layer_units = [], [], []
+    units = with_source_bytes(iter_units(plan.modules, "streaming"))
+    for i, shard in enumerate(chunks(units, counts)):
+        size_in, layers = 0, Counter()
+
+        def specs() -> Iterator[TensorSpec]:
+            nonlocal size_in
+            for u, n in shard:
+                size_in += n
+                layers[u.layer] += 1
+                for p in u.pieces:
+                    h.update(f"{i}|{p.out.name}|{p.out.dtype}|{p.out.shape}\n".encode())
+                    yield p.out
+
+        heads.append(header_length(specs(), shard_metadata(recipe)))
+        shard_in.append(size_in)
+        layer_units.append(tuple(layers.items()))
+    return Layout(ckpt, plan, tuple(counts), files, tuple(shard_in), tuple(layer_units), tuple(heads),
+                  source_fingerprint(ckpt), h.hexdigest(), plan.total_bytes + sum(heads))
 
 
 @dataclass(frozen=True)
@@ -119,51 +156,49 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
         lay = source
     else:
         lay = layout(source, recipe, shard_size)
-    ckpt, plan, units, shards, files = lay.ckpt, lay.plan, lay.units, lay.shards, lay.files
+    ckpt, plan, files = lay.ckpt, lay.plan, lay.files
     src, dst = ckpt.path, Path(dest)
     source_fp = lay.source_fp
     journal = _prepare_dest(src, dst, recipe, lay.source_fp, lay.plan_fp, force)
 
-    unit_in = _unit_source_bytes(units)
-    shard_in = [sum(unit_in[id(u)] for u in s) for s in shards]
-    total_in = sum(shard_in)
+    total_in = sum(lay.shard_in)
     resumed = [journal.finished(dst, f) for f in files]
-    done_in = sum(b for b, r in zip(shard_in, resumed) if r)
-    yield ConvertStarted(str(src), str(dst), recipe.name, len(shards), len(units), total_in, lay.file_bytes,
-                         plan.total_bytes, sum(resumed), done_in, _resumed_errors(journal, [f for f, r in zip(files, resumed) if r]))
+    done_in = sum(b for b, r in zip(lay.shard_in, resumed) if r)
+    yield ConvertStarted(str(src), str(dst), recipe.name, len(files), lay.units, total_in, lay.file_bytes,
+                         plan.total_bytes, sum(resumed), done_in,
+                         _resumed_errors(journal, [f for f, r in zip(files, resumed) if r]))
 
     run_in, t_run = 0, time.monotonic()
-    order = [u for i, s in enumerate(shards) if not resumed[i] for u in s]
-    following = {id(u): nxt for u, nxt in zip(order, order[1:])}
+    # Two passes over the units, neither holding a shard's: one gives each shard's header, the other the units to
+    # convert, each with its source bytes and the unit after it (read ahead while MLX works).
+    headers = chunks(iter_units(plan.modules, "streaming"), lay.counts)
+    shards = chunks(with_source_bytes(iter_units(plan.modules, "streaming")), lay.counts)
+    pending = _lookahead(x for shard, r in zip(shards, resumed) if not r for x in shard)
     with ShardReader(ckpt.path, workers=PREFETCH_WORKERS) as reader:
         producer = Producer(ckpt, recipe, reader)
-        for i, (file, shard_units) in enumerate(zip(files, shards)):
+        for i, (file, header) in enumerate(zip(files, headers)):
             if resumed[i]:
                 continue
             errors: dict[str, list[float]] = {}  # module -> [count, sum, max] in this shard
             layer_errors: dict[str, list[float]] = {}  # layer -> [units, sum, max] of the units' worst errors
-            specs = [p.out for u in shard_units for p in u.pieces]
-            writer = _open_writer(dst / file, specs, recipe)
+            writer = _open_writer(dst / file, (p.out for u in header for p in u.pieces), recipe, lay.header_lengths[i])
             try:
-                for u in shard_units:
-                    if (nxt := following.get(id(u))) is not None:
-                        reader.prefetch(producer.unit_entries(nxt, after=u))  # read ahead while MLX works on this unit
+                for (u, unit_in), nxt in islice(pending, lay.counts[i]):
+                    if nxt is not None:
+                        reader.prefetch(producer.unit_entries(nxt[0], after=u))  # read ahead while MLX works on this unit
                     worst = None
                     for r in producer.produce(u):
                         writer.write(r.piece.out.name, r.data)
                         if r.rel_error is not None and r.source_bytes:
-                            agg = errors.setdefault(r.piece.module.name, [0, 0.0, 0.0])
-                            agg[0] += 1
-                            agg[1] += r.rel_error
-                            agg[2] = max(agg[2], r.rel_error)
+                            _add(errors.setdefault(r.piece.module.name, [0, 0.0, 0.0]), r.rel_error)
                             worst = max(worst or 0.0, r.rel_error)
                     if worst is not None:
                         _add(layer_errors.setdefault("" if u.layer is None else str(u.layer), [0, 0.0, 0.0]), worst)
-                    run_in += unit_in[id(u)]
-                    done_in += unit_in[id(u)]
+                    run_in += unit_in
+                    done_in += unit_in
                     elapsed = time.monotonic() - t_run
                     rate = run_in / elapsed if elapsed > 0 else 0.0
-                    yield UnitConverted(u.pieces[0].out.name, u.layer, u.expert, unit_in[id(u)], u.nbytes, worst,
+                    yield UnitConverted(u.pieces[0].out.name, u.layer, u.expert, unit_in, u.nbytes, worst,
                                         done_in, total_in, elapsed, rate,
                                         (total_in - done_in) / rate if rate > 0 else None)
                     _test_kill("unit")
@@ -177,17 +212,17 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
             except OSError as e:
                 _raise_if_no_room(e, dst, JOURNAL)
                 raise
-            yield ShardWritten(i + 1, len(shards), file, writer.nbytes, writer.sha256)
+            yield ShardWritten(i + 1, len(files), file, writer.nbytes, writer.sha256)
 
     errors = _combined_errors(journal, files)
     report = _report(ckpt, plan, source_fp, errors, time.monotonic() - t0)
     try:
-        _finish(ckpt, dst, plan, shards, files, report, journal)
+        _finish(lay, dst, report, journal)
     except OSError as e:
         _raise_if_no_room(e, dst, "the final files")
         raise
     count, total = sum(a[0] for a in errors.values()), sum(a[1] for a in errors.values())
-    yield ConvertFinished(str(dst), time.monotonic() - t0, total_in, lay.file_bytes, len(shards),
+    yield ConvertFinished(str(dst), time.monotonic() - t0, total_in, lay.file_bytes, len(files),
                           total / count if count else None, max((a[2] for a in errors.values()), default=None))
 
 
@@ -255,9 +290,9 @@ def shard_metadata(recipe: Recipe) -> dict[str, str]:
     return {"format": "mlx", "tqbench_recipe": recipe.name}
 
 
-def _open_writer(path: Path, specs: list[TensorSpec], recipe: Recipe) -> ShardWriter:
+def _open_writer(path: Path, specs: Iterable[TensorSpec], recipe: Recipe, head: int) -> ShardWriter:
     try:
-        return ShardWriter(path, specs, shard_metadata(recipe))
+        return ShardWriter(path, specs, shard_metadata(recipe), head)
     except OSError as e:
         _raise_if_no_room(e, path.parent, path.name)
         raise
@@ -282,30 +317,33 @@ def source_fingerprint(ckpt: Checkpoint) -> str:
     return h.hexdigest()
 
 
-def plan_fingerprint(plan: Plan, shards: list[list[Unit]]) -> str:
-    h = hashlib.sha256(f"{plan.recipe.name}|{plan.shard_size}|{plan.layout}\n".encode())
-    for i, s in enumerate(shards):
-        for u in s:
-            for p in u.pieces:
-                h.update(f"{i}|{p.out.name}|{p.out.dtype}|{p.out.shape}\n".encode())
-    return h.hexdigest()
-
-
-def _unit_source_bytes(units: list[Unit]) -> dict[int, int]:
-    """Source bytes each unit reads: a module's whole source for the first unit it appears in, one expert's share
-    for per-expert units."""
-    seen: set[tuple[int, int | None]] = set()
-    out: dict[int, int] = {}
+def with_source_bytes(units: Iterable[Unit]) -> Iterator[tuple[Unit, int]]:
+    """Each unit with the source bytes it reads: a module's whole source at the first unit it appears in, one
+    expert's share for per-expert units. A module's pieces are consecutive in file order, so comparing with the
+    previous piece's (module, expert) is enough (no set of everything seen)."""
+    last: tuple[int, int | None] | None = None
     for u in units:
         n = 0
         for p in u.pieces:
             key = (id(p.module), p.expert)
-            if key not in seen and not shared_expert_piece(p):
-                seen.add(key)
+            if key != last and not shared_expert_piece(p):
+                last = key
                 s = p.module.source
                 n += s.source_bytes // s.experts if p.expert is not None else s.source_bytes
-        out[id(u)] = n
-    return out
+        yield u, n
+
+
+def _lookahead(items: Iterator[T]) -> Iterator[tuple[T, T | None]]:
+    """(item, the item after it or None)."""
+    prev = next(items, _END)
+    for item in items:
+        yield prev, item
+        prev = item
+    if prev is not _END:
+        yield prev, None
+
+
+_END = object()
 
 
 def _add(agg: list[float], error: float) -> None:
@@ -352,14 +390,9 @@ def _test_kill(stage: str) -> None:
 # --- the final step --------------------------------------------------------------------------------------------------
 
 
-def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, shards: list[list[Unit]], files: list[str],
-            report: dict[str, Any], journal: Journal) -> None:
-    weight_map: dict[str, str] = {}
-    for file, s in zip(files, shards):
-        for u in s:
-            for p in u.pieces:
-                weight_map[p.out.name] = file
-    write_json(dst / EXPERT_MAP, expert_map.build(shards, files, shard_metadata(plan.recipe)))
+def _finish(lay: Layout, dst: Path, report: dict[str, Any], journal: Journal) -> None:
+    ckpt, plan = lay.ckpt, lay.plan
+    write_json(dst / EXPERT_MAP, expert_map.build(lay.streamed(), lay.files, lay.header_lengths))
     _test_kill("final")
     write_json(dst / "config.json", converted_config(ckpt, plan))
     _test_kill("final")
@@ -370,9 +403,24 @@ def _finish(ckpt: Checkpoint, dst: Path, plan: Plan, shards: list[list[Unit]], f
         write_atomic(dst / f.name, f.read_bytes())
     write_json(dst / REPORT, report)
     _test_kill("final")
-    # Last: the index. Its presence marks the directory complete.
-    write_json(dst / INDEX_FILE, {"metadata": {"total_size": plan.total_bytes, "format": "tqbench",
-                                               "recipe": plan.recipe.name}, "weight_map": weight_map})
+    # Last: the index, written as it is built (K3: 497k names). Its presence marks the directory complete.
+    metadata = {"total_size": plan.total_bytes, "format": "tqbench", "recipe": plan.recipe.name}
+    names = ((p.out.name, file) for file, s in zip(lay.files, lay.streamed()) for u in s for p in u.pieces)
+    write_index(dst / INDEX_FILE, metadata, names)
+
+
+def write_index(path: Path, metadata: dict[str, Any], weight_map: Iterable[tuple[str, str]]) -> None:
+    """`model.safetensors.index.json` (as json.dumps(indent=2) would write it), streamed into place atomically."""
+    def chunks() -> Iterator[bytes]:
+        meta = json.dumps({"metadata": metadata}, indent=2)
+        yield (meta[:-2] + ',\n  "weight_map": {').encode()
+        first = True
+        for name, file in weight_map:
+            yield f'{"" if first else ","}\n    {json.dumps(name)}: {json.dumps(file)}'.encode()
+            first = False
+        yield b"\n  }\n}\n" if not first else b"}\n}\n"
+
+    write_atomic(path, chunks())
 
 
 def _travels(f: Path) -> bool:

@@ -41,7 +41,8 @@ class Producer:
     def __init__(self, ckpt: Checkpoint, recipe: Recipe, reader: ShardReader):
         self.recipe = recipe
         self.reader = reader
-        self.entries = {t.entry.name: t.entry for t in ckpt.tensors}
+        self._names: dict[int, dict[str, TensorSpec]] = {}  # per-expert source modules of the current layer
+        self._names_layer: int | None = None
         block = (ckpt.config.quantization or {}).get("weight_block_size") or (128, 128)
         self.fp8_block = (int(block[0]), int(block[1]))
         self._last_key: tuple[int, int | None] | None = None
@@ -56,8 +57,19 @@ class Producer:
             return {t.name.param: t.entry for t in s.tensors}
         if s.per_expert:
             module = m.expert_name(expert)  # the source's own per-expert name
-            return {t.name.param: self.entries[f"{module}.{t.name.param}"] for t in s.template}
+            names = self._by_name(m)
+            return {t.name.param: names[f"{module}.{t.name.param}"] for t in s.template}
         return {t.name.param: _slice(t.entry, expert, s.experts) for t in s.tensors}
+
+    def _by_name(self, m: ModulePlan) -> dict[str, TensorSpec]:
+        """A per-expert module's source tensors by name, indexed for the layer being converted only (an index of
+        every tensor would grow with the model)."""
+        if self._names_layer != m.layer:
+            self._names, self._names_layer = {}, m.layer
+        names = self._names.get(id(m))
+        if names is None:
+            names = self._names[id(m)] = {t.entry.name: t.entry for t in m.source.tensors}
+        return names
 
     def decode(self, parts: dict[str, TensorSpec], fmt: str) -> mx.array:
         """The module's weight as float32 (out, in)."""

@@ -15,15 +15,13 @@ from typing import Any, Iterable, Sequence
 from tqbench.errors import CheckpointError
 from tqbench.layout.names import EXPERT_MAP
 from tqbench.layout.units import Unit
-from tqbench.shards.writer import header_bytes
 
 
-def build(shards: Sequence[Sequence[Unit]], files: Sequence[str], metadata: dict[str, str]) -> dict[str, Any]:
-    """The map of a streaming layout: `shards` are the units per file, in order; `metadata` the shards' header
-    metadata (it decides where the data region starts)."""
+def build(shards: Iterable[Iterable[Unit]], files: Sequence[str], header_lengths: Sequence[int]) -> dict[str, Any]:
+    """The map of a streaming layout: `shards` are the units per file, in order (read once); `header_lengths` the
+    byte length of each file's header (its data region starts there)."""
     layers: dict[str, dict[str, Any]] = {}
-    for fi, (file, s) in enumerate(zip(files, shards)):
-        offset = len(header_bytes([p.out for u in s for p in u.pieces], metadata))
+    for fi, (s, offset) in enumerate(zip(shards, header_lengths)):
         for u in s:
             if u.expert is not None:
                 layer = layers.setdefault(str(u.layer), {"experts": [], "tensors": None, "length": u.nbytes})

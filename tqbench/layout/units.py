@@ -15,6 +15,7 @@ package sits below the recipe and never imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Iterable, Iterator, Protocol, TypeVar
 
 from tqbench.shards.header import TensorSpec
@@ -90,15 +91,15 @@ def _is_run(group: list[OutputModule]) -> bool:
     return bool(group[0].experts) and any(o.streamed for o in group[0].outputs)
 
 
-def file_units(modules: Iterable[OutputModule], layout: str = "streaming") -> list[Unit]:
-    units: list[Unit] = []
+def iter_units(modules: Iterable[OutputModule], layout: str = "streaming") -> Iterator[Unit]:
+    """The units in file order, built one at a time (K3 has 82,432 expert units: a conversion never holds them all)."""
     for group in _groups(modules, layout):
         layer = group[0].layer
         if layout != "streaming" or not _is_run(group):
-            units.extend(Unit((Piece(o, m, _param(m, o)),), layer) for m in group for o in m.outputs)
+            yield from (Unit((Piece(o, m, _param(m, o)),), layer) for m in group for o in m.outputs)
             continue
         # Per-layer tensors every expert shares come first, then each expert's tensors back to back.
-        units.extend(Unit((Piece(o, m, _param(m, o)),), layer) for m in group for o in m.outputs if not o.streamed)
+        yield from (Unit((Piece(o, m, _param(m, o)),), layer) for m in group for o in m.outputs if not o.streamed)
         for e in range(max(m.experts for m in group)):
             pieces = []
             for m in group:
@@ -107,8 +108,11 @@ def file_units(modules: Iterable[OutputModule], layout: str = "streaming") -> li
                         param = _param(m, o)
                         out = TensorSpec(f"{m.expert_name(e)}.{param}", o.dtype, o.shape[1:], streamed=True)
                         pieces.append(Piece(out, m, param, e))
-            units.append(Unit(tuple(pieces), layer, e))
-    return units
+            yield Unit(tuple(pieces), layer, e)
+
+
+def file_units(modules: Iterable[OutputModule], layout: str = "streaming") -> list[Unit]:
+    return list(iter_units(modules, layout))
 
 
 def unit_sizes(modules: Iterable[OutputModule], layout: str = "streaming") -> Iterator[int]:
@@ -124,13 +128,36 @@ def unit_sizes(modules: Iterable[OutputModule], layout: str = "streaming") -> It
 
 def count_shards(sizes: Iterable[int], shard_size: int) -> int:
     """How many shards assign_shards makes of units of these sizes."""
-    shards, used = 0, 0
+    return len(shard_counts(sizes, shard_size))
+
+
+def shard_counts(sizes: Iterable[int], shard_size: int) -> list[int]:
+    """Units per shard of assign_shards, from the units' sizes alone."""
+    counts: list[int] = []
+    used = 0
     for n in sizes:
-        if shards == 0 or (used and used + n > shard_size):
-            shards += 1
+        if not counts or (used and used + n > shard_size):
+            counts.append(0)
             used = 0
+        counts[-1] += 1
         used += n
-    return shards
+    return counts
+
+
+def split(units: Iterable[T], counts: Iterable[int]) -> Iterator[list[T]]:
+    """Consecutive lists of `counts` items each: one shard's units at a time."""
+    return (list(chunk) for chunk in chunks(units, counts))
+
+
+def chunks(units: Iterable[T], counts: Iterable[int]) -> Iterator[Iterator[T]]:
+    """Consecutive runs of `counts` items each, as iterators over one stream (consume each before the next: nothing
+    is held, however many items a run has)."""
+    it = iter(units)
+    for n in counts:
+        chunk = islice(it, n)
+        yield chunk
+        for _ in chunk:  # whatever the caller left unread
+            pass
 
 
 def assign_shards(units: Iterable[T], shard_size: int) -> list[list[T]]:

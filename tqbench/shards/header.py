@@ -37,6 +37,8 @@ DTYPE_SIZES: dict[str, int] = {
 
 INDEX_FILE = "model.safetensors.index.json"  # which shard holds each tensor, for a checkpoint of several
 
+_DTYPES = {d: d for d in DTYPE_SIZES}  # the one string object of each dtype name (not one per tensor)
+
 # safetensors itself refuses headers above 100 MB; a K3 shard header is well under 1 MB.
 MAX_HEADER_BYTES = 100_000_000
 
@@ -108,13 +110,15 @@ def read_header(path: Path, name: str | None = None) -> ShardHeader:
     if not isinstance(metadata, dict):
         raise CheckpointError("__metadata__ is not a JSON object", path)
     data_start = 8 + n
-    tensors = [_entry(path, name, key, value, data_start) for key, value in header.items()]
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape (experts share theirs)
+    tensors = [_entry(path, name, key, value, data_start, shapes) for key, value in header.items()]
     _check_bounds(path, tensors, size)
     tensors.sort(key=lambda t: t.offset)
     return ShardHeader(name, path, size, data_start, metadata, tuple(tensors))
 
 
-def _entry(path: Path, shard: str, key: str, value: object, data_start: int) -> TensorSpec:
+def _entry(path: Path, shard: str, key: str, value: object, data_start: int,
+           shapes: dict[tuple[int, ...], tuple[int, ...]]) -> TensorSpec:
     if not isinstance(value, dict):
         raise CheckpointError(f"tensor {key!r}: entry is not a JSON object", path)
     dtype = value.get("dtype")
@@ -137,7 +141,8 @@ def _entry(path: Path, shard: str, key: str, value: object, data_start: int) -> 
         raise CheckpointError(
             f"tensor {key!r}: {nbytes} bytes in the file but shape {shape} x {dtype} needs {expected}", path
         )
-    return TensorSpec(key, dtype, tuple(shape), shard, data_start + offsets[0])
+    shape = tuple(shape)
+    return TensorSpec(key, _DTYPES[dtype], shapes.setdefault(shape, shape), shard, data_start + offsets[0])
 
 
 def _check_bounds(path: Path, tensors: list[TensorSpec], size: int) -> None:

@@ -6,39 +6,84 @@ import hashlib
 import json
 import os
 import struct
+from array import array
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from tqbench.shards.header import TensorSpec
 
 
-def header_bytes(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
-    """The length prefix and JSON header for tensors stored back to back in `specs` order."""
-    header: dict[str, object] = {}
+def header_parts(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None) -> Iterator[str]:
+    """The JSON header, in pieces, for tensors stored back to back in `specs` order (one pass over `specs`; joined,
+    byte for byte what json.dumps of the header dict gives; ASCII, so characters are bytes)."""
+    yield "{"
+    sep = ""
     if metadata:
-        header["__metadata__"] = dict(metadata)
+        yield json.dumps({"__metadata__": dict(metadata)}, separators=(",", ":"))[1:-1]
+        sep = ","
     offset = 0
     for s in specs:
-        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
-        offset += s.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes with spaces
+        end = offset + s.nbytes
+        shape = ",".join(map(str, s.shape))
+        yield (f'{sep}{json.dumps(s.name)}:{{"dtype":{json.dumps(s.dtype)},"shape":[{shape}],'
+               f'"data_offsets":[{offset},{end}]}}')
+        sep, offset = ",", end
+    yield "}"
+
+
+def _padded(n: int) -> int:
+    return n + (-n % 8)  # the format pads the header to 8 bytes with spaces
+
+
+def header_length(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None) -> int:
+    """len(header_bytes(specs, metadata)), without building it."""
+    return 8 + _padded(sum(len(part) for part in header_parts(specs, metadata)))
+
+
+def header_bytes(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
+    """The length prefix and JSON header for tensors stored back to back in `specs` order."""
+    raw = "".join(header_parts(specs, metadata)).encode()
+    raw += b" " * (_padded(len(raw)) - len(raw))
     return struct.pack("<Q", len(raw)) + raw
 
 
 class ShardWriter:
-    """Streams tensors into `path` in the order of `specs`; the file appears under its name only when complete."""
+    """Streams tensors into `path` in the order of `specs`; the file appears under its name only when complete.
 
-    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
+    `specs` is read once and may be a generator. Given `header_length` (known from a planning pass), the header is
+    streamed into the file too, so the writer never holds a shard's tensor records or its header: it keeps each
+    tensor's size and a running checksum of the names, and checks every write against them."""
+
+    def __init__(self, path: Path, specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None,
+                 header_length: int | None = None):
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + ".partial")
-        self.specs = list(specs)
+        self._sizes = array("Q")
+        self._names = hashlib.sha256()  # the header's names in order
+        self._written = hashlib.sha256()  # the written ones
+
+        def counted() -> Iterator[TensorSpec]:
+            for spec in specs:
+                self._sizes.append(spec.nbytes)
+                self._names.update(spec.name.encode() + b"\0")
+                yield spec
+
         self._next = 0
         self._hash = hashlib.sha256()
         self.nbytes = 0
         self._file = open(self.tmp, "wb")
-        self._put(header_bytes(self.specs, metadata))
+        if header_length is None:
+            self._put(header_bytes(counted(), metadata))
+            return
+        self._put(struct.pack("<Q", header_length - 8))
+        for part in header_parts(counted(), metadata):
+            self._put(part.encode())
+        self._put(b" " * (header_length - self.nbytes) if self.nbytes <= header_length else b"")
+        if self.nbytes != header_length:
+            self.abort()
+            raise ValueError(f"{self.path}: the header takes {self.nbytes} bytes, {header_length} were planned")
 
     def _put(self, buf: bytes | memoryview) -> None:
         self._file.write(buf)
@@ -51,20 +96,23 @@ class ShardWriter:
         return self._hash.hexdigest()
 
     def write(self, name: str, data: bytes | memoryview | np.ndarray) -> None:
-        spec = self.specs[self._next]
-        if name != spec.name:
-            raise ValueError(f"expected tensor {spec.name!r} next, got {name!r}")
+        if self._next >= len(self._sizes):
+            raise ValueError(f"tensor {name!r}: the header of {self.path.name} names no more tensors")
         if isinstance(data, np.ndarray):
             data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         buf = memoryview(data)
-        if buf.nbytes != spec.nbytes:
-            raise ValueError(f"tensor {name!r}: {buf.nbytes} bytes given, {spec.nbytes} expected")
+        if buf.nbytes != self._sizes[self._next]:
+            raise ValueError(f"tensor {name!r}: {buf.nbytes} bytes given, {self._sizes[self._next]} expected")
+        self._written.update(name.encode() + b"\0")
         self._put(buf)
         self._next += 1
 
     def close(self) -> Path:
-        if self._next != len(self.specs):
-            raise ValueError(f"{self.path}: {len(self.specs) - self._next} tensors were never written")
+        if self._next != len(self._sizes):
+            raise ValueError(f"{self.path}: {len(self._sizes) - self._next} tensors were never written")
+        if self._written.digest() != self._names.digest():
+            raise ValueError(f"{self.path}: tensors were written under other names or in another order than the "
+                             "header's")
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

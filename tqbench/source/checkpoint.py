@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import json
+from itertools import chain
 import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from tqbench.errors import CheckpointError
 from tqbench.layout.quantization import ModuleQuant, QuantizationBlock
 from tqbench.events import CheckpointOpened, ShardScanned
 from tqbench.source.config import ModelConfig, read_config
+from tqbench.source.index import read_index
 from tqbench.source.naming import Role, TensorName, classify
 from tqbench.shards.header import INDEX_FILE, ShardHeader, TensorSpec, read_header
 
@@ -25,10 +26,24 @@ _METADATA_PARAMS = {"weight_scale", "weight_scale_inv", "scales", "biases", "cod
 
 @dataclass(frozen=True, slots=True)
 class Tensor:
+    """One classified tensor. A per-expert tensor (`experts.E.w1.weight_packed`) keeps the classification it shares
+    with every expert of its layer and projection, plus its expert number: `name` is built when asked for, so a
+    checkpoint of 82,432 experts does not hold half a million classifications."""
+
     entry: TensorSpec
-    name: TensorName
+    kind: TensorName  # the classification (for a per-expert tensor: expert 0's)
     format: str  # storage format of the tensor's module: mxfp4, fp8, mlx-affine, mlx-mxfp4, turboquant, bf16, ...
     params: int  # logical parameters it stores (0 for scales and other side tensors)
+    expert: int | None = None  # per-expert tensors: the expert
+
+    @property
+    def name(self) -> TensorName:
+        t = self.kind
+        if self.expert is None:
+            return t
+        module = t.module.replace(".experts.0.", f".experts.{self.expert}.", 1)
+        return TensorName(self.entry.name, t.role, module, t.param, t.layer, self.expert, t.stacked, t.projection,
+                          t.attention)
 
     @property
     def nbytes(self) -> int:
@@ -73,65 +88,44 @@ def scan_checkpoint(path: str | Path) -> Iterator[ShardScanned | CheckpointOpene
     if not root.is_dir():
         raise CheckpointError("not a directory" if root.exists() else "no such directory", root)
     config = read_config(root)
-    weight_map, total_size = _read_index(root)
-    if weight_map is None:
+    index = read_index(root)
+    if index is None:
         files = sorted(p.name for p in root.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"no {INDEX_FILE} and no *.safetensors files: not a model checkpoint", root)
-        by_file: dict[str, list[str]] = {f: [] for f in files}
     else:
-        by_file = defaultdict(list)
-        for tensor, file in weight_map.items():
-            by_file[file].append(tensor)
+        files = sorted(index.files)
 
     shards, missing = [], []
-    for i, (file, names) in enumerate(sorted(by_file.items()), 1):
+    for i, file in enumerate(files, 1):
         if not (root / file).is_file():
-            missing.append(MissingShard(file, tuple(sorted(names))))
+            missing.append(MissingShard(file, tuple(sorted(index.names(file)))))
             continue
         header = read_header(root / file, file)
-        have = {t.name for t in header.tensors}
-        for n in names:
-            if n not in have:
-                raise CheckpointError(f"index maps tensor {n!r} to {file}, but that shard does not contain it",
-                                      root / INDEX_FILE)
+        if index is not None and not index.matches(file, (t.name for t in header.tensors)):
+            lost = index.missing_in(file, {t.name for t in header.tensors})
+            if lost is not None:
+                raise CheckpointError(f"index maps tensor {lost!r} to {file}, but that shard does not contain it",
+                                      index.path)
         shards.append(header)
-        yield ShardScanned(i, len(by_file), file, len(header.tensors))
+        yield ShardScanned(i, len(files), file, len(header.tensors))
 
     entries = [t for h in shards for t in h.tensors]
-    seen: dict[str, str] = {}
+    seen: set[str] = set()
     for t in entries:
         if t.name in seen:
-            raise CheckpointError(f"tensor {t.name!r} appears in both {seen[t.name]} and {t.shard}", root)
-        seen[t.name] = t.shard
+            first = next(e.shard for e in entries if e.name == t.name)
+            raise CheckpointError(f"tensor {t.name!r} appears in both {first} and {t.shard}", root)
+        seen.add(t.name)
+    del seen
 
-    all_names = list(weight_map) if weight_map is not None else [t.name for t in entries]
-    _check_experts(root, config, all_names)
+    _check_experts(root, config, chain((t.name for t in entries), (n for m in missing for n in m.tensors)))
     tensors = _classify_all(entries, config)
-    yield CheckpointOpened(Checkpoint(root, config, tuple(shards), tensors, tuple(missing), total_size))
+    yield CheckpointOpened(Checkpoint(root, config, tuple(shards), tensors, tuple(missing),
+                                      index.total_size if index else None))
 
 
-def _read_index(root: Path) -> tuple[dict[str, str] | None, int | None]:
-    path = root / INDEX_FILE
-    if not path.is_file():
-        return None, None
-    try:
-        index = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"invalid JSON ({e})", path) from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError("no weight_map object of tensor -> shard file", path)
-    base = root.resolve()
-    for file in set(weight_map.values()):
-        target = (root / file).resolve()
-        if Path(file).is_absolute() or target.parent != base:
-            raise CheckpointError(f"shard path {file!r} points outside the checkpoint directory", path)
-    total = (index.get("metadata") or {}).get("total_size")
-    return weight_map, int(total) if isinstance(total, (int, float)) else None
-
-
-def _check_experts(root: Path, config: ModelConfig, names: list[str]) -> None:
+def _check_experts(root: Path, config: ModelConfig, names: Iterable[str]) -> None:
     """An MoE config whose tensors show no routed experts means naming we do not know: refuse loudly."""
     if not config.is_moe:
         return
@@ -142,50 +136,49 @@ def _check_experts(root: Path, config: ModelConfig, names: list[str]) -> None:
 
 
 def _classify_all(entries: list[TensorSpec], config: ModelConfig) -> tuple[Tensor, ...]:
-    cache: dict[str, TensorName] = {}
-    names = {t.name: _classify_cached(t.name, cache) for t in entries}
+    templates: dict[str, TensorName] = {}
+    kinds = [_classify_cached(t.name, templates) for t in entries]
     # Attention kind is a property of the layer: o_proj of a KDA layer is KDA too. The config's kda_layers win.
     layer_kind: dict[int, str] = {}
-    for n in names.values():
+    for n, _ in kinds:
         if n.role is Role.ATTENTION and n.attention != "generic" and n.layer is not None:
             layer_kind.setdefault(n.layer, n.attention)
     layer_kind.update({i: "kda" for i in config.kda_layers})
     block = QuantizationBlock.from_config(config.quantization)
+    # A module's tensors by param (for the experts of one layer and projection: the first expert's, as all are alike).
     modules: dict[str, dict[str, TensorSpec]] = defaultdict(dict)
-    for t in entries:
-        n = names[t.name]
-        modules[n.module][n.param] = t
+    for t, (n, _) in zip(entries, kinds):
+        modules[n.module].setdefault(n.param, t)
 
     out = []
-    for t in entries:
-        n = names[t.name]
+    shared: dict[object, object] = {}  # one object per distinct int (params, expert numbers)
+    for t, (n, expert) in zip(entries, kinds):
         if n.role is Role.ATTENTION and n.attention == "generic" and n.layer in layer_kind:
             n = replace(n, attention=layer_kind[n.layer])
         parts = modules[n.module]
         entry = block.module(n.module) if block else None
         fmt = entry.format if entry else module_format(parts, config)
-        out.append(Tensor(t, n, fmt, _params(t, n, parts, fmt, config, entry)))
+        params = _params(t, n, parts, fmt, config, entry)
+        out.append(Tensor(t, n, fmt, shared.setdefault(params, params), shared.setdefault(expert, expert)))
     return tuple(out)
 
 
 _EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
 
 
-def _classify_cached(name: str, cache: dict[str, TensorName]) -> TensorName:
-    """classify(), memoised by the name with its expert number blanked: K3 has 82,432 experts x 6 tensors."""
+def _classify_cached(name: str, templates: dict[str, TensorName]) -> tuple[TensorName, int | None]:
+    """classify(), memoised for per-expert names by the name with its expert number blanked (K3 has 82,432 experts
+    x 6 tensors): (the classification of expert 0's name, the expert), or (classify(name), None)."""
     m = _EXPERT_NUMBER.search(name)
     if not m:
-        return classify(name)
+        return classify(name), None
     key = name[: m.start(1)] + "0" + name[m.end(1) :]
-    template = cache.get(key)
+    template = templates.get(key)
     if template is None:
-        template = cache[key] = classify(key)
+        template = templates[key] = classify(key)
     if template.expert is None:
-        return classify(name)
-    e = int(m.group(1))
-    module = template.module.replace(".experts.0.", f".experts.{e}.", 1)
-    t = template
-    return TensorName(name, t.role, module, t.param, t.layer, e, t.stacked, t.projection, t.attention)
+        return classify(name), None
+    return template, int(m.group(1))
 
 
 def module_format(parts: dict[str, TensorSpec], config: ModelConfig) -> str:

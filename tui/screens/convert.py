@@ -324,7 +324,7 @@ class ConvertScreen(Screen):
             self._show_summary()  # the finished run's table stays
         else:
             self._show_progress(False)
-            self.table.reset(Tally(message.layout.shards, message.status.finished).snapshot())
+            self.table.reset(Tally(message.layout.layer_units, message.status.finished).snapshot())
         self._show_status()
 
     def _result_shown(self) -> bool:
@@ -420,7 +420,7 @@ class ConvertScreen(Screen):
             return convert(lay, dest, recipe, size, force)
 
         finished = tuple(False for _ in self.finished) if force else self.finished
-        tally = Tally(self.plan_layout.shards, finished)
+        tally = Tally(self.plan_layout.layer_units, finished)
         self._run_id += 1
         self._note = None
         self._stopping = False
@@ -436,7 +436,7 @@ class ConvertScreen(Screen):
         self.query_one("#convert-bar", ProgressBar).update(total=None, progress=0)
         self.query_one("#convert-bytes", Label).update("")
         self.query_one("#convert-rate", Static).update(Content.styled(
-            f"preparing: {len(lay.units):,} units to convert...", "$text-muted"))
+            f"preparing: {lay.units:,} units to convert...", "$text-muted"))
         self._show_status()
         self._relay(self._run_id, self._job, tally)
 
