@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
+from json.decoder import scanstring
 from pathlib import Path
+from typing import Iterator
 
 from tqbench.errors import CheckpointError
 
@@ -100,21 +103,68 @@ def read_header(path: Path, name: str | None = None) -> ShardHeader:
     finally:
         os.close(fd)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = raw.decode()
+    except UnicodeDecodeError as e:
         raise CheckpointError(f"header is not valid JSON ({e})", path) from None
-    if not isinstance(header, dict):
-        raise CheckpointError("header is not a JSON object", path)
-
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CheckpointError("__metadata__ is not a JSON object", path)
     data_start = 8 + n
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape (experts share theirs)
-    tensors = [_entry(path, name, key, value, data_start, shapes) for key, value in header.items()]
+    metadata: dict = {}
+    tensors = []
+    for key, value in _items(text, path):
+        if key == "__metadata__":
+            if not isinstance(value, dict):
+                raise CheckpointError("__metadata__ is not a JSON object", path)
+            metadata = value
+        else:
+            tensors.append(_entry(path, name, key, value, data_start, shapes))
     _check_bounds(path, tensors, size)
     tensors.sort(key=lambda t: t.offset)
     return ShardHeader(name, path, size, data_start, metadata, tuple(tensors))
+
+
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
+
+
+def _items(text: str, path: Path) -> Iterator[tuple[str, object]]:
+    """The header's (key, value) pairs, one entry decoded at a time (a shard of 3,000 tensors never becomes a dict
+    of 3,000 dicts). Anything unexpected is handed to the json module for its one-line error."""
+    try:
+        pos = _SPACE.match(text).end()
+        if text[pos] != "{":
+            _refuse(text, path)
+        pos = _SPACE.match(text, pos + 1).end()
+        if text[pos] == "}":
+            return
+        while True:
+            if text[pos] != '"':
+                _refuse(text, path)
+            key, pos = scanstring(text, pos + 1)
+            pos = _SPACE.match(text, pos).end()
+            if text[pos] != ":":
+                _refuse(text, path)
+            value, pos = _DECODER.raw_decode(text, _SPACE.match(text, pos + 1).end())
+            yield key, value
+            pos = _SPACE.match(text, pos).end()
+            if text[pos] == "}":
+                if text[_SPACE.match(text, pos + 1).end():]:
+                    _refuse(text, path)
+                return
+            if text[pos] != ",":
+                _refuse(text, path)
+            pos = _SPACE.match(text, pos + 1).end()
+    except (IndexError, json.JSONDecodeError):
+        _refuse(text, path)
+
+
+def _refuse(text: str, path: Path) -> None:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"header is not valid JSON ({e})", path) from None
+    if not isinstance(doc, dict):
+        raise CheckpointError("header is not a JSON object", path)
+    raise CheckpointError("header is not a JSON object of tensor entries", path)
 
 
 def _entry(path: Path, shard: str, key: str, value: object, data_start: int,
