@@ -258,6 +258,18 @@ async def test_open_modal_escape_cancels(tiny):
         assert app.is_running
 
 
+async def test_open_modal_ctrl_u_then_a_pasted_path(tiny):
+    """ctrl+u and the pasted path arrive in one read: the field ends up holding the path, not empty."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("o")
+        burst(pilot, "ctrl+u", *"/x/y")
+        await pilot.pause()
+        await pilot.pause()
+        assert app.screen.query_one(Input).value == "/x/y"
+
+
 async def test_q_quits(tiny):
     app = TqbenchApp(tiny)
     async with app.run_test(size=SIZE) as pilot:

@@ -11,6 +11,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label
 
+from tui.widgets.inputs import OrderedInput
+
 
 class OpenScreen(ModalScreen[Path | None]):
     """Dismisses with the Path typed (user `~` expanded), or None on escape / an empty line."""
@@ -24,7 +26,8 @@ class OpenScreen(ModalScreen[Path | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="open-dialog"):
             yield Label("Open a checkpoint directory (Enter to open, Esc to cancel)")
-            yield Input(value=self._initial, placeholder="/path/to/checkpoint", id="open-path")
+            # Ordered: ctrl+u then a pasted path keeps the path (Textual would run ctrl+u after the pasted keys).
+            yield OrderedInput(value=self._initial, placeholder="/path/to/checkpoint", id="open-path")
 
     @on(Input.Submitted, "#open-path")
     def _submitted(self, event: Input.Submitted) -> None:

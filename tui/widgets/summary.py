@@ -29,7 +29,7 @@ def summary_content(summary, ckpt) -> Content:
         Content.assemble((summary.model_type, "bold $text-accent"), "  ",
                          (", ".join(f for f in facts if f), "$text-muted")),
         _pair("format", summary.format),
-        _pair("tensors", f"{summary.tensors:,} in {len(ckpt.shards)} shards", "size", units.size(summary.bytes)),
+        _pair("tensors", f"{summary.tensors:,} in {len(ckpt.shards)} shard{'' if len(ckpt.shards) == 1 else 's'}", "size", units.size(summary.bytes)),
         _pair("params", units.count(summary.params), "active", f"{units.count(summary.active_params)} per token"),
     ]
     if e := summary.experts:
