@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import struct
 from dataclasses import dataclass
-from json.decoder import scanstring
 from pathlib import Path
 from typing import Iterator
 
 from tqbench.errors import CheckpointError
+from tqbench.shards.jsonscan import members
 
 # Bytes per element of every dtype the safetensors format names (sub-byte types are not used by checkpoints we read).
 DTYPE_SIZES: dict[str, int] = {
@@ -122,38 +121,12 @@ def read_header(path: Path, name: str | None = None) -> ShardHeader:
     return ShardHeader(name, path, size, data_start, metadata, tuple(tensors))
 
 
-_DECODER = json.JSONDecoder()
-_SPACE = re.compile(r"\s*")
-
-
 def _items(text: str, path: Path) -> Iterator[tuple[str, object]]:
     """The header's (key, value) pairs, one entry decoded at a time (a shard of 3,000 tensors never becomes a dict
-    of 3,000 dicts). Anything unexpected is handed to the json module for its one-line error."""
+    of 3,000 dicts); anything malformed gets json's one-line error."""
     try:
-        pos = _SPACE.match(text).end()
-        if text[pos] != "{":
-            _refuse(text, path)
-        pos = _SPACE.match(text, pos + 1).end()
-        if text[pos] == "}":
-            return
-        while True:
-            if text[pos] != '"':
-                _refuse(text, path)
-            key, pos = scanstring(text, pos + 1)
-            pos = _SPACE.match(text, pos).end()
-            if text[pos] != ":":
-                _refuse(text, path)
-            value, pos = _DECODER.raw_decode(text, _SPACE.match(text, pos + 1).end())
-            yield key, value
-            pos = _SPACE.match(text, pos).end()
-            if text[pos] == "}":
-                if text[_SPACE.match(text, pos + 1).end():]:
-                    _refuse(text, path)
-                return
-            if text[pos] != ",":
-                _refuse(text, path)
-            pos = _SPACE.match(text, pos + 1).end()
-    except (IndexError, json.JSONDecodeError):
+        yield from members(text, whole=True)
+    except ValueError:  # json.JSONDecodeError is one
         _refuse(text, path)
 
 

@@ -17,9 +17,9 @@ from typing import Iterable, Iterator
 
 from tqbench.errors import CheckpointError
 from tqbench.shards.header import INDEX_FILE
+from tqbench.shards.jsonscan import members
 
 _WEIGHT_MAP = re.compile(r'"weight_map"\s*:\s*\{')
-_SPACE = re.compile(r"\s*")
 _MASK = (1 << 64) - 1
 
 
@@ -74,35 +74,17 @@ def read_index(root: Path) -> ShardIndex | None:
 
 
 def _pairs(text: str, path: Path) -> Iterator[tuple[str, str]]:
-    """(tensor, shard file) of the weight_map, in order, one string at a time. Anything unexpected is handed to the
+    """(tensor, shard file) of the weight_map, in order, one member at a time. Anything unexpected is handed to the
     json module, whose error (or a well-formed but wrong weight_map) gives the one-line message."""
     m = _WEIGHT_MAP.search(text)
     if m is None:
         _refuse(text, path)
-    pos = m.end()
     try:
-        pos = _SPACE.match(text, pos).end()
-        if text[pos] == "}":
-            return
-        while True:
-            if text[pos] != '"':
+        for name, file in members(text, m.end() - 1):
+            if not isinstance(file, str):
                 _refuse(text, path)
-            name, pos = scanstring(text, pos + 1)
-            pos = _SPACE.match(text, pos).end()
-            if text[pos] != ":":
-                _refuse(text, path)
-            pos = _SPACE.match(text, pos + 1).end()
-            if text[pos] != '"':
-                _refuse(text, path)
-            file, pos = scanstring(text, pos + 1)
             yield name, file
-            pos = _SPACE.match(text, pos).end()
-            if text[pos] == "}":
-                return
-            if text[pos] != ",":
-                _refuse(text, path)
-            pos = _SPACE.match(text, pos + 1).end()
-    except (IndexError, json.JSONDecodeError):
+    except ValueError:  # json.JSONDecodeError is one
         _refuse(text, path)
 
 
