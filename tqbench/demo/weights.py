@@ -113,8 +113,3 @@ def mlx_weights(spec: DemoSpec, params: Mapping[str, np.ndarray]) -> WeightSourc
         return to_bf16(x) if t.dtype == "BF16" else x
 
     return source
-
-
-def random_weights(seed: int) -> WeightSource:
-    """Seeded random weights (each tensor from its own seed, chosen by name)."""
-    return lambda t: _array(seed, t)

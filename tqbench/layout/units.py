@@ -162,13 +162,6 @@ def chunks(units: Iterable[T], counts: Iterable[int]) -> Iterator[Iterator[T]]:
 
 def assign_shards(units: Iterable[T], shard_size: int) -> list[list[T]]:
     """Greedy split in order of anything with `nbytes` (units, tensor specs): a new shard when the next one would
-    pass `shard_size` (a larger one gets a shard of its own)."""
-    shards: list[list[T]] = []
-    used = 0
-    for u in units:
-        if not shards or (used and used + u.nbytes > shard_size):
-            shards.append([])
-            used = 0
-        shards[-1].append(u)
-        used += u.nbytes
-    return shards
+    pass `shard_size` (a larger one gets a shard of its own). The rule is shard_counts'."""
+    units = list(units)
+    return list(split(units, shard_counts((u.nbytes for u in units), shard_size)))
