@@ -10,6 +10,7 @@ import pytest
 from safetensors import safe_open
 
 from conftest import small_k3_text
+from tqbench.errors import CheckpointError
 from tqbench.source import Role, classify, open_checkpoint, select_tensors, summarize
 from tqbench.shards.header import read_header
 from tqbench.shards.writer import from_bf16, save_shard, to_bf16
@@ -156,3 +157,40 @@ def test_k3_published_figures(k3_skeleton):
     assert sum(1 for x in s.by_layer if x.attention == "mla") == 24
     assert sum(1 for x in s.by_layer if x.attention == "kda") == 69
     assert math.isclose(s.experts.routed_bytes / s.experts.routed_params * 8, 4.25)
+
+
+def test_every_tensor_keeps_its_header_entry(small_k3):
+    """The checkpoint keeps one compact record per tensor (shared kinds, names rebuilt on demand): every rebuilt entry
+    equals what the shard headers say, name for name, byte for byte."""
+    ckpt = open_checkpoint(small_k3)
+    headers = {t.name: t for s in ckpt.shards for t in read_header(s.path, s.file).tensors}
+    assert sorted(t.entry.name for t in ckpt.tensors) == sorted(headers)
+    for t in ckpt.tensors:
+        assert t.entry == headers[t.entry.name]
+        assert t.name.name == t.entry.name and classify(t.entry.name).expert == t.name.expert
+    assert [s.tensors for s in ckpt.shards] == [len(read_header(s.path).tensors) for s in ckpt.shards]
+
+
+def _two_shards(root, first: dict, second: dict):
+    z = ("BF16", np.zeros((4, 8), np.uint16))
+    save_shard(root / "a.safetensors", {n: z for n in first})
+    save_shard(root / "b.safetensors", {n: z for n in second})
+    (root / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 1}))
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.experts.3.gate_proj.weight", "model.norm.weight"])
+def test_a_tensor_in_two_shards_is_refused(tmp_path, name):
+    expert = "model.layers.0.mlp.experts.{}.gate_proj.weight"
+    _two_shards(tmp_path, {expert.format(0), name}, {name, expert.format(1)})
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' appears in both a.safetensors and b.safetensors"):
+        open_checkpoint(tmp_path)
+
+
+def test_expert_numbers_with_leading_zeros_keep_their_names(tmp_path):
+    names = [f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in ("0", "1", "02", "10")]
+    _two_shards(tmp_path, set(names[:2]), set(names[2:]))
+    ckpt = open_checkpoint(tmp_path)
+    assert sorted(t.entry.name for t in ckpt.tensors) == sorted(names)
+    assert sorted(t.name.expert for t in ckpt.tensors) == [0, 1, 2, 10]
+    assert all(t.name.role is Role.ROUTED_EXPERT for t in ckpt.tensors)

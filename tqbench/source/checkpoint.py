@@ -16,7 +16,7 @@ from tqbench.events import CheckpointOpened, ShardScanned
 from tqbench.source.config import ModelConfig, read_config
 from tqbench.source.index import read_index
 from tqbench.source.naming import Role, TensorName, classify
-from tqbench.shards.header import INDEX_FILE, ShardHeader, TensorSpec, read_header
+from tqbench.shards.header import DTYPE_SIZES, INDEX_FILE, TensorSpec, read_header
 
 
 # Quantization side tensors: they store scales and tables, not parameters.
@@ -24,30 +24,77 @@ _METADATA_PARAMS = {"weight_scale", "weight_scale_inv", "scales", "biases", "cod
                     "weight_zero_point", "weight_global_scale", "input_global_scale"}
 
 
+@dataclass(slots=True, eq=False)
+class Kind:
+    """What one or many tensors are: every expert's tensor of one layer, projection and param in one shard shares one
+    Kind. `name` is the classification (for per-expert tensors: expert 0's). `format` and `params` are filled in
+    once, when the checkpoint has read every header (a module's side tensors may lie in another shard)."""
+
+    name: TensorName
+    dtype: str
+    shape: tuple[int, ...]
+    shard: str
+    split: int = -1  # per-expert kinds: where the expert number goes in name.name
+    format: str = ""  # storage format of the tensor's module: mxfp4, fp8, mlx-affine, mlx-mxfp4, turboquant, bf16...
+    params: int = 0  # logical parameters one tensor stores (0 for scales and other side tensors)
+
+    def tensor_name(self, expert: int | None) -> str:
+        n = self.name.name
+        return n if expert is None else f"{n[:self.split]}{expert}{n[self.split + 1:]}"
+
+
 @dataclass(frozen=True, slots=True)
 class Tensor:
-    """One classified tensor. A per-expert tensor (`experts.E.w1.weight_packed`) keeps the classification it shares
-    with every expert of its layer and projection, plus its expert number: `name` is built when asked for, so a
-    checkpoint of 82,432 experts does not hold half a million classifications."""
+    """One classified tensor: its shared Kind, its absolute offset in its shard and, for a per-expert tensor, the
+    expert. Names and header entries are built when asked for, so a checkpoint of 82,432 experts (half a million
+    tensors) holds one small record per tensor."""
 
-    entry: TensorSpec
-    kind: TensorName  # the classification (for a per-expert tensor: expert 0's)
-    format: str  # storage format of the tensor's module: mxfp4, fp8, mlx-affine, mlx-mxfp4, turboquant, bf16, ...
-    params: int  # logical parameters it stores (0 for scales and other side tensors)
-    expert: int | None = None  # per-expert tensors: the expert
+    info: Kind
+    offset: int
+    expert: int | None = None
+
+    @property
+    def entry(self) -> TensorSpec:
+        k = self.info
+        return TensorSpec(k.tensor_name(self.expert), k.dtype, k.shape, k.shard, self.offset)
+
+    @property
+    def kind(self) -> TensorName:
+        return self.info.name
+
+    @property
+    def format(self) -> str:
+        return self.info.format
+
+    @property
+    def params(self) -> int:
+        return self.info.params
 
     @property
     def name(self) -> TensorName:
-        t = self.kind
+        t = self.info.name
         if self.expert is None:
             return t
         module = t.module.replace(".experts.0.", f".experts.{self.expert}.", 1)
-        return TensorName(self.entry.name, t.role, module, t.param, t.layer, self.expert, t.stacked, t.projection,
-                          t.attention)
+        return TensorName(self.info.tensor_name(self.expert), t.role, module, t.param, t.layer, self.expert,
+                          t.stacked, t.projection, t.attention)
 
     @property
     def nbytes(self) -> int:
-        return self.entry.nbytes
+        k = self.info
+        return math.prod(k.shape) * DTYPE_SIZES[k.dtype]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A shard as the checkpoint keeps it: its header's facts, without its tensor entries."""
+
+    file: str
+    path: Path
+    file_size: int
+    data_start: int  # 8 + header length
+    metadata: dict[str, str]
+    tensors: int  # how many
 
 
 @dataclass(frozen=True)
@@ -60,7 +107,7 @@ class MissingShard:
 class Checkpoint:
     path: Path
     config: ModelConfig
-    shards: tuple[ShardHeader, ...]
+    shards: tuple[Shard, ...]
     tensors: tuple[Tensor, ...]
     missing: tuple[MissingShard, ...]
     index_total_size: int | None  # bytes the index says the full checkpoint holds
@@ -96,7 +143,8 @@ def scan_checkpoint(path: str | Path) -> Iterator[ShardScanned | CheckpointOpene
     else:
         files = sorted(index.files)
 
-    shards, missing = [], []
+    table = _Table()
+    shards, missing, tensors = [], [], []
     for i, file in enumerate(files, 1):
         if not (root / file).is_file():
             missing.append(MissingShard(file, tuple(sorted(index.names(file)))))
@@ -107,78 +155,108 @@ def scan_checkpoint(path: str | Path) -> Iterator[ShardScanned | CheckpointOpene
             if lost is not None:
                 raise CheckpointError(f"index maps tensor {lost!r} to {file}, but that shard does not contain it",
                                       index.path)
-        shards.append(header)
-        yield ShardScanned(i, len(files), file, len(header.tensors))
+        tensors.extend(table.add(root, t) for t in header.tensors)
+        shards.append(Shard(file, header.path, header.file_size, header.data_start, header.metadata,
+                            len(header.tensors)))
+        del header
+        yield ShardScanned(i, len(files), file, shards[-1].tensors)
 
-    entries = [t for h in shards for t in h.tensors]
-    seen: set[str] = set()
-    for t in entries:
-        if t.name in seen:
-            first = next(e.shard for e in entries if e.name == t.name)
-            raise CheckpointError(f"tensor {t.name!r} appears in both {first} and {t.shard}", root)
-        seen.add(t.name)
-    del seen
-
-    _check_experts(root, config, chain((t.name for t in entries), (n for m in missing for n in m.tensors)))
-    tensors = _classify_all(entries, config)
-    yield CheckpointOpened(Checkpoint(root, config, tuple(shards), tensors, tuple(missing),
+    table.check_experts(root, config, (n for m in missing for n in m.tensors))
+    table.resolve(config)
+    yield CheckpointOpened(Checkpoint(root, config, tuple(shards), tuple(tensors), tuple(missing),
                                       index.total_size if index else None))
-
-
-def _check_experts(root: Path, config: ModelConfig, names: Iterable[str]) -> None:
-    """An MoE config whose tensors show no routed experts means naming we do not know: refuse loudly."""
-    if not config.is_moe:
-        return
-    if not any(classify(n).role is Role.ROUTED_EXPERT for n in names if "expert" in n or "switch_mlp" in n):
-        raise CheckpointError(
-            f"config.json declares {config.num_experts} routed experts per layer, but no tensor name was "
-            "recognised as a routed expert (unknown expert naming)", root)
-
-
-def _classify_all(entries: list[TensorSpec], config: ModelConfig) -> tuple[Tensor, ...]:
-    templates: dict[str, TensorName] = {}
-    kinds = [_classify_cached(t.name, templates) for t in entries]
-    # Attention kind is a property of the layer: o_proj of a KDA layer is KDA too. The config's kda_layers win.
-    layer_kind: dict[int, str] = {}
-    for n, _ in kinds:
-        if n.role is Role.ATTENTION and n.attention != "generic" and n.layer is not None:
-            layer_kind.setdefault(n.layer, n.attention)
-    layer_kind.update({i: "kda" for i in config.kda_layers})
-    block = QuantizationBlock.from_config(config.quantization)
-    # A module's tensors by param (for the experts of one layer and projection: the first expert's, as all are alike).
-    modules: dict[str, dict[str, TensorSpec]] = defaultdict(dict)
-    for t, (n, _) in zip(entries, kinds):
-        modules[n.module].setdefault(n.param, t)
-
-    out = []
-    shared: dict[object, object] = {}  # one object per distinct int (params, expert numbers)
-    for t, (n, expert) in zip(entries, kinds):
-        if n.role is Role.ATTENTION and n.attention == "generic" and n.layer in layer_kind:
-            n = replace(n, attention=layer_kind[n.layer])
-        parts = modules[n.module]
-        entry = block.module(n.module) if block else None
-        fmt = entry.format if entry else module_format(parts, config)
-        params = _params(t, n, parts, fmt, config, entry)
-        out.append(Tensor(t, n, fmt, shared.setdefault(params, params), shared.setdefault(expert, expert)))
-    return tuple(out)
 
 
 _EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
 
 
-def _classify_cached(name: str, templates: dict[str, TensorName]) -> tuple[TensorName, int | None]:
-    """classify(), memoised for per-expert names by the name with its expert number blanked (K3 has 82,432 experts
-    x 6 tensors): (the classification of expert 0's name, the expert), or (classify(name), None)."""
-    m = _EXPERT_NUMBER.search(name)
-    if not m:
-        return classify(name), None
-    key = name[: m.start(1)] + "0" + name[m.end(1) :]
-    template = templates.get(key)
-    if template is None:
-        template = templates[key] = classify(key)
-    if template.expert is None:
-        return classify(name), None
-    return template, int(m.group(1))
+class _Table:
+    """The kinds of a checkpoint's tensors while its headers are read, one entry at a time: classification is done
+    once per kind (K3 has 82,432 experts x 6 tensors), and nothing per tensor is kept but its Tensor."""
+
+    def __init__(self) -> None:
+        self.templates: dict[str, TensorName] = {}  # classification by name (per-expert: by expert 0's name)
+        self.kinds: dict[tuple, Kind] = {}
+        self.seen: dict[str, str] = {}  # shard by name, for tensors that are not per-expert
+        self.experts_seen: dict[int, dict[str, bytearray]] = {}  # per template: shard -> experts seen (a bitmap)
+        self.numbers: dict[int, int] = {}  # one object per expert number
+
+    def add(self, root: Path, t: TensorSpec) -> Tensor:
+        name, expert, split = self._classify(t.name)
+        key = (id(name), t.dtype, t.shape, t.shard, split)
+        k = self.kinds.get(key)
+        if k is None:
+            k = self.kinds[key] = Kind(name, t.dtype, t.shape, t.shard, split)
+        if expert is None:
+            first = self.seen.setdefault(t.name, t.shard)
+            if first != t.shard:
+                raise CheckpointError(f"tensor {t.name!r} appears in both {first} and {t.shard}", root)
+        else:
+            self._see_expert(root, t, name, expert)
+            expert = self.numbers.setdefault(expert, expert)
+        return Tensor(k, t.offset, expert)
+
+    def _see_expert(self, root: Path, t: TensorSpec, name: TensorName, expert: int) -> None:
+        seen = self.experts_seen.setdefault(id(name), {})  # shard -> bitmap of the experts it holds
+        byte, bit = divmod(expert, 8)
+        for shard, bits in seen.items():
+            if byte < len(bits) and bits[byte] >> bit & 1:
+                raise CheckpointError(f"tensor {t.name!r} appears in both {shard} and {t.shard}", root)
+        bits = seen.setdefault(t.shard, bytearray())
+        if byte >= len(bits):
+            bits.extend(bytes(byte + 1 - len(bits)))
+        bits[byte] |= 1 << bit
+
+    def _classify(self, name: str) -> tuple[TensorName, int | None, int]:
+        """(classification, expert, where the expert number is): per-expert names are classified by the name with
+        their expert number as 0. A number written with leading zeros is kept whole (classified on its own)."""
+        m = _EXPERT_NUMBER.search(name)
+        if m and (m.group(1) == "0" or not m.group(1).startswith("0")):
+            key = name[: m.start(1)] + "0" + name[m.end(1):]
+            template = self.templates.get(key)
+            if template is None:
+                template = self.templates[key] = classify(key)
+            if template.expert is not None:
+                return template, int(m.group(1)), m.start(1)
+        exact = self.templates.get(name)
+        if exact is None:
+            exact = self.templates[name] = classify(name)
+        return exact, None, -1
+
+    def check_experts(self, root: Path, config: ModelConfig, missing: Iterable[str]) -> None:
+        """An MoE config whose tensors show no routed experts means naming we do not know: refuse loudly."""
+        if not config.is_moe:
+            return
+        names = chain((k.name.name for k in self.kinds.values()), missing)
+        if not any(classify(n).role is Role.ROUTED_EXPERT for n in names if "expert" in n or "switch_mlp" in n):
+            raise CheckpointError(
+                f"config.json declares {config.num_experts} routed experts per layer, but no tensor name was "
+                "recognised as a routed expert (unknown expert naming)", root)
+
+    def resolve(self, config: ModelConfig) -> None:
+        """Fill in every Kind's format and parameters, and the attention kind of layers' generic tensors."""
+        kinds = list(self.kinds.values())
+        # Attention kind is a property of the layer: o_proj of a KDA layer is KDA too. The config's kda_layers win.
+        layer_kind: dict[int, str] = {}
+        for k in kinds:
+            n = k.name
+            if n.role is Role.ATTENTION and n.attention != "generic" and n.layer is not None:
+                layer_kind.setdefault(n.layer, n.attention)
+        layer_kind.update({i: "kda" for i in config.kda_layers})
+        # A module's tensors by param (for the experts of one layer and projection: expert 0's, as all are alike).
+        modules: dict[str, dict[str, TensorSpec]] = defaultdict(dict)
+        for k in kinds:
+            modules[k.name.module].setdefault(k.name.param, TensorSpec(k.name.name, k.dtype, k.shape, k.shard))
+        block = QuantizationBlock.from_config(config.quantization)
+        resolved: dict[int, TensorName] = {}
+        for k in kinds:
+            n = k.name
+            if n.role is Role.ATTENTION and n.attention == "generic" and n.layer in layer_kind:
+                n = k.name = resolved.get(id(n)) or resolved.setdefault(id(n), replace(n, attention=layer_kind[n.layer]))
+            parts = modules[n.module]
+            entry = block.module(n.module) if block else None
+            k.format = entry.format if entry else module_format(parts, config)
+            k.params = _params(TensorSpec(n.name, k.dtype, k.shape), n, parts, k.format, config, entry)
 
 
 def module_format(parts: dict[str, TensorSpec], config: ModelConfig) -> str:

@@ -30,5 +30,5 @@ class ShardTable(DataTable):
             self.add_row(cell(m.file, s), num(f"{len(m.tensors):,}", s), num("-", s), num("-", s),
                          cell(MISSING, BADGE_STYLE), key=m.file)
         for h in ckpt.shards:
-            self.add_row(cell(h.file), num(f"{len(h.tensors):,}"), num(units.gb(h.file_size)),
+            self.add_row(cell(h.file), num(f"{h.tensors:,}"), num(units.gb(h.file_size)),
                          num(units.gib(h.file_size)), cell("ok", "green"), key=h.file)
