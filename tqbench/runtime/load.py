@@ -1,0 +1,312 @@
+"""Loading a model to run: the architecture from mlx-lm by model_type, with TurboQuant modules swapped in.
+
+Every checkpoint goes through mlx-lm's own loader (`mlx_lm.utils.load_model`: weights, the family's sanitize,
+MLX's quantized layers for affine / mxfp4 / compressed-tensors). What tqbench adds is one step inside sanitize: every
+module that has a `codebook` becomes a TurboQuant module (tqbench.runtime.layers) whose bits come from the codebook's
+length, group size from `in / scales.shape[-1]` and rotation from the module's recorded rotation (tqbench's block) or
+its stored signs (TurboQuant-MLX's builds). Our streaming layout's per-expert tensors are stacked by the family's
+sanitize, like any per-expert checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from tqbench.errors import TqbenchError
+from tqbench.layout.names import mlx_module_path
+from tqbench.layout.quantization import QuantizationBlock
+from tqbench.quant.turboquant import rotation_block
+from tqbench.runtime.layers import TurboQuantConcat, TurboQuantLinear, TurboQuantSwitchLinear
+
+TRUSTED_TYPES = ("kimi_k3",)  # model types whose local tokenizer code is run without asking
+_TQ_PARAMS = (".codebook", ".signs")
+_TQ_TENSORS = ("weight", "scales", "codebook", "signs", "bias")
+# Modules an mlx-lm family concatenates along the output axis in its sanitize: fused name -> the source's parts.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
+
+class LoadError(TqbenchError):
+    """A model directory that cannot be run."""
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    tokenizer: Any  # mlx_lm's TokenizerWrapper
+    config: dict[str, Any]
+    path: Path
+    model_type: str
+    turboquant_modules: int  # modules swapped for TurboQuant ones
+    weight_bytes: int  # bytes of every parameter as held in memory
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        p = self.path / "generation_config.json"
+        try:
+            return json.loads(p.read_text()) if p.is_file() else {}
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+
+def model_type(config: dict[str, Any]) -> str:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return str(config.get("model_type") or text.get("model_type") or "")
+
+
+def needs_remote_code(path: Path) -> bool:
+    """Whether the directory's tokenizer (or model) is Python code that ships with it (an `auto_map`)."""
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            doc = json.loads((path / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(doc, dict) and doc.get("auto_map"):
+            return True
+    return False
+
+
+def trust_decision(given: str, trust_remote_code: bool) -> bool:
+    """The trust rule for code that ships with a model: an explicit --trust-remote-code, or a local directory the user
+    named whose config says kimi_k3 (Moonshot's tokenizer is such code). Anything else that needs code is refused:
+    raises LoadError. Returns whether to let the tokenizer loader run that code."""
+    path = Path(given).expanduser()
+    if not path.is_dir():
+        if not trust_remote_code:
+            raise LoadError("not a local model directory; a hub model id would run code from the hub, so it is only "
+                            "used with --trust-remote-code", given)
+        return True
+    if trust_remote_code:
+        return True
+    config = _read_config(path)
+    if not needs_remote_code(path):
+        return False
+    if model_type(config) in TRUSTED_TYPES:
+        return True
+    raise LoadError(f"its tokenizer is Python code shipped with the model (model_type {model_type(config)!r}); "
+                    "pass --trust-remote-code to run it", path)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    p = path / "config.json"
+    if not p.is_file():
+        raise LoadError("no config.json: not a model directory", path)
+    try:
+        config = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"invalid JSON ({e})", p) from None
+    if not isinstance(config, dict) or not model_type(config):
+        raise LoadError("no model_type: not a model config", p)
+    return config
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Library chatter that means nothing to a user (transformers' "You are using a model of type kimi_k3 to
+    instantiate a model of type ..." on every load) stays off the screen."""
+    loggers = [logging.getLogger(n) for n in ("transformers", "huggingface_hub", "mlx_lm")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False) -> Loaded:
+    """Load a model directory (tqbench conversion, TurboQuant-MLX build, MLX or source checkpoint) with its tokenizer.
+    Must run on the engine's MLX thread. Raises LoadError with one line naming the directory and the problem."""
+    import mlx_lm.utils as mu
+
+    trust = trust_decision(str(given), trust_remote_code)
+    path = Path(given).expanduser()
+    if not path.is_dir():
+        raise LoadError("not a local model directory (tqbench runs local checkpoints only)", given)
+    config = _read_config(path)
+    rotations = _recorded_rotations(config)
+    swapped: list[str] = []
+
+    def classes(config: dict[str, Any]):
+        cfg = config
+        try:
+            model_class, args_class = mu._get_classes(cfg)
+        except ValueError as e:
+            raise LoadError(f"mlx-lm has no architecture for model_type {model_type(cfg)!r} ({e})", path) from None
+        return _with_turboquant(model_class, path, rotations, swapped), args_class
+
+    overrides = {}
+    if isinstance(config.get("quantization"), dict):
+        overrides["quantization"] = _without_turboquant(config["quantization"])
+    with quiet_libraries():
+        try:
+            model, config = mu.load_model(path, lazy=True, model_config=overrides, get_model_classes=classes)
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise LoadError(f"mlx-lm cannot build the model ({_one_line(e)})", path) from None
+        if not lazy:
+            mx.eval(model.parameters())
+        tokenizer = mu.load_tokenizer(path, {"trust_remote_code": trust}, eos_token_ids=config.get("eos_token_id"))
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return Loaded(model, tokenizer, config, path, model_type(config), len(swapped), nbytes)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _without_turboquant(quant: dict[str, Any]) -> dict[str, Any]:
+    """The quantization block as mlx-lm's quantize step should see it: defaults plus per-module entries of MLX's own
+    modes (TurboQuant modules are swapped before that step and have no `to_quantized`)."""
+    out: dict[str, Any] = {"group_size": int(quant.get("group_size") or 64), "bits": int(quant.get("bits") or 4),
+                           "mode": quant.get("mode") if quant.get("mode") not in (None, "turboquant") else "affine"}
+    for k, v in quant.items():
+        if isinstance(v, dict) and "bits" in v and v.get("mode") not in (None, "turboquant"):
+            out[k] = v
+    return out
+
+
+def _recorded_rotations(config: dict[str, Any]) -> dict[str, int | None]:
+    """mlx-lm module path -> rotation block, for TurboQuant modules whose rotation the config records (tqbench)."""
+    block = QuantizationBlock.from_config(config.get("quantization"))
+    if block is None:
+        return {}
+    out = {}
+    for name, q in block.modules.items():
+        if q.format == "turboquant" and q.rotation is not None:
+            out[mlx_module_path(name)] = q.rotation.get("block") if q.rotation.get("kind") != "none" else None
+    return out
+
+
+def _with_turboquant(model_class: type, path: Path, rotations: dict[str, int | None], swapped: list[str]) -> type:
+    """model_class whose sanitize also turns every module with a codebook into a TurboQuant module."""
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        fused = _take_fused(self, weights)
+        side = {k: weights.pop(k) for k in list(weights) if k.endswith(_TQ_PARAMS)}
+        if hasattr(model_class, "sanitize"):
+            weights = model_class.sanitize(self, weights)
+        for k, v in side.items():
+            module, _, param = k.rpartition(".")
+            weights[f"{_mlx_path(module, self)}.{param}"] = v
+        weights.update(fused)
+        swapped.extend(swap_turboquant(self, weights, rotations, path))
+        return weights
+
+    return type(model_class.__name__, (model_class,), {"sanitize": sanitize})
+
+
+def _take_fused(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """TurboQuant parts of a module the family fuses (KDA's q/k/v -> qkv_proj), taken out of `weights` before the
+    family's sanitize would concatenate their codes, and renamed `<fused>.parts.<i>.<param>`."""
+    modules = dict(model.named_modules())
+    out = {}
+    for key in [k for k in weights if k.endswith(".codebook")]:
+        mp = _mlx_path(key[: -len(".codebook")], model)
+        parent, _, leaf = mp.rpartition(".")
+        for fused, parts in FUSED.items():
+            if leaf in parts and mp not in modules and f"{parent}.{fused}" in modules:
+                src = key[: -len(".codebook")]
+                i = parts.index(leaf)
+                for t in _TQ_TENSORS:
+                    if f"{src}.{t}" in weights:
+                        out[f"{parent}.{fused}.parts.{i}.{t}"] = weights.pop(f"{src}.{t}")
+    return out
+
+
+def _mlx_path(module: str, model: nn.Module) -> str:
+    """A side tensor's module path in the model: mlx-lm's renaming, with and without a `language_model.` prefix."""
+    mapped = mlx_module_path(module)
+    modules = dict(model.named_modules())
+    for candidate in (mapped, module):
+        if candidate in modules:
+            return candidate
+    return mapped
+
+
+def swap_turboquant(model: nn.Module, weights: dict[str, mx.array], rotations: dict[str, int | None],
+                    path: Path) -> list[str]:
+    """Replace each module that has `<path>.codebook` in `weights` by a TurboQuant module shaped from its tensors."""
+    modules = dict(model.named_modules())
+    new = []
+    for key in sorted(k for k in weights if k.endswith(".codebook")):
+        p = key[: -len(".codebook")]
+        head, sep, tail = p.rpartition(".parts.")
+        old = modules.get(p) or (modules.get(head) if sep and tail.isdigit() else None)
+        if old is None:
+            raise LoadError(f"tensor {key}: the {type(model).__module__.rsplit('.', 1)[-1]} architecture has no module "
+                            f"{p}", path)
+        try:
+            weight, scales, signs, book = (weights[f"{p}.{n}"] for n in ("weight", "scales", "signs", "codebook"))
+        except KeyError as e:
+            raise LoadError(f"TurboQuant module {p} has a codebook but no {e.args[0].rsplit('.', 1)[-1]} tensor",
+                            path) from None
+        n, levels = signs.shape[0], book.shape[0]
+        if n % scales.shape[-1]:
+            raise LoadError(f"tensor {p}.scales: {scales.shape[-1]} groups do not divide the input width {n}", path)
+        group = n // scales.shape[-1]
+        block = rotations[p] if p in rotations else _rotation_from_signs(signs)
+        bias = f"{p}.bias" in weights
+        try:
+            if weight.ndim == 3:
+                m = TurboQuantSwitchLinear(n, scales.shape[-2], weight.shape[0], levels, group, block, bias)
+            else:
+                m = TurboQuantLinear(n, scales.shape[-2], levels, group, block, bias)
+        except ValueError as e:
+            raise LoadError(f"tensor {key}: {e}", path) from None
+        if m.weight.shape != weight.shape:
+            raise LoadError(f"tensor {p}.weight has shape {tuple(weight.shape)}, but {levels} levels over {n} inputs "
+                            f"pack to {tuple(m.weight.shape)}", path)
+        expected = None if sep and tail.isdigit() else _linear_shape(old)
+        if expected is not None and expected != (scales.shape[-2], n):
+            raise LoadError(f"module {p}: the architecture expects (out, in) = {expected}, the checkpoint has "
+                            f"{(scales.shape[-2], n)}", path)
+        new.append((p, m))
+    new = _group_parts(new, modules, path)
+    if new:
+        model.update_modules(tree_unflatten(new))
+    return [p for p, _ in new]
+
+
+def _group_parts(new: list[tuple[str, nn.Module]], modules: dict[str, nn.Module],
+                 path: Path) -> list[tuple[str, nn.Module]]:
+    """`<fused>.parts.<i>` modules become one TurboQuantConcat at `<fused>`, parts in order."""
+    out, groups = [], {}
+    for p, m in new:
+        head, sep, tail = p.rpartition(".parts.")
+        if sep and tail.isdigit() and head in modules:
+            groups.setdefault(head, {})[int(tail)] = m
+        else:
+            out.append((p, m))
+    for head, parts in groups.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise LoadError(f"module {head}: TurboQuant parts {sorted(parts)} are not all present", path)
+        out.append((head, TurboQuantConcat([parts[i] for i in range(len(parts))])))
+    return out
+
+
+def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
+    w = module.get("weight") if isinstance(module, nn.Module) else None
+    if w is None or w.ndim < 2:
+        return None
+    if isinstance(module, (nn.QuantizedLinear,)) or "scales" in module:
+        return None
+    return (w.shape[-2], w.shape[-1])
+
+
+def _rotation_from_signs(signs: mx.array) -> int | None:
+    """A build that records no rotation (TurboQuant-MLX): all +1 signs mean none, else the largest block."""
+    if bool(mx.all(signs == 1).item()):
+        return None
+    return rotation_block(signs.shape[0])
