@@ -39,10 +39,24 @@ def dequantize_rotated(weight: mx.array, scales: mx.array, codebook: mx.array, n
 
 def matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array) -> mx.array:
     """x_rot (..., n) float32 -> (..., out) float32."""
+    return _matmul(x_rot, weight, scales, codebook)
+
+
+def _matmul_graph(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array) -> mx.array:
     return x_rot @ dequantize_rotated(weight, scales, codebook, x_rot.shape[-1]).T
 
 
+# Compiled: decoding, lookup and scaling fuse into one pass (a decode step calls this for every quantized Linear,
+# so op count matters). mx.compile retraces per input shape.
+_matmul = mx.compile(_matmul_graph)
+
+
 def gather_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, indices: mx.array,
+                  sorted_indices: bool = False) -> mx.array:
+    return (_gather_sorted if sorted_indices else _gather)(x_rot, weight, scales, codebook, indices)
+
+
+def _gather_graph(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, indices: mx.array,
                   sorted_indices: bool = False) -> mx.array:
     """The routed-expert product, as mlx-lm's SwitchLinear computes it with `mx.gather_mm`: x_rot (..., m, n) and
     expert indices (...) -> (..., m, out). Only the experts the indices name are dequantized, unless they name more
@@ -56,3 +70,7 @@ def gather_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook:
         return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=local, sorted_indices=sorted_indices)
     w = dequantize_rotated(weight, scales, codebook, n)
     return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+
+
+_gather = mx.compile(lambda x, w, s, b, i: _gather_graph(x, w, s, b, i, False))
+_gather_sorted = mx.compile(lambda x, w, s, b, i: _gather_graph(x, w, s, b, i, True))

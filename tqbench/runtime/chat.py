@@ -1,0 +1,177 @@
+"""A conversation with a loaded model: mlx-lm's prompt cache kept across turns, its chat template, sampler and
+generation loop; tqbench adds the bookkeeping (which tokens the cache holds, so a turn processes only its new
+tokens) and frozen events for the faces.
+
+`Conversation.reply()` is a generator to run on the engine's MLX thread; every event it yields holds plain values.
+Closing it mid-reply (a user's Esc or Ctrl-C) keeps what was generated: the partial reply joins the conversation and
+the cache stays consistent with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
+
+import mlx.core as mx
+
+from tqbench.runtime.load import Loaded
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int = 512
+    temp: float = 0.0
+    top_p: float = 0.0  # 0: off
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+
+    @classmethod
+    def defaults(cls, generation_config: dict[str, Any], **given: Any) -> Sampling:
+        """generation_config.json's temperature / top_p / top_k, overridden by what the user gave (None = not given)."""
+        base = cls(temp=float(generation_config.get("temperature", 0.0) or 0.0) if generation_config.get("do_sample", True) else 0.0,
+                   top_p=float(generation_config.get("top_p", 0.0) or 0.0),
+                   top_k=int(generation_config.get("top_k", 0) or 0))
+        return replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class ReplyStarted:
+    prompt_tokens: int  # this turn's tokens the model processes
+    cached_tokens: int  # tokens reused from the conversation's cache
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    id: int
+    text: str  # this token's new text (may be "" while a multi-byte character is incomplete)
+    thinking: bool  # inside a <think> block
+
+
+@dataclass(frozen=True)
+class ReplyDone:
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    prefill_tps: float
+    decode_tps: float
+    peak_memory_bytes: int
+    finish_reason: str  # "stop" (end of message), "length" (max tokens), "cancelled"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": "done", "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "generated_tokens": self.generated_tokens, "prefill_tps": round(self.prefill_tps, 2),
+                "decode_tps": round(self.decode_tps, 2), "peak_memory_bytes": self.peak_memory_bytes,
+                "finish_reason": self.finish_reason}
+
+
+@dataclass
+class Conversation:
+    loaded: Loaded
+    system: str | None = None
+    chat_template: bool = True
+    messages: list[dict[str, str]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # exactly what the cache holds, in order
+    cache: list[Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.chat_template and getattr(self.loaded.tokenizer, "chat_template", None) is None:
+            self.chat_template = False  # a base model: plain text turns
+        self.reset()
+
+    def reset(self) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.messages = [{"role": "system", "content": self.system}] if self.system and self.chat_template else []
+        self.tokens = []
+        self.cache = make_prompt_cache(self.loaded.model)
+
+    def conversation_tokens(self, user: str) -> list[int]:
+        """The whole conversation with `user` as the next turn, as the model should see it."""
+        tok = self.loaded.tokenizer
+        if not self.chat_template:
+            return self.tokens + list(tok.encode(user, add_special_tokens=not self.tokens))
+        text = tok.apply_chat_template(self.messages + [{"role": "user", "content": user}], tokenize=False,
+                                       add_generation_prompt=True)
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def _reuse(self, full: list[int]) -> int:
+        """How many of `full`'s first tokens the cache already holds; trims or resets the cache where it diverges."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        common = 0
+        for a, b in zip(self.tokens, full):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(full) - 1)  # the last token must be processed to get logits
+        if common == len(self.tokens):
+            return common
+        if common and can_trim_prompt_cache(self.cache):
+            trim_prompt_cache(self.cache, len(self.tokens) - common)
+            del self.tokens[common:]
+            return common
+        self.reset_cache()
+        return 0
+
+    def reset_cache(self) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.tokens = []
+        self.cache = make_prompt_cache(self.loaded.model)
+
+    def reply(self, user: str, sampling: Sampling = Sampling()) -> Iterator[ReplyStarted | TokenOut | ReplyDone]:
+        from mlx_lm.generate import stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        full = self.conversation_tokens(user)
+        cached = self._reuse(full)
+        new = full[cached:]
+        yield ReplyStarted(len(new), cached)
+        if sampling.seed is not None:
+            mx.random.seed(sampling.seed)
+        sampler = make_sampler(sampling.temp, sampling.top_p, top_k=sampling.top_k)
+        mx.reset_peak_memory()
+        self.tokens.extend(new)
+        if self.chat_template:
+            self.messages.append({"role": "user", "content": user})
+        generated: list[int] = []
+        text: list[str] = []
+        thinking = False
+        finish, prefill_tps, decode_tps = "cancelled", 0.0, 0.0
+        steps = stream_generate(self.loaded.model, self.loaded.tokenizer, mx.array(new, dtype=mx.uint32),
+                                max_tokens=sampling.max_tokens, sampler=sampler, prompt_cache=self.cache)
+        try:
+            for r in steps:
+                generated.append(r.token)
+                self.tokens.append(r.token)  # the cache holds every token generate_step has yielded
+                prefill_tps, decode_tps = r.prompt_tps, r.generation_tps
+                if r.finish_reason is not None:
+                    finish = r.finish_reason
+                    if r.text:
+                        text.append(r.text)
+                        yield TokenOut(r.token, r.text, thinking)
+                    break
+                if THINK_OPEN in r.text:
+                    thinking = True
+                yield TokenOut(r.token, r.text, thinking)
+                if THINK_CLOSE in r.text:
+                    thinking = False
+                text.append(r.text)
+        finally:
+            steps.close()  # here, on the MLX thread, not whenever it is collected
+            reply = "".join(text)
+            if self.chat_template:
+                self.messages.append({"role": "assistant", "content": reply})
+            self._done = ReplyDone(reply, len(new), cached, len(generated), prefill_tps, decode_tps,
+                                   int(mx.get_peak_memory()), finish)
+        if finish == "cancelled":  # the loop ended without a final response: the caller stopped early
+            finish = "length"
+        yield replace(self._done, finish_reason=finish)
+
+    @property
+    def last(self) -> ReplyDone | None:
+        """The last reply's summary, also after a reply was stopped early (finish_reason "cancelled")."""
+        return getattr(self, "_done", None)
