@@ -3,10 +3,10 @@ recipe (JSON in tqbench.paths.state_file())."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tqbench.paths import state_file
+from tqbench.state import load_state as _load
+from tqbench.state import save_state as _save
 
 
 def last_checkpoint() -> Path | None:
@@ -15,26 +15,6 @@ def last_checkpoint() -> Path | None:
     if isinstance(last, str) and Path(last).is_dir():
         return Path(last)
     return None
-
-
-def _load() -> dict:
-    try:
-        data = json.loads(state_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _save(data: dict) -> None:
-    """Write the state atomically; a cache that cannot be written is not an error."""
-    file = state_file()
-    try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_name(file.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        tmp.replace(file)
-    except OSError:
-        pass
 
 
 def remember_checkpoint(path: Path) -> None:

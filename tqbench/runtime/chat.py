@@ -29,10 +29,14 @@ class Sampling:
 
     @classmethod
     def defaults(cls, generation_config: dict[str, Any], **given: Any) -> Sampling:
-        """generation_config.json's temperature / top_p / top_k, overridden by what the user gave (None = not given)."""
-        base = cls(temp=float(generation_config.get("temperature", 0.0) or 0.0) if generation_config.get("do_sample", True) else 0.0,
-                   top_p=float(generation_config.get("top_p", 0.0) or 0.0),
-                   top_k=int(generation_config.get("top_k", 0) or 0))
+        """generation_config.json's max_new_tokens / temperature / top_p / top_k (greedy when do_sample is false),
+        overridden by what the user gave (None = not given)."""
+        gc = generation_config
+        sample = gc.get("do_sample", True) is not False
+        base = cls(max_tokens=int(gc.get("max_new_tokens") or cls.max_tokens),
+                   temp=float(gc.get("temperature") or 0.0) if sample else 0.0,
+                   top_p=float(gc.get("top_p") or 0.0) if sample else 0.0,
+                   top_k=int(gc.get("top_k") or 0) if sample else 0)
         return replace(base, **{k: v for k, v in given.items() if v is not None})
 
 

@@ -1,0 +1,45 @@
+"""Which model `tqbench chat` opens when none is named: the last converted model, else the demo converted with
+DEMO_RECIPE (converting it first, with the conversion's own progress events)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from tqbench.layout.names import INDEX_FILE
+from tqbench.state import last_model, remember_model
+
+DEMO_RECIPE = "tq4"  # the demo's chat default (see docs/demo-model.md for each recipe's quality on it)
+
+
+@dataclass(frozen=True)
+class ModelChosen:
+    path: str
+    why: str  # "last converted model", "demo (converted earlier)", "demo, converted now"
+
+
+def demo_converted_path(recipe: str = DEMO_RECIPE) -> Path:
+    from tqbench.demo import demo_path
+
+    src = demo_path()
+    return src.parent / f"{src.name}-{recipe}"
+
+
+def choose_model(recipe: str = DEMO_RECIPE) -> Iterator[ModelChosen | Any]:
+    """Yields conversion events if the demo has to be converted, then ModelChosen. Runs on the engine thread."""
+    from tqbench.convert import convert
+    from tqbench.demo import ensure_demo
+    from tqbench.recipe import Recipe
+
+    last = last_model()
+    if last is not None:
+        yield ModelChosen(str(last), "last converted model")
+        return
+    dest = demo_converted_path(recipe)
+    if (dest / INDEX_FILE).is_file():
+        yield ModelChosen(str(dest), "demo (converted earlier)")
+        return
+    yield from convert(ensure_demo(), dest, Recipe.parse(recipe))
+    remember_model(dest)
+    yield ModelChosen(str(dest), f"demo, converted now with {recipe}")
