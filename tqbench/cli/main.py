@@ -116,11 +116,13 @@ def ui(
     _open_ui(path)
 
 
+from tqbench.cli.chat import chat  # noqa: E402
 from tqbench.cli.convert import convert  # noqa: E402
 from tqbench.cli.plan import plan  # noqa: E402
 
 app.command()(plan)
 app.command()(convert)
+app.command()(chat)
 
 
 def _open_ui(path: Path | None) -> None:

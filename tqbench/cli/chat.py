@@ -1,0 +1,214 @@
+"""`tqbench chat`: talk to a model from the terminal, a script or a pipe. Replies stream to stdout; loading, progress
+and the per-reply summary go to stderr; `--json` prints one JSON object per line on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Iterable, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from tqbench import units
+from tqbench.engine import Session
+from tqbench.errors import ExitCode, TqbenchError
+
+HELP_LINE = "commands: /reset (forget the conversation), /stats, /quit (or Ctrl-D); Ctrl-C stops a reply"
+
+
+def chat(
+    model: Annotated[Optional[Path], typer.Option("--model", "-m", metavar="DIR", help=(
+        "Model directory: a tqbench conversion, a TurboQuant-MLX build, an MLX or source checkpoint "
+        "(default: the last converted model, else the demo, converted first if needed)."))] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", metavar="TEXT",
+                                                  help="Answer this one message and exit.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(
+        "--max-tokens", help="Most tokens per reply (default: generation_config.json's, else 512).")] = None,
+    temp: Annotated[Optional[float], typer.Option("--temp", help="Sampling temperature (0: greedy).")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass (0: off).")] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample among the k likeliest (0: off).")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")] = None,
+    system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="A system message.")] = None,
+    no_chat_template: Annotated[bool, typer.Option(
+        "--no-chat-template", help="Send turns as plain text (a base model's continuation).")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(
+        "--trust-remote-code", help="Allow the model's own tokenizer code (needed for hub ids and non-K3 models "
+                                    "that ship code; a local kimi_k3 directory is trusted).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line: tokens and a summary per reply.")] = False,
+) -> None:
+    """Chat with a model: streaming replies, thinking shown apart, the conversation's cache kept between turns.
+
+    Interactive on a terminal (/reset, /stats, /quit; Ctrl-C stops a reply, not the session). With --prompt: one
+    answer, then exit. With stdin not a terminal: each line is one user turn. Sampling defaults come from the model's
+    generation_config.json.
+    """
+    from tqbench.runtime.session import open_model
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)  # piped lines never wrap
+    session = Session()
+    try:
+        path = str(model) if model is not None else _default_model(err)
+        if not as_json:
+            err.print(f"loading {path} ...", markup=False)
+        with session.submit(lambda s: open_model(s, path, trust_remote_code, system, not no_chat_template,
+                                                 max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
+                                                 seed=seed)) as job:
+            loaded = job.result()[-1]
+        if not as_json:
+            err.print(_loaded_line(loaded), markup=False)
+        interactive = prompt is None and sys.stdin.isatty()
+        if interactive and not as_json:
+            err.print(HELP_LINE, markup=False)
+        turns = [prompt] if prompt is not None else (_typed(err) if interactive else _lines(sys.stdin))
+        _converse(session, loaded, turns, as_json, interactive, err)
+    except TqbenchError as e:
+        print(f"tqbench: error: {e}", file=sys.stderr)
+        raise typer.Exit(e.exit_code) from None
+    finally:
+        session.close()
+
+
+def _default_model(err: Console) -> str:
+    from tqbench.cli.convert import _render, _render_plain
+    from tqbench.engine import submit
+    from tqbench.runtime.models import ModelChosen, choose_model
+
+    with submit(choose_model) as job:
+        events = iter(job)
+        chosen = None
+
+        def conversion() -> Iterator:
+            nonlocal chosen
+            for ev in events:
+                if isinstance(ev, ModelChosen):
+                    chosen = ev
+                    return
+                yield ev
+
+        first = next(events)
+        if isinstance(first, ModelChosen):
+            chosen = first
+        else:
+            err.print("no model given and none converted yet: converting the demo first", markup=False)
+            from itertools import chain
+            (_render if err.is_terminal else _render_plain)(chain([first], conversion()), err)
+            for ev in events:
+                if isinstance(ev, ModelChosen):
+                    chosen = ev
+    if chosen is None:
+        raise TqbenchError("could not choose a model")
+    err.print(f"model: {chosen.path} ({chosen.why})", markup=False)
+    return chosen.path
+
+
+def _loaded_line(m) -> str:
+    tq = f", {m.turboquant_modules} TurboQuant modules" if m.turboquant_modules else ""
+    s = m.sampling
+    sampling = "greedy" if s.temp == 0 else f"temp {s.temp:g}" + (f", top-p {s.top_p:g}" if s.top_p else "") + (
+        f", top-k {s.top_k}" if s.top_k else "")
+    template = "" if m.chat_template else ", no chat template (plain text turns)"
+    return (f"loaded {m.model_type}{tq}: {units.size(m.weight_bytes)} of weights in {m.seconds:.1f} s; "
+            f"{sampling}, up to {s.max_tokens} tokens per reply{template}")
+
+
+def _typed(err: Console) -> Iterator[str]:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        except KeyboardInterrupt:  # at the prompt, Ctrl-C leaves
+            print(file=sys.stderr)
+            return
+        if line.strip():
+            yield line
+
+
+def _lines(stream: Iterable[str]) -> Iterator[str]:
+    for line in stream:
+        line = line.rstrip("\n")
+        if line.strip():
+            yield line
+
+
+def _converse(session: Session, loaded, turns: Iterable[str], as_json: bool, interactive: bool,
+              err: Console) -> None:
+    from tqbench.runtime.session import last_reply, reset
+
+    out = Console(highlight=False, soft_wrap=True, markup=False)
+    for text in turns:
+        command = text.strip().lower()
+        if command in ("/quit", "/exit"):
+            return
+        if command == "/reset":
+            session.call(reset)
+            err.print("conversation reset", markup=False)
+            continue
+        if command == "/stats":
+            _stats(session, loaded, err)
+            continue
+        done = _reply(session, text, loaded.sampling, as_json, out, interactive)
+        if done is None:  # stopped with Ctrl-C
+            done = session.call(last_reply)
+            if not as_json:
+                out.print()
+                err.print("[stopped]", markup=False)
+            if not interactive:
+                if as_json:
+                    print(json.dumps(done.to_dict()), flush=True)
+                raise typer.Exit(ExitCode.INTERRUPTED)
+        if as_json:
+            print(json.dumps(done.to_dict()), flush=True)
+        else:
+            err.print(_summary(done), markup=False, style="dim")
+
+
+def _reply(session: Session, text: str, sampling, as_json: bool, out: Console, interactive: bool):
+    from tqbench.runtime.chat import ReplyDone, TokenOut
+    from tqbench.runtime.session import reply
+
+    done = None
+    try:
+        with session.submit(lambda s: reply(s, text, sampling)) as job:
+            for ev in job:
+                if isinstance(ev, TokenOut):
+                    if as_json:
+                        print(json.dumps({"event": "token", "id": ev.id, "text": ev.text, "thinking": ev.thinking}),
+                              flush=True)
+                    elif ev.text:
+                        out.print(Text(ev.text, style="dim italic" if ev.thinking else ""), end="")
+                        out.file.flush()
+                elif isinstance(ev, ReplyDone):
+                    done = ev
+    except KeyboardInterrupt:  # leaving the with block closed the reply on the engine thread
+        return None
+    if not as_json:
+        out.print()
+    return done
+
+
+def _summary(d) -> str:
+    cached = f", {d.cached_tokens} reused from the cache" if d.cached_tokens else ""
+    stop = {"length": " (max tokens)", "cancelled": " (stopped)"}.get(d.finish_reason, "")
+    return (f"[{d.generated_tokens} tokens{stop}, {d.decode_tps:.1f} tok/s; prompt {d.prompt_tokens} tokens at "
+            f"{d.prefill_tps:.1f} tok/s{cached}; peak memory {units.size(d.peak_memory_bytes)}]")
+
+
+def _stats(session: Session, loaded, err: Console) -> None:
+    from tqbench.runtime.session import conversation
+
+    tokens, turns, last = session.call(lambda s: (len(conversation(s).tokens),
+                                                  sum(m["role"] == "user" for m in conversation(s).messages),
+                                                  conversation(s).last))
+    err.print(f"model {loaded.path} ({loaded.model_type}), {units.size(loaded.weight_bytes)} of weights; "
+              f"conversation: {turns} turns, {tokens} tokens in the cache", markup=False)
+    if last is not None:
+        err.print("last reply: " + _summary(last), markup=False)
