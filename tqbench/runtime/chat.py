@@ -160,10 +160,10 @@ class Conversation:
                     break
                 if THINK_OPEN in r.text:
                     thinking = True
+                text.append(r.text)  # before the yield: a reply closed there keeps this token's text
                 yield TokenOut(r.token, r.text, thinking)
                 if THINK_CLOSE in r.text:
                     thinking = False
-                text.append(r.text)
         finally:
             steps.close()  # here, on the MLX thread, not whenever it is collected
             reply = "".join(text)

@@ -46,7 +46,7 @@ class Loaded:
     config: dict[str, Any]
     path: Path
     model_type: str
-    turboquant_modules: int  # modules swapped for TurboQuant ones
+    turboquant_modules: int  # stored TurboQuant modules (each part of a fused module counts)
     weight_bytes: int  # bytes of every parameter as held in memory
 
     @property
@@ -139,12 +139,16 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False)
     rotations = _recorded_rotations(config)
     swapped: list[str] = []
 
+    try:
+        mu._get_classes(config)
+    except ValueError:
+        raise LoadError(f"mlx-lm {_mlx_lm_version()} has no architecture for model_type {model_type(config)!r}",
+                        path) from None
+    if not any(path.glob("model*.safetensors")):
+        raise LoadError("no model*.safetensors weight files", path)
+
     def classes(config: dict[str, Any]):
-        cfg = config
-        try:
-            model_class, args_class = mu._get_classes(cfg)
-        except ValueError as e:
-            raise LoadError(f"mlx-lm has no architecture for model_type {model_type(cfg)!r} ({e})", path) from None
+        model_class, args_class = mu._get_classes(config)
         return _with_turboquant(model_class, path, rotations, swapped), args_class
 
     overrides = {}
@@ -160,6 +164,12 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False)
         tokenizer = mu.load_tokenizer(path, {"trust_remote_code": trust}, eos_token_ids=config.get("eos_token_id"))
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return Loaded(model, tokenizer, config, path, model_type(config), len(swapped), nbytes)
+
+
+def _mlx_lm_version() -> str:
+    from importlib.metadata import version
+
+    return version("mlx-lm")
 
 
 def _one_line(e: BaseException) -> str:
@@ -237,7 +247,8 @@ def _mlx_path(module: str, model: nn.Module) -> str:
 
 def swap_turboquant(model: nn.Module, weights: dict[str, mx.array], rotations: dict[str, int | None],
                     path: Path) -> list[str]:
-    """Replace each module that has `<path>.codebook` in `weights` by a TurboQuant module shaped from its tensors."""
+    """Replace each module that has `<path>.codebook` in `weights` by a TurboQuant module shaped from its tensors.
+    Returns the stored TurboQuant modules' paths."""
     modules = dict(model.named_modules())
     new = []
     for key in sorted(k for k in weights if k.endswith(".codebook")):
@@ -273,10 +284,11 @@ def swap_turboquant(model: nn.Module, weights: dict[str, mx.array], rotations: d
             raise LoadError(f"module {p}: the architecture expects (out, in) = {expected}, the checkpoint has "
                             f"{(scales.shape[-2], n)}", path)
         new.append((p, m))
+    stored = [p for p, _ in new]  # every stored TurboQuant module (fused parts each count)
     new = _group_parts(new, modules, path)
     if new:
         model.update_modules(tree_unflatten(new))
-    return [p for p, _ in new]
+    return stored
 
 
 def _group_parts(new: list[tuple[str, nn.Module]], modules: dict[str, nn.Module],

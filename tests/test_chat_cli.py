@@ -1,0 +1,100 @@
+"""`tqbench chat` as a user runs it: --prompt, piped turns, --json lines, commands, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import tqbench
+from tqbench.convert import convert
+from tqbench.demo import ensure_demo
+from tqbench.engine import Session
+from tqbench.recipe import Recipe
+from tqbench.runtime.chat import Sampling
+from tqbench.runtime.session import open_model, reply
+
+pytestmark = pytest.mark.slow  # a demo conversion and several model loads (~15 s)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("chat")
+    src = root / "demo"
+    shutil.copytree(ensure_demo(), src)
+    dest = root / "tq4"
+    list(convert(src, dest, Recipe.parse("tq4")))
+    return dest
+
+
+def _engine_replies(path: Path, turns: list[str], n: int) -> list[str]:
+    """The same conversation through the engine API (what both faces share), for comparison."""
+    s = Session()
+    try:
+        with s.submit(lambda s: open_model(s, str(path))) as job:
+            job.result()
+        out = []
+        for t in turns:
+            with s.submit(lambda s: reply(s, t, Sampling(max_tokens=n))) as job:
+                out.append(job.result()[-1].text)
+        return out
+    finally:
+        s.close()
+
+
+def test_prompt_answers_once(model, capsys, monkeypatch):
+    r = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "def fib(n):", "--max-tokens", "16")
+    assert r.code == 0
+    assert r.out == _engine_replies(model, ["def fib(n):"], 16)[0] + "\n"
+    codebooks = sum(k.endswith(".codebook") for k in json.loads((model / "model.safetensors.index.json").read_text())
+                    ["weight_map"])
+    assert f"loaded kimi_k3, {codebooks} TurboQuant modules" in r.err
+    assert "[16 tokens (max tokens)" in r.err and "tok/s" in r.err and "peak memory" in r.err
+
+
+def test_piped_lines_are_turns_and_json_lines(model, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", open(os.devnull) if False else __import__("io").StringIO(
+        "def fib(n):\n\n/stats\nclass Node:\n"))
+    r = tqbench(capsys, monkeypatch, "chat", "--model", model, "--max-tokens", "8", "--json")
+    assert r.code == 0
+    lines = [json.loads(x) for x in r.out.splitlines()]
+    done = [x for x in lines if x["event"] == "done"]
+    tokens = [x for x in lines if x["event"] == "token"]
+    assert len(done) == 2 and len(tokens) == 16
+    assert set(tokens[0]) == {"event", "id", "text", "thinking"}
+    assert set(done[0]) == {"event", "prompt_tokens", "cached_tokens", "generated_tokens", "prefill_tps",
+                            "decode_tps", "peak_memory_bytes", "finish_reason"}
+    assert done[0]["cached_tokens"] == 0 and done[0]["generated_tokens"] == 8
+    assert done[1]["cached_tokens"] == done[0]["prompt_tokens"] + 8  # turn 2 reuses turn 1 whole
+    replies = _engine_replies(model, ["def fib(n):", "class Node:"], 8)
+    assert "".join(t["text"] for t in tokens[:8]) == replies[0]
+    assert "".join(t["text"] for t in tokens[8:]) == replies[1]
+    assert "conversation: 1 turns" in r.err  # /stats went to stderr, not into the JSON stream
+
+
+def test_reset_forgets_the_conversation(model, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("def fib(n):\n/reset\ndef fib(n):\n/quit\nnever\n"))
+    r = tqbench(capsys, monkeypatch, "chat", "--model", model, "--max-tokens", "6", "--json")
+    done = [json.loads(x) for x in r.out.splitlines() if '"done"' in x]
+    assert len(done) == 2 and done[1]["cached_tokens"] == 0 and done[1]["prompt_tokens"] == done[0]["prompt_tokens"]
+    assert "conversation reset" in r.err
+
+
+def test_bad_model_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
+    r = tqbench(capsys, monkeypatch, "chat", "--model", tmp_path, "--prompt", "hi")
+    assert r.code == 1 and r.out == ""
+    assert r.err.splitlines()[-1] == f"tqbench: error: {tmp_path}: no config.json: not a model directory"
+
+
+def test_a_fresh_process_shows_no_library_chatter(model):
+    env = dict(os.environ, COLUMNS="200")
+    p = subprocess.run([sys.executable, "-m", "tqbench", "chat", "--model", str(model), "--prompt", "x",
+                        "--max-tokens", "2"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "You are using a model of type" not in p.stderr and "Warning" not in p.stderr
+    assert [ln.split(" ")[0] for ln in p.stderr.splitlines()] == ["loading", "loaded", "[2"]

@@ -1,0 +1,197 @@
+"""Running converted models (tqbench.runtime): the loaded TurboQuant model computes what its dequantized weights
+compute, passthrough is the source, a conversation's second turn reuses the cache and equals a fresh run, and the
+trust rule for model code."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm import load as mlx_load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.switch_layers import SwitchLinear
+
+from tqbench.convert import convert
+from tqbench.demo import ensure_demo
+from tqbench.layout import QuantizationBlock
+from tqbench.quant import turboquant as tq
+from tqbench.recipe import Recipe
+from tqbench.runtime.chat import Conversation, ReplyDone, ReplyStarted, Sampling, TokenOut
+from tqbench.runtime.layers import TurboQuantConcat, TurboQuantLinear, TurboQuantSwitchLinear
+from tqbench.runtime.load import LoadError, load, trust_decision
+
+pytestmark = pytest.mark.slow  # conversions of the demo and model loads (~20 s)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """The shipped trained demo (mxfp4 experts) and its conversions."""
+    root = tmp_path_factory.mktemp("models")
+    src = root / "demo"
+    shutil.copytree(ensure_demo(), src)
+    out = {"source": src}
+    for name in ("tq3a-tqTe-down4-g64", "tq4", "src"):
+        out[name] = root / name
+        list(convert(src, out[name], Recipe.parse(name)))
+    return out
+
+
+def _logits(model: nn.Module, tokens: list[int]) -> np.ndarray:
+    return np.array(model(mx.array([tokens])).astype(mx.float32))
+
+
+PROMPT = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]
+
+
+def _module(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent = model
+    *parents, leaf = path.split(".")
+    for part in parents:
+        parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+    return parent, leaf
+
+
+def _float(m: TurboQuantLinear | TurboQuantSwitchLinear) -> mx.array:
+    """Float weights in the input's own domain, by tqbench.quant's dequantize (un-rotates), not the runtime's path."""
+    signs = m.signs if m.block is not None else None
+    return tq.dequantize(m.weight, m.scales, m.codebook, signs, m.input_dims)
+
+
+@pytest.mark.parametrize("recipe", ["tq3a-tqTe-down4-g64", "tq4"])
+def test_turboquant_model_equals_its_dequantized_weights(models, recipe):
+    """The loaded TurboQuant model's logits == mlx-lm's model of the same architecture holding the dequantized float
+    weights, both in float32."""
+    loaded = load(models[recipe])
+    reference = mlx_load(str(models["source"]))[0]
+    model = loaded.model
+    model.set_dtype(mx.float32)
+    reference.set_dtype(mx.float32)
+    kinds = {"linear": 0, "experts": 0, "concat": 0}
+    for path, m in model.named_modules():
+        if ".parts." in path:
+            continue  # inside a TurboQuantConcat: handled with it
+        parent, leaf = _module(reference, path)
+        if isinstance(m, TurboQuantConcat):
+            getattr(parent, leaf).weight = mx.concatenate([_float(p) for p in m.parts], axis=0)
+            kinds["concat"] += 1
+        elif isinstance(m, TurboQuantSwitchLinear):
+            setattr(parent, leaf, SwitchLinear(m.input_dims, m.output_dims, m.num_experts, bias=False))
+            getattr(parent, leaf).weight = _float(m)
+            kinds["experts"] += 1
+        elif isinstance(m, TurboQuantLinear):
+            getattr(parent, leaf).weight = _float(m)
+            kinds["linear"] += 1
+    assert loaded.turboquant_modules == kinds["linear"] + kinds["experts"] + 3 * kinds["concat"]
+    # 7 MoE layers x 3 expert projections; 6 KDA layers whose q/k/v mlx-lm fuses into qkv_proj
+    assert kinds["experts"] == 21 and kinds["concat"] == 6 and kinds["linear"] > 40
+    got, want = _logits(model, PROMPT), _logits(reference, PROMPT)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    # and the weights are really quantized: the source model's logits differ
+    source = mlx_load(str(models["source"]))[0]
+    source.set_dtype(mx.float32)
+    assert np.abs(_logits(source, PROMPT) - got).max() > 1e-2 * np.abs(want).max()
+
+
+def test_rotation_comes_from_the_recorded_block(models):
+    loaded = load(models["tq3a-tqTe-down4-g64"])
+    block = QuantizationBlock.from_config(json.loads((models["tq3a-tqTe-down4-g64"] / "config.json").read_text())
+                                          ["quantization"])
+    q = block.modules["language_model.model.layers.1.block_sparse_moe.switch_mlp.down_proj"]
+    m = loaded.model.language_model.model.layers[1].mlp.switch_mlp.down_proj
+    assert isinstance(m, TurboQuantSwitchLinear) and m.block == q.rotation["block"] == 64
+    assert m.codebook.shape == (16,) and m.group_size == 64  # down4: 4-bit codebook, from the stored tensors
+    assert loaded.model.language_model.model.layers[1].mlp.switch_mlp.gate_proj.codebook.shape == (3,)  # ternary
+
+
+def _greedy(model, tokens: list[int], n: int) -> list[int]:
+    return [t for t, _ in zip((int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=n)), range(n))]
+
+
+def test_passthrough_generates_the_sources_greedy_tokens(models):
+    ours = load(models["src"])
+    assert ours.turboquant_modules == 0
+    source = mlx_load(str(models["source"]))[0]
+    assert _greedy(ours.model, PROMPT, 24) == _greedy(source, PROMPT, 24)
+    np.testing.assert_array_equal(_logits(ours.model, PROMPT), _logits(source, PROMPT))
+
+
+def _run(conv: Conversation, text: str, n: int = 12) -> tuple[ReplyStarted, list[int], ReplyDone]:
+    events = list(conv.reply(text, Sampling(max_tokens=n)))
+    return events[0], [e.id for e in events if isinstance(e, TokenOut)], events[-1]
+
+
+def test_second_turn_processes_only_its_new_tokens_and_equals_a_fresh_run(models):
+    loaded = load(models["tq4"])
+    conv = Conversation(loaded)
+    s1, t1, d1 = _run(conv, "def fib(n):")
+    assert s1.cached_tokens == 0
+    assert d1.generated_tokens == len(conv.tokens) - s1.prompt_tokens
+    full2 = conv.conversation_tokens("class Node:")
+    assert full2[: len(conv.tokens)] == conv.tokens  # the template extends what the cache holds
+    s2, t2, d2 = _run(conv, "class Node:")
+    assert s2.cached_tokens == s1.prompt_tokens + d1.generated_tokens
+    assert s2.prompt_tokens == len(full2) - s2.cached_tokens == d2.prompt_tokens
+    # a fresh conversation given the whole history at once
+    fresh = Conversation(loaded)
+    fresh.messages = list(conv.messages[:-2])
+    s3, t3, _ = _run(fresh, "class Node:")
+    assert s3.cached_tokens == 0 and s3.prompt_tokens == len(full2)
+    assert t3 == t2 and len(t2) == 12
+
+
+def test_a_stopped_reply_keeps_the_conversation_consistent(models):
+    conv = Conversation(load(models["tq4"]))
+    gen = conv.reply("import os", Sampling(max_tokens=30))
+    got = [next(gen) for _ in range(5)]  # started + 4 tokens
+    gen.close()
+    assert conv.last.finish_reason == "cancelled" and conv.last.generated_tokens == 4
+    assert conv.messages[-1] == {"role": "assistant", "content": "".join(e.text for e in got[1:])}
+    assert len(conv.tokens) == got[0].prompt_tokens + 4
+    s, _, _ = _run(conv, "print(1)")
+    assert s.cached_tokens > 0  # still reused
+
+
+def test_sampling_defaults_come_from_generation_config():
+    gc = {"max_new_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 20}
+    assert Sampling.defaults(gc) == Sampling(64, 0.7, 0.9, 20, None)
+    assert Sampling.defaults(gc, temp=0.0, max_tokens=None) == Sampling(64, 0.0, 0.9, 20, None)
+    assert Sampling.defaults({"do_sample": False, "temperature": 0.6}) == Sampling(512, 0.0, 0.0, 0, None)
+
+
+# ---- the trust rule ---------------------------------------------------------------------------------------------------
+
+def _model_dir(root: Path, model_type: str, remote_code: bool) -> Path:
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"model_type": model_type}))
+    tc = {"tokenizer_class": "TikTokenTokenizer"}
+    if remote_code:
+        tc["auto_map"] = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
+    (root / "tokenizer_config.json").write_text(json.dumps(tc))
+    return root
+
+
+def test_trust_rule(tmp_path):
+    k3 = _model_dir(tmp_path / "k3", "kimi_k3", True)
+    other = _model_dir(tmp_path / "other", "qwen3_moe", True)
+    plain = _model_dir(tmp_path / "plain", "qwen3_moe", False)
+    assert trust_decision(str(k3), False) is True  # a local K3 directory the user named
+    assert trust_decision(str(plain), False) is False  # nothing to trust
+    with pytest.raises(LoadError, match=r"other: its tokenizer is Python code .* pass --trust-remote-code"):
+        trust_decision(str(other), False)
+    assert trust_decision(str(other), True) is True
+    with pytest.raises(LoadError, match=r"moonshotai/Kimi-K3: not a local model directory.*--trust-remote-code"):
+        trust_decision("moonshotai/Kimi-K3", False)
+    assert trust_decision("moonshotai/Kimi-K3", True) is True
+
+
+def test_load_errors_are_one_line(tmp_path):
+    with pytest.raises(LoadError, match=r"no config.json: not a model directory"):
+        load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_family"}))
+    with pytest.raises(LoadError, match=r"mlx-lm [0-9.]+ has no architecture for model_type 'no_such_family'"):
+        load(tmp_path)
