@@ -98,3 +98,19 @@ def test_a_fresh_process_shows_no_library_chatter(model):
     assert p.returncode == 0, p.stderr
     assert "You are using a model of type" not in p.stderr and "Warning" not in p.stderr
     assert [ln.split(" ")[0] for ln in p.stderr.splitlines()] == ["loading", "loaded", "[2"]
+
+
+def test_without_a_model_chat_converts_the_demo_once_then_opens_the_last_conversion(tmp_path, capsys, monkeypatch):
+    first = tqbench(capsys, monkeypatch, "chat", "--prompt", "x", "--max-tokens", "2")
+    assert first.code == 0, first.err
+    assert "converting the demo first" in first.err and "(demo, converted now with tq4)" in first.err
+    again = tqbench(capsys, monkeypatch, "chat", "--prompt", "x", "--max-tokens", "2")
+    assert "converting" not in again.err and "(last converted model)" in again.err
+    assert again.out == first.out  # greedy: the same model gives the same answer
+    # a conversion made with `tqbench convert` becomes the default
+    dest = tmp_path / "mine"
+    conv = tqbench(capsys, monkeypatch, "convert", "--hf-path", ensure_demo(), "--mlx-path", dest, "-r", "affine4")
+    assert conv.code == 0, conv.err
+    third = tqbench(capsys, monkeypatch, "chat", "--prompt", "x", "--max-tokens", "2")
+    assert f"model: {dest.resolve()} (last converted model)" in third.err
+    assert "loaded kimi_k3:" in third.err  # affine: no TurboQuant modules

@@ -21,6 +21,7 @@ from tqbench.engine import submit
 from tqbench.errors import TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
 from tqbench.recipe.fit import parse_size
+from tqbench.state import remember_model
 
 
 def convert(
@@ -70,11 +71,14 @@ def convert(
             if as_json:
                 for ev in events:
                     print(json.dumps({"event": type(ev).__name__, **asdict(ev)}), flush=True)
+                    if isinstance(ev, ConvertFinished):
+                        remember_model(mlx_path)
                 return
             finished = _render(events, err)
     except TqbenchError as e:
         print(f"tqbench: error: {e}", file=sys.stderr)
         raise typer.Exit(e.exit_code) from None
+    remember_model(mlx_path)  # `tqbench chat` opens it by default
     _summary(finished)
 
 
