@@ -206,7 +206,7 @@ def _stats(session: Session, loaded, err: Console) -> None:
     from tqbench.runtime.session import conversation
 
     tokens, turns, last = session.call(lambda s: (len(conversation(s).tokens),
-                                                  sum(m["role"] == "user" for m in conversation(s).messages),
+                                                  conversation(s).turns,
                                                   conversation(s).last))
     err.print(f"model {loaded.path} ({loaded.model_type}), {units.size(loaded.weight_bytes)} of weights; "
               f"conversation: {turns} turns, {tokens} tokens in the cache", markup=False)

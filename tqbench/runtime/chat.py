@@ -79,6 +79,7 @@ class Conversation:
     messages: list[dict[str, str]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # exactly what the cache holds, in order
     cache: list[Any] | None = None
+    turns: int = 0  # replies since the last reset
 
     def __post_init__(self) -> None:
         if self.chat_template and getattr(self.loaded.tokenizer, "chat_template", None) is None:
@@ -90,13 +91,15 @@ class Conversation:
 
         self.messages = [{"role": "system", "content": self.system}] if self.system and self.chat_template else []
         self.tokens = []
+        self.turns = 0
         self.cache = make_prompt_cache(self.loaded.model)
 
     def conversation_tokens(self, user: str) -> list[int]:
         """The whole conversation with `user` as the next turn, as the model should see it."""
         tok = self.loaded.tokenizer
-        if not self.chat_template:
-            return self.tokens + list(tok.encode(user, add_special_tokens=not self.tokens))
+        if not self.chat_template:  # plain text: each turn continues the text on a new line
+            return self.tokens + list(tok.encode("\n" + user if self.tokens else user,
+                                                 add_special_tokens=not self.tokens))
         text = tok.apply_chat_template(self.messages + [{"role": "user", "content": user}], tokenize=False,
                                        add_generation_prompt=True)
         return list(tok.encode(text, add_special_tokens=False))
@@ -139,6 +142,7 @@ class Conversation:
         sampler = make_sampler(sampling.temp, sampling.top_p, top_k=sampling.top_k)
         mx.reset_peak_memory()
         self.tokens.extend(new)
+        self.turns += 1
         if self.chat_template:
             self.messages.append({"role": "user", "content": user})
         generated: list[int] = []
