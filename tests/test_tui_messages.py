@@ -13,6 +13,9 @@ from textual.message import Message
 import tqbench.convert
 import tqbench.events
 import tqbench.recipe
+import tqbench.runtime.chat
+import tqbench.runtime.models
+import tqbench.runtime.session
 import tqbench.source
 import tui.messages as messages
 import tui.tally
@@ -26,7 +29,8 @@ MESSAGES = [c for c in vars(messages).values()
 def hints(cls) -> dict:
     """The resolved field types, given the engine modules the messages name under TYPE_CHECKING."""
     names = {}
-    for module in (tqbench.convert, tqbench.events, tqbench.recipe, tqbench.source, tui.tally):
+    for module in (tqbench.convert, tqbench.events, tqbench.recipe, tqbench.source, tui.tally, tqbench.runtime.chat,
+                   tqbench.runtime.models, tqbench.runtime.session):
         names.update({k: v for k, v in vars(module).items() if isinstance(v, type)})
     return typing.get_type_hints(cls, localns=names)
 

@@ -1,4 +1,5 @@
-"""`TqbenchApp`: the full-screen workbench. Each workbench area is an app mode: Source first, then Recipe, Convert."""
+"""`TqbenchApp`: the full-screen workbench. Each workbench area is an app mode: Source first, then Recipe, Convert,
+Chat."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from textual.reactive import reactive
 
 from tqbench.engine import engine
 from tqbench.recipe import Recipe
+from tui.screens.chat import ChatScreen
 from tui.screens.convert import ConvertScreen
 from tui.screens.recipe import RecipeScreen
 from tui.screens.source import SourceScreen
@@ -23,13 +25,15 @@ class TqbenchApp(App[None]):
 
     TITLE = "tqbench"
     CSS_PATH = "app.tcss"
-    MODES = {"source": SourceScreen, "recipe": RecipeScreen, "convert": ConvertScreen}  # later: "chat", "streaming"
+    MODES = {"source": SourceScreen, "recipe": RecipeScreen, "convert": ConvertScreen,
+             "chat": ChatScreen}  # later: "streaming"
     DEFAULT_MODE = "source"
     BINDINGS = [
         Binding("q", "quit", "Quit"),
         Binding("s", "switch_mode('source')", "Source"),
         Binding("p", "switch_mode('recipe')", "Recipe"),
         Binding("c", "switch_mode('convert')", "Convert"),
+        Binding("t", "switch_mode('chat')", "Chat"),
     ]
 
     # The tqbench.source.Checkpoint opened last, for every screen (the Source screen sets it; the Recipe screen
@@ -59,6 +63,8 @@ class TqbenchApp(App[None]):
         self.call_from_thread(self.exit)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("quit", "switch_mode") and getattr(self.focused, "hides_app_keys", False):
+            return False  # a field where these keys type (the chat's message field; ctrl+q quits from it)
         if action == "switch_mode":
             return parameters[0] != self.current_mode  # the key of the screen already shown is hidden
         return True

@@ -15,7 +15,8 @@ says explicitly whether it merges:
 - merged, because the newest carries everything the handler needs: ScanProgress (the running tensor count of a
   load), FilterApplied (the newest filter's rows), RecipeChosen and MachineChosen (the editor's newest recipe or
   machine: held-down keys and fast typing post one per key), ConvertProgress (the per-layer totals are cumulative
-  snapshots of a run);
+  snapshots of a run), ChatConvertProgress (the demo's conversion before a chat: byte counts are cumulative) and
+  ChatReplyProgress (a streaming reply's whole text so far, posted at most every ~50 ms);
 - never merged, because each one counts: ConvertShardWritten (the screen counts shards written) and PlansReady
   (each carries plans the others lack; dropping one would only make the screen plan them again).
 
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
     from tqbench.convert import DestinationStatus, Layout
     from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
     from tqbench.recipe import Machine, Plan, Recipe, Sources
+    from tqbench.runtime.chat import ReplyDone, ReplyStarted
+    from tqbench.runtime.models import ModelChosen
+    from tqbench.runtime.session import ModelLoaded
     from tqbench.source import Checkpoint, Summary, Tensor
     from tui.tally import LayerStats
 
@@ -226,6 +230,93 @@ class ConvertFailed(Message):
     message: str
 
 
+# ---- the Chat screen --------------------------------------------------------------------------------------------------
+
+@dataclass
+class ChatLoadStep(Message):
+    """A model load moved on: `text` says what is happening (choosing, converting the demo, loading a path)."""
+
+    load_id: int
+    text: str
+    converting: bool = False  # the demo is being converted first (progress follows)
+
+
+@dataclass
+class ChatConvertProgress(Message):
+    """The latest UnitConverted of the demo's conversion (tqbench.runtime.models.choose_model)."""
+
+    load_id: int
+    unit: UnitConverted
+
+    def can_replace(self, message: Message) -> bool:
+        """Merged: done_in / total_in are cumulative, so the newest of the same load says everything."""
+        return isinstance(message, ChatConvertProgress) and message.load_id == self.load_id
+
+
+@dataclass
+class ChatModelReady(Message):
+    """The model is loaded in the screen's engine session and a conversation started."""
+
+    load_id: int
+    chosen: ModelChosen  # which model and why
+    loaded: ModelLoaded
+
+
+@dataclass
+class ChatLoadFailed(Message):
+    """Choosing or loading the model failed: `message` is one line, never a traceback."""
+
+    load_id: int
+    message: str
+
+
+@dataclass
+class ChatReplyBegan(Message):
+    """The engine took the turn: how many prompt tokens it processes and how many the cache already holds."""
+
+    turn_id: int
+    event: ReplyStarted
+
+
+@dataclass
+class ChatReplyProgress(Message):
+    """A streaming reply so far: its text as runs of (text, thinking), and the tokens generated."""
+
+    turn_id: int
+    parts: tuple[tuple[str, bool], ...]
+    tokens: int
+
+    def can_replace(self, message: Message) -> bool:
+        """Merged: each carries the whole reply so far, so the newest of the same turn says everything."""
+        return isinstance(message, ChatReplyProgress) and message.turn_id == self.turn_id
+
+
+@dataclass
+class ChatReplyEnded(Message):
+    """A reply is over: finished (done.finish_reason "stop" or "length"), or stopped with Esc (done.finish_reason
+    "cancelled": the partial reply stays in the conversation). `done` is None when the turn was stopped before the
+    model began it: the conversation does not hold it."""
+
+    turn_id: int
+    parts: tuple[tuple[str, bool], ...]
+    done: ReplyDone | None
+
+
+@dataclass
+class ChatReplyFailed(Message):
+    """The reply raised: `message` is one line."""
+
+    turn_id: int
+    message: str
+
+
+@dataclass
+class ChatResetDone(Message):
+    """The session forgot the conversation (tqbench.runtime.session.reset); `error` is one line if it failed."""
+
+    error: str | None = None
+
+
 # Messages that can come in bursts: each defines can_replace itself (see the module docstring).
 HIGH_RATE: tuple[type[Message], ...] = (ScanProgress, FilterApplied, PlansReady, RecipeChosen, MachineChosen,
-                                        ConvertProgress, ConvertShardWritten)
+                                        ConvertProgress, ConvertShardWritten, ChatConvertProgress, ChatReplyProgress)

@@ -33,6 +33,7 @@ from tqbench.engine import Job, iterate_in_daemon, submit
 from tqbench.errors import TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
 from tqbench.recipe import parse_size
+from tqbench.state import remember_model
 from tui.messages import (ConvertBegan, ConvertDone, ConvertFailed, ConvertProgress, ConvertShardWritten,
                           ConvertStopped, DestinationChecked, DestinationCheckFailed)
 from tui.screens.confirm import ConfirmScreen
@@ -528,6 +529,7 @@ class ConvertScreen(Screen):
             return
         self.finished_event = message.event
         self._done_key = (self._layout_key, self.dest)
+        remember_model(Path(message.event.dest))  # the Chat screen (and `tqbench chat`) opens it next
         self._ended()
 
     def _show_summary(self) -> None:
