@@ -1,0 +1,293 @@
+"""The Chat screen, driven with Pilot on a real model: the shipped trained demo converted with tq4. Replies are checked
+against the engine's own chat API (tqbench.runtime.session) run directly with the same greedy sampling: the text, the
+tokens reused from the cache, a reply stopped with esc and the turn after it, reset; plus the default model (the demo
+converted on the spot), a model that fails to load, the Convert screen's output loaded next, and quitting mid-reply.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+import tqbench.runtime.session as session_api
+from tqbench.convert import convert
+from tqbench.demo import ensure_demo
+from tqbench.engine import Session, engine
+from tqbench.layout.names import INDEX_FILE
+from tqbench.recipe import Recipe
+from tqbench.runtime.chat import ReplyDone, TokenOut
+from tqbench.runtime.models import demo_converted_path
+from tqbench.state import last_model, remember_model
+from tui.app import TqbenchApp
+from tui.screens.chat import ChatScreen
+from tui.state import display_path
+from tui_helpers import screen_lines, settle
+
+pytestmark = pytest.mark.slow
+
+SIZE = (100, 30)
+PROMPTS = ("def parse_args(argv):", "import os")
+STOP_AFTER = 5  # a gated reply waits after this many tokens; esc then stops it after the next one
+REAL_REPLY = session_api.reply
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The trained demo converted with tq4 (once for the module, in its own cache dir)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TQBENCH_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        dest = tmp_path_factory.mktemp("model") / "demo-tq4"
+        for _ in convert(ensure_demo(), dest, Recipe.parse("tq4")):
+            pass
+    return dest
+
+
+def gated(gate: threading.Event, reached: threading.Event):
+    """tqbench.runtime.session.reply, held on the engine thread after its STOP_AFTER-th token until `gate` is set, so
+    a test stops a reply at an exact point (the engine then closes it after one more token)."""
+    def reply(session, text, sampling):
+        gen = REAL_REPLY(session, text, sampling)
+        tokens = 0
+        try:
+            for ev in gen:
+                yield ev
+                if isinstance(ev, TokenOut):
+                    tokens += 1
+                    if tokens == STOP_AFTER:
+                        reached.set()
+                        assert gate.wait(20), "the test never opened the gate"
+        finally:
+            gen.close()
+    return reply
+
+
+@pytest.fixture(scope="module")
+def engine_run(model_dir):
+    """The engine's chat API run directly: (ModelLoaded, [ReplyDone of PROMPTS], ReplyDone of PROMPTS[0] stopped
+    after STOP_AFTER + 1 tokens, ReplyDone of PROMPTS[1] after it)."""
+    session = Session()
+    try:
+        def done(prompt: str, sampling) -> ReplyDone:
+            with session.submit(lambda s: session_api.reply(s, prompt, sampling)) as job:
+                return job.result()[-1]
+
+        with session.submit(lambda s: session_api.open_model(s, str(model_dir))) as job:
+            loaded = job.result()[-1]
+        replies = [done(p, loaded.sampling) for p in PROMPTS]
+        session.call(session_api.reset)
+        gate, reached = threading.Event(), threading.Event()
+        with session.submit(lambda s: gated(gate, reached)(s, PROMPTS[0], loaded.sampling)) as job:
+            assert reached.wait(20)
+            job.stop()
+            gate.set()
+            job.result()
+        stopped = session.call(session_api.last_reply)
+        after = done(PROMPTS[1], loaded.sampling)
+    finally:
+        session.close()
+    assert stopped.finish_reason == "cancelled" and stopped.generated_tokens == STOP_AFTER + 1
+    return loaded, replies, stopped, after
+
+
+def counts(done: ReplyDone) -> tuple:
+    """What a reply must repeat exactly (rates and peak memory vary from run to run)."""
+    return done.text, done.prompt_tokens, done.cached_tokens, done.generated_tokens, done.finish_reason
+
+
+async def wait_for(pilot, condition, what: str, seconds: float = 30) -> None:
+    for _ in range(int(seconds / 0.02)):
+        if condition():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def open_chat(pilot) -> ChatScreen:
+    await settle(pilot)
+    await pilot.press("t")
+    screen = pilot.app.screen
+    assert isinstance(screen, ChatScreen)
+    await wait_for(pilot, lambda: screen.loaded is not None or screen.error is not None, "the model")
+    await pilot.pause()
+    return screen
+
+
+async def send(pilot, screen: ChatScreen, text: str, wait: bool = True) -> None:
+    screen.chat_input.value = text
+    screen.chat_input.focus()
+    await pilot.press("enter")
+    if wait:
+        await wait_for(pilot, lambda: not screen.replying, "the reply")
+        await pilot.pause()
+
+
+def status(screen: ChatScreen) -> str:
+    return str(screen.query_one("#chat-status").render())
+
+
+def screen_text(pilot) -> str:
+    return "\n".join(screen_lines(pilot.app))
+
+
+async def test_replies_match_the_engine_reuse_the_cache_and_reset(model_dir, engine_run):
+    loaded, (first, second), _, _ = engine_run
+    remember_model(model_dir)
+    app = TqbenchApp()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_chat(pilot)
+        assert screen.error is None
+        band = screen.query_one("#chat-model").text
+        assert display_path(model_dir) in band and "(last converted model)" in band
+        assert f"kimi_k3 · {loaded.turboquant_modules} TurboQuant modules" in band
+        assert "of weights · loaded in" in band
+
+        await send(pilot, screen, PROMPTS[0])
+        assert screen.transcript.turns[-1].text == first.text != ""
+        assert screen.transcript.text.startswith(f"you: {PROMPTS[0]}\nkimi_k3: {first.text}")
+        assert f"prompt  {first.prompt_tokens} processed" in status(screen) and "· 0 reused" in status(screen)
+        assert f"reply   {first.generated_tokens} tokens" in status(screen)
+
+        await send(pilot, screen, PROMPTS[1])
+        assert screen.transcript.turns[-1].text == second.text
+        assert second.cached_tokens == first.prompt_tokens + first.generated_tokens
+        assert f"· {first.prompt_tokens + first.generated_tokens} reused from the cache" in status(screen)
+        assert counts(screen.last_done) == counts(second)
+        shown = screen_text(pilot)
+        assert f"{second.cached_tokens} reused from the cache" in shown and "peak memory" in shown
+        assert second.text.strip().splitlines()[-1].strip()[:40] in shown  # the end of the reply is in view
+
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: not screen._resetting, "the reset")
+        await pilot.pause()
+        assert screen.transcript.turns == [] and "conversation reset" in status(screen)
+        await send(pilot, screen, PROMPTS[0])  # a new conversation: the same reply as the first, nothing reused
+        assert screen.transcript.turns[-1].text == first.text
+        assert screen.last_done.cached_tokens == 0 and "· 0 reused" in status(screen)
+
+        assert screen.focused is screen.chat_input  # typing: the app's letter keys are hidden, they type
+        footer = screen_lines(app)[-1]
+        assert "Send" in footer and "Reset" in footer and "^q Quit" in footer and "Source" not in footer
+        await pilot.press("q", "s")
+        assert screen.chat_input.value == "qs" and app.screen is screen
+        screen.chat_input.value = ""
+        await pilot.press("escape")  # leaves the field: the app's keys work again
+        await pilot.pause()
+        footer = screen_lines(app)[-1]
+        assert "q Quit" in footer and "s Source" in footer and "Type" in footer
+        await pilot.press("q")
+        await wait_for(pilot, lambda: not app.is_running, "the app to quit")
+
+
+async def test_escape_stops_a_reply_and_the_conversation_goes_on(model_dir, engine_run, monkeypatch):
+    _, (first, _), stopped, after = engine_run
+    remember_model(model_dir)
+    gate, reached = threading.Event(), threading.Event()
+    monkeypatch.setattr(session_api, "reply", gated(gate, reached))
+    app = TqbenchApp()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_chat(pilot)
+        await send(pilot, screen, PROMPTS[0], wait=False)
+        await wait_for(pilot, lambda: reached.is_set(), "the reply's tokens")
+        await send(pilot, screen, "another", wait=False)  # refused while a reply runs: nothing queued
+        assert screen.chat_input.value == "another" and len(screen.transcript.turns) == 2
+        await pilot.press("escape")
+        assert screen._stopping and "stopping" in status(screen)
+        gate.set()
+        await wait_for(pilot, lambda: not screen.replying, "the stopped reply")
+        await pilot.pause()
+        turn = screen.transcript.turns[-1]
+        assert turn.ending == "cancelled" and turn.text == stopped.text
+        assert first.text.startswith(turn.text) and turn.text
+        assert screen.transcript.text.endswith("[stopped]")
+        assert counts(screen.last_done) == counts(stopped)
+        assert f"{STOP_AFTER + 1} tokens (stopped)" in status(screen)
+
+        monkeypatch.setattr(session_api, "reply", REAL_REPLY)  # the next reply runs to its end
+        screen.chat_input.value = ""
+        await send(pilot, screen, PROMPTS[1])
+        assert screen.transcript.turns[-1].text == after.text  # as the engine continues after the stopped reply
+        assert counts(screen.last_done) == counts(after)
+        assert f"· {after.cached_tokens} reused from the cache" in status(screen)
+        assert [t.text for t in screen.transcript.turns] == [PROMPTS[0], stopped.text, PROMPTS[1], after.text]
+
+
+async def test_quitting_mid_reply_stops_the_engine_first(model_dir, monkeypatch):
+    remember_model(model_dir)
+    gate, reached = threading.Event(), threading.Event()
+    monkeypatch.setattr(session_api, "reply", gated(gate, reached))
+    app = TqbenchApp()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_chat(pilot)
+        await send(pilot, screen, PROMPTS[0], wait=False)
+        await wait_for(pilot, lambda: reached.is_set(), "the reply's tokens")
+        await pilot.press("ctrl+q")  # from the message field (q types there)
+        assert app.is_running and engine().busy  # the app's quit stops the engine's job first
+        gate.set()
+        await wait_for(pilot, lambda: not app.is_running, "the app to exit")
+
+
+async def test_default_model_is_the_demo_converted_first(monkeypatch):
+    assert last_model() is None  # this test's cache is empty
+    seen = []
+    original = ChatScreen.on_chat_convert_progress
+
+    def record(self, message):
+        seen.append(message.unit)
+        original(self, message)
+
+    monkeypatch.setattr(ChatScreen, "on_chat_convert_progress", record)
+    app = TqbenchApp()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_chat(pilot)
+        assert screen.error is None
+        dest = demo_converted_path()
+        assert (dest / INDEX_FILE).is_file() and last_model() == dest.resolve()
+        assert Path(screen.loaded.path).resolve() == dest.resolve()
+        assert "demo, converted now with tq4" in screen.query_one("#chat-model").text
+        assert seen and seen[-1].done_in == seen[-1].total_in  # the conversion's progress was shown to its end
+        assert not screen.query_one("#chat-bar-row").display
+        assert "greedy, up to 64 tokens per reply" in screen_text(pilot)
+
+
+async def test_a_model_that_fails_to_load_is_one_line(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "no_such_architecture"}))
+    (bad / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    remember_model(bad)
+    app = TqbenchApp()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_chat(pilot)
+        assert screen.loaded is None
+        error = screen.query_one("#chat-error")
+        assert error.display and "no_such_architecture" in screen.error and "\n" not in screen.error
+        assert screen.error.startswith("could not load the model: ")
+        lines = [line for line in screen_lines(app) if "no_such_architecture" in line]
+        assert len(lines) == 1 and "Traceback" not in screen_text(pilot)
+        await send(pilot, screen, "hello", wait=False)
+        assert screen.transcript.turns == [] and screen.chat_input.value == "hello"  # refused with a notice
+
+
+async def test_the_convert_screens_output_is_loaded_next(model_dir):
+    remember_model(model_dir)
+    src = ensure_demo()
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_chat(pilot)
+        assert Path(screen.loaded.path).resolve() == model_dir.resolve()
+        await pilot.press("escape", "c")  # leave the message field, then the Convert screen
+        await settle(pilot)
+        convert_screen = app.screen
+        await wait_for(pilot, lambda: convert_screen.check_action("start", ()) is True, "the destination check")
+        await pilot.press("r")
+        await wait_for(pilot, lambda: convert_screen.finished_event is not None, "the conversion")
+        dest = Path(convert_screen.finished_event.dest)
+        assert last_model() == dest.resolve()
+        await pilot.press("t")
+        assert app.screen is screen
+        await wait_for(pilot, lambda: screen.loaded is not None, "the new model")
+        assert Path(screen.loaded.path).resolve() == dest.resolve()
+        assert display_path(dest) in screen.query_one("#chat-model").text
