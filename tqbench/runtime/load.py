@@ -4,8 +4,8 @@ Every checkpoint goes through mlx-lm's own loader (`mlx_lm.utils.load_model`: we
 MLX's quantized layers for affine / mxfp4 / compressed-tensors). What tqbench adds is one step inside sanitize: every
 module that has a `codebook` becomes a TurboQuant module (tqbench.runtime.layers) whose bits come from the codebook's
 length, group size from `in / scales.shape[-1]` and rotation from the module's recorded rotation (tqbench's block) or
-its stored signs (TurboQuant-MLX's builds). Our streaming layout's per-expert tensors are stacked by the family's
-sanitize, like any per-expert checkpoint.
+its stored signs (TurboQuant-MLX's builds). Our streaming layout's per-expert TurboQuant tensors are stacked here
+(`_take_experts`), not by the family's sanitize, which may stack only the tensors it knows (qwen3_moe: `weight`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +28,14 @@ from tqbench.layout.names import mlx_module_path
 from tqbench.layout.quantization import QuantizationBlock
 from tqbench.quant.turboquant import rotation_block
 from tqbench.runtime.layers import TurboQuantConcat, TurboQuantLinear, TurboQuantSwitchLinear
+from tqbench.source.naming import PROJECTIONS
 
 TRUSTED_TYPES = ("kimi_k3",)  # model types whose local tokenizer code is run without asking
 _TQ_PARAMS = (".codebook", ".signs")
 _TQ_TENSORS = ("weight", "scales", "codebook", "signs", "bias")
 # Modules an mlx-lm family concatenates along the output axis in its sanitize: fused name -> the source's parts.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+_PER_EXPERT = re.compile(r"(?P<moe>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<param>weight|scales|bias)")
 
 
 class LoadError(TqbenchError):
@@ -47,7 +50,8 @@ class Loaded:
     path: Path
     model_type: str
     turboquant_modules: int  # stored TurboQuant modules (each part of a fused module counts)
-    weight_bytes: int  # bytes of every parameter as held in memory
+    weight_bytes: int  # bytes of every resident parameter (streamed experts' slot pools not included)
+    streamer: Any = None  # tqbench.stream.Streamer when routed experts are streamed
 
     @property
     def generation_config(self) -> dict[str, Any]:
@@ -126,9 +130,11 @@ def quiet_libraries() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False) -> Loaded:
+def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False, streaming: Any = None) -> Loaded:
     """Load a model directory (tqbench conversion, TurboQuant-MLX build, MLX or source checkpoint) with its tokenizer.
-    Must run on the engine's MLX thread. Raises LoadError with one line naming the directory and the problem."""
+    `streaming` (a tqbench.stream.StreamConfig) keeps routed experts on disk: they are swapped for streamed ones
+    before any stacked expert array is evaluated. Must run on the engine's MLX thread. Raises LoadError (or
+    tqbench.stream.StoreError) with one line naming the directory and the problem."""
     import mlx_lm.utils as mu
 
     trust = trust_decision(str(given), trust_remote_code)
@@ -159,11 +165,25 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False)
             model, config = mu.load_model(path, lazy=True, model_config=overrides, get_model_classes=classes)
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise LoadError(f"mlx-lm cannot build the model ({_one_line(e)})", path) from None
+        streamer = _stream(model, path, streaming) if streaming is not None else None
         if not lazy:
             mx.eval(model.parameters())
-        tokenizer = mu.load_tokenizer(path, {"trust_remote_code": trust}, eos_token_ids=config.get("eos_token_id"))
+        try:
+            tokenizer = mu.load_tokenizer(path, {"trust_remote_code": trust}, eos_token_ids=config.get("eos_token_id"))
+        except (ValueError, OSError) as e:  # transformers: no tokenizer files, a broken tokenizer.json, ...
+            raise LoadError(f"cannot load its tokenizer ({_one_line(e)})", path) from None
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    return Loaded(model, tokenizer, config, path, model_type(config), len(swapped), nbytes)
+    return Loaded(model, tokenizer, config, path, model_type(config), len(swapped), nbytes, streamer)
+
+
+def _stream(model: nn.Module, path: Path, config: Any):
+    from tqbench.stream.attach import attach
+    from tqbench.stream.store import ExpertStore
+    from tqbench.stream.streamer import Streamer
+
+    streamer = Streamer(ExpertStore.from_expert_map(path), config)
+    attach(model, streamer)
+    return streamer
 
 
 def _mlx_lm_version() -> str:
@@ -204,9 +224,11 @@ def _with_turboquant(model_class: type, path: Path, rotations: dict[str, int | N
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         fused = _take_fused(self, weights)
-        side = {k: weights.pop(k) for k in list(weights) if k.endswith(_TQ_PARAMS)}
+        side = _take_experts(weights, path)
+        side.update({k: weights.pop(k) for k in list(weights) if k.endswith(_TQ_PARAMS)})
         if hasattr(model_class, "sanitize"):
             weights = model_class.sanitize(self, weights)
+        _place_router_bias(self, weights)
         for k, v in side.items():
             module, _, param = k.rpartition(".")
             weights[f"{_mlx_path(module, self)}.{param}"] = v
@@ -215,6 +237,45 @@ def _with_turboquant(model_class: type, path: Path, rotations: dict[str, int | N
         return weights
 
     return type(model_class.__name__, (model_class,), {"sanitize": sanitize})
+
+
+def _place_router_bias(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """TurboQuant-MLX's K3 port keeps the router's score correction under the gate (`mlp.gate.e_score_correction_bias`,
+    docs/turboquant.md), mlx-lm's kimi_k3 on the MoE block (`mlp.e_score_correction_bias`): moved to where the model
+    has it, when only the other name exists in the model."""
+    suffix = ".gate.e_score_correction_bias"
+    keys = [k for k in weights if k.endswith(suffix)]
+    if not keys:
+        return
+    params = dict(tree_flatten(model.parameters()))
+    for k in keys:
+        alt = k[: -len(suffix)] + ".e_score_correction_bias"
+        if k not in params and alt in params and alt not in weights:
+            weights[alt] = weights.pop(k)
+
+
+def _take_experts(weights: dict[str, mx.array], path: Path) -> dict[str, mx.array]:
+    """Our streaming layout's per-expert TurboQuant tensors (`<moe>.experts.E.<proj>.{weight,scales,bias}` next to one
+    `<moe>.switch_mlp.<proj>_proj.{codebook,signs}`), taken out of `weights` and stacked in expert order under the
+    switch_mlp name. Not left to the family's sanitize: qwen3_moe's, for one, stacks only `weight`, so the scales stayed
+    per expert and the module had "no scales tensor"."""
+    if not any(k.endswith(".codebook") and ".switch_mlp." in k for k in weights):
+        return {}
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for k in weights:
+        m = _PER_EXPERT.fullmatch(k)
+        if m is None or m["proj"] not in PROJECTIONS:
+            continue
+        stacked = f"{m['moe']}.switch_mlp.{PROJECTIONS[m['proj']]}_proj"
+        if f"{stacked}.codebook" in weights:
+            groups.setdefault((stacked, m["param"]), {})[int(m["e"])] = k
+    out = {}
+    for (stacked, param), keys in groups.items():
+        if sorted(keys) != list(range(len(keys))):
+            missing = sorted(set(range(max(keys) + 1)) - set(keys))
+            raise LoadError(f"TurboQuant module {stacked}: no {param} tensor for experts {missing}", path)
+        out[f"{stacked}.{param}"] = mx.stack([weights.pop(keys[e]) for e in range(len(keys))])
+    return out
 
 
 def _take_fused(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, mx.array]:

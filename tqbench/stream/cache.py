@@ -1,0 +1,140 @@
+"""Which experts a slot pool holds: a fixed number of slots, a replacement policy, a pinned set. Pure bookkeeping
+(no MLX, no I/O): the streamer asks where an expert is and where to put one.
+
+Keys are (layer, expert). Policies:
+- `lru`: least recently used.
+- `lrfu` (the default): Least Recently/Frequently Used (Lee et al. 1999). Each key's combined recency-frequency
+  value C = sum over its past accesses of 2^(-lam * age); the victim has the smallest C. With lam -> 0 it is LFU, with
+  large lam LRU. C decays for every key alike, so the order is kept by the time-invariant key
+  log2(C) + lam * t_last, in a heap (lazy deletion): O(log n) per access and per eviction.
+Ages count layer visits (one tick per MoE layer call), so a key's value decays by how much else the model touched.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from typing import Hashable, Iterable
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class LRU:
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def touch(self, key: Hashable, now: int) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, locked: set) -> Hashable | None:
+        for key in self._order:
+            if key not in locked:
+                return key
+        return None
+
+
+class LRFU:
+    name = "lrfu"
+
+    def __init__(self, lam: float = 1e-3) -> None:
+        self.lam = lam
+        self._state: dict[Hashable, tuple[float, int]] = {}  # key -> (log2 C at t_last, t_last)
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._seq = 0
+
+    def _priority(self, key: Hashable) -> float:
+        log_c, t = self._state[key]
+        return log_c + self.lam * t
+
+    def touch(self, key: Hashable, now: int) -> None:
+        old = self._state.get(key)
+        if old is None:
+            log_c = 0.0  # C = 1
+        else:
+            log_c0, t0 = old
+            decayed = log_c0 - self.lam * (now - t0)  # log2 of C * 2^(-lam * age)
+            log_c = math.log2(1.0 + 2.0 ** decayed)
+        self._state[key] = (log_c, now)
+        self._seq += 1
+        heapq.heappush(self._heap, (log_c + self.lam * now, self._seq, key))
+        if len(self._heap) > 4 * len(self._state) + 64:  # drop stale entries now and then
+            self._heap = [(self._priority(k), i, k) for i, k in enumerate(self._state)]
+            heapq.heapify(self._heap)
+
+    def remove(self, key: Hashable) -> None:
+        self._state.pop(key, None)
+
+    def victim(self, locked: set) -> Hashable | None:
+        skipped = []
+        found = None
+        while self._heap:
+            prio, seq, key = heapq.heappop(self._heap)
+            if key not in self._state or abs(self._priority(key) - prio) > 1e-9:
+                continue  # stale
+            if key in locked:
+                skipped.append((prio, seq, key))
+                continue
+            found = key
+            skipped.append((prio, seq, key))  # it stays until removed
+            break
+        for item in skipped:
+            heapq.heappush(self._heap, item)
+        return found
+
+
+POLICIES = {"lru": LRU, "lrfu": LRFU}
+
+
+class SlotCache:
+    """`capacity` slots; a key is resident in one slot. Pinned keys are never evicted."""
+
+    def __init__(self, capacity: int, policy: str = "lrfu") -> None:
+        if capacity < 1:
+            raise ValueError("a slot cache needs at least one slot")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown cache policy {policy!r}: choose {', '.join(POLICIES)}")
+        self.capacity = capacity
+        self.policy = POLICIES[policy]()
+        self.slots: dict[Hashable, int] = {}
+        self.free = list(range(capacity - 1, -1, -1))
+        self.pinned: set[Hashable] = set()
+        self.evictions = 0
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.slots
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def lookup(self, key: Hashable, now: int) -> int | None:
+        slot = self.slots.get(key)
+        if slot is not None:
+            self.policy.touch(key, now)
+        return slot
+
+    def place(self, key: Hashable, now: int, locked: set) -> tuple[int, Hashable | None]:
+        """A slot for `key` (not resident): a free one, else the policy's victim among keys not locked or pinned.
+        Returns (slot, evicted key or None)."""
+        evicted = None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            evicted = self.policy.victim(locked | self.pinned)
+            if evicted is None:
+                raise RuntimeError("every slot is locked or pinned: no room for another expert")
+            slot = self.slots.pop(evicted)
+            self.policy.remove(evicted)
+            self.evictions += 1
+        self.slots[key] = slot
+        self.policy.touch(key, now)
+        return slot, evicted
+
+    def pin(self, keys: Iterable[Hashable]) -> None:
+        self.pinned.update(keys)

@@ -1,0 +1,65 @@
+"""What expert streaming did, counted honestly: every expert a layer needed and had to wait for is a miss, whoever read
+it; bytes read while the model waited are critical, bytes read ahead of need speculative."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PageIn:
+    """One MoE layer call: the distinct experts its router picked and how each was served."""
+
+    token: int  # decode step of the session (prefill chunks count as one step each)
+    layer: int
+    experts: tuple[int, ...]
+    served: tuple[str, ...]  # per expert: "pinned", "cache" or "miss"
+    bytes_read: int
+    stall_s: float  # time the layer waited for reads and slot writes
+
+
+@dataclass
+class LayerTotals:
+    hits: int = 0
+    misses: int = 0
+    stall_s: float = 0.0
+
+
+@dataclass
+class StreamStats:
+    budget_bytes: int = 0
+    slot_bytes: int = 0
+    slots: int = 0
+    staging_bytes: int = 0
+    hits_pinned: int = 0
+    hits_cache: int = 0
+    misses: int = 0
+    reads: int = 0
+    critical_bytes: int = 0
+    speculative_bytes: int = 0
+    evictions: int = 0
+    cache_bytes: int = 0
+    cache_bytes_max: int = 0
+    tokens: int = 0
+    stall_s: float = 0.0
+    layers: dict[int, LayerTotals] = field(default_factory=dict)
+
+    @property
+    def hits(self) -> int:
+        return self.hits_pinned + self.hits_cache
+
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget_bytes": self.budget_bytes, "slot_bytes": self.slot_bytes, "slots": self.slots,
+                "staging_bytes": self.staging_bytes, "cache_bytes": self.cache_bytes,
+                "cache_bytes_max": self.cache_bytes_max, "hits": self.hits, "hits_pinned": self.hits_pinned,
+                "hits_cache": self.hits_cache, "misses": self.misses, "hit_rate": round(self.hit_rate(), 4),
+                "reads": self.reads, "critical_bytes": self.critical_bytes,
+                "speculative_bytes": self.speculative_bytes, "evictions": self.evictions, "tokens": self.tokens,
+                "stall_s": round(self.stall_s, 4),
+                "layers": {str(k): {"hits": v.hits, "misses": v.misses, "stall_s": round(v.stall_s, 4)}
+                           for k, v in sorted(self.layers.items())}}

@@ -1,0 +1,165 @@
+"""Where each routed expert's bytes are on disk, and reading them into a buffer: bytes only, no MLX (worker threads
+call `read`; os.pread/preadv release the GIL).
+
+- tqbench's streaming layout: one contiguous range per expert (`expert_map.json`), so one read per expert.
+- Stacked layouts (TurboQuant-MLX, mlx-community): each projection's `weight`/`scales`/`biases` is a tensor with a
+  leading expert axis, so an expert is one slice per tensor; reads of experts adjacent in the file coalesce.
+Either way an expert becomes one buffer of `nbytes`, laid out as `parts` say, which the streamer turns into the
+projection arrays of one cache slot.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from tqbench.errors import TqbenchError
+from tqbench.shards.header import DTYPE_SIZES
+
+# Per-expert projection names of the sources we know -> mlx-lm's SwitchGLU projections.
+PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
+               "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+NP_DTYPES = {"U32": np.uint32, "F16": np.float16, "BF16": np.uint16, "F32": np.float32, "U8": np.uint8}
+
+
+class StoreError(TqbenchError):
+    """The expert files changed or vanished under a running session, or a layout cannot be streamed."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One array of an expert: `projection.param` (e.g. gate_proj.weight), where it lies in the expert's buffer."""
+
+    projection: str
+    param: str
+    dtype: str  # safetensors dtype
+    shape: tuple[int, ...]  # one expert's
+    offset: int  # in the expert's buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Bytes of one expert in a file: `length` bytes at `offset` go to `into` in the expert's buffer."""
+
+    file: int
+    offset: int
+    length: int
+    into: int
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    layer: int
+    module: str  # the source's MoE module (`...layers.3.block_sparse_moe`)
+    experts: int
+    nbytes: int  # one expert's buffer
+    parts: tuple[Part, ...]
+    extents: tuple[tuple[Extent, ...], ...]  # per expert
+
+    @property
+    def signature(self) -> tuple:
+        """Layers with equal signatures can share one slot pool."""
+        return tuple((p.projection, p.param, p.dtype, p.shape) for p in self.parts)
+
+
+class ExpertStore:
+    """Reads experts into caller-provided buffers. File descriptors are opened once and kept; a file that shrank or
+    vanished raises StoreError naming it."""
+
+    def __init__(self, root: Path, files: Sequence[str], layers: dict[int, LayerLayout]):
+        self.root = Path(root)
+        self.files = tuple(files)
+        self.layers = layers
+        self._fds: dict[int, int] = {}
+        self._sizes = {}
+        for i, f in enumerate(self.files):
+            try:
+                self._sizes[i] = (self.root / f).stat().st_size
+            except OSError as e:
+                raise StoreError(f"cannot open an expert file: {e.strerror}", self.root / f) from None
+
+    @classmethod
+    def from_expert_map(cls, root: Path) -> ExpertStore:
+        from tqbench.layout.expert_map import ExpertMap
+
+        em = ExpertMap.load(root)
+        layers = {}
+        for n, lay in em.layers.items():
+            parts = []
+            for key, t in lay.tensors.items():
+                proj, _, param = key.rpartition(".")
+                if proj not in PROJECTIONS:
+                    raise StoreError(f"layer {n}: expert tensor {key!r} is no gate/up/down projection", root)
+                parts.append(Part(PROJECTIONS[proj], param, t.dtype, t.shape, t.offset, t.nbytes))
+            extents = tuple((Extent(fi, off, lay.length, 0),) for fi, off in lay.locations)
+            layers[n] = LayerLayout(n, lay.prefix.rpartition(".experts")[0], lay.experts, lay.length, tuple(parts),
+                                    extents)
+        return cls(root, em.files, layers)
+
+    def _fd(self, i: int) -> int:
+        fd = self._fds.get(i)
+        if fd is None:
+            try:
+                fd = self._fds[i] = os.open(self.root / self.files[i], os.O_RDONLY)
+            except OSError as e:
+                raise StoreError(f"cannot open an expert file: {e.strerror}", self.root / self.files[i]) from None
+        return fd
+
+    def read(self, layer: int, expert: int, buf: np.ndarray, parts: Sequence[int] | None = None) -> int:
+        """Fill `buf` (uint8, at least the expert's nbytes) with expert `expert` of `layer`; returns the number of
+        reads. `parts` (indices into the layout's extents) reads only those extents (fan-out splits one expert's read
+        into several such calls)."""
+        lay = self.layers[layer]
+        extents = lay.extents[expert] if parts is None else [lay.extents[expert][i] for i in parts]
+        view = memoryview(buf)
+        for x in extents:
+            fd = self._fd(x.file)
+            got = os.preadv(fd, [view[x.into:x.into + x.length]], x.offset)
+            if got != x.length:
+                path = self.root / self.files[x.file]
+                size = _size(path)
+                raise StoreError(f"expert {expert} of layer {layer}: read {got} of {x.length} bytes at offset "
+                                 f"{x.offset} (the file has {size} bytes: it changed under the session)", path)
+        return len(extents)
+
+    def split(self, layer: int, expert: int, pieces: int) -> list[list[tuple[int, int, int]]]:
+        """The expert's extents cut into up to `pieces` byte ranges of similar size, for parallel reads (fan-out):
+        lists of (file, offset, into, length)."""
+        out = []
+        for x in self.layers[layer].extents[expert]:
+            step = -(-x.length // pieces)
+            step = -(-step // 4096) * 4096  # page-aligned pieces
+            for a in range(0, x.length, step):
+                n = min(step, x.length - a)
+                out.append([(x.file, x.offset + a, x.into + a, n)])
+        return out
+
+    def read_range(self, file: int, offset: int, buf: np.ndarray, into: int, length: int) -> None:
+        got = os.preadv(self._fd(file), [memoryview(buf)[into:into + length]], offset)
+        if got != length:
+            path = self.root / self.files[file]
+            raise StoreError(f"read {got} of {length} bytes at offset {offset} (the file has {_size(path)} bytes: it "
+                             "changed under the session)", path)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _size(path: Path) -> str:
+    try:
+        return str(path.stat().st_size)
+    except OSError:
+        return "no"
+
+
+def part_array(buf: np.ndarray, part: Part) -> np.ndarray:
+    """A numpy view of one part of an expert's buffer, in the dtype MLX should receive (bf16 as its raw uint16)."""
+    n = part.nbytes // DTYPE_SIZES[part.dtype]
+    return buf[part.offset:part.offset + part.nbytes].view(NP_DTYPES[part.dtype])[:n].reshape(part.shape)

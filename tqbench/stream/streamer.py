@@ -1,0 +1,222 @@
+"""Expert streaming on the engine thread: slot pools in MLX memory, a byte budget, reads by worker threads.
+
+Each MoE layer's SwitchGLU keeps its own code: its projections' per-expert arrays (weight, scales, biases) are
+replaced by slot pools shared by every layer of the same shapes, and the layer is called with slot numbers instead of
+expert numbers. So a streamed layer computes exactly what the resident one does, expert for expert. Page-ins write
+in place into a pool slot (`pool[slot] = expert`); nothing is stacked or copied per token.
+
+The budget covers the pools and the staging buffers reads land in (one per worker): nothing is held outside it.
+When a layer needs more distinct experts than the pool has slots (a small budget, a long prefill), it runs in
+chunks of experts, each chunk's rows selected exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from tqbench.stream.cache import SlotCache
+from tqbench.stream.stats import LayerTotals, PageIn, StreamStats
+from tqbench.stream.store import ExpertStore, LayerLayout, StoreError, part_array
+
+MLX_DTYPES = {"U32": mx.uint32, "F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32, "U8": mx.uint8}
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    budget_bytes: int
+    workers: int = 4
+    policy: str = "lrfu"
+    fanout: bool = False  # split one expert's read into several parallel reads
+
+
+class Pool:
+    """Slot arrays for layers of one signature, and which (layer, expert) each slot holds."""
+
+    def __init__(self, layout: LayerLayout, slots: int, policy: str):
+        self.parts = layout.parts
+        self.nbytes = layout.nbytes
+        self.arrays = {(p.projection, p.param): mx.zeros((slots, *p.shape), dtype=MLX_DTYPES[p.dtype])
+                       for p in layout.parts}
+        mx.eval(list(self.arrays.values()))
+        self.cache = SlotCache(slots, policy)
+
+    @property
+    def slots(self) -> int:
+        return self.cache.capacity
+
+    def write(self, slot: int, buf: np.ndarray) -> None:
+        for p in self.parts:
+            a = mx.array(part_array(buf, p))  # copies out of the staging buffer
+            if p.dtype == "BF16":
+                a = a.view(mx.bfloat16)
+            self.arrays[(p.projection, p.param)][slot] = a
+
+
+class Streamer:
+    def __init__(self, store: ExpertStore, config: StreamConfig):
+        self.store = store
+        self.config = config
+        layouts = store.layers
+        if not layouts:
+            raise StoreError("no routed experts to stream", store.root)
+        biggest = max(lay.nbytes for lay in layouts.values())
+        workers = max(1, config.workers)
+        staging = workers * biggest
+        self.stats = StreamStats(budget_bytes=config.budget_bytes, staging_bytes=staging)
+        # One pool per signature; the budget left after staging is shared by pools in proportion to their bytes.
+        groups: dict[tuple, list[LayerLayout]] = {}
+        for lay in layouts.values():
+            groups.setdefault(lay.signature, []).append(lay)
+        total = sum(len(g) * g[0].nbytes * g[0].experts for g in groups.values())
+        room = config.budget_bytes - staging
+        self.pools: dict[tuple, Pool] = {}
+        self.pool_of: dict[int, Pool] = {}
+        for sig, group in groups.items():
+            share = room * len(group) * group[0].nbytes * group[0].experts / total
+            slots = min(int(share // group[0].nbytes), len(group) * group[0].experts)
+            if slots < 1:
+                raise StoreError(f"the cache budget ({config.budget_bytes:,} bytes) cannot hold one expert "
+                                 f"({group[0].nbytes:,} bytes) plus {workers} read buffer(s) ({staging:,} bytes)",
+                                 store.root)
+            pool = self.pools[sig] = Pool(group[0], slots, config.policy)
+            for lay in group:
+                self.pool_of[lay.layer] = pool
+        self.stats.slots = sum(p.slots for p in self.pools.values())
+        self.stats.slot_bytes = sum(p.slots * p.nbytes for p in self.pools.values())
+        self._buffers = [np.empty(biggest, dtype=np.uint8) for _ in range(workers)]
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="tqbench-read")
+        self.events: list[PageIn] = []
+        self.token = 0  # forward passes so far (a decode step or a prefill chunk each)
+        self._last_layer = None
+        self._tick = 0
+
+    # ---- called by the streamed layers, on the engine thread ----
+
+    def run(self, layer: int, inner: Any, x: mx.array, indices: mx.array) -> mx.array:
+        t0 = time.perf_counter()
+        if self._last_layer is None or layer <= self._last_layer:  # layers run in order: a new forward pass
+            self.token += 1
+            self.stats.tokens = self.token
+        self._last_layer = layer
+        mx.eval(indices)
+        ids = np.array(indices)
+        experts = [int(e) for e in np.unique(ids)]
+        pool = self.pool_of[layer]
+        self._tick += 1
+        slots, served = {}, {}
+        for e in experts:
+            s = pool.cache.lookup((layer, e), self._tick)
+            if s is not None:
+                slots[e] = s
+                served[e] = "pinned" if (layer, e) in pool.cache.pinned else "cache"
+        missing = [e for e in experts if e not in slots]
+        lut = np.zeros(self.store.layers[layer].experts, dtype=np.uint32)
+        stall = 0.0
+        read_bytes = 0
+        if len(experts) <= pool.slots:
+            locked = {(layer, e) for e in slots}
+            read_bytes += self._page_in(layer, pool, missing, slots, locked)
+            stall = time.perf_counter() - t0
+            for e, s in slots.items():
+                lut[e] = s
+            y = inner(x, mx.array(lut[ids]))
+        else:  # more distinct experts than slots: chunks of experts, each chunk's rows selected exactly
+            # Resident experts first: chunks holding only those read nothing, so no page-in evicts one of them
+            # before its chunk runs (and the chunk that mixes both locks its residents).
+            y = None
+            order = [e for e in experts if e in slots] + missing
+            for a in range(0, len(order), pool.slots):
+                chunk = order[a:a + pool.slots]
+                chunk_slots = {e: slots[e] for e in chunk if e in slots}
+                need = [e for e in chunk if e not in chunk_slots]
+                t1 = time.perf_counter()
+                read_bytes += self._page_in(layer, pool, need, chunk_slots, {(layer, e) for e in chunk_slots})
+                stall += time.perf_counter() - t1
+                for e, s in chunk_slots.items():
+                    lut[e] = s
+                mask = np.isin(ids, chunk)
+                part = inner(x, mx.array(np.where(mask, lut[ids], 0).astype(np.uint32)))
+                m = mx.expand_dims(mx.array(mask), -1)
+                y = mx.where(m, part, mx.zeros_like(part) if y is None else y)
+                mx.eval(y)  # before the next chunk overwrites these slots
+        self._count(layer, experts, served, read_bytes, stall)
+        return y
+
+    def _page_in(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int], locked: set) -> int:
+        """Read `missing` experts (in parallel, into the staging buffers) and write each into a slot as it arrives.
+        Fills `slots`; returns the bytes read."""
+        if not missing:
+            return 0
+        pending = deque(missing)
+        free = list(self._buffers)
+        inflight: dict[int, tuple[np.ndarray, list[Future]]] = {}
+        total = 0
+        while pending or inflight:
+            while pending and free:
+                e = pending.popleft()
+                buf = free.pop()
+                inflight[e] = (buf, self._submit(layer, e, buf))
+            done, _ = wait([f for _, fs in inflight.values() for f in fs], return_when=FIRST_COMPLETED)
+            for e in [e for e, (_, fs) in inflight.items() if all(f.done() for f in fs)]:
+                buf, fs = inflight.pop(e)
+                reads = 0
+                for f in fs:
+                    reads += f.result()  # re-raises a StoreError from the worker
+                slot, evicted = pool.cache.place((layer, e), self._tick, locked)
+                locked.add((layer, e))
+                pool.write(slot, buf)
+                slots[e] = slot
+                n = self.store.layers[layer].nbytes
+                total += n
+                self.stats.reads += reads
+                free.append(buf)
+        mx.eval(list(pool.arrays.values()))
+        return total
+
+    def _submit(self, layer: int, expert: int, buf: np.ndarray) -> list[Future]:
+        store = self.store
+        if not self.config.fanout:
+            return [self._executor.submit(store.read, layer, expert, buf)]
+        pieces = store.split(layer, expert, len(self._buffers))
+        return [self._executor.submit(_read_pieces, store, piece, buf) for piece in pieces]
+
+    def _count(self, layer: int, experts: list[int], served: dict[int, str], read_bytes: int, stall: float) -> None:
+        s = self.stats
+        lt = s.layers.setdefault(layer, LayerTotals())
+        kinds = tuple(served.get(e, "miss") for e in experts)
+        hits = sum(k != "miss" for k in kinds)
+        s.hits_pinned += sum(k == "pinned" for k in kinds)
+        s.hits_cache += sum(k == "cache" for k in kinds)
+        s.misses += len(kinds) - hits
+        lt.hits += hits
+        lt.misses += len(kinds) - hits
+        lt.stall_s += stall
+        s.stall_s += stall
+        s.critical_bytes += read_bytes
+        s.evictions = sum(p.cache.evictions for p in self.pools.values())
+        s.cache_bytes = sum(len(p.cache) * p.nbytes for p in self.pools.values())
+        s.cache_bytes_max = max(s.cache_bytes_max, s.cache_bytes)
+        self.events.append(PageIn(self.token, layer, tuple(experts), kinds, read_bytes, stall))
+
+    # ---- between tokens ----
+
+    def drain(self) -> list[PageIn]:
+        out, self.events = self.events, []
+        return out
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self.store.close()
+
+
+def _read_pieces(store: ExpertStore, piece: list[tuple[int, int, int, int]], buf: np.ndarray) -> int:
+    for file, offset, into, length in piece:
+        store.read_range(file, offset, buf, into, length)
+    return len(piece)
