@@ -38,6 +38,17 @@ def chat(
         "--trust-remote-code", help="Allow the model's own tokenizer code (needed for hub ids and non-K3 models "
                                     "that ship code; a local kimi_k3 directory is trusted).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line: tokens and a summary per reply.")] = False,
+    cache_budget_gb: Annotated[Optional[str], typer.Option(
+        "--cache-budget-gb", metavar="N|auto",
+        help="Stream routed experts from disk with an expert cache of N GB (auto: the GPU working-set limit minus "
+             "the resident weights and a 3 GB reserve). Default: resident when the model fits, else auto.")] = None,
+    prefetch_workers: Annotated[int, typer.Option("--prefetch-workers", min=1, max=256,
+                                                  help="Threads reading experts from disk.")] = 4,
+    cache_policy: Annotated[str, typer.Option("--cache-policy", metavar="lrfu|lru",
+                                              help="Which cached expert to evict.")] = "lrfu",
+    fanout: Annotated[bool, typer.Option("--fanout", help="Split each expert's read across the workers.")] = False,
+    stats_json: Annotated[Optional[Path], typer.Option("--stats-json", metavar="FILE",
+                                                       help="Write the streaming statistics here at exit.")] = None,
 ) -> None:
     """Chat with a model: streaming replies, thinking shown apart, the conversation's cache kept between turns.
 
@@ -51,9 +62,10 @@ def chat(
     session = Session()
     try:
         path = str(model) if model is not None else _default_model(err)
+        streaming = _streaming(path, cache_budget_gb, prefetch_workers, cache_policy, fanout, err, as_json)
         if not as_json:
             err.print(f"loading {path} ...", markup=False)
-        with session.submit(lambda s: open_model(s, path, trust_remote_code, system, not no_chat_template,
+        with session.submit(lambda s: open_model(s, path, trust_remote_code, system, not no_chat_template, streaming,
                                                  max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
                                                  seed=seed)) as job:
             loaded = job.result()[-1]
@@ -68,8 +80,51 @@ def chat(
         print(f"tqbench: error: {e}", file=sys.stderr)
         raise typer.Exit(e.exit_code) from None
     finally:
+        if stats_json is not None:
+            _write_stats(session, stats_json)
         session.close()
 
+
+def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout: bool, err: Console, quiet: bool):
+    """A StreamConfig when experts should stream (asked for, or the model does not fit), else None."""
+    from tqbench.layout.names import EXPERT_MAP
+    from tqbench.recipe.fit import parse_size
+    from tqbench.stream import StreamConfig
+    from tqbench.stream.budget import auto_budget, needs_streaming
+
+    if policy not in ("lrfu", "lru"):
+        raise TqbenchError(f"--cache-policy {policy!r}: choose lrfu or lru")
+    has_map = (Path(path) / EXPERT_MAP).is_file()
+    if budget is None:
+        if not has_map or not needs_streaming(path):
+            return None
+        budget = "auto"
+        if not quiet:
+            err.print("the model does not fit in memory: streaming its experts from disk (--cache-budget-gb auto)",
+                      markup=False)
+    if not has_map:
+        raise TqbenchError("streaming needs a tqbench conversion (expert_map.json, one read per expert); convert "
+                           "it with tqbench convert, or run it resident without --cache-budget-gb", path)
+    if budget.strip().lower() == "auto":
+        nbytes = auto_budget(path)
+    else:
+        try:
+            nbytes = parse_size(budget + ("" if budget.strip()[-1:].isalpha() else "GB"))
+        except ValueError:
+            raise TqbenchError(f"--cache-budget-gb {budget!r}: give a number of GB or auto") from None
+    return StreamConfig(nbytes, workers, policy, fanout)
+
+
+def _write_stats(session: Session, file: Path) -> None:
+    from tqbench.convert.journal import write_atomic
+    from tqbench.runtime.session import KEY, stream_stats
+
+    try:
+        stats = session.call(lambda s: stream_stats(s) if KEY in s.state else None)
+    except Exception:  # noqa: BLE001 - nothing loaded: nothing to write
+        return
+    if stats is not None:
+        write_atomic(file, (json.dumps(stats, indent=2) + "\n").encode())
 
 def _default_model(err: Console) -> str:
     from tqbench.cli.convert import _render, _render_plain
@@ -110,8 +165,13 @@ def _loaded_line(m) -> str:
     sampling = "greedy" if s.temp == 0 else f"temp {s.temp:g}" + (f", top-p {s.top_p:g}" if s.top_p else "") + (
         f", top-k {s.top_k}" if s.top_k else "")
     template = "" if m.chat_template else ", no chat template (plain text turns)"
-    return (f"loaded {m.model_type}{tq}: {units.size(m.weight_bytes)} of weights in {m.seconds:.1f} s; "
-            f"{sampling}, up to {s.max_tokens} tokens per reply{template}")
+    stream = ""
+    if m.stream:
+        st = m.stream
+        stream = (f"; streaming experts: cache {units.size(st['budget_bytes'])} ({st['slots']} slots, "
+                  f"{st['workers']} read workers, {st['policy']}{', fan-out' if st['fanout'] else ''})")
+    return (f"loaded {m.model_type}{tq}: {units.size(m.weight_bytes)} of resident weights in {m.seconds:.1f} s; "
+            f"{sampling}, up to {s.max_tokens} tokens per reply{template}{stream}")
 
 
 def _typed(err: Console) -> Iterator[str]:
@@ -212,3 +272,12 @@ def _stats(session: Session, loaded, err: Console) -> None:
               f"conversation: {turns} turns, {tokens} tokens in the cache", markup=False)
     if last is not None:
         err.print("last reply: " + _summary(last), markup=False)
+    from tqbench.runtime.session import stream_stats
+
+    st = session.call(stream_stats)
+    if st is not None:
+        err.print(f"experts: {st['hits']} hits ({st['hits_pinned']} pinned), {st['misses']} misses, hit rate "
+                  f"{st['hit_rate']:.1%}; {units.size(st['critical_bytes'])} read in {st['reads']} reads, "
+                  f"{st['evictions']} evictions; cache {units.size(st['cache_bytes'])} of "
+                  f"{units.size(st['budget_bytes'])} (max {units.size(st['cache_bytes_max'])}); "
+                  f"stalled {st['stall_s']:.2f} s over {st['tokens']} forward passes", markup=False)

@@ -179,6 +179,11 @@ class Conversation:
             finish = "length"
         yield replace(self._done, finish_reason=finish)
 
+    def close(self) -> None:
+        """Stop the streamer's read workers (a streamed model), if any."""
+        if self.loaded.streamer is not None:
+            self.loaded.streamer.close()
+
     @property
     def last(self) -> ReplyDone | None:
         """The last reply's summary, also after a reply was stopped early (finish_reason "cancelled")."""

@@ -23,31 +23,54 @@ class ModelLoaded:
     path: str
     model_type: str
     turboquant_modules: int
-    weight_bytes: int  # the parameters as held in memory
+    weight_bytes: int  # the resident parameters as held in memory
     chat_template: bool  # False: a base model, turns are plain text
     sampling: Sampling  # defaults from generation_config.json and the user's options
     seconds: float
+    stream: dict | None = None  # streaming: budget_bytes, slots, slot_bytes, staging_bytes, workers, policy, fanout
 
 
 def open_model(session: Session, path: str, trust_remote_code: bool = False, system: str | None = None,
-               chat_template: bool = True, **sampling: Any) -> Iterator[ModelLoaded]:
-    """Load `path` (replacing any model the session holds) and start a conversation."""
+               chat_template: bool = True, streaming: Any = None, **sampling: Any) -> Iterator[ModelLoaded]:
+    """Load `path` (replacing any model the session holds) and start a conversation. `streaming`: a
+    tqbench.stream.StreamConfig to keep routed experts on disk."""
     import time
 
     from tqbench.runtime.load import load
 
     t0 = time.perf_counter()
-    session.state.pop(KEY, None)
-    loaded = load(path, trust_remote_code)
+    old = session.state.pop(KEY, None)
+    if old is not None:
+        old.close()
+    loaded = load(path, trust_remote_code, streaming=streaming)
     conv = Conversation(loaded, system=system, chat_template=chat_template)
     session.state[KEY] = conv
+    stream = None
+    if loaded.streamer is not None:
+        st, c = loaded.streamer.stats, loaded.streamer.config
+        stream = {"budget_bytes": st.budget_bytes, "slots": st.slots, "slot_bytes": st.slot_bytes,
+                  "staging_bytes": st.staging_bytes, "workers": c.workers, "policy": c.policy, "fanout": c.fanout}
     yield ModelLoaded(str(loaded.path), loaded.model_type, loaded.turboquant_modules, loaded.weight_bytes,
                       conv.chat_template, Sampling.defaults(loaded.generation_config, **sampling),
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, stream)
 
 
-def reply(session: Session, text: str, sampling: Sampling) -> Iterator[ReplyStarted | TokenOut | ReplyDone]:
-    yield from conversation(session).reply(text, sampling)
+def reply(session: Session, text: str, sampling: Sampling) -> Iterator[ReplyStarted | TokenOut | ReplyDone | Any]:
+    """The reply's events; with streaming, each forward pass's PageIn events (one per MoE layer) come before the
+    event that follows that pass."""
+    conv = conversation(session)
+    streamer = conv.loaded.streamer
+    for ev in conv.reply(text, sampling):
+        if streamer is not None:
+            yield from streamer.drain()
+        yield ev
+
+
+def stream_stats(session: Session) -> dict | None:
+    """Streaming totals and per-layer figures (StreamStats.to_dict()), or None for a resident model. Use with
+    session.call."""
+    streamer = conversation(session).loaded.streamer
+    return None if streamer is None else streamer.stats.to_dict()
 
 
 def last_reply(session: Session) -> ReplyDone | None:

@@ -7,7 +7,7 @@ Keys are (layer, expert). Policies:
   value C = sum over its past accesses of 2^(-lam * age); the victim has the smallest C. With lam -> 0 it is LFU, with
   large lam LRU. C decays for every key alike, so the order is kept by the time-invariant key
   log2(C) + lam * t_last, in a heap (lazy deletion): O(log n) per access and per eviction.
-Ages count layer visits (one tick per MoE layer call), so a key's value decays by how much else the model touched.
+Ages count forward passes (tokens), so lam = 0.01 halves an access's weight after 100 tokens.
 """
 
 from __future__ import annotations
@@ -41,11 +41,16 @@ class LRU:
 
 
 class LRFU:
+    """Keeps the combined value of every key it has seen, resident or not (an expert evicted and needed again comes
+    back with its history: without it a frequent expert evicted once competes as a newcomer and LRFU degrades to
+    FIFO). History is one small entry per (layer, expert) of the model."""
+
     name = "lrfu"
 
-    def __init__(self, lam: float = 1e-3) -> None:
+    def __init__(self, lam: float = 0.01) -> None:
         self.lam = lam
         self._state: dict[Hashable, tuple[float, int]] = {}  # key -> (log2 C at t_last, t_last)
+        self._resident: set[Hashable] = set()
         self._heap: list[tuple[float, int, Hashable]] = []
         self._seq = 0
 
@@ -60,30 +65,30 @@ class LRFU:
         else:
             log_c0, t0 = old
             decayed = log_c0 - self.lam * (now - t0)  # log2 of C * 2^(-lam * age)
-            log_c = math.log2(1.0 + 2.0 ** decayed)
+            log_c = math.log2(1.0 + 2.0 ** decayed) if decayed > -60 else 0.0
         self._state[key] = (log_c, now)
+        self._resident.add(key)
         self._seq += 1
         heapq.heappush(self._heap, (log_c + self.lam * now, self._seq, key))
-        if len(self._heap) > 4 * len(self._state) + 64:  # drop stale entries now and then
-            self._heap = [(self._priority(k), i, k) for i, k in enumerate(self._state)]
+        if len(self._heap) > 4 * len(self._resident) + 64:  # drop stale entries now and then
+            self._heap = [(self._priority(k), i, k) for i, k in enumerate(self._resident)]
             heapq.heapify(self._heap)
 
     def remove(self, key: Hashable) -> None:
-        self._state.pop(key, None)
+        self._resident.discard(key)
 
     def victim(self, locked: set) -> Hashable | None:
         skipped = []
         found = None
         while self._heap:
-            prio, seq, key = heapq.heappop(self._heap)
-            if key not in self._state or abs(self._priority(key) - prio) > 1e-9:
+            item = heapq.heappop(self._heap)
+            prio, _, key = item
+            if key not in self._resident or abs(self._priority(key) - prio) > 1e-9:
                 continue  # stale
-            if key in locked:
-                skipped.append((prio, seq, key))
-                continue
-            found = key
-            skipped.append((prio, seq, key))  # it stays until removed
-            break
+            skipped.append(item)  # it stays in the heap until it is removed
+            if key not in locked:
+                found = key
+                break
         for item in skipped:
             heapq.heappush(self._heap, item)
         return found

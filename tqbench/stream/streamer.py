@@ -109,7 +109,7 @@ class Streamer:
         ids = np.array(indices)
         experts = [int(e) for e in np.unique(ids)]
         pool = self.pool_of[layer]
-        self._tick += 1
+        self._tick = self.token  # cache ages count forward passes
         slots, served = {}, {}
         for e in experts:
             s = pool.cache.lookup((layer, e), self._tick)
