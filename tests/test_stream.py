@@ -1,0 +1,188 @@
+"""Expert streaming: the cache policies, and streamed generation bit-identical to resident at every budget, with
+every combination of workers, fan-out and policy; the budget holds; a model that changes under a session gives one
+clear error."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from tqbench.convert import convert
+from tqbench.demo import ensure_demo
+from tqbench.recipe import Recipe
+from tqbench.runtime.load import load
+from tqbench.stream import StoreError, StreamConfig
+from tqbench.stream.cache import LRFU, LRU, SlotCache
+
+# ---- policies (pure bookkeeping) --------------------------------------------------------------------------------------
+
+
+def test_lru_evicts_the_least_recently_used_unlocked_key():
+    c = SlotCache(3, "lru")
+    for t, k in enumerate("abc"):
+        c.place(k, t, set())
+    assert c.lookup("a", 3) is not None  # a is now the most recent
+    slot_b = c.slots["b"]
+    slot, evicted = c.place("d", 4, set())
+    assert (evicted, slot) == ("b", slot_b)
+    _, evicted = c.place("e", 5, {"c"})  # c is locked: the next least recent is a
+    assert evicted == "a" and set(c.slots) == {"c", "d", "e"}
+    c.pin(["c"])
+    _, evicted = c.place("f", 6, set())
+    assert evicted == "d" and "c" in c  # pinned never goes
+    assert c.evictions == 3
+
+
+def test_lrfu_keeps_frequent_keys_and_their_history():
+    c = SlotCache(2, "lrfu")
+    c.place("hot", 0, set())
+    for t in range(1, 6):
+        c.lookup("hot", t)
+    c.place("x", 6, set())
+    _, evicted = c.place("y", 7, set())  # hot has C ~ 6, x has C = 1
+    assert evicted == "x"
+    _, evicted = c.place("z", 8, {"y"})  # hot is the only unlocked key: it goes
+    assert evicted == "hot"
+    _, evicted = c.place("hot", 9, {"z"})  # comes back; y (C = 1) goes
+    assert evicted == "y"
+    _, evicted = c.place("w", 10, set())  # hot came back with its history: z (C = 1) goes, not hot
+    assert evicted == "z"
+
+
+def test_lrfu_value_matches_its_definition():
+    """C(t) = sum of 2^(-lam * (t - t_i)) over accesses t_i, computed directly."""
+    p = LRFU(lam=0.3)
+    times = [0, 1, 5, 6, 9]
+    for t in times:
+        p.touch("k", t)
+    log_c, t_last = p._state["k"]
+    assert t_last == 9
+    assert 2 ** log_c == pytest.approx(sum(2 ** (-0.3 * (9 - t)) for t in times), rel=1e-12)
+
+
+def test_lrfu_beats_lru_on_a_skewed_trace_and_never_loses_locked_keys():
+    random.seed(1)
+    rates = {}
+    for policy in ("lru", "lrfu"):
+        random.seed(1)
+        c, hits, n = SlotCache(20, policy), 0, 0
+        for t in range(400):
+            for layer in range(7):
+                ks = set(random.choices(range(64), weights=[1 / (i + 1) for i in range(64)], k=4))
+                locked = {(layer, e) for e in ks if c.lookup((layer, e), t) is not None}
+                hits += len(locked)
+                n += len(ks)
+                for e in ks - {e for _, e in locked}:
+                    _, evicted = c.place((layer, e), t, locked)
+                    assert evicted not in locked
+                    locked.add((layer, e))
+                assert all(k in c for k in locked)
+        rates[policy] = hits / n
+    assert rates["lrfu"] > 0.2 > 0.05 > rates["lru"]
+
+
+def test_policies_validate():
+    with pytest.raises(ValueError, match="unknown cache policy 'fifo'"):
+        SlotCache(2, "fifo")
+    with pytest.raises(ValueError, match="at least one slot"):
+        SlotCache(0)
+    assert isinstance(SlotCache(1, "lru").policy, LRU)
+
+
+# ---- streamed == resident --------------------------------------------------------------------------------------------
+
+PROMPT = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("stream")
+    src = root / "demo"
+    shutil.copytree(ensure_demo(), src)
+    out = {}
+    for name in ("tq3a-tqTe-down4-g64", "affine4", "src"):
+        out[name] = root / name
+        list(convert(src, out[name], Recipe.parse(name)))
+    return out
+
+
+def _run(model, n: int = 10) -> tuple[np.ndarray, list[int]]:
+    logits = np.array(model(mx.array([PROMPT])).astype(mx.float32))
+    tokens = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)), range(n))]
+    return logits, tokens
+
+
+@pytest.fixture(scope="module")
+def resident(models) -> dict[str, tuple[np.ndarray, list[int]]]:
+    return {name: _run(load(path).model) for name, path in models.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tq3a-tqTe-down4-g64", "affine4", "src"])
+@pytest.mark.parametrize("slots, workers, fanout, policy", [
+    (10_000, 4, False, "lrfu"),  # everything fits
+    (40, 1, True, "lru"),  # a few tokens' worth
+    (12, 4, True, "lrfu"),
+    (2, 2, False, "lru"),  # fewer slots than one layer's 4 active experts: chunked
+    (1, 1, False, "lrfu"),
+])
+def test_streamed_generation_is_bit_identical_to_resident(models, resident, recipe, slots, workers, fanout, policy):
+    path = models[recipe]
+    from tqbench.stream.budget import model_bytes
+
+    expert = model_bytes(path).one_expert
+    budget = workers * expert + slots * expert
+    loaded = load(path, streaming=StreamConfig(budget, workers, policy, fanout))
+    st = loaded.streamer.stats
+    assert st.slots == min(slots, 7 * 64)
+    logits, tokens = _run(loaded.model)
+    want_logits, want_tokens = resident[recipe]
+    np.testing.assert_array_equal(logits, want_logits)
+    assert tokens == want_tokens
+    assert st.cache_bytes_max + st.staging_bytes <= budget  # nothing held outside the budget
+    assert st.cache_bytes_max <= st.slots * expert
+    assert st.misses > 0 and st.critical_bytes == st.misses * expert
+    if slots >= 10_000:
+        assert st.evictions == 0 and st.hits > 0
+    loaded.streamer.close()
+
+
+def test_page_in_events_account_for_every_routed_expert(models):
+    loaded = load(models["tq3a-tqTe-down4-g64"], streaming=StreamConfig(10**7, 2))
+    loaded.model(mx.array([PROMPT[:1]]))
+    loaded.model(mx.array([PROMPT[1:2]]))
+    events = loaded.streamer.drain()
+    assert [e.token for e in events] == [1] * 7 + [2] * 7 and [e.layer for e in events[:7]] == list(range(1, 8))
+    assert all(len(e.experts) == 4 and len(e.served) == 4 for e in events)  # one token, top-4
+    assert all(k == "miss" for k in events[0].served)  # a cold cache
+    st = loaded.streamer.stats
+    assert st.misses == sum(k == "miss" for e in events for k in e.served)
+    assert st.hits == sum(k != "miss" for e in events for k in e.served)
+    assert sum(e.bytes_read for e in events) == st.critical_bytes
+    loaded.streamer.close()
+
+
+def test_a_budget_below_one_expert_is_refused(models):
+    with pytest.raises(StoreError, match=r"cannot hold one expert \(4,480 bytes\) plus 2 read buffer"):
+        load(models["tq3a-tqTe-down4-g64"], streaming=StreamConfig(3 * 4480 - 1, 2))
+
+
+def test_a_model_that_changes_under_the_session_gives_one_clear_error(models, tmp_path):
+    path = tmp_path / "m"
+    shutil.copytree(models["tq3a-tqTe-down4-g64"], path)
+    loaded = load(path, streaming=StreamConfig(3 * 4480, 2))
+    loaded.model(mx.array([PROMPT[:2]]))
+    shard = next(path.glob("model-*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    with pytest.raises(StoreError, match=r"model-00001-of-00001.safetensors: expert \d+ of layer \d+: read \d+ of "
+                                         r"4480 bytes .* it changed under the session"):
+        for _ in range(40):  # until a page-in reaches past the cut
+            mx.eval(loaded.model(mx.array([PROMPT[:3]])))
+    loaded.streamer.close()
