@@ -24,6 +24,7 @@ from tqbench.state import last_model, remember_model
 from tui.app import TqbenchApp
 from tui.screens.chat import ChatScreen
 from tui.state import display_path
+from tui.widgets.transcript import CURSOR, reply_content
 from tui_helpers import screen_lines, settle
 
 pytestmark = pytest.mark.slow
@@ -163,6 +164,7 @@ async def test_replies_match_the_engine_reuse_the_cache_and_reset(model_dir, eng
         await wait_for(pilot, lambda: not screen._resetting, "the reset")
         await pilot.pause()
         assert screen.transcript.turns == [] and "conversation reset" in status(screen)
+        assert "A new conversation. Type a message below" in screen_text(pilot)
         await send(pilot, screen, PROMPTS[0])  # a new conversation: the same reply as the first, nothing reused
         assert screen.transcript.turns[-1].text == first.text
         assert screen.last_done.cached_tokens == 0 and "· 0 reused" in status(screen)
@@ -291,3 +293,15 @@ async def test_the_convert_screens_output_is_loaded_next(model_dir):
         await wait_for(pilot, lambda: screen.loaded is not None, "the new model")
         assert Path(screen.loaded.path).resolve() == dest.resolve()
         assert display_path(dest) in screen.query_one("#chat-model").text
+
+
+def test_thinking_is_dim_and_italic_and_endings_are_marked():
+    parts = (("<think>the user wants", True), (" code</think>", True), ("\nimport os", False))
+    content = reply_content(parts, "cancelled")
+    assert content.plain == "<think>the user wants code</think>\nimport os [stopped]"
+    styled = {content.plain[s.start:s.end]: str(s.style) for s in content.spans}
+    assert styled["<think>the user wants"] == styled[" code</think>"] == "dim italic"
+    assert "\nimport os" not in styled and styled["[stopped]"] == "bold $text-warning"
+    assert reply_content(parts[:1], streaming=True).plain == "<think>the user wants" + CURSOR
+    assert reply_content((), "stop").plain == "(empty reply)"
+    assert reply_content((("x\n", False),), "length").plain == "x\n[max tokens]"

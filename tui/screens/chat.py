@@ -45,6 +45,7 @@ from tui.widgets.transcript import ReplyTurn, Transcript, UserTurn
 STREAM_INTERVAL = 0.05  # seconds between updates of a streaming reply
 PROGRESS_INTERVAL = 0.1  # seconds between progress messages of the demo's conversion
 STATUS_KEY = 8  # width of the status lines' labels
+START_HINT = "Type a message below and press enter. esc stops a reply; ctrl+r starts a new conversation."
 
 
 def one_line(error: BaseException) -> str:
@@ -195,9 +196,9 @@ class ChatScreen(Screen):
                             self.post_message(ChatConvertProgress(load_id, ev))
                             posted, latest = time.monotonic(), None
                     elif isinstance(ev, ConvertStarted):
-                        self.post_message(ChatLoadStep(
-                            load_id, f"no model converted yet: converting the demo ({ev.units:,} units, "
-                                     f"{units.gb(ev.bytes_in)})...", converting=True))
+                        self.post_message(ChatLoadStep(load_id, (
+                            f"no model converted yet: converting the demo with {ev.recipe} "
+                            f"({ev.units:,} units, {units.gb(ev.bytes_in)})..."), converting=True))
                     elif isinstance(ev, ModelChosen):
                         chosen = ev
             if latest is not None:
@@ -248,9 +249,9 @@ class ChatScreen(Screen):
         self.query_one("#chat-bar-row").display = False
         m = message.loaded
         self.query_one(ModelBand).show_model(message.chosen, m)
-        template = "" if m.chat_template else "; no chat template: turns are plain text"
-        self.transcript.hint(f"{sampling_text(m.sampling)}{template}. Type a message below and press enter.")
-        self._status(Content.styled(f"ready: {sampling_text(m.sampling)}", "$text-muted"))
+        template = "; no chat template: turns are plain text" if not m.chat_template else ""
+        self.transcript.hint(START_HINT)
+        self._status(Content.styled(f"ready: {sampling_text(m.sampling)}{template}", "$text-muted"))
         self.refresh_bindings()
 
     def on_chat_load_failed(self, message: ChatLoadFailed) -> None:
@@ -369,7 +370,7 @@ class ChatScreen(Screen):
             text = self._user.text if self._user is not None else ""
             for turn in (self._reply, self._user):
                 if turn is not None:
-                    turn.remove()
+                    self.transcript.remove_turn(turn)
             if text and not self.chat_input.value:
                 self.chat_input.value = text
                 self.chat_input.cursor_position = len(text)
@@ -432,7 +433,7 @@ class ChatScreen(Screen):
             return
         self.last_done = None
         self.transcript.clear()
-        self.transcript.hint("A new conversation: type a message below and press enter.")
+        self.transcript.hint("A new conversation. " + START_HINT)
         self._status(Content.styled("conversation reset: the cache is empty", "$text-muted"))
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:

@@ -78,6 +78,7 @@ class Transcript(VerticalScroll):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self._hint = Static("", classes="transcript-hint")
+        self._turns: list[Static] = []  # in order (removed ones leave at once, before their widgets are gone)
 
     def on_mount(self) -> None:
         self.mount(self._hint)
@@ -85,7 +86,7 @@ class Transcript(VerticalScroll):
     def hint(self, text: str) -> None:
         """A muted line shown while the transcript is empty (what to do first)."""
         self._hint.update(Content.styled(text, "$text-muted"))
-        self._hint.display = bool(text) and not self.query(".user-turn, .reply-turn")
+        self._hint.display = bool(text) and not self._turns
 
     def add_user(self, text: str) -> UserTurn:
         turn = UserTurn(text)
@@ -101,6 +102,7 @@ class Transcript(VerticalScroll):
     def _append(self, widget: Static) -> None:
         follow = self.is_vertical_scroll_end or self.max_scroll_y == 0
         self._hint.display = False
+        self._turns.append(widget)
         self.mount(widget)
         if follow:
             self.call_after_refresh(self.scroll_end, animate=False)
@@ -111,15 +113,18 @@ class Transcript(VerticalScroll):
             self.call_after_refresh(self.scroll_end, animate=False)
 
     def remove_turn(self, turn: Static) -> None:
+        if turn in self._turns:
+            self._turns.remove(turn)
         turn.remove()
 
     def clear(self) -> None:
-        for turn in self.query(".user-turn, .reply-turn"):
+        for turn in self._turns:
             turn.remove()
+        self._turns = []
 
     @property
     def turns(self) -> list[Static]:
-        return list(self.query(".user-turn, .reply-turn"))
+        return list(self._turns)
 
     @property
     def text(self) -> str:
