@@ -114,3 +114,23 @@ def test_without_a_model_chat_converts_the_demo_once_then_opens_the_last_convers
     third = tqbench(capsys, monkeypatch, "chat", "--prompt", "x", "--max-tokens", "2")
     assert f"model: {dest.resolve()} (last converted model)" in third.err
     assert "loaded kimi_k3:" in third.err  # affine: no TurboQuant modules
+
+
+def test_streaming_flags_write_stats_json(model, tmp_path, capsys, monkeypatch):
+    stats = tmp_path / "stats.json"
+    r = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "def fib(n):", "--max-tokens", "16",
+                "--cache-budget-gb", "0.0002", "--prefetch-workers", "2", "--cache-policy", "lru", "--fanout",
+                "--stats-json", stats)
+    assert r.code == 0, r.err
+    assert r.out == _engine_replies(model, ["def fib(n):"], 16)[0] + "\n"  # streamed text == resident text
+    assert "streaming experts: cache 200.00 kB" in r.err and "2 read workers, lru, fan-out" in r.err
+    doc = json.loads(stats.read_text())
+    assert {"budget_bytes", "cache_bytes_max", "hits", "misses", "critical_bytes", "speculative_bytes", "reads",
+            "tokens", "layers"} <= set(doc)
+    assert doc["budget_bytes"] == 200_000 and doc["cache_bytes_max"] + doc["staging_bytes"] <= 200_000
+    assert doc["tokens"] >= 16 and doc["misses"] > 0 and doc["reads"] >= doc["misses"]
+    bad = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--cache-budget-gb", "lots")
+    assert bad.code == 1 and bad.err.splitlines()[-1] == "tqbench: error: --cache-budget-gb 'lots': give a number of GB or auto"
+    many = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--max-tokens", "2",
+                   "--max-active-experts", "1")
+    assert many.code == 0 and "warning: routing to 1 of the model's 4 experts per token" in many.err

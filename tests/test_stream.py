@@ -186,3 +186,25 @@ def test_a_model_that_changes_under_the_session_gives_one_clear_error(models, tm
         for _ in range(40):  # until a page-in reaches past the cut
             mx.eval(loaded.model(mx.array([PROMPT[:3]])))
     loaded.streamer.close()
+
+
+def test_max_active_experts_routes_to_k_and_native_is_unchanged(models, resident):
+    from tqbench.errors import TqbenchError
+    from tqbench.runtime.routing import set_active_experts
+
+    path = models["tq3a-tqTe-down4-g64"]
+    loaded = load(path, streaming=StreamConfig(10**7, 2))
+    assert set_active_experts(loaded.model, 0).active == 4
+    assert set_active_experts(loaded.model, 4).layers == 0
+    logits, _ = _run(loaded.model, 1)
+    np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])  # native: the same model
+    ae = set_active_experts(loaded.model, 2)
+    assert (ae.native, ae.active, ae.layers, ae.cut) == (4, 2, 7, 2.0)
+    loaded.streamer.drain()
+    cut = np.array(loaded.model(mx.array([PROMPT[:1]])).astype(mx.float32))
+    events = loaded.streamer.drain()
+    assert len(events) == 7 and all(len(e.experts) == 2 for e in events)  # one token, two experts per layer
+    assert np.abs(cut[0, -1] - logits[0, 0]).max() > 0  # a different model
+    with pytest.raises(TqbenchError, match=r"--max-active-experts 5: choose 1..4"):
+        set_active_experts(loaded.model, 5)
+    loaded.streamer.close()

@@ -47,6 +47,10 @@ def chat(
     cache_policy: Annotated[str, typer.Option("--cache-policy", metavar="lrfu|lru",
                                               help="Which cached expert to evict.")] = "lrfu",
     fanout: Annotated[bool, typer.Option("--fanout", help="Split each expert's read across the workers.")] = False,
+    max_active_experts: Annotated[int, typer.Option(
+        "--max-active-experts", metavar="K", min=0,
+        help="Route each token to K experts instead of the model's top-k (0: native). Fewer bytes per token, but it "
+             "changes the model's output.")] = 0,
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", metavar="FILE",
                                                        help="Write the streaming statistics here at exit.")] = None,
 ) -> None:
@@ -66,11 +70,14 @@ def chat(
         if not as_json:
             err.print(f"loading {path} ...", markup=False)
         with session.submit(lambda s: open_model(s, path, trust_remote_code, system, not no_chat_template, streaming,
-                                                 max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
+                                                 max_active_experts, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
                                                  seed=seed)) as job:
             loaded = job.result()[-1]
         if not as_json:
             err.print(_loaded_line(loaded), markup=False)
+        if loaded.experts_active and loaded.experts_native > 2 * loaded.experts_active:
+            err.print(f"warning: routing to {loaded.experts_active} of the model's {loaded.experts_native} experts per "
+                      "token (more than a 2x cut): expect worse answers", markup=False)
         interactive = prompt is None and sys.stdin.isatty()
         if interactive and not as_json:
             err.print(HELP_LINE, markup=False)
@@ -110,7 +117,7 @@ def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout:
     else:
         try:
             nbytes = parse_size(budget + ("" if budget.strip()[-1:].isalpha() else "GB"))
-        except ValueError:
+        except (ValueError, TqbenchError):
             raise TqbenchError(f"--cache-budget-gb {budget!r}: give a number of GB or auto") from None
     return StreamConfig(nbytes, workers, policy, fanout)
 
@@ -170,8 +177,10 @@ def _loaded_line(m) -> str:
         st = m.stream
         stream = (f"; streaming experts: cache {units.size(st['budget_bytes'])} ({st['slots']} slots, "
                   f"{st['workers']} read workers, {st['policy']}{', fan-out' if st['fanout'] else ''})")
+    routed = (f"; {m.experts_active} of {m.experts_native} experts per token"
+              if m.experts_active and m.experts_active != m.experts_native else "")
     return (f"loaded {m.model_type}{tq}: {units.size(m.weight_bytes)} of resident weights in {m.seconds:.1f} s; "
-            f"{sampling}, up to {s.max_tokens} tokens per reply{template}{stream}")
+            f"{sampling}, up to {s.max_tokens} tokens per reply{template}{stream}{routed}")
 
 
 def _typed(err: Console) -> Iterator[str]:

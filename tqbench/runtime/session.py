@@ -28,10 +28,13 @@ class ModelLoaded:
     sampling: Sampling  # defaults from generation_config.json and the user's options
     seconds: float
     stream: dict | None = None  # streaming: budget_bytes, slots, slot_bytes, staging_bytes, workers, policy, fanout
+    experts_native: int = 0  # routed experts per token as trained (0: not a MoE model we route)
+    experts_active: int = 0  # as run (--max-active-experts)
 
 
 def open_model(session: Session, path: str, trust_remote_code: bool = False, system: str | None = None,
-               chat_template: bool = True, streaming: Any = None, **sampling: Any) -> Iterator[ModelLoaded]:
+               chat_template: bool = True, streaming: Any = None, max_active_experts: int = 0,
+               **sampling: Any) -> Iterator[ModelLoaded]:
     """Load `path` (replacing any model the session holds) and start a conversation. `streaming`: a
     tqbench.stream.StreamConfig to keep routed experts on disk."""
     import time
@@ -43,6 +46,12 @@ def open_model(session: Session, path: str, trust_remote_code: bool = False, sys
     if old is not None:
         old.close()
     loaded = load(path, trust_remote_code, streaming=streaming)
+    native = active = 0
+    if max_active_experts:
+        from tqbench.runtime.routing import set_active_experts
+
+        ae = set_active_experts(loaded.model, max_active_experts)
+        native, active = ae.native, ae.active
     conv = Conversation(loaded, system=system, chat_template=chat_template)
     session.state[KEY] = conv
     stream = None
@@ -52,7 +61,7 @@ def open_model(session: Session, path: str, trust_remote_code: bool = False, sys
                   "staging_bytes": st.staging_bytes, "workers": c.workers, "policy": c.policy, "fanout": c.fanout}
     yield ModelLoaded(str(loaded.path), loaded.model_type, loaded.turboquant_modules, loaded.weight_bytes,
                       conv.chat_template, Sampling.defaults(loaded.generation_config, **sampling),
-                      time.perf_counter() - t0, stream)
+                      time.perf_counter() - t0, stream, native, active)
 
 
 def reply(session: Session, text: str, sampling: Sampling) -> Iterator[ReplyStarted | TokenOut | ReplyDone | Any]:
