@@ -16,6 +16,7 @@ import tqbench.runtime.session as session_api
 from tqbench.convert import convert
 from tqbench.demo import ensure_demo
 from tqbench.engine import Session, engine
+from tqbench.errors import TqbenchError
 from tqbench.layout.names import INDEX_FILE
 from tqbench.recipe import Recipe
 from tqbench.runtime.chat import ReplyDone, TokenOut
@@ -229,6 +230,31 @@ async def test_quitting_mid_reply_stops_the_engine_first(model_dir, monkeypatch)
         assert app.is_running and engine().busy  # the app's quit stops the engine's job first
         gate.set()
         await wait_for(pilot, lambda: not app.is_running, "the app to exit")
+
+
+async def test_a_failing_reply_is_one_line_and_the_next_turn_works(model_dir, engine_run, monkeypatch):
+    _, (first, _), _, _ = engine_run
+    remember_model(model_dir)
+
+    def failing(session, text, sampling):
+        gen = REAL_REPLY(session, text, sampling)
+        try:
+            yield next(gen)  # ReplyStarted: the conversation is not touched yet
+        finally:
+            gen.close()
+        raise TqbenchError("the model's files changed\nunder it")
+
+    monkeypatch.setattr(session_api, "reply", failing)
+    app = TqbenchApp()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_chat(pilot)
+        await send(pilot, screen, PROMPTS[0])
+        assert screen.error == "the reply failed: the model's files changed under it"
+        assert screen.query_one("#chat-error").display and screen.transcript.text.endswith("[failed]")
+        monkeypatch.setattr(session_api, "reply", REAL_REPLY)
+        await send(pilot, screen, PROMPTS[0])
+        assert screen.error is None and not screen.query_one("#chat-error").display
+        assert screen.transcript.turns[-1].text == first.text and screen.last_done.cached_tokens == 0
 
 
 async def test_default_model_is_the_demo_converted_first(monkeypatch):

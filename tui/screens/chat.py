@@ -3,7 +3,7 @@
 Which model: the one converted last (the Convert screen records each finished output with
 tqbench.state.remember_model), else the built-in demo converted with tq4 (converted first if needed, with its
 progress shown): tqbench.runtime.models.choose_model. Coming back to the screen after another conversion finished
-loads that one.
+loads that one (a new conversation); a load that failed (one line on the screen) is tried again.
 
 All MLX work runs on the process's engine thread (tqbench.engine): the screen submits `choose_model`, `open_model`,
 `reply`, `last_reply` and `reset` as jobs of its `Session`, and thread workers relay their plain events as messages.
@@ -33,7 +33,7 @@ from textual.widgets import Footer, Header, Input, Label, ProgressBar, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from tqbench import units
-from tqbench.engine import Job, Session, submit
+from tqbench.engine import Job, Session, engine, submit
 from tqbench.errors import TqbenchError
 from tui.messages import (ChatConvertProgress, ChatLoadFailed, ChatLoadStep, ChatModelReady, ChatReplyBegan,
                           ChatReplyEnded, ChatReplyFailed, ChatReplyProgress, ChatResetDone)
@@ -134,7 +134,10 @@ class ChatScreen(Screen):
         """Shown (first time or again): load the model converted last, unless it is the one loaded."""
         if self._loading or self.replying or self._resetting:
             return
-        if self.loaded is None or self.error is not None or self._newer_model():
+        if self.loaded is None:  # not yet, or it failed (the user may have converted something meanwhile)
+            self.load()
+        elif self._newer_model():
+            self.notify("A newer conversion finished: loading it (a new conversation).")
             self.load()
 
     def _newer_model(self) -> bool:
@@ -165,7 +168,8 @@ class ChatScreen(Screen):
         self._set_error(None)
         self.transcript.clear()
         self.transcript.hint("")
-        self._band(Content.styled("choosing a model...", "$text-muted"))
+        waiting = " (waiting for the engine's running job to end first)" if engine().busy else ""
+        self._band(Content.styled(f"choosing a model...{waiting}", "$text-muted"))
         self._status(Content(""))
         self._load(self._load_id)
         self.refresh_bindings()
@@ -290,6 +294,7 @@ class ChatScreen(Screen):
         """Start a turn: the user's text in the transcript, the reply streaming under it."""
         self._turn_id += 1
         self._stopping = False
+        self._set_error(None)  # a failed reply's line
         sampling = self.loaded.sampling
         self._user = self.transcript.add_user(text)
         self._reply = self.transcript.add_reply(self.loaded.model_type)
