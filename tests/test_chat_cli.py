@@ -123,7 +123,7 @@ def test_streaming_flags_write_stats_json(model, tmp_path, capsys, monkeypatch):
                 "--stats-json", stats)
     assert r.code == 0, r.err
     assert r.out == _engine_replies(model, ["def fib(n):"], 16)[0] + "\n"  # streamed text == resident text
-    assert "streaming experts: cache 200.00 kB" in r.err and "2 read workers, lru, fan-out" in r.err
+    assert "streaming experts: cache 200.00 kB" in r.err and "2 read workers, lru, fan-out, page cache on" in r.err
     doc = json.loads(stats.read_text())
     assert {"budget_bytes", "cache_bytes_max", "hits", "misses", "critical_bytes", "speculative_bytes", "reads",
             "tokens", "layers"} <= set(doc)

@@ -125,20 +125,25 @@ def resident(models) -> dict[str, tuple[np.ndarray, list[int]]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tq3a-tqTe-down4-g64", "affine4", "src"])
-@pytest.mark.parametrize("slots, workers, fanout, policy", [
-    (10_000, 4, False, "lrfu"),  # everything fits
-    (40, 1, True, "lru"),  # a few tokens' worth
-    (12, 4, True, "lrfu"),
-    (2, 2, False, "lru"),  # fewer slots than one layer's 4 active experts: chunked
-    (1, 1, False, "lrfu"),
+@pytest.mark.parametrize("slots, workers, fanout, policy, page_cache", [
+    (10_000, 4, False, "lrfu", "on"),  # everything fits
+    (40, 1, True, "lru", "off"),  # a few tokens' worth; O_DIRECT reads of aligned supersets
+    (12, 4, True, "lrfu", "off"),
+    (12, 3, True, "lrfu", "on"),
+    (2, 2, False, "lru", "auto"),  # fewer slots than one layer's 4 active experts: chunked
+    (1, 1, False, "lrfu", "off"),
 ])
-def test_streamed_generation_is_bit_identical_to_resident(models, resident, recipe, slots, workers, fanout, policy):
+def test_streamed_generation_is_bit_identical_to_resident(models, resident, recipe, slots, workers, fanout, policy,
+                                                         page_cache):
     path = models[recipe]
     from tqbench.stream.budget import model_bytes
+    from tqbench.stream.store import ALIGN
 
     expert = model_bytes(path).one_expert
-    budget = workers * expert + slots * expert
-    loaded = load(path, streaming=StreamConfig(budget, workers, policy, fanout))
+    staging = expert + (2 * ALIGN if page_cache == "off" else 0)
+    budget = workers * staging + slots * expert
+    loaded = load(path, streaming=StreamConfig(budget, workers, policy, fanout, page_cache))
+    assert loaded.streamer.direct == (page_cache == "off" and _takes_o_direct(path))
     st = loaded.streamer.stats
     assert st.slots == min(slots, 7 * 64)
     logits, tokens = _run(loaded.model)
@@ -148,9 +153,21 @@ def test_streamed_generation_is_bit_identical_to_resident(models, resident, reci
     assert st.cache_bytes_max + st.staging_bytes <= budget  # nothing held outside the budget
     assert st.cache_bytes_max <= st.slots * expert
     assert st.misses > 0 and st.critical_bytes == st.misses * expert
+    assert st.reads >= st.misses and (fanout or st.reads == st.misses)
     if slots >= 10_000:
         assert st.evictions == 0 and st.hits > 0
     loaded.streamer.close()
+
+
+def _takes_o_direct(path: Path) -> bool:
+    import os
+
+    try:
+        fd = os.open(next(path.glob("*.safetensors")), os.O_RDONLY | os.O_DIRECT)
+    except (OSError, AttributeError):
+        return False
+    os.close(fd)
+    return True
 
 
 def test_page_in_events_account_for_every_routed_expert(models):

@@ -47,6 +47,10 @@ def chat(
     cache_policy: Annotated[str, typer.Option("--cache-policy", metavar="lrfu|lru",
                                               help="Which cached expert to evict.")] = "lrfu",
     fanout: Annotated[bool, typer.Option("--fanout", help="Split each expert's read across the workers.")] = False,
+    page_cache: Annotated[str, typer.Option(
+        "--page-cache", metavar="auto|on|off",
+        help="Read experts through the OS page cache (on), around it (off: O_DIRECT / F_NOCACHE), or off when the "
+             "model is much larger than memory (auto).")] = "auto",
     max_active_experts: Annotated[int, typer.Option(
         "--max-active-experts", metavar="K", min=0,
         help="Route each token to K experts instead of the model's top-k (0: native). Fewer bytes per token, but it "
@@ -66,7 +70,7 @@ def chat(
     session = Session()
     try:
         path = str(model) if model is not None else _default_model(err)
-        streaming = _streaming(path, cache_budget_gb, prefetch_workers, cache_policy, fanout, err, as_json)
+        streaming = _streaming(path, cache_budget_gb, prefetch_workers, cache_policy, fanout, page_cache, err, as_json)
         if not as_json:
             err.print(f"loading {path} ...", markup=False)
         with session.submit(lambda s: open_model(s, path, trust_remote_code, system, not no_chat_template, streaming,
@@ -92,7 +96,8 @@ def chat(
         session.close()
 
 
-def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout: bool, err: Console, quiet: bool):
+def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout: bool, page_cache: str, err: Console,
+               quiet: bool):
     """A StreamConfig when experts should stream (asked for, or the model does not fit), else None."""
     from tqbench.layout.names import EXPERT_MAP
     from tqbench.recipe.fit import parse_size
@@ -101,6 +106,8 @@ def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout:
 
     if policy not in ("lrfu", "lru"):
         raise TqbenchError(f"--cache-policy {policy!r}: choose lrfu or lru")
+    if page_cache not in ("auto", "on", "off"):
+        raise TqbenchError(f"--page-cache {page_cache!r}: choose auto, on or off")
     has_map = (Path(path) / EXPERT_MAP).is_file()
     if budget is None:
         if not has_map or not needs_streaming(path):
@@ -119,7 +126,7 @@ def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout:
             nbytes = parse_size(budget + ("" if budget.strip()[-1:].isalpha() else "GB"))
         except (ValueError, TqbenchError):
             raise TqbenchError(f"--cache-budget-gb {budget!r}: give a number of GB or auto") from None
-    return StreamConfig(nbytes, workers, policy, fanout)
+    return StreamConfig(nbytes, workers, policy, fanout, page_cache)
 
 
 def _write_stats(session: Session, file: Path) -> None:
@@ -176,7 +183,8 @@ def _loaded_line(m) -> str:
     if m.stream:
         st = m.stream
         stream = (f"; streaming experts: cache {units.size(st['budget_bytes'])} ({st['slots']} slots, "
-                  f"{st['workers']} read workers, {st['policy']}{', fan-out' if st['fanout'] else ''})")
+                  f"{st['workers']} read workers, {st['policy']}{', fan-out' if st['fanout'] else ''}, "
+                  f"page cache {st['page_cache']})")
     routed = (f"; {m.experts_active} of {m.experts_native} experts per token"
               if m.experts_active and m.experts_active != m.experts_native else "")
     return (f"loaded {m.model_type}{tq}: {units.size(m.weight_bytes)} of resident weights in {m.seconds:.1f} s; "

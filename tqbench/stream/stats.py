@@ -29,6 +29,7 @@ class LayerTotals:
 @dataclass
 class StreamStats:
     budget_bytes: int = 0
+    page_cache: str = "on"  # "on" (buffered reads) or "off" (bypassed)
     slot_bytes: int = 0
     slots: int = 0
     staging_bytes: int = 0
@@ -54,7 +55,7 @@ class StreamStats:
         return self.hits / n if n else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"budget_bytes": self.budget_bytes, "slot_bytes": self.slot_bytes, "slots": self.slots,
+        return {"budget_bytes": self.budget_bytes, "page_cache": self.page_cache, "slot_bytes": self.slot_bytes, "slots": self.slots,
                 "staging_bytes": self.staging_bytes, "cache_bytes": self.cache_bytes,
                 "cache_bytes_max": self.cache_bytes_max, "hits": self.hits, "hits_pinned": self.hits_pinned,
                 "hits_cache": self.hits_cache, "misses": self.misses, "hit_rate": round(self.hit_rate(), 4),

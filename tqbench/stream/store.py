@@ -11,6 +11,7 @@ projection arrays of one cache slot.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -67,14 +68,30 @@ class LayerLayout:
         return tuple((p.projection, p.param, p.dtype, p.shape) for p in self.parts)
 
 
+ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in multiples of this
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 buffer (anonymous mmap), as O_DIRECT reads need."""
+    import mmap
+
+    size = -(-nbytes // ALIGN) * ALIGN
+    return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+
+
 class ExpertStore:
     """Reads experts into caller-provided buffers. File descriptors are opened once and kept; a file that shrank or
-    vanished raises StoreError naming it."""
+    vanished raises StoreError naming it.
+
+    `direct`: bypass the page cache (O_DIRECT on Linux: an aligned superset of each expert's range is read into an
+    aligned buffer and the expert starts `shift` bytes in; F_NOCACHE on macOS). Only single-range experts (tqbench's
+    layout) read directly; a filesystem that refuses O_DIRECT falls back to buffered reads (`direct` becomes False)."""
 
     def __init__(self, root: Path, files: Sequence[str], layers: dict[int, LayerLayout]):
         self.root = Path(root)
         self.files = tuple(files)
         self.layers = layers
+        self.direct = False
         self._fds: dict[int, int] = {}
         self._sizes = {}
         for i, f in enumerate(self.files):
@@ -104,11 +121,67 @@ class ExpertStore:
     def _fd(self, i: int) -> int:
         fd = self._fds.get(i)
         if fd is None:
+            flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.direct else 0)
             try:
-                fd = self._fds[i] = os.open(self.root / self.files[i], os.O_RDONLY)
+                fd = self._fds[i] = os.open(self.root / self.files[i], flags)
             except OSError as e:
                 raise StoreError(f"cannot open an expert file: {e.strerror}", self.root / self.files[i]) from None
+            if self.direct and sys.platform == "darwin":
+                import fcntl
+
+                fcntl.fcntl(fd, 48, 1)  # F_NOCACHE
         return fd
+
+    def set_direct(self, on: bool) -> bool:
+        """Bypass the page cache from now on, if every layer is single-range and the filesystem allows it."""
+        on = on and all(len(x) == 1 for lay in self.layers.values() for x in lay.extents[:1])
+        if on and sys.platform.startswith("linux"):
+            try:  # probe: tmpfs and some network filesystems refuse O_DIRECT
+                fd = os.open(self.root / self.files[0], os.O_RDONLY | os.O_DIRECT)
+                try:
+                    os.preadv(fd, [memoryview(aligned_buffer(ALIGN))], 0)
+                finally:
+                    os.close(fd)
+            except OSError:
+                on = False
+        self.close()
+        self.direct = on
+        return on
+
+    def buffer_bytes(self, layer: int) -> int:
+        """Staging bytes one expert of `layer` needs (direct reads need an aligned superset)."""
+        n = self.layers[layer].nbytes
+        return n + 2 * ALIGN if self.direct else n
+
+    def shift(self, layer: int, expert: int) -> int:
+        """Where the expert's bytes start in its staging buffer (0, or its offset's distance past an aligned page)."""
+        return self.layers[layer].extents[expert][0].offset % ALIGN if self.direct else 0
+
+    def direct_pieces(self, layer: int, expert: int, pieces: int) -> list[tuple[int, int, int, int, int]]:
+        """The aligned superset of a single-range expert cut into up to `pieces` aligned reads:
+        (file, offset, into, length, needed), `needed` the bytes of that read the expert must get (EOF may cut the
+        superset's tail)."""
+        (x,) = self.layers[layer].extents[expert]
+        start = x.offset // ALIGN * ALIGN
+        end = -(-(x.offset + x.length) // ALIGN) * ALIGN
+        step = -(-(end - start) // pieces)
+        step = -(-step // ALIGN) * ALIGN
+        out = []
+        for a in range(start, end, step):
+            n = min(step, end - a)
+            needed = max(0, min(a + n, x.offset + x.length) - a)
+            out.append((x.file, a, a - start, n, needed))
+        return out
+
+    def read_direct(self, layer: int, expert: int, buf: np.ndarray, pieces: list | None = None) -> int:
+        """O_DIRECT reads of (pieces of) the aligned superset of a single-range expert into the aligned `buf`."""
+        for file, offset, into, length, needed in pieces or self.direct_pieces(layer, expert, 1):
+            got = os.preadv(self._fd(file), [memoryview(buf)[into:into + length]], offset)
+            if got < needed:
+                path = self.root / self.files[file]
+                raise StoreError(f"expert {expert} of layer {layer}: read {got} of {needed} bytes at offset {offset} "
+                                 f"(the file has {_size(path)} bytes: it changed under the session)", path)
+        return len(pieces) if pieces else 1
 
     def read(self, layer: int, expert: int, buf: np.ndarray, parts: Sequence[int] | None = None) -> int:
         """Fill `buf` (uint8, at least the expert's nbytes) with expert `expert` of `layer`; returns the number of

@@ -23,7 +23,7 @@ import numpy as np
 
 from tqbench.stream.cache import SlotCache
 from tqbench.stream.stats import LayerTotals, PageIn, StreamStats
-from tqbench.stream.store import ExpertStore, LayerLayout, StoreError, part_array
+from tqbench.stream.store import ExpertStore, LayerLayout, StoreError, aligned_buffer, part_array
 
 MLX_DTYPES = {"U32": mx.uint32, "F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32, "U8": mx.uint8}
 
@@ -34,6 +34,8 @@ class StreamConfig:
     workers: int = 4
     policy: str = "lrfu"
     fanout: bool = False  # split one expert's read into several parallel reads
+    page_cache: str = "auto"  # "on": buffered reads; "off": bypass (O_DIRECT / F_NOCACHE); "auto": off when the
+    # model's files exceed 60% of physical memory (the page cache would only churn), else on
 
 
 class Pool:
@@ -53,7 +55,7 @@ class Pool:
 
     def write(self, slot: int, buf: np.ndarray) -> None:
         for p in self.parts:
-            a = mx.array(part_array(buf, p))  # copies out of the staging buffer
+            a = mx.array(part_array(buf, p))  # copies out of the staging buffer (mx.array copies numpy data)
             if p.dtype == "BF16":
                 a = a.view(mx.bfloat16)
             self.arrays[(p.projection, p.param)][slot] = a
@@ -66,10 +68,15 @@ class Streamer:
         layouts = store.layers
         if not layouts:
             raise StoreError("no routed experts to stream", store.root)
-        biggest = max(lay.nbytes for lay in layouts.values())
+        if config.page_cache not in ("auto", "on", "off"):
+            raise ValueError(f"page_cache must be auto, on or off, not {config.page_cache!r}")
+        self.direct = store.set_direct(config.page_cache == "off" or (config.page_cache == "auto" and
+                                                                       _much_larger_than_ram(store)))
+        biggest = max(store.buffer_bytes(n) for n in layouts)
         workers = max(1, config.workers)
         staging = workers * biggest
-        self.stats = StreamStats(budget_bytes=config.budget_bytes, staging_bytes=staging)
+        self.stats = StreamStats(budget_bytes=config.budget_bytes, staging_bytes=staging,
+                                 page_cache="off" if self.direct else "on")
         # One pool per signature; the budget left after staging is shared by pools in proportion to their bytes.
         groups: dict[tuple, list[LayerLayout]] = {}
         for lay in layouts.values():
@@ -90,7 +97,7 @@ class Streamer:
                 self.pool_of[lay.layer] = pool
         self.stats.slots = sum(p.slots for p in self.pools.values())
         self.stats.slot_bytes = sum(p.slots * p.nbytes for p in self.pools.values())
-        self._buffers = [np.empty(biggest, dtype=np.uint8) for _ in range(workers)]
+        self._buffers = [aligned_buffer(biggest) for _ in range(workers)]
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="tqbench-read")
         self.events: list[PageIn] = []
         self.token = 0  # forward passes so far (a decode step or a prefill chunk each)
@@ -171,7 +178,7 @@ class Streamer:
                     reads += f.result()  # re-raises a StoreError from the worker
                 slot, evicted = pool.cache.place((layer, e), self._tick, locked)
                 locked.add((layer, e))
-                pool.write(slot, buf)
+                pool.write(slot, buf[self.store.shift(layer, e):])
                 slots[e] = slot
                 n = self.store.layers[layer].nbytes
                 total += n
@@ -182,6 +189,9 @@ class Streamer:
 
     def _submit(self, layer: int, expert: int, buf: np.ndarray) -> list[Future]:
         store = self.store
+        if store.direct:
+            pieces = store.direct_pieces(layer, expert, len(self._buffers) if self.config.fanout else 1)
+            return [self._executor.submit(store.read_direct, layer, expert, buf, [piece]) for piece in pieces]
         if not self.config.fanout:
             return [self._executor.submit(store.read, layer, expert, buf)]
         pieces = store.split(layer, expert, len(self._buffers))
@@ -214,6 +224,13 @@ class Streamer:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self.store.close()
+
+
+def _much_larger_than_ram(store: ExpertStore) -> bool:
+    from tqbench.recipe.fit import physical_memory
+
+    total = sum((store.root / f).stat().st_size for f in store.files)
+    return total > 0.6 * physical_memory()
 
 
 def _read_pieces(store: ExpertStore, piece: list[tuple[int, int, int, int]], buf: np.ndarray) -> int:
