@@ -225,3 +225,19 @@ def test_max_active_experts_routes_to_k_and_native_is_unchanged(models, resident
     with pytest.raises(TqbenchError, match=r"--max-active-experts 5: choose 1..4"):
         set_active_experts(loaded.model, 5)
     loaded.streamer.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+def test_prefill_entries_are_evicted_before_the_decode_working_set(policy):
+    c = SlotCache(4, policy)
+    for t in range(3):  # decode: a and b in use
+        for k in "ab":
+            if c.lookup(k, t) is None:
+                c.place(k, t, set())
+    c.place("p1", 3, set(), cold=True)  # a prefill's experts
+    c.place("p2", 3, set(), cold=True)
+    assert c.lookup("a", 3, touch=False) is not None
+    _, evicted = c.place("d", 4, set())  # the next decode miss evicts a prefill entry, not a or b
+    assert evicted in {"p1", "p2"}
+    _, evicted = c.place("e", 5, set())
+    assert evicted in {"p1", "p2"} and {"a", "b", "d", "e"} == set(c.slots)

@@ -30,6 +30,11 @@ class LRU:
         self._order[key] = None
         self._order.move_to_end(key)
 
+    def touch_cold(self, key: Hashable, now: int) -> None:
+        """Resident, but first in line for eviction (an expert only a prefill needed)."""
+        self._order[key] = None
+        self._order.move_to_end(key, last=False)
+
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
 
@@ -51,6 +56,7 @@ class LRFU:
         self.lam = lam
         self._state: dict[Hashable, tuple[float, int]] = {}  # key -> (log2 C at t_last, t_last)
         self._resident: set[Hashable] = set()
+        self._cold: set[Hashable] = set()  # resident keys only a prefill has used
         self._heap: list[tuple[float, int, Hashable]] = []
         self._seq = 0
 
@@ -68,14 +74,23 @@ class LRFU:
             log_c = math.log2(1.0 + 2.0 ** decayed) if decayed > -60 else 0.0
         self._state[key] = (log_c, now)
         self._resident.add(key)
+        self._cold.discard(key)
         self._seq += 1
         heapq.heappush(self._heap, (log_c + self.lam * now, self._seq, key))
         if len(self._heap) > 4 * len(self._resident) + 64:  # drop stale entries now and then
-            self._heap = [(self._priority(k), i, k) for i, k in enumerate(self._resident)]
+            self._heap = [(-1e18 if k in self._cold else self._priority(k), i, k) for i, k in enumerate(self._resident)]
             heapq.heapify(self._heap)
+
+    def touch_cold(self, key: Hashable, now: int) -> None:
+        """Resident, but first in line for eviction; its history (if any) is kept for when decode needs it."""
+        self._resident.add(key)
+        self._seq += 1
+        heapq.heappush(self._heap, (-1e18, self._seq, key))  # below every real priority until touched
+        self._cold.add(key)
 
     def remove(self, key: Hashable) -> None:
         self._resident.discard(key)
+        self._cold.discard(key)
 
     def victim(self, locked: set) -> Hashable | None:
         skipped = []
@@ -83,7 +98,12 @@ class LRFU:
         while self._heap:
             item = heapq.heappop(self._heap)
             prio, _, key = item
-            if key not in self._resident or abs(self._priority(key) - prio) > 1e-9:
+            if key not in self._resident:
+                continue  # stale
+            if key in self._cold:
+                if prio != -1e18:
+                    continue  # an older entry of a key that is cold now
+            elif key not in self._state or abs(self._priority(key) - prio) > 1e-9:
                 continue  # stale
             skipped.append(item)  # it stays in the heap until it is removed
             if key not in locked:
@@ -118,15 +138,17 @@ class SlotCache:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def lookup(self, key: Hashable, now: int) -> int | None:
+    def lookup(self, key: Hashable, now: int, touch: bool = True) -> int | None:
+        """The key's slot, or None; `touch` False leaves the policy as it was (a prefill's hits)."""
         slot = self.slots.get(key)
-        if slot is not None:
+        if slot is not None and touch:
             self.policy.touch(key, now)
         return slot
 
-    def place(self, key: Hashable, now: int, locked: set) -> tuple[int, Hashable | None]:
+    def place(self, key: Hashable, now: int, locked: set, cold: bool = False) -> tuple[int, Hashable | None]:
         """A slot for `key` (not resident): a free one, else the policy's victim among keys not locked or pinned.
-        Returns (slot, evicted key or None)."""
+        `cold`: admitted for a prefill, first in line for eviction, so a long prompt does not push out the decode
+        working set. Returns (slot, evicted key or None)."""
         evicted = None
         if self.free:
             slot = self.free.pop()
@@ -138,7 +160,10 @@ class SlotCache:
             self.policy.remove(evicted)
             self.evictions += 1
         self.slots[key] = slot
-        self.policy.touch(key, now)
+        if cold:
+            self.policy.touch_cold(key, now)
+        else:
+            self.policy.touch(key, now)
         return slot, evicted
 
     def pin(self, keys: Iterable[Hashable]) -> None:

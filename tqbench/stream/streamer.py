@@ -117,9 +117,12 @@ class Streamer:
         experts = [int(e) for e in np.unique(ids)]
         pool = self.pool_of[layer]
         self._tick = self.token  # cache ages count forward passes
+        # A prefill chunk (several positions) loads its experts once, as cold entries, and does not touch the
+        # policy's view of what decode uses.
+        self._prefill = ids.ndim >= 2 and ids.shape[-2] > 1
         slots, served = {}, {}
         for e in experts:
-            s = pool.cache.lookup((layer, e), self._tick)
+            s = pool.cache.lookup((layer, e), self._tick, touch=not self._prefill)
             if s is not None:
                 slots[e] = s
                 served[e] = "pinned" if (layer, e) in pool.cache.pinned else "cache"
@@ -176,7 +179,7 @@ class Streamer:
                 reads = 0
                 for f in fs:
                     reads += f.result()  # re-raises a StoreError from the worker
-                slot, evicted = pool.cache.place((layer, e), self._tick, locked)
+                slot, evicted = pool.cache.place((layer, e), self._tick, locked, cold=self._prefill)
                 locked.add((layer, e))
                 pool.write(slot, buf[self.store.shift(layer, e):])
                 slots[e] = slot
