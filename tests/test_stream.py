@@ -241,3 +241,20 @@ def test_prefill_entries_are_evicted_before_the_decode_working_set(policy):
     assert evicted in {"p1", "p2"}
     _, evicted = c.place("e", 5, set())
     assert evicted in {"p1", "p2"} and {"a", "b", "d", "e"} == set(c.slots)
+
+
+@pytest.mark.parametrize("max_array", [1 << 30, 2048 * 20, 2048 * 7])  # 1 pool; 3 pools; one pool per layer
+def test_pools_split_under_the_array_limit_and_stay_bit_identical(models, resident, max_array):
+    path = models["tq3a-tqTe-down4-g64"]
+    loaded = load(path, streaming=StreamConfig(2 * 4480 + 60 * 4480, 2, max_array_bytes=max_array))
+    s = loaded.streamer
+    pools = s.pools
+    widest = 64 * 8 * 4  # the down projection's codes: (64, 8) uint32 = 2048 bytes per expert
+    assert all(p.slots * widest <= max_array for p in pools)
+    assert len(pools) == {1 << 30: 1, 2048 * 20: 3, 2048 * 7: 7}[max_array]
+    assert sorted(s.pool_of) == list(range(1, 8)) and len({id(s.pool_of[n]) for n in s.pool_of}) == len(pools)
+    assert sum(p.slots for p in pools) <= 60
+    logits, tokens = _run(loaded.model)
+    np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])
+    assert tokens == resident["tq3a-tqTe-down4-g64"][1]
+    s.close()

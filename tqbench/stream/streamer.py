@@ -36,6 +36,7 @@ class StreamConfig:
     fanout: bool = False  # split one expert's read into several parallel reads
     page_cache: str = "auto"  # "on": buffered reads; "off": bypass (O_DIRECT / F_NOCACHE); "auto": off when the
     # model's files exceed 60% of physical memory (the page cache would only churn), else on
+    max_array_bytes: int = 1 << 30  # no slot pool array larger than this (CUDA gathers fail past 2 GiB)
 
 
 class Pool:
@@ -77,26 +78,41 @@ class Streamer:
         staging = workers * biggest
         self.stats = StreamStats(budget_bytes=config.budget_bytes, staging_bytes=staging,
                                  page_cache="off" if self.direct else "on")
-        # One pool per signature; the budget left after staging is shared by pools in proportion to their bytes.
+        # Pools per signature; the budget left after staging is shared in proportion to the experts' bytes. No pool
+        # array may exceed config.max_array_bytes (MLX's CUDA gather kernels fail on arrays over 2 GiB): a signature
+        # whose slots would is split into pools that each serve a contiguous run of layers.
         groups: dict[tuple, list[LayerLayout]] = {}
         for lay in layouts.values():
             groups.setdefault(lay.signature, []).append(lay)
         total = sum(len(g) * g[0].nbytes * g[0].experts for g in groups.values())
         room = config.budget_bytes - staging
-        self.pools: dict[tuple, Pool] = {}
+        self.pools: list[Pool] = []
         self.pool_of: dict[int, Pool] = {}
-        for sig, group in groups.items():
-            share = room * len(group) * group[0].nbytes * group[0].experts / total
-            slots = min(int(share // group[0].nbytes), len(group) * group[0].experts)
+        for group in groups.values():
+            group.sort(key=lambda lay: lay.layer)
+            per = group[0]
+            share = room * len(group) * per.nbytes * per.experts / total
+            slots = min(int(share // per.nbytes), len(group) * per.experts)
             if slots < 1:
                 raise StoreError(f"the cache budget ({config.budget_bytes:,} bytes) cannot hold one expert "
-                                 f"({group[0].nbytes:,} bytes) plus {workers} read buffer(s) ({staging:,} bytes)",
+                                 f"({per.nbytes:,} bytes) plus {workers} read buffer(s) ({staging:,} bytes)",
                                  store.root)
-            pool = self.pools[sig] = Pool(group[0], slots, config.policy)
-            for lay in group:
-                self.pool_of[lay.layer] = pool
-        self.stats.slots = sum(p.slots for p in self.pools.values())
-        self.stats.slot_bytes = sum(p.slots * p.nbytes for p in self.pools.values())
+            widest = max(p.nbytes for p in per.parts)  # bytes per slot of the pool's largest array
+            cap = config.max_array_bytes // widest  # slots one pool may have
+            if cap < 1:
+                raise StoreError(f"one expert's array ({widest:,} bytes) exceeds the pool array limit", store.root)
+            n = min(len(group), -(-slots // cap))
+            bounds = [i * len(group) // n for i in range(n + 1)]
+            # at least one slot per pool, the rest in proportion to the pool's layers
+            alloc = [1 + (slots - n) * (bounds[i + 1] - bounds[i]) // len(group) for i in range(n)]
+            alloc[-1] += slots - sum(alloc)
+            for i in range(n):
+                pool = Pool(per, max(1, min(alloc[i], cap)), config.policy)
+                self.pools.append(pool)
+                for lay in group[bounds[i]:bounds[i + 1]]:
+                    self.pool_of[lay.layer] = pool
+        self.stats.slots = sum(p.slots for p in self.pools)
+        self.stats.slot_bytes = sum(p.slots * p.nbytes for p in self.pools)
         self._buffers = [aligned_buffer(biggest) for _ in range(workers)]
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="tqbench-read")
         self.events: list[PageIn] = []
@@ -213,8 +229,8 @@ class Streamer:
         lt.stall_s += stall
         s.stall_s += stall
         s.critical_bytes += read_bytes
-        s.evictions = sum(p.cache.evictions for p in self.pools.values())
-        s.cache_bytes = sum(len(p.cache) * p.nbytes for p in self.pools.values())
+        s.evictions = sum(p.cache.evictions for p in self.pools)
+        s.cache_bytes = sum(len(p.cache) * p.nbytes for p in self.pools)
         s.cache_bytes_max = max(s.cache_bytes_max, s.cache_bytes)
         self.events.append(PageIn(self.token, layer, tuple(experts), kinds, read_bytes, stall))
 
