@@ -74,10 +74,10 @@ def to_turboquant_mlx(ours: Path, dest: Path, port_names: bool = False, shards: 
         else:
             experts.setdefault((m["moe"], m["proj"], m["param"]), {})[int(m["e"])] = tensors[name]
     for (moe, proj, param), per in experts.items():
-        assert sorted(per) == list(range(SPEC.num_experts))
+        assert sorted(per) == list(range(len(per)))
         stacked = f"{moe}.switch_mlp.{_STACKED[proj]}"
         assert f"{stacked}.codebook" in out and f"{stacked}.signs" in out  # one codebook and signs for all experts
-        out[f"{stacked}.{param}"] = mx.stack([per[e] for e in range(SPEC.num_experts)])
+        out[f"{stacked}.{param}"] = mx.stack([per[e] for e in range(len(per))])
     if port_names:
         out = dict(_port_name(n, a) for n, a in out.items())
     names = sorted(out)

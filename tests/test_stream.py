@@ -258,3 +258,29 @@ def test_pools_split_under_the_array_limit_and_stay_bit_identical(models, reside
     np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])
     assert tokens == resident["tq3a-tqTe-down4-g64"][1]
     s.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slots, fanout", [(10_000, False), (3, True), (1, False)])
+def test_a_stacked_layout_streams_bit_identically(models, resident, tmp_path, slots, fanout):
+    """TurboQuant-MLX's stacked layout (experts as slices of `switch_mlp` tensors, no expert map): one extent per
+    tensor per expert, the same slots and the same logits."""
+    from test_runtime_tqmlx import to_turboquant_mlx
+
+    from tqbench.stream.store import ExpertStore
+
+    theirs = to_turboquant_mlx(models["tq3a-tqTe-down4-g64"], tmp_path / "tqmlx")
+    store = ExpertStore.open(theirs)
+    assert sorted(store.layers) == list(range(1, 8))
+    lay = store.layers[1]
+    assert lay.experts == 64 and lay.nbytes == 4480 and len(lay.extents[5]) == 6  # weight + scales per projection
+    assert {(p.projection, p.param) for p in lay.parts} == {(j, q) for j in ("gate_proj", "up_proj", "down_proj")
+                                                           for q in ("weight", "scales")}
+    store.close()
+    loaded = load(theirs, streaming=StreamConfig(2 * 4480 + slots * 4480, 2, "lrfu", fanout))
+    logits, tokens = _run(loaded.model)
+    np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])
+    assert tokens == resident["tq3a-tqTe-down4-g64"][1]
+    st = loaded.streamer.stats
+    assert st.reads >= 6 * st.misses  # six ranges per expert in this layout
+    loaded.streamer.close()

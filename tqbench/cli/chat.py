@@ -99,7 +99,6 @@ def chat(
 def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout: bool, page_cache: str, err: Console,
                quiet: bool):
     """A StreamConfig when experts should stream (asked for, or the model does not fit), else None."""
-    from tqbench.layout.names import EXPERT_MAP
     from tqbench.recipe.fit import parse_size
     from tqbench.stream import StreamConfig
     from tqbench.stream.budget import auto_budget, needs_streaming
@@ -108,17 +107,17 @@ def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout:
         raise TqbenchError(f"--cache-policy {policy!r}: choose lrfu or lru")
     if page_cache not in ("auto", "on", "off"):
         raise TqbenchError(f"--page-cache {page_cache!r}: choose auto, on or off")
-    has_map = (Path(path) / EXPERT_MAP).is_file()
+    streamable = _streamable(path)
     if budget is None:
-        if not has_map or not needs_streaming(path):
+        if not streamable or not needs_streaming(path):
             return None
         budget = "auto"
         if not quiet:
             err.print("the model does not fit in memory: streaming its experts from disk (--cache-budget-gb auto)",
                       markup=False)
-    if not has_map:
-        raise TqbenchError("streaming needs a tqbench conversion (expert_map.json, one read per expert); convert "
-                           "it with tqbench convert, or run it resident without --cache-budget-gb", path)
+    if not streamable:
+        raise TqbenchError("no routed experts to stream (neither tqbench's expert_map.json nor stacked "
+                           "switch_mlp tensors); run it resident without --cache-budget-gb", path)
     if budget.strip().lower() == "auto":
         nbytes = auto_budget(path)
     else:
@@ -127,6 +126,16 @@ def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout:
         except (ValueError, TqbenchError):
             raise TqbenchError(f"--cache-budget-gb {budget!r}: give a number of GB or auto") from None
     return StreamConfig(nbytes, workers, policy, fanout, page_cache)
+
+
+def _streamable(path: str) -> bool:
+    from tqbench.stream.store import ExpertStore, StoreError
+
+    try:
+        ExpertStore.open(Path(path)).close()
+    except (StoreError, TqbenchError, OSError):
+        return False
+    return True
 
 
 def _write_stats(session: Session, file: Path) -> None:

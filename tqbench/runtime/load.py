@@ -181,7 +181,7 @@ def _stream(model: nn.Module, path: Path, config: Any):
     from tqbench.stream.store import ExpertStore
     from tqbench.stream.streamer import Streamer
 
-    streamer = Streamer(ExpertStore.from_expert_map(path), config)
+    streamer = Streamer(ExpertStore.open(path), config)
     attach(model, streamer)
     return streamer
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqbench.layout.expert_map import ExpertMap
 from tqbench.recipe.fit import RESERVE, machine
 
 
@@ -22,11 +21,13 @@ class ModelBytes:
 
 
 def model_bytes(path: str | Path) -> ModelBytes:
-    root = Path(path)
-    em = ExpertMap.load(root)
-    total = sum((root / f).stat().st_size for f in em.files)
-    experts = sum(lay.length * lay.experts for lay in em.layers.values())
-    return ModelBytes(total, experts, max((lay.length for lay in em.layers.values()), default=0))
+    """From tqbench's expert map, else from a stacked layout's headers (tqbench.stream.ExpertStore.open)."""
+    from tqbench.stream.store import ExpertStore
+
+    store = ExpertStore.open(Path(path))
+    total = sum((store.root / f).stat().st_size for f in store.files)
+    layers = store.layers.values()
+    return ModelBytes(total, sum(lay.nbytes * lay.experts for lay in layers), max(lay.nbytes for lay in layers))
 
 
 def auto_budget(path: str | Path, gpu_limit: int | None = None) -> int:

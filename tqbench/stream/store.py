@@ -118,6 +118,54 @@ class ExpertStore:
                                     extents)
         return cls(root, em.files, layers)
 
+    @classmethod
+    def from_stacked(cls, root: Path) -> ExpertStore:
+        """A stacked layout (TurboQuant-MLX, mlx-community): each `<moe>.switch_mlp.<proj>.<param>` with a leading
+        expert axis gives every expert one slice (weight, scales, biases; a TurboQuant module's codebook and signs
+        are per layer and stay resident). An expert is one extent per such tensor."""
+        import re
+
+        from tqbench.shards.header import read_header
+
+        root = Path(root)
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+        pattern = re.compile(r"^(?P<moe>.+\.layers\.(?P<layer>\d+)\.[^.]+)\.switch_mlp\.(?P<proj>gate_proj|up_proj|"
+                             r"down_proj)\.(?P<param>weight|scales|biases)$")
+        found: dict[int, list] = {}
+        for fi, f in enumerate(files):
+            for t in read_header(root / f, f).tensors:
+                m = pattern.match(t.name)
+                if m and len(t.shape) >= 2:
+                    found.setdefault(int(m["layer"]), []).append((m, fi, t))
+        if not found:
+            raise StoreError("no stacked routed-expert tensors (`<moe>.switch_mlp.<proj>.weight` with a leading expert "
+                             "axis) and no expert_map.json: nothing to stream", root)
+        layers = {}
+        for n, items in sorted(found.items()):
+            items.sort(key=lambda x: (x[0]["proj"], x[0]["param"]))
+            experts = {t.shape[0] for _, _, t in items}
+            if len(experts) != 1:
+                raise StoreError(f"layer {n}: stacked expert tensors disagree on the number of experts {sorted(experts)}",
+                                 root)
+            (e_count,) = experts
+            parts, offset = [], 0
+            for m, fi, t in items:
+                one = t.nbytes // e_count
+                parts.append(Part(m["proj"], m["param"], t.dtype, tuple(t.shape[1:]), offset, one))
+                offset += one
+            extents = tuple(tuple(Extent(fi, t.offset + e * (t.nbytes // e_count), t.nbytes // e_count, part.offset)
+                                  for (m, fi, t), part in zip(items, parts)) for e in range(e_count))
+            layers[n] = LayerLayout(n, items[0][0]["moe"], e_count, offset, tuple(parts), extents)
+        return cls(root, files, layers)
+
+    @classmethod
+    def open(cls, root: Path) -> ExpertStore:
+        """tqbench's layout when `expert_map.json` is there, else a stacked layout."""
+        from tqbench.layout.names import EXPERT_MAP
+
+        root = Path(root)
+        return cls.from_expert_map(root) if (root / EXPERT_MAP).is_file() else cls.from_stacked(root)
+
     def _fd(self, i: int) -> int:
         fd = self._fds.get(i)
         if fd is None:
