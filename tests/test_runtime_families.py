@@ -304,4 +304,8 @@ def test_a_conversion_without_a_tokenizer_is_a_one_line_load_error(outputs, tmp_
         (bare / name).unlink()
     with pytest.raises(LoadError) as e:
         load(bare)
+    assert str(e.value) == f"{bare}: no tokenizer files (tokenizer.json, tiktoken.model, tokenizer.model, ...)"
+    (bare / "tokenizer.json").write_text("{not json")  # there, but broken: the library's reason, on one line
+    with pytest.raises(LoadError) as e:
+        load(bare)
     assert str(e.value).startswith(f"{bare}: cannot load its tokenizer (") and "\n" not in str(e.value)

@@ -32,6 +32,7 @@ from tqbench.source.naming import PROJECTIONS
 
 TRUSTED_TYPES = ("kimi_k3",)  # model types whose local tokenizer code is run without asking
 _TQ_PARAMS = (".codebook", ".signs")
+TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 _TQ_TENSORS = ("weight", "scales", "codebook", "signs", "bias")
 # Modules an mlx-lm family concatenates along the output axis in its sanitize: fused name -> the source's parts.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
@@ -168,6 +169,8 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
         streamer = _stream(model, path, streaming) if streaming is not None else None
         if not lazy:
             mx.eval(model.parameters())
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise LoadError(f"no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)", path)
         try:
             tokenizer = mu.load_tokenizer(path, {"trust_remote_code": trust}, eos_token_ids=config.get("eos_token_id"))
         except (ValueError, OSError) as e:  # transformers: no tokenizer files, a broken tokenizer.json, ...
@@ -344,6 +347,9 @@ def swap_turboquant(model: nn.Module, weights: dict[str, mx.array], rotations: d
         if expected is not None and expected != (scales.shape[-2], n):
             raise LoadError(f"module {p}: the architecture expects (out, in) = {expected}, the checkpoint has "
                             f"{(scales.shape[-2], n)}", path)
+        want = old.get("weight").shape[0] if weight.ndim == 3 and old.get("weight") is not None else None
+        if want is not None and want != weight.shape[0]:  # a router could pick an expert that is not there
+            raise LoadError(f"module {p}: the architecture has {want} experts, the checkpoint {weight.shape[0]}", path)
         new.append((p, m))
     stored = [p for p, _ in new]  # every stored TurboQuant module (fused parts each count)
     new = _group_parts(new, modules, path)
