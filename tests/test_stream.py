@@ -284,3 +284,32 @@ def test_a_stacked_layout_streams_bit_identically(models, resident, tmp_path, sl
     st = loaded.streamer.stats
     assert st.reads >= 6 * st.misses  # six ranges per expert in this layout
     loaded.streamer.close()
+
+
+@pytest.mark.parametrize("workers, fanout", [(4, False), (2, True)])
+def test_lookahead_is_bit_identical_and_counted_honestly(models, resident, workers, fanout):
+    """Look-ahead reads layer L+1's likely experts (its router on layer L's input) during decode; a routed expert
+    whose read was done in time is "prefetched", its bytes speculative; an unused read is speculative too."""
+    path = models["tq3a-tqTe-down4-g64"]
+    runs = {}
+    for lookahead in (False, True):
+        loaded = load(path, streaming=StreamConfig(workers * 4480 + 60 * 4480, workers, "lrfu", fanout,
+                                                   lookahead=lookahead))
+        logits, tokens = _run(loaded.model, 16)
+        np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])
+        assert tokens == resident["tq3a-tqTe-down4-g64"][1][:16] or len(resident["tq3a-tqTe-down4-g64"][1]) < 16
+        runs[lookahead] = loaded.streamer.stats
+        events = loaded.streamer.drain()
+        st = runs[lookahead]
+        assert st.hits_prefetched == sum(k == "prefetched" for e in events for k in e.served)
+        assert st.hits + st.misses == sum(len(e.experts) for e in events)
+        loaded.streamer.close()
+    off, on = runs[False], runs[True]
+    assert off.lookahead_reads == off.hits_prefetched == off.speculative_bytes == 0
+    assert 0 < on.hits_prefetched <= on.lookahead_used <= on.lookahead_reads
+    # every expert read counts once, on the critical path or as speculative: a look-ahead read that was still running
+    # when its layer needed it is a miss (critical) and is not read again
+    late = on.lookahead_used - on.hits_prefetched
+    assert on.critical_bytes + on.speculative_bytes == (on.misses - late + on.lookahead_reads) * 4480
+    assert on.critical_bytes == on.misses * 4480
+    assert on.critical_bytes < off.critical_bytes  # it took reads off the critical path

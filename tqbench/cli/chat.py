@@ -47,6 +47,9 @@ def chat(
     cache_policy: Annotated[str, typer.Option("--cache-policy", metavar="lrfu|lru",
                                               help="Which cached expert to evict.")] = "lrfu",
     fanout: Annotated[bool, typer.Option("--fanout", help="Split each expert's read across the workers.")] = False,
+    lookahead: Annotated[bool, typer.Option(
+        "--lookahead", help="During decode, read the next layer's likely experts (its router applied to this "
+                            "layer's input) while this layer computes.")] = False,
     page_cache: Annotated[str, typer.Option(
         "--page-cache", metavar="auto|on|off",
         help="Read experts through the OS page cache (on), around it (off: O_DIRECT / F_NOCACHE), or off when the "
@@ -71,6 +74,10 @@ def chat(
     try:
         path = str(model) if model is not None else _default_model(err)
         streaming = _streaming(path, cache_budget_gb, prefetch_workers, cache_policy, fanout, page_cache, err, as_json)
+        if streaming is not None and lookahead:
+            from dataclasses import replace
+
+            streaming = replace(streaming, lookahead=True)
         if not as_json:
             err.print(f"loading {path} ...", markup=False)
         with session.submit(lambda s: open_model(s, path, trust_remote_code, system, not no_chat_template, streaming,
@@ -192,8 +199,8 @@ def _loaded_line(m) -> str:
     if m.stream:
         st = m.stream
         stream = (f"; streaming experts: cache {units.size(st['budget_bytes'])} ({st['slots']} slots, "
-                  f"{st['workers']} read workers, {st['policy']}{', fan-out' if st['fanout'] else ''}, "
-                  f"page cache {st['page_cache']})")
+                  f"{st['workers']} read workers, {st['policy']}{', fan-out' if st['fanout'] else ''}"
+                  f"{', look-ahead' if st.get('lookahead') else ''}, page cache {st['page_cache']})")
     routed = (f"; {m.experts_active} of {m.experts_native} experts per token"
               if m.experts_active and m.experts_active != m.experts_native else "")
     return (f"loaded {m.model_type}{tq}: {units.size(m.weight_bytes)} of resident weights in {m.seconds:.1f} s; "
@@ -302,7 +309,8 @@ def _stats(session: Session, loaded, err: Console) -> None:
 
     st = session.call(stream_stats)
     if st is not None:
-        err.print(f"experts: {st['hits']} hits ({st['hits_pinned']} pinned), {st['misses']} misses, hit rate "
+        err.print(f"experts: {st['hits']} hits ({st['hits_pinned']} pinned, {st['hits_prefetched']} read ahead in "
+                  f"time), {st['misses']} misses, hit rate "
                   f"{st['hit_rate']:.1%}; {units.size(st['critical_bytes'])} read in {st['reads']} reads, "
                   f"{st['evictions']} evictions; cache {units.size(st['cache_bytes'])} of "
                   f"{units.size(st['budget_bytes'])} (max {units.size(st['cache_bytes_max'])}); "

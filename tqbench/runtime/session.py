@@ -59,7 +59,7 @@ def open_model(session: Session, path: str, trust_remote_code: bool = False, sys
         st, c = loaded.streamer.stats, loaded.streamer.config
         stream = {"budget_bytes": st.budget_bytes, "slots": st.slots, "slot_bytes": st.slot_bytes,
                   "staging_bytes": st.staging_bytes, "workers": c.workers, "policy": c.policy, "fanout": c.fanout,
-                  "page_cache": st.page_cache}
+                  "page_cache": st.page_cache, "lookahead": c.lookahead}
     yield ModelLoaded(str(loaded.path), loaded.model_type, loaded.turboquant_modules, loaded.weight_bytes,
                       conv.chat_template, Sampling.defaults(loaded.generation_config, **sampling),
                       time.perf_counter() - t0, stream, native, active)

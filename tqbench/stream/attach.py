@@ -32,6 +32,41 @@ class StreamedExperts(nn.Module):
         return h.streamer.run(self.layer, h.inner, x, indices)
 
 
+class LookaheadBlock(nn.Module):
+    """Wraps a MoE block: before it runs, the next streamed layer's router is applied to this block's input and the
+    streamer starts reading those experts once this block's own are in."""
+
+    def __init__(self, block: nn.Module, next_layer: int, next_router: Any, streamer: Streamer):
+        super().__init__()
+        self.block = block
+        self._hidden = _Hidden(next_layer=next_layer, router=next_router, streamer=streamer)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = self._hidden
+        if x.ndim < 2 or x.shape[-2] == 1:  # decode only
+            h.streamer.guess(h.next_layer, h.router(x))
+        return self.block(x)
+
+
+def router(block: nn.Module) -> Any:
+    """A function x -> the expert indices `block`'s own router would pick, for the families we know; else None."""
+    if "gate" not in block:
+        return None
+    gate = block["gate"]
+    args = getattr(block, "args", None)
+    if args is not None and hasattr(args, "num_experts_per_token") and "e_score_correction_bias" in block:
+        from mlx_lm.models.kimi_k3 import _group_expert_select  # kimi_k3
+
+        return lambda x: _group_expert_select(gate(x), block.e_score_correction_bias, args.num_experts_per_token,
+                                              args.num_expert_group, args.topk_group, args.routed_scaling_factor,
+                                              args.moe_renormalize)[0]
+    if hasattr(gate, "top_k") and hasattr(gate, "norm_topk_prob"):  # deepseek_v3: the gate returns (inds, scores)
+        return lambda x: gate(x)[0]
+    if hasattr(block, "top_k"):  # qwen3_moe: softmax top-k
+        return lambda x: mx.argpartition(gate(x), kth=-block.top_k, axis=-1)[..., -block.top_k:]
+    return None
+
+
 def attach(model: nn.Module, streamer: Streamer) -> list[str]:
     """Replace every streamed layer's `switch_mlp` with StreamedExperts whose projections read the streamer's pools.
     Returns the replaced module paths. Raises StoreError when a layer's module is not in the model."""
@@ -52,7 +87,21 @@ def attach(model: nn.Module, streamer: Streamer) -> list[str]:
             setattr(proj, part.param, pool.arrays[(part.projection, part.param)])
         new.append((path, StreamedExperts(n, inner, streamer)))
     model.update_modules(_tree(new))
+    if streamer.config.lookahead:
+        _wrap_for_lookahead(model, [p for p, _ in new], sorted(store.layers), streamer)
     return [p for p, _ in new]
+
+
+def _wrap_for_lookahead(model: nn.Module, paths: list[str], layers: list[int], streamer: Streamer) -> None:
+    modules = dict(model.named_modules())
+    blocks = [p.rpartition(".switch_mlp")[0] for p in paths]
+    wraps = []
+    for (block, _), (next_block, next_layer) in zip(zip(blocks, layers), zip(blocks[1:], layers[1:])):
+        r = router(modules[next_block])
+        if r is None:
+            raise StoreError(f"look-ahead: no router tqbench knows in {next_block}", streamer.store.root)
+        wraps.append((block, LookaheadBlock(modules[block], next_layer, r, streamer)))
+    model.update_modules(_tree(wraps))
 
 
 def _tree(pairs: list[tuple[str, nn.Module]]) -> dict:

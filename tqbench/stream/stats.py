@@ -14,7 +14,7 @@ class PageIn:
     token: int  # decode step of the session (prefill chunks count as one step each)
     layer: int
     experts: tuple[int, ...]
-    served: tuple[str, ...]  # per expert: "pinned", "cache" or "miss"
+    served: tuple[str, ...]  # per expert: "pinned", "cache", "prefetched" (look-ahead, in time) or "miss"
     bytes_read: int
     stall_s: float  # time the layer waited for reads and slot writes
 
@@ -35,7 +35,10 @@ class StreamStats:
     staging_bytes: int = 0
     hits_pinned: int = 0
     hits_cache: int = 0
+    hits_prefetched: int = 0  # look-ahead reads that were done before the layer needed them
     misses: int = 0
+    lookahead_reads: int = 0  # experts read ahead
+    lookahead_used: int = 0  # of those, routed at the layer they were read for
     reads: int = 0
     critical_bytes: int = 0
     speculative_bytes: int = 0
@@ -48,7 +51,7 @@ class StreamStats:
 
     @property
     def hits(self) -> int:
-        return self.hits_pinned + self.hits_cache
+        return self.hits_pinned + self.hits_cache + self.hits_prefetched
 
     def hit_rate(self) -> float:
         n = self.hits + self.misses
@@ -58,7 +61,8 @@ class StreamStats:
         return {"budget_bytes": self.budget_bytes, "page_cache": self.page_cache, "slot_bytes": self.slot_bytes, "slots": self.slots,
                 "staging_bytes": self.staging_bytes, "cache_bytes": self.cache_bytes,
                 "cache_bytes_max": self.cache_bytes_max, "hits": self.hits, "hits_pinned": self.hits_pinned,
-                "hits_cache": self.hits_cache, "misses": self.misses, "hit_rate": round(self.hit_rate(), 4),
+                "hits_cache": self.hits_cache, "hits_prefetched": self.hits_prefetched, "misses": self.misses,
+                "lookahead_reads": self.lookahead_reads, "lookahead_used": self.lookahead_used, "hit_rate": round(self.hit_rate(), 4),
                 "reads": self.reads, "critical_bytes": self.critical_bytes,
                 "speculative_bytes": self.speculative_bytes, "evictions": self.evictions, "tokens": self.tokens,
                 "stall_s": round(self.stall_s, 4),

@@ -37,6 +37,7 @@ class StreamConfig:
     page_cache: str = "auto"  # "on": buffered reads; "off": bypass (O_DIRECT / F_NOCACHE); "auto": off when the
     # model's files exceed 60% of physical memory (the page cache would only churn), else on
     max_array_bytes: int = 1 << 30  # no slot pool array larger than this (CUDA gathers fail past 2 GiB)
+    lookahead: bool = False  # during decode, read layer L+1's likely experts (its router on layer L's input)
 
 
 class Pool:
@@ -119,16 +120,70 @@ class Streamer:
         self.token = 0  # forward passes so far (a decode step or a prefill chunk each)
         self._last_layer = None
         self._tick = 0
+        self._guess: tuple[int, mx.array] | None = None  # (next layer, its router's picks on this layer's input)
+        self._ahead: dict[int, tuple[np.ndarray, list[Future]]] = {}  # expert -> read in flight for _ahead_layer
+        self._ahead_layer: int | None = None
+
+    # ---- look-ahead ----
+
+    def guess(self, layer: int, indices: mx.array) -> None:
+        """Called by a MoE block before it runs: `indices` are layer `layer`'s router picks computed on this block's
+        input. The reads start once this block's own experts are in (run() below), so they overlap its compute."""
+        if self.config.lookahead:
+            self._guess = (layer, indices)
+
+    def _start_ahead(self) -> None:
+        layer, indices = self._guess
+        self._guess = None
+        if layer not in self.pool_of:
+            return
+        mx.eval(indices)
+        pool = self.pool_of[layer]
+        want = [int(e) for e in np.unique(np.array(indices)) if (layer, int(e)) not in pool.cache]
+        free = list(self._buffers)
+        for e in want[: len(free)]:  # at most one read per staging buffer; the rest would wait anyway
+            buf = free.pop()
+            self._ahead[e] = (buf, self._submit(layer, e, buf))
+        self._ahead_layer = layer
+        self.stats.lookahead_reads += len(self._ahead)
+
+    def _settle_ahead(self, layer: int, routed: list[int], pool: Pool, slots: dict[int, int], served: dict[int, str],
+                      locked: set) -> tuple[int, int]:
+        """Look-ahead reads for `layer`: routed experts among them go into slots ("prefetched" if the read was done
+        before it was needed, else a miss that waited); the others are dropped (speculative bytes, wasted).
+        Returns (bytes read on the critical path, bytes read speculatively)."""
+        critical = speculative = 0
+        ahead, self._ahead = self._ahead, {}
+        was, self._ahead_layer = self._ahead_layer, None
+        n = self.store.layers[was].nbytes if was is not None else 0
+        for e, (buf, fs) in ahead.items():
+            in_time = all(f.done() for f in fs)
+            reads = sum(f.result() for f in fs)  # waits; re-raises a StoreError
+            self.stats.reads += reads
+            if was == layer and e in routed and e not in slots:
+                slot, _ = pool.cache.place((layer, e), self._tick, locked)
+                locked.add((layer, e))
+                pool.write(slot, buf[self.store.shift(layer, e):])
+                slots[e] = slot
+                self.stats.lookahead_used += 1
+                if in_time:
+                    served[e] = "prefetched"
+                    speculative += n
+                else:
+                    critical += n
+            else:
+                speculative += n
+        return critical, speculative
 
     # ---- called by the streamed layers, on the engine thread ----
 
     def run(self, layer: int, inner: Any, x: mx.array, indices: mx.array) -> mx.array:
-        t0 = time.perf_counter()
         if self._last_layer is None or layer <= self._last_layer:  # layers run in order: a new forward pass
             self.token += 1
             self.stats.tokens = self.token
         self._last_layer = layer
-        mx.eval(indices)
+        mx.eval(indices)  # also runs the layers before this one (MLX is lazy): not counted as a stall
+        t0 = time.perf_counter()
         ids = np.array(indices)
         experts = [int(e) for e in np.unique(ids)]
         pool = self.pool_of[layer]
@@ -142,18 +197,24 @@ class Streamer:
             if s is not None:
                 slots[e] = s
                 served[e] = "pinned" if (layer, e) in pool.cache.pinned else "cache"
+        locked = {(layer, e) for e in slots}
+        read_bytes = speculative = 0
+        if self._ahead:
+            read_bytes, speculative = self._settle_ahead(layer, experts, pool, slots, served, locked)
         missing = [e for e in experts if e not in slots]
         lut = np.zeros(self.store.layers[layer].experts, dtype=np.uint32)
         stall = 0.0
-        read_bytes = 0
         if len(experts) <= pool.slots:
-            locked = {(layer, e) for e in slots}
             read_bytes += self._page_in(layer, pool, missing, slots, locked)
             stall = time.perf_counter() - t0
+            if self._guess is not None and not self._prefill:
+                self._start_ahead()  # the next layer's reads overlap this layer's compute
+            self._guess = None
             for e, s in slots.items():
                 lut[e] = s
             y = inner(x, mx.array(lut[ids]))
         else:  # more distinct experts than slots: chunks of experts, each chunk's rows selected exactly
+            self._guess = None
             # Resident experts first: chunks holding only those read nothing, so no page-in evicts one of them
             # before its chunk runs (and the chunk that mixes both locks its residents).
             y = None
@@ -172,6 +233,7 @@ class Streamer:
                 m = mx.expand_dims(mx.array(mask), -1)
                 y = mx.where(m, part, mx.zeros_like(part) if y is None else y)
                 mx.eval(y)  # before the next chunk overwrites these slots
+        self.stats.speculative_bytes += speculative
         self._count(layer, experts, served, read_bytes, stall)
         return y
 
@@ -223,6 +285,7 @@ class Streamer:
         hits = sum(k != "miss" for k in kinds)
         s.hits_pinned += sum(k == "pinned" for k in kinds)
         s.hits_cache += sum(k == "cache" for k in kinds)
+        s.hits_prefetched += sum(k == "prefetched" for k in kinds)
         s.misses += len(kinds) - hits
         lt.hits += hits
         lt.misses += len(kinds) - hits
