@@ -1,0 +1,288 @@
+"""Fused TurboQuant codebook kernels against MLX's affine quantized kernels, on a GPU (CUDA or Metal).
+
+    PYTHONPATH=. python3 benchmarks/kernels.py --out bench-kernels.json [--check] [--variants] [--quick]
+
+- `--check`: every kernel variant against a float64 reference on random packed weights: levels 3/4/8/16, groups
+  32/64/128, 1..4 rows of x, and gathered experts; max relative error per configuration (the self-check's 1e-4
+  is the bar); also runs the dispatch (tqbench.runtime.kernels.matmul) once per level to show its self-check passes.
+- timing: K3's shapes (out x in) 7168x4096, 4096x7168, 3072x3584, 3584x3072 at batch 1, TurboQuant (group 64)
+  against `mx.quantized_matmul` (affine, group 64, bf16 x) at the same bits (4-bit, 3-bit; ternary against
+  2-bit), and 16 of 64 experts of 3072x7168 (x shared, as gate/up) and 7168x3072 (x per expert, as down) against
+  `mx.gather_qmm`. Each measurement evaluates a chain of products over enough weight copies that they come from
+  HBM, not L2 (the graph is built before the clock starts, so Python's cost is not timed), repeated; the median
+  per product is reported, and each ratio is against the affine time measured in the same run.
+- `--variants`: also times other kernel layouts (rows per lane, lanes per row tile, warps per threadgroup).
+
+Needs only numpy and mlx (plus this repository on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from tqbench.quant.turboquant import codebook as published_codebook
+from tqbench.quant.turboquant import pack
+from tqbench.runtime import codebook as ref
+from tqbench.runtime import kernels as K
+
+SHAPES = [(7168, 4096), (4096, 7168), (3072, 3584), (3584, 3072)]  # (out, in)
+EXPERT_SHAPES = [(3072, 7168), (7168, 3072)]  # gate/up (x shared by the 16 experts), down (x per expert)
+FORMATS = [("4-bit", 16, 4), ("3-bit", 8, 3), ("ternary", 3, 2)]  # (name, levels, affine bits compared)
+GROUP = 64
+L2_BYTES = 60e6
+
+
+def tq_bytes(levels: int, out: int, n: int, g: int = GROUP) -> int:
+    return out * (4 * -(-n // K.format_of(levels)[1]) + 2 * n // g)
+
+
+def affine_bytes(bits: int, out: int, n: int, g: int = GROUP) -> int:
+    return out * n * bits // 8 + 4 * out * n // g
+
+
+def random_words(levels: int, shape: tuple, key) -> mx.array:
+    """Valid packed words of random codes (padding codes not zeroed: the kernels never read them)."""
+    k1, k2 = mx.random.split(key)
+    w = (mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32, key=k1) << 16) | \
+        mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32, key=k2)
+    if levels == 3:
+        return w % 3486784401  # < 3^20
+    if levels == 8:
+        return w & 0x3FFFFFFF  # 10 codes, top 2 bits unused
+    return w
+
+
+def tq_weights(levels: int, out: int, n: int, lead: tuple, key: int, g: int = GROUP):
+    k1, k2 = mx.random.split(mx.random.key(key))
+    w = random_words(levels, (*lead, out, -(-n // K.format_of(levels)[1])), k1)
+    s = mx.random.uniform(0.01, 0.05, (*lead, out, n // g), key=k2).astype(mx.float16)
+    kind = {3: "T", 4: "2", 8: "3", 16: "4"}[levels]
+    cb = mx.array(published_codebook(kind))
+    mx.eval(w, s, cb)
+    return w, s, cb
+
+
+def affine_weights(bits: int, out: int, n: int, lead: tuple, key: int, g: int = GROUP):
+    wf = (mx.random.normal((*lead, out, n), key=mx.random.key(key)) * 0.02).astype(mx.bfloat16)
+    q = mx.quantize(wf, group_size=g, bits=bits)
+    mx.eval(q)
+    del wf
+    return q
+
+
+def time_chain(make, copies: int, chain: int, repeats: int) -> tuple[float, float]:
+    """Median and min seconds per product: `make(i)` builds product i (lazily) on weight copy i % copies."""
+    for _ in range(2):  # warm-up (compiles, allocations)
+        mx.eval([make(i % copies) for i in range(min(chain, 2 * copies))])
+    times = []
+    for _ in range(repeats):
+        outs = [make(i % copies) for i in range(chain)]
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        times.append((time.perf_counter() - t0) / chain)
+        del outs
+    return statistics.median(times), min(times)
+
+
+def n_copies(nbytes: int) -> int:
+    return max(2, math.ceil(4 * L2_BYTES / nbytes))
+
+
+def bench_matvec(args, results: list, variants: bool) -> None:
+    x32 = {n: mx.random.normal((1, n), key=mx.random.key(n)) for _, n in SHAPES}
+    for (out, n) in SHAPES:
+        xb = x32[n].astype(mx.bfloat16)
+        for name, levels, bits in FORMATS:
+            copies = n_copies(tq_bytes(levels, out, n))
+            tq = [tq_weights(levels, out, n, (), key=100 + i) for i in range(copies)]
+            layouts = [{}]
+            if variants:
+                if K.unit_codes(levels) == 32:
+                    layouts += [dict(rows=2, lanes=32, tiles=4), dict(rows=4, lanes=32, tiles=4),
+                                dict(rows=4, lanes=32, tiles=8), dict(rows=2, lanes=16, tiles=4)]
+                else:
+                    layouts += [dict(lanes=8), dict(lanes=16), dict(lanes=32), dict(tiles=2)]
+            seen, best = set(), None
+            for lay in layouts:
+                key = K.make_spec(levels, GROUP, n, out, 1, 1, False, **lay)
+                if key in seen:
+                    continue
+                seen.add(key)
+                f = lambda i, lay=lay: K.fused_matmul(x32[n], *tq[i], "cuda" if mx.cuda.is_available() else "metal",
+                                                      **lay)
+                med, mn = time_chain(f, copies, args.chain, args.repeats)
+                spec = K.make_spec(levels, GROUP, n, out, 1, 1, False, **lay)
+                rec = dict(layout=dict(rows=spec.rows, lanes=spec.lanes, tiles=spec.tiles), median_s=med, min_s=mn)
+                if best is None or med < best["median_s"]:
+                    best = rec
+                if variants:
+                    results.append(dict(kind="variant", format=name, out=out, n=n, **rec))
+            del tq
+            copies_a = n_copies(affine_bytes(bits, out, n))
+            aff = [affine_weights(bits, out, n, (), key=200 + i) for i in range(copies_a)]
+            fa = lambda i: mx.quantized_matmul(xb, *aff[i], transpose=True, group_size=GROUP, bits=bits)
+            amed, amin = time_chain(fa, copies_a, args.chain, args.repeats)
+            fa32 = lambda i: mx.quantized_matmul(x32[n], *aff[i], transpose=True, group_size=GROUP, bits=bits)
+            a32med, _ = time_chain(fa32, copies_a, args.chain, args.repeats)
+            del aff
+            row = dict(kind="matvec", format=name, levels=levels, affine_bits=bits, out=out, n=n, group=GROUP,
+                       tq_s=best["median_s"], tq_min_s=best["min_s"], tq_layout=best["layout"],
+                       affine_bf16_s=amed, affine_bf16_min_s=amin, affine_f32x_s=a32med,
+                       ratio=best["median_s"] / amed,
+                       tq_gbps=tq_bytes(levels, out, n) / best["median_s"] / 1e9,
+                       affine_gbps=affine_bytes(bits, out, n) / amed / 1e9)
+            results.append(row)
+            print(f"matvec {out}x{n} {name:8s} tq {row['tq_s'] * 1e6:7.2f} us ({row['tq_gbps']:5.0f} GB/s) "
+                  f"affine{bits} {amed * 1e6:7.2f} us ({row['affine_gbps']:5.0f} GB/s) ratio {row['ratio']:.2f} "
+                  f"layout {best['layout']}", flush=True)
+
+
+def bench_gather(args, results: list, experts: int = 64, top: int = 16) -> None:
+    backend = "cuda" if mx.cuda.is_available() else "metal"
+    rng = np.random.default_rng(0)
+    idxs = [mx.array(rng.choice(experts, top, replace=False).reshape(1, 1, top).astype(np.uint32))
+            for _ in range(64)]
+    for (out, n) in EXPERT_SHAPES:
+        shared = out < n  # gate/up: x (1, 1, 1, 1, n) shared by the experts; down: x (1, 1, 16, 1, n)
+        xshape = (1, 1, 1, 1, n) if shared else (1, 1, top, 1, n)
+        x32 = mx.random.normal(xshape, key=mx.random.key(5))
+        xb = x32.astype(mx.bfloat16)
+        for name, levels, bits in FORMATS:
+            w, s, cb = tq_weights(levels, out, n, (experts,), key=300)
+            f = lambda i: K.fused_gather(x32, w, s, cb, idxs[i % len(idxs)], backend)
+            med, mn = time_chain(f, len(idxs), args.chain, args.repeats)
+            del w, s
+            aw = affine_weights(bits, out, n, (experts,), key=400)
+            fa = lambda i: mx.gather_qmm(xb, *aw, rhs_indices=idxs[i % len(idxs)], transpose=True,
+                                         group_size=GROUP, bits=bits)
+            amed, amin = time_chain(fa, len(idxs), args.chain, args.repeats)
+            del aw
+            row = dict(kind="gather", format=name, levels=levels, affine_bits=bits, out=out, n=n, group=GROUP,
+                       experts=experts, top=top, x_shared=shared, tq_s=med, tq_min_s=mn, affine_bf16_s=amed,
+                       affine_bf16_min_s=amin, ratio=med / amed,
+                       tq_gbps=top * tq_bytes(levels, out, n) / med / 1e9,
+                       affine_gbps=top * affine_bytes(bits, out, n) / amed / 1e9)
+            results.append(row)
+            print(f"gather {top}/{experts} {out}x{n} {name:8s} tq {med * 1e6:7.2f} us ({row['tq_gbps']:5.0f} GB/s) "
+                  f"affine{bits} {amed * 1e6:7.2f} us ({row['affine_gbps']:5.0f} GB/s) ratio {row['ratio']:.2f}",
+                  flush=True)
+
+
+def reference64(x: mx.array, w: mx.array, s: mx.array, cb: mx.array) -> np.ndarray:
+    with mx.stream(mx.cpu):
+        wd = np.array(ref.dequantize_rotated(w, s, cb, x.shape[-1]), np.float64)
+    return np.array(x, np.float64) @ np.swapaxes(wd, -1, -2)
+
+
+def check(results: list) -> float:
+    """Every variant against a float64 reference; returns the largest relative error."""
+    backend = "cuda" if mx.cuda.is_available() else "metal"
+    worst = 0.0
+    n, out = 896, 136  # 3-bit rows of 90 words, ternary 45: misaligned rows; a partial 160-code unit
+    for levels in K.LEVELS:
+        for g in K.GROUPS:
+            w, s, cb = K._random_case(levels, g, n, out, 6, key=levels * 10 + g)
+            for rows in (1, 2, 3, 4):
+                x = mx.random.normal((rows, n), key=mx.random.key(rows + g))
+                got = np.array(K.fused_matmul(x, w[1], s[1], cb, backend), np.float64)
+                want = reference64(x, w[1], s[1], cb)
+                err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                worst = max(worst, err)
+                results.append(dict(kind="check", op="matvec", levels=levels, group=g, rows=rows, n=n, out=out,
+                                    rel_error=err))
+            x = mx.random.normal((2, 1, 1, n), key=mx.random.key(g))
+            idx = mx.array([[5, 0, 3], [1, 1, 4]], dtype=mx.uint32)
+            got = np.array(K.fused_gather(x, w, s, cb, idx, backend), np.float64)
+            wd = [reference64(x[a, 0], w[int(e)], s[int(e)], cb) for a in range(2) for e in np.array(idx[a])]
+            want = np.stack(wd).reshape(got.shape)
+            err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            worst = max(worst, err)
+            results.append(dict(kind="check", op="gather", levels=levels, group=g, rows=1, n=n, out=out,
+                                rel_error=err))
+            print(f"check levels={levels:2d} g={g:3d}: max rel error "
+                  f"{max(r['rel_error'] for r in results if r.get('levels') == levels and r.get('group') == g):.2e}",
+                  flush=True)
+    # K3 shapes through the dispatch (self-check, then the fused kernel), published codebooks, 1 row
+    for (out, n) in SHAPES:
+        for name, levels, _ in FORMATS:
+            w, s, cb = tq_weights(levels, out, n, (), key=7)
+            x = mx.random.normal((1, n), key=mx.random.key(3))
+            got = np.array(K.matmul(x, w, s, cb), np.float64)
+            want = reference64(x, w, s, cb)
+            err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            worst = max(worst, err)
+            results.append(dict(kind="check", op="dispatch", levels=levels, group=GROUP, rows=1, n=n, out=out,
+                                rel_error=err))
+    checked = {str(k): v for k, v in K._dispatcher.checked.items()}
+    results.append(dict(kind="self_check", results=checked, warnings=list(K._dispatcher.warnings)))
+    print(f"dispatch self-checks: {checked}; warnings: {K._dispatcher.warnings}", flush=True)
+    # the reference path on the GPU (float32 matmul, TF32 unless MLX_ENABLE_TF32=0) for comparison
+    w, s, cb = tq_weights(16, 4096, 7168, (), key=8)
+    x = mx.random.normal((1, 7168), key=mx.random.key(4))
+    got = np.array(ref.matmul(x, w, s, cb), np.float64)
+    want = reference64(x, w, s, cb)
+    results.append(dict(kind="check", op="reference_on_gpu", levels=16, group=GROUP, rows=1, n=7168, out=4096,
+                        rel_error=float(np.linalg.norm(got - want) / np.linalg.norm(want))))
+    print(f"the reference path on the GPU: rel error {results[-1]['rel_error']:.2e}")
+    return worst
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="JSON file for the results")
+    ap.add_argument("--check", action="store_true", help="correctness of every kernel variant first")
+    ap.add_argument("--variants", action="store_true", help="also time other kernel layouts")
+    ap.add_argument("--quick", action="store_true", help="short chains and few repeats")
+    ap.add_argument("--chain", type=int, default=200, help="products per timed evaluation")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--skip-timing", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.chain, args.repeats = 50, 5
+    if K.default_backend() is None:
+        print("no GPU backend with fused kernels (CUDA or Metal) on the default device", file=sys.stderr)
+        return 2
+    info = dict(mlx=mx.__version__, backend=K.default_backend(), python=platform.python_version(),
+                device=str(mx.default_device()), chain=args.chain, repeats=args.repeats, group=GROUP)
+    try:
+        info["device_info"] = {k: str(v) for k, v in mx.device_info().items()}
+    except Exception:  # noqa: BLE001
+        pass
+    results: list = []
+    worst = None
+    if args.check:
+        t = time.time()
+        worst = check(results)
+        print(f"correctness: worst relative error {worst:.2e} ({time.time() - t:.0f} s)", flush=True)
+    if not args.skip_timing:
+        t = time.time()
+        bench_matvec(args, results, args.variants)
+        bench_gather(args, results)
+        print(f"timing: {time.time() - t:.0f} s")
+        print()
+        print("| op | shape (out x in) | format | TurboQuant us | affine us (same bits) | ratio | TQ GB/s | affine GB/s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in results:
+            if r["kind"] in ("matvec", "gather"):
+                op = "matvec" if r["kind"] == "matvec" else f"gather {r['top']}/{r['experts']}"
+                print(f"| {op} | {r['out']}x{r['n']} | {r['format']} g{r['group']} vs affine {r['affine_bits']}-bit "
+                      f"| {r['tq_s'] * 1e6:.2f} | {r['affine_bf16_s'] * 1e6:.2f} | {r['ratio']:.2f} "
+                      f"| {r['tq_gbps']:.0f} | {r['affine_gbps']:.0f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(info=info, worst_rel_error=worst, results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
