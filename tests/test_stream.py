@@ -282,7 +282,19 @@ def test_a_stacked_layout_streams_bit_identically(models, resident, tmp_path, sl
     np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])
     assert tokens == resident["tq3a-tqTe-down4-g64"][1]
     st = loaded.streamer.stats
-    assert st.reads >= 6 * st.misses  # six ranges per expert in this layout
+    # six ranges per expert in this layout; adjacent missed experts share one scatter read per tensor (the prefill
+    # misses many neighbours at once), except with fan-out, which splits instead
+    assert st.reads <= 6 * st.misses if not fanout else st.reads >= 6 * st.misses
+    if slots == 10_000:
+        assert st.reads < 6 * st.misses
+    # a run read equals the experts read one by one
+    store = loaded.streamer.store
+    one = [np.zeros(4480, np.uint8) for _ in range(3)]
+    run = [np.zeros(4480, np.uint8) for _ in range(3)]
+    for e, b in zip((10, 11, 12), one):
+        assert store.read(1, e, b) == 6
+    assert store.read_run(1, [10, 11, 12], run) == 6
+    assert all(np.array_equal(a, b) for a, b in zip(one, run)) and one[0].any()
     loaded.streamer.close()
 
 

@@ -248,6 +248,29 @@ class ExpertStore:
                                  f"{x.offset} (the file has {size} bytes: it changed under the session)", path)
         return len(extents)
 
+    def read_run(self, layer: int, experts: Sequence[int], bufs: Sequence[np.ndarray]) -> int:
+        """Read consecutive experts, one buffer each: for each of an expert's extents, the experts' ranges that follow
+        one another in the file are one scatter read (`preadv` into the buffers in turn). In a stacked layout a run
+        of r adjacent experts costs one read per tensor instead of r. Returns the number of reads."""
+        lay = self.layers[layer]
+        reads = 0
+        for i in range(len(lay.extents[experts[0]])):
+            xs = [lay.extents[e][i] for e in experts]
+            chained = all(b.file == a.file and b.offset == a.offset + a.length for a, b in zip(xs, xs[1:]))
+            groups = [list(zip(xs, bufs))] if chained else [[(x, buf)] for x, buf in zip(xs, bufs)]
+            for group in groups:
+                first = group[0][0]
+                views = [memoryview(buf)[x.into:x.into + x.length] for x, buf in group]
+                want = sum(x.length for x, _ in group)
+                got = os.preadv(self._fd(first.file), views, first.offset)
+                reads += 1
+                if got != want:
+                    path = self.root / self.files[first.file]
+                    raise StoreError(f"experts {experts[0]}-{experts[-1]} of layer {layer}: read {got} of {want} bytes "
+                                     f"at offset {first.offset} (the file has {_size(path)} bytes: it changed under the "
+                                     "session)", path)
+        return reads
+
     def split(self, layer: int, expert: int, pieces: int) -> list[list[tuple[int, int, int]]]:
         """The expert's extents cut into up to `pieces` byte ranges of similar size, for parallel reads (fan-out):
         lists of (file, offset, into, length)."""

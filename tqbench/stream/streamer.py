@@ -242,29 +242,37 @@ class Streamer:
         Fills `slots`; returns the bytes read."""
         if not missing:
             return 0
-        pending = deque(missing)
+        pending = deque(sorted(missing))
         free = list(self._buffers)
-        inflight: dict[int, tuple[np.ndarray, list[Future]]] = {}
+        # Stacked layouts (several ranges per expert, buffered reads): adjacent experts are read as runs, one scatter
+        # read per tensor; runs are kept short enough that every worker gets one.
+        coalesce = (len(self.store.layers[layer].extents[0]) > 1 and not self.store.direct and not self.config.fanout)
+        longest = max(1, -(-len(missing) // len(self._buffers))) if coalesce else 1
+        inflight: dict[tuple[int, ...], tuple[list[np.ndarray], list[Future]]] = {}
         total = 0
+        n = self.store.layers[layer].nbytes
         while pending or inflight:
             while pending and free:
-                e = pending.popleft()
-                buf = free.pop()
-                inflight[e] = (buf, self._submit(layer, e, buf))
-            done, _ = wait([f for _, fs in inflight.values() for f in fs], return_when=FIRST_COMPLETED)
-            for e in [e for e, (_, fs) in inflight.items() if all(f.done() for f in fs)]:
-                buf, fs = inflight.pop(e)
-                reads = 0
-                for f in fs:
-                    reads += f.result()  # re-raises a StoreError from the worker
-                slot, evicted = pool.cache.place((layer, e), self._tick, locked, cold=self._prefill)
-                locked.add((layer, e))
-                pool.write(slot, buf[self.store.shift(layer, e):])
-                slots[e] = slot
-                n = self.store.layers[layer].nbytes
-                total += n
-                self.stats.reads += reads
-                free.append(buf)
+                run = [pending.popleft()]
+                while pending and len(run) < min(longest, len(free)) and pending[0] == run[-1] + 1:
+                    run.append(pending.popleft())
+                bufs = [free.pop() for _ in run]
+                if len(run) > 1:
+                    futures = [self._executor.submit(self.store.read_run, layer, run, bufs)]
+                else:
+                    futures = self._submit(layer, run[0], bufs[0])
+                inflight[tuple(run)] = (bufs, futures)
+            wait([f for _, fs in inflight.values() for f in fs], return_when=FIRST_COMPLETED)
+            for run in [r for r, (_, fs) in inflight.items() if all(f.done() for f in fs)]:
+                bufs, fs = inflight.pop(run)
+                self.stats.reads += sum(f.result() for f in fs)  # re-raises a StoreError from the worker
+                for e, buf in zip(run, bufs):
+                    slot, _ = pool.cache.place((layer, e), self._tick, locked, cold=self._prefill)
+                    locked.add((layer, e))
+                    pool.write(slot, buf[self.store.shift(layer, e):])
+                    slots[e] = slot
+                    total += n
+                    free.append(buf)
         mx.eval(list(pool.arrays.values()))
         return total
 
