@@ -58,6 +58,14 @@ def chat(
         "--max-active-experts", metavar="K", min=0,
         help="Route each token to K experts instead of the model's top-k (0: native). Fewer bytes per token, but it "
              "changes the model's output.")] = 0,
+    profile: Annotated[Optional[Path], typer.Option(
+        "--profile", metavar="FILE", help="Start from this hot-expert profile (tqbench's export, or TurboQuant-MLX's "
+                                          "pin list / usage profile) instead of the learned one.")] = None,
+    profile_force: Annotated[bool, typer.Option(
+        "--profile-force", help="Use a --profile made for another model of the same layers and experts.")] = False,
+    no_learn: Annotated[bool, typer.Option("--no-learn", help="Do not learn from this session.")] = False,
+    pin_share: Annotated[float, typer.Option(
+        "--pin-share", min=0.0, max=0.9, help="Share of the expert cache pinned from the profile (streaming).")] = 0.5,
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", metavar="FILE",
                                                        help="Write the streaming statistics here at exit.")] = None,
 ) -> None:
@@ -80,12 +88,17 @@ def chat(
             streaming = replace(streaming, lookahead=True)
         if not as_json:
             err.print(f"loading {path} ...", markup=False)
+        from tqbench.runtime.session import ProfileOptions
+
+        popts = ProfileOptions(str(profile) if profile else None, not no_learn, pin_share, profile_force)
         with session.submit(lambda s: open_model(s, path, trust_remote_code, system, not no_chat_template, streaming,
-                                                 max_active_experts, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
+                                                 max_active_experts, popts, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
                                                  seed=seed)) as job:
             loaded = job.result()[-1]
         if not as_json:
             err.print(_loaded_line(loaded), markup=False)
+            if loaded.profile is not None:
+                err.print(_profile_line(loaded.profile), markup=False)
         if loaded.experts_active and loaded.experts_native > 2 * loaded.experts_active:
             err.print(f"warning: routing to {loaded.experts_active} of the model's {loaded.experts_native} experts per "
                       "token (more than a 2x cut): expect worse answers", markup=False)
@@ -151,9 +164,11 @@ def _write_stats(session: Session, file: Path) -> None:
 
     try:
         stats = session.call(lambda s: stream_stats(s) if KEY in s.state else None)
+        prof = session.call(lambda s: s.state.get("profile-info"))
     except Exception:  # noqa: BLE001 - nothing loaded: nothing to write
         return
     if stats is not None:
+        stats["profile"] = prof
         write_atomic(file, (json.dumps(stats, indent=2) + "\n").encode())
 
 def _default_model(err: Console) -> str:
@@ -205,6 +220,14 @@ def _loaded_line(m) -> str:
               if m.experts_active and m.experts_active != m.experts_native else "")
     return (f"loaded {m.model_type}{tq}: {units.size(m.weight_bytes)} of resident weights in {m.seconds:.1f} s; "
             f"{sampling}, up to {s.max_tokens} tokens per reply{template}{stream}{routed}")
+
+
+def _profile_line(p: dict) -> str:
+    src = {"file": f"from {p['where']}", "learned": f"learned ({p['routings']:,} routings)",
+           "shipped": f"shipped ({p['where']})", "none": "none yet"}[p["source"]]
+    pins = f"; pinned {p['pinned']} experts (preloaded in {p['preload_s']:.2f} s)" if p["pinned"] else ""
+    learn = "learning from this session" if p["learning"] else "not learning (--no-learn)"
+    return f"hot-expert profile: {src}{pins}; {learn}"
 
 
 def _typed(err: Console) -> Iterator[str]:

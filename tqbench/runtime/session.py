@@ -16,6 +16,51 @@ from tqbench.engine import Session
 from tqbench.runtime.chat import Conversation, ReplyDone, ReplyStarted, Sampling, TokenOut
 
 KEY = "conversation"
+LEARNER = "profile-learner"
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    file: str | None = None  # --profile FILE
+    learn: bool = True  # --no-learn turns it off
+    pin_share: float = 0.5  # of the expert cache's slots, pinned from the profile (streaming only)
+    force: bool = False  # use a file made for another model of the same geometry
+    store: str | None = None  # the learned profiles' directory (default: the user cache)
+    mature: int | None = None  # routings before the learned profile is used (default tqbench.profile.MATURE)
+
+
+def _profile(session: Session, loaded: Any, opts: ProfileOptions) -> dict | None:
+    """Choose the profile, pin and preload its hottest experts (streaming), start learning. None for a model
+    without streamable routed experts (nothing to profile)."""
+    from tqbench.profile import Learner, Profile, ProfileStore, choose, tap
+    from tqbench.stream.store import ExpertStore, StoreError
+
+    try:
+        ExpertStore.open(loaded.path).close()
+    except (StoreError, OSError):
+        return None
+    store = ProfileStore(opts.store) if (opts.learn or opts.file is None) else None
+    choice = choose(loaded.path, opts.file, opts.force, store, opts.mature)
+    pinned, preload_s = 0, 0.0
+    if choice.profile is not None and loaded.streamer is not None and opts.pin_share > 0:
+        p = choice.profile
+        weights = {(n, int(e)): float(v) for n, c in p.counts().items() for e, v in enumerate(c) if v > 0}
+        pinned = loaded.streamer.preload(p.ranked(), opts.pin_share, weights)
+        preload_s = loaded.streamer.stats.preload_s
+    if opts.learn and store is not None:
+        learner = Learner(store, Profile.empty(choice.fingerprint, choice.geometry))
+        tap(loaded.model, learner)
+        session.state[LEARNER] = learner
+    elif store is not None:
+        store.close()
+    return {"source": choice.source, "where": choice.where, "fingerprint": choice.fingerprint,
+            "routings": round(choice.profile.routings) if choice.profile else 0, "pinned": pinned,
+            "preload_s": round(preload_s, 3), "learning": bool(opts.learn)}
+
+
+def profile_info(session: Session) -> dict | None:
+    """What `open_model` decided about the profile (also for --stats-json). Use with session.call."""
+    return session.state.get("profile-info")
 
 
 @dataclass(frozen=True)
@@ -30,21 +75,24 @@ class ModelLoaded:
     stream: dict | None = None  # streaming: budget_bytes, slots, slot_bytes, staging_bytes, workers, policy, fanout
     experts_native: int = 0  # routed experts per token as trained (0: not a MoE model we route)
     experts_active: int = 0  # as run (--max-active-experts)
+    profile: dict | None = None  # source, where, routings, pinned, preload_s, learning, fingerprint
 
 
 def open_model(session: Session, path: str, trust_remote_code: bool = False, system: str | None = None,
                chat_template: bool = True, streaming: Any = None, max_active_experts: int = 0,
-               **sampling: Any) -> Iterator[ModelLoaded]:
+               profile: ProfileOptions | None = None, **sampling: Any) -> Iterator[ModelLoaded]:
     """Load `path` (replacing any model the session holds) and start a conversation. `streaming`: a
-    tqbench.stream.StreamConfig to keep routed experts on disk."""
+    tqbench.stream.StreamConfig to keep routed experts on disk. `profile`: which hot-expert profile to start from
+    and whether to learn one (MoE models with routed experts only)."""
     import time
 
     from tqbench.runtime.load import load
 
     t0 = time.perf_counter()
-    old = session.state.pop(KEY, None)
-    if old is not None:
-        old.close()
+    for key in (KEY, LEARNER):
+        old = session.state.pop(key, None)
+        if old is not None:
+            old.close()
     loaded = load(path, trust_remote_code, streaming=streaming)
     native = active = 0
     if max_active_experts:
@@ -54,6 +102,8 @@ def open_model(session: Session, path: str, trust_remote_code: bool = False, sys
         native, active = ae.native, ae.active
     conv = Conversation(loaded, system=system, chat_template=chat_template)
     session.state[KEY] = conv
+    prof = _profile(session, loaded, profile or ProfileOptions())
+    session.state["profile-info"] = prof
     stream = None
     if loaded.streamer is not None:
         st, c = loaded.streamer.stats, loaded.streamer.config
@@ -62,15 +112,18 @@ def open_model(session: Session, path: str, trust_remote_code: bool = False, sys
                   "page_cache": st.page_cache, "lookahead": c.lookahead}
     yield ModelLoaded(str(loaded.path), loaded.model_type, loaded.turboquant_modules, loaded.weight_bytes,
                       conv.chat_template, Sampling.defaults(loaded.generation_config, **sampling),
-                      time.perf_counter() - t0, stream, native, active)
+                      time.perf_counter() - t0, stream, native, active, prof)
 
 
 def reply(session: Session, text: str, sampling: Sampling) -> Iterator[ReplyStarted | TokenOut | ReplyDone | Any]:
     """The reply's events; with streaming, each forward pass's PageIn events (one per MoE layer) come before the
-    event that follows that pass."""
+    event that follows that pass. A learning session counts each token's routing and saves every few seconds."""
     conv = conversation(session)
     streamer = conv.loaded.streamer
+    learner = session.state.get(LEARNER)
     for ev in conv.reply(text, sampling):
+        if learner is not None:
+            learner.flush()
         if streamer is not None:
             yield from streamer.drain()
         yield ev

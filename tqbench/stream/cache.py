@@ -168,3 +168,12 @@ class SlotCache:
 
     def pin(self, keys: Iterable[Hashable]) -> None:
         self.pinned.update(keys)
+
+    def seed(self, weights: dict[Hashable, float]) -> None:
+        """Start the policy's history from known use (a profile's counts, scaled to the hottest = 8 accesses);
+        LRU has no history to seed."""
+        if isinstance(self.policy, LRFU) and weights:
+            top = max(weights.values())
+            for key, w in weights.items():
+                if w > 0 and key not in self.policy._state:
+                    self.policy._state[key] = (math.log2(8 * w / top), 0)

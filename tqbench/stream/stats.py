@@ -47,6 +47,9 @@ class StreamStats:
     cache_bytes_max: int = 0
     tokens: int = 0
     stall_s: float = 0.0
+    pinned: int = 0  # experts a profile pinned
+    preload_bytes: int = 0  # read at start for those pins (not misses)
+    preload_s: float = 0.0
     layers: dict[int, LayerTotals] = field(default_factory=dict)
 
     @property
@@ -65,6 +68,7 @@ class StreamStats:
                 "lookahead_reads": self.lookahead_reads, "lookahead_used": self.lookahead_used, "hit_rate": round(self.hit_rate(), 4),
                 "reads": self.reads, "critical_bytes": self.critical_bytes,
                 "speculative_bytes": self.speculative_bytes, "evictions": self.evictions, "tokens": self.tokens,
-                "stall_s": round(self.stall_s, 4),
+                "stall_s": round(self.stall_s, 4), "pinned": self.pinned, "preload_bytes": self.preload_bytes,
+                "preload_s": round(self.preload_s, 4),
                 "layers": {str(k): {"hits": v.hits, "misses": v.misses, "stall_s": round(v.stall_s, 4)}
                            for k, v in sorted(self.layers.items())}}

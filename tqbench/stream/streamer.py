@@ -120,9 +120,45 @@ class Streamer:
         self.token = 0  # forward passes so far (a decode step or a prefill chunk each)
         self._last_layer = None
         self._tick = 0
+        self._prefill = False
         self._guess: tuple[int, mx.array] | None = None  # (next layer, its router's picks on this layer's input)
         self._ahead: dict[int, tuple[np.ndarray, list[Future]]] = {}  # expert -> read in flight for _ahead_layer
         self._ahead_layer: int | None = None
+
+    # ---- a profile's pins ----
+
+    def preload(self, ranked: list[tuple[int, int]], share: float, weights: dict | None = None) -> int:
+        """Pin the hottest experts (`ranked`, hottest first) up to `share` of each pool's slots and read them now,
+        outside the miss statistics (their time and bytes are reported as preload). `weights` ((layer, expert) ->
+        count) seed the replacement policy's history, so the profile also ranks what stays cached. Returns the
+        number of experts pinned."""
+        t0 = time.perf_counter()
+        caps = {id(p): int(p.slots * share) for p in self.pools}
+        chosen: dict[int, list[int]] = {}
+        for layer, e in ranked:
+            pool = self.pool_of.get(layer)
+            if pool is None or caps[id(pool)] <= 0 or e >= self.store.layers[layer].experts:
+                continue
+            caps[id(pool)] -= 1
+            chosen.setdefault(layer, []).append(e)
+        if weights:
+            for pool in self.pools:
+                pool.cache.seed({k: v for k, v in weights.items() if self.pool_of.get(k[0]) is pool})
+        pinned = 0
+        for layer, experts in sorted(chosen.items()):
+            pool = self.pool_of[layer]
+            missing = [e for e in experts if (layer, e) not in pool.cache]
+            slots: dict[int, int] = {}
+            locked = {(layer, e) for e in experts if (layer, e) in pool.cache} | set(pool.cache.pinned)
+            self.stats.preload_bytes += self._page_in(layer, pool, missing, slots, locked)
+            pool.cache.pin((layer, e) for e in experts)
+            pinned += len(experts)
+        self.stats.pinned = pinned
+        self.stats.preload_s = time.perf_counter() - t0
+        s = self.stats
+        s.cache_bytes = sum(len(p.cache) * p.nbytes for p in self.pools)
+        s.cache_bytes_max = max(s.cache_bytes_max, s.cache_bytes)
+        return pinned
 
     # ---- look-ahead ----
 

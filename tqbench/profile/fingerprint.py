@@ -1,0 +1,59 @@
+"""A model's identity for its hot-expert profile: derived from what decides which expert is which (the config, where
+every routed expert lives, every tensor's name, shape and dtype), never from the directory's path. A re-conversion
+with another recipe or layout gets another fingerprint, so stale counts are never reused; moving or copying the
+directory keeps it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a profile's counts must match: MoE layers and experts per layer, and the routing top-k."""
+
+    model_type: str
+    layers: tuple[int, ...]  # MoE layer numbers, in order
+    experts: int
+    top_k: int
+
+    def to_dict(self) -> dict:
+        return {"model_type": self.model_type, "layers": list(self.layers), "experts": self.experts,
+                "top_k": self.top_k}
+
+
+def fingerprint(path: str | Path) -> str:
+    """sha256 (first 16 hex digits) of the config, the expert layout and the tensor table (headers only)."""
+    from tqbench.shards.header import read_header
+    from tqbench.stream.store import ExpertStore
+
+    root = Path(path)
+    h = hashlib.sha256()
+    config = json.loads((root / "config.json").read_text())
+    h.update(json.dumps(config, sort_keys=True).encode())
+    store = ExpertStore.open(root)
+    for n, lay in sorted(store.layers.items()):
+        h.update(repr((n, lay.experts, lay.nbytes, lay.signature, lay.extents[0], lay.extents[-1])).encode())
+    store.close()
+    for f in store.files:
+        for t in read_header(root / f, f).tensors:
+            h.update(f"{t.name}|{t.dtype}|{t.shape}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def geometry(path: str | Path) -> Geometry:
+    from tqbench.runtime.load import model_type
+    from tqbench.source.config import parse_config
+    from tqbench.stream.store import ExpertStore
+
+    root = Path(path)
+    raw = json.loads((root / "config.json").read_text())
+    cfg = parse_config(raw)
+    store = ExpertStore.open(root)
+    store.close()
+    layers = tuple(sorted(store.layers))
+    experts = max(lay.experts for lay in store.layers.values())
+    return Geometry(model_type(raw), layers, experts, int(cfg.top_k or 0))

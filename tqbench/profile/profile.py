@@ -1,0 +1,168 @@
+"""A hot-expert profile: how often each (layer, expert) was routed, decode and prefill kept apart, for one model
+(its fingerprint and geometry). One JSON schema for the store, export and import; the seed system's two file kinds
+(a pin list, a usage profile) are read too.
+
+Decay is per session: when a session first saves, the stored counts are multiplied by DECAY once, then its own
+counts are added. A session is the unit of "what the user is working on", so the last sessions outweigh older ones
+whatever their length; a per-routing decay would let one long session erase everything before it, and would tie the
+profile's memory to token counts rather than to work.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tqbench.errors import TqbenchError
+from tqbench.profile.fingerprint import Geometry
+
+SCHEMA = "tqbench.profile/1"
+DECAY = 0.8  # applied once per session to what earlier sessions stored
+MATURE = 20_000  # routings before a learned profile is trusted over a shipped one
+
+
+class ProfileError(TqbenchError):
+    """A profile file or store entry that cannot be used."""
+
+
+@dataclass
+class Profile:
+    fingerprint: str
+    geometry: Geometry
+    decode: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> float64 counts per expert
+    prefill: dict[int, np.ndarray] = field(default_factory=dict)
+    routings: float = 0.0  # decayed total of decode + prefill routings
+    sessions: int = 0
+
+    @classmethod
+    def empty(cls, fingerprint: str, geometry: Geometry) -> Profile:
+        z = {n: np.zeros(geometry.experts) for n in geometry.layers}
+        return cls(fingerprint, geometry, z, {n: a.copy() for n, a in z.items()})
+
+    def counts(self, prefill_weight: float = 0.25) -> dict[int, np.ndarray]:
+        """Per layer: decode counts plus a fraction of prefill's (a prompt's experts say less about the next
+        replies' than decode's do)."""
+        return {n: self.decode[n] + prefill_weight * self.prefill[n] for n in self.geometry.layers}
+
+    def ranked(self, prefill_weight: float = 0.25) -> list[tuple[int, int]]:
+        """Every (layer, expert) with a count, hottest first; counts are compared as each layer's share of its own
+        routings, so every layer gets its hot experts (a global list would favour the busiest layers)."""
+        keys = []
+        for n, c in self.counts(prefill_weight).items():
+            total = c.sum()
+            if total > 0:
+                keys += [(float(c[e] / total), n, int(e)) for e in np.flatnonzero(c)]
+        keys.sort(key=lambda k: (-k[0], k[1], k[2]))
+        return [(n, e) for _, n, e in keys]
+
+    def coverage(self, layer: int, share: float, prefill_weight: float = 0.25) -> int:
+        """How many experts of `layer` cover `share` of its routings."""
+        c = np.sort(self.counts(prefill_weight)[layer])[::-1]
+        total = c.sum()
+        if total <= 0:
+            return 0
+        return int(np.searchsorted(np.cumsum(c) / total, share - 1e-12) + 1)
+
+    def add(self, other: Profile, weight: float = 1.0) -> None:
+        for n in self.geometry.layers:
+            self.decode[n] += weight * other.decode[n]
+            self.prefill[n] += weight * other.prefill[n]
+        self.routings += weight * other.routings
+
+    def scaled(self, factor: float) -> Profile:
+        return Profile(self.fingerprint, self.geometry, {n: a * factor for n, a in self.decode.items()},
+                       {n: a * factor for n, a in self.prefill.items()}, self.routings * factor, self.sessions)
+
+    def to_dict(self, pins: int | None = None) -> dict[str, Any]:
+        ranked = self.ranked()
+        return {"schema": SCHEMA, "fingerprint": self.fingerprint, "model": self.geometry.to_dict(),
+                "routings": round(self.routings, 3), "sessions": self.sessions,
+                "counts": {"decode": {str(n): _list(a) for n, a in self.decode.items()},
+                           "prefill": {str(n): _list(a) for n, a in self.prefill.items()}},
+                "pins": [list(k) for k in (ranked if pins is None else ranked[:pins])]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+
+def _list(a: np.ndarray) -> list:
+    return [round(float(v), 4) for v in a]
+
+
+def from_dict(doc: Any, where: str) -> Profile:
+    """Our schema; raises ProfileError naming `where` and what is wrong."""
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+        raise ProfileError(f"not a tqbench profile (schema {found!r}, expected {SCHEMA!r})", where)
+    try:
+        m = doc["model"]
+        geo = Geometry(str(m["model_type"]), tuple(int(n) for n in m["layers"]), int(m["experts"]), int(m["top_k"]))
+        p = Profile.empty(str(doc["fingerprint"]), geo)
+        for kind in ("decode", "prefill"):
+            for key, values in doc["counts"][kind].items():
+                n = int(key)
+                if n not in p.decode:
+                    raise ProfileError(f"counts for layer {n}, which the profile's model has no MoE layer", where)
+                a = np.asarray(values, dtype=np.float64)
+                if a.shape != (geo.experts,) or not np.all(np.isfinite(a)) or (a < 0).any():
+                    raise ProfileError(f"layer {n} {kind} counts: expected {geo.experts} non-negative numbers", where)
+                getattr(p, kind)[n] = a
+        p.routings = float(doc["routings"])
+        p.sessions = int(doc.get("sessions", 0))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"malformed profile ({type(e).__name__}: {e})", where) from None
+    return p
+
+
+def from_seed_files(doc: Any, fingerprint: str, geo: Geometry, where: str) -> Profile | None:
+    """The seed system's files: a pin list {"pin": [[layer, expert], ...]} (hottest first) or a usage profile
+    {"version", "num_experts", "routings", "counts": {"<layer>": [...]}}. None when `doc` is neither."""
+    if not isinstance(doc, dict):
+        return None
+    p = Profile.empty(fingerprint, geo)
+    if isinstance(doc.get("pin"), list):
+        pins = doc["pin"]
+        for rank, pair in enumerate(pins):
+            try:
+                n, e = int(pair[0]), int(pair[1])
+            except (TypeError, ValueError, IndexError):
+                raise ProfileError(f"pin {rank}: {pair!r} is not [layer, expert]", where) from None
+            _check_key(n, e, geo, where)
+            p.decode[n][e] += len(pins) - rank  # hottest first: a descending weight keeps the order
+        p.routings = float(sum(a.sum() for a in p.decode.values()))
+        return p
+    if isinstance(doc.get("counts"), dict) and "num_experts" in doc:
+        if int(doc["num_experts"]) != geo.experts:
+            raise ProfileError(f"usage profile for {doc['num_experts']} experts per layer; this model has "
+                               f"{geo.experts}", where)
+        for key, values in doc["counts"].items():
+            n = int(key)
+            a = np.asarray(values, dtype=np.float64)
+            _check_key(n, 0, geo, where)
+            if a.shape != (geo.experts,):
+                raise ProfileError(f"layer {n}: {a.size} counts, expected {geo.experts}", where)
+            p.decode[n] = a
+        p.routings = float(doc.get("routings") or sum(a.sum() for a in p.decode.values()))
+        return p
+    return None
+
+
+def _check_key(layer: int, expert: int, geo: Geometry, where: str) -> None:
+    if layer not in geo.layers:
+        raise ProfileError(f"layer {layer} is not one of the model's MoE layers ({geo.layers[0]}..{geo.layers[-1]})",
+                           where)
+    if not 0 <= expert < geo.experts:
+        raise ProfileError(f"expert {expert} of layer {layer}: the model has {geo.experts} per layer", where)
+
+
+def check_fits(p: Profile, fingerprint: str, geo: Geometry, where: str, force: bool = False) -> None:
+    """A profile made for another model is refused; with `force`, one of the same geometry is accepted."""
+    if (p.geometry.layers, p.geometry.experts) != (geo.layers, geo.experts):
+        raise ProfileError(f"made for {len(p.geometry.layers)} MoE layers x {p.geometry.experts} experts; this model "
+                           f"has {len(geo.layers)} x {geo.experts}", where)
+    if p.fingerprint != fingerprint and not force:
+        raise ProfileError(f"made for another model (fingerprint {p.fingerprint}, this one {fingerprint}); --force "
+                           "uses it anyway, the geometry matches", where)

@@ -1,0 +1,65 @@
+"""Learned profiles in a diskcache store under the user cache directory (`$TQBENCH_CACHE_DIR/profiles`, or a given
+directory), one entry per model fingerprint, stored as JSON text (never pickles: a store entry is data, not code).
+
+Every update is one read-modify-write inside a diskcache transaction (SQLite, locked across processes), so two
+sessions on one model lose no counts. A corrupt or foreign entry reads as empty, with one warning line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tqbench.paths import cache_dir
+from tqbench.profile.fingerprint import Geometry
+from tqbench.profile.profile import DECAY, Profile, ProfileError, check_fits, from_dict
+
+
+def default_directory() -> Path:
+    return cache_dir() / "profiles"
+
+
+class ProfileStore:
+    def __init__(self, directory: str | Path | None = None):
+        import diskcache
+
+        self.directory = Path(directory) if directory is not None else default_directory()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._cache = diskcache.Cache(str(self.directory))
+        self.warnings: list[str] = []
+
+    def load(self, fp: str, geo: Geometry) -> Profile:
+        raw = self._cache.get(fp)
+        if raw is None:
+            return Profile.empty(fp, geo)
+        where = f"{self.directory} [{fp}]"
+        try:
+            p = from_dict(json.loads(raw) if isinstance(raw, (str, bytes)) else raw, where)
+            check_fits(p, fp, geo, where)
+            return p
+        except (ProfileError, ValueError, TypeError) as e:
+            line = f"tqbench: warning: the learned profile is unreadable and is ignored ({e})"
+            self.warnings.append(line)
+            print(line, file=sys.stderr)
+            return Profile.empty(fp, geo)
+
+    def commit(self, delta: Profile, first: bool) -> Profile:
+        """Add a session's new counts; its first commit decays what earlier sessions stored (DECAY)."""
+        with self._cache.transact():
+            cur = self.load(delta.fingerprint, delta.geometry)
+            if first:
+                cur = cur.scaled(DECAY)
+                cur.sessions += 1
+            cur.add(delta)
+            self._cache.set(delta.fingerprint, cur.to_json())
+        return cur
+
+    def put(self, p: Profile) -> None:
+        """Replace the entry (import)."""
+        self._cache.set(p.fingerprint, p.to_json())
+
+    def reset(self, fp: str) -> bool:
+        return bool(self._cache.delete(fp))
+
+    def close(self) -> None:
+        self._cache.close()
