@@ -325,3 +325,11 @@ def test_lookahead_is_bit_identical_and_counted_honestly(models, resident, worke
     assert on.critical_bytes + on.speculative_bytes == (on.misses - late + on.lookahead_reads) * 4480
     assert on.critical_bytes == on.misses * 4480
     assert on.critical_bytes < off.critical_bytes  # it took reads off the critical path
+
+
+def test_lookahead_with_fewer_slots_than_one_tokens_experts_stays_exact(models, resident):
+    loaded = load(models["tq3a-tqTe-down4-g64"], streaming=StreamConfig(4 * 4480 + 3 * 4480, 4, lookahead=True))
+    logits, tokens = _run(loaded.model, 8)
+    np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])
+    assert tokens == resident["tq3a-tqTe-down4-g64"][1][:8]
+    loaded.streamer.close()

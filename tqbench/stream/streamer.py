@@ -196,7 +196,7 @@ class Streamer:
             in_time = all(f.done() for f in fs)
             reads = sum(f.result() for f in fs)  # waits; re-raises a StoreError
             self.stats.reads += reads
-            if was == layer and e in routed and e not in slots:
+            if was == layer and e in routed and e not in slots and len(locked | pool.cache.pinned) < pool.slots:
                 slot, _ = pool.cache.place((layer, e), self._tick, locked)
                 locked.add((layer, e))
                 pool.write(slot, buf[self.store.shift(layer, e):])
