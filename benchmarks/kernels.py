@@ -30,7 +30,6 @@ import mlx.core as mx
 import numpy as np
 
 from tqbench.quant.turboquant import codebook as published_codebook
-from tqbench.quant.turboquant import pack
 from tqbench.runtime import codebook as ref
 from tqbench.runtime import kernels as K
 
@@ -108,10 +107,12 @@ def bench_matvec(args, results: list, variants: bool) -> None:
             layouts = [{}]
             if variants:
                 if K.unit_codes(levels) == 32:
-                    layouts += [dict(rows=2, lanes=32, tiles=4), dict(rows=4, lanes=32, tiles=4),
-                                dict(rows=4, lanes=32, tiles=8), dict(rows=2, lanes=16, tiles=4)]
+                    layouts += [dict(rows=4, lanes=32, tiles=4), dict(rows=8, lanes=32, tiles=4),
+                                dict(rows=8, lanes=16, tiles=4), dict(rows=4, lanes=16, tiles=8)]
                 else:
-                    layouts += [dict(lanes=8), dict(lanes=16), dict(lanes=32), dict(tiles=2)]
+                    layouts += [dict(lanes=8, tiles=1), dict(lanes=4, tiles=1), dict(rows=8, lanes=8, tiles=1),
+                                dict(lanes=16, tiles=1), dict(lanes=8, tiles=1, prefetch=True),
+                                dict(lanes=4, tiles=1, prefetch=not (levels == 3))]
             seen, best = set(), None
             for lay in layouts:
                 key = K.make_spec(levels, GROUP, n, out, 1, 1, False, **lay)
@@ -122,19 +123,20 @@ def bench_matvec(args, results: list, variants: bool) -> None:
                                                       **lay)
                 med, mn = time_chain(f, copies, args.chain, args.repeats)
                 spec = K.make_spec(levels, GROUP, n, out, 1, 1, False, **lay)
-                rec = dict(layout=dict(rows=spec.rows, lanes=spec.lanes, tiles=spec.tiles), median_s=med, min_s=mn)
+                rec = dict(layout=dict(rows=spec.rows, lanes=spec.lanes, tiles=spec.tiles, xpre=spec.xpre,
+                                       prefetch=spec.prefetch), median_s=med, min_s=mn)
                 if best is None or med < best["median_s"]:
                     best = rec
                 if variants:
                     results.append(dict(kind="variant", format=name, out=out, n=n, **rec))
-            del tq
+            tq = None  # free the copies before the affine ones
             copies_a = n_copies(affine_bytes(bits, out, n))
             aff = [affine_weights(bits, out, n, (), key=200 + i) for i in range(copies_a)]
             fa = lambda i: mx.quantized_matmul(xb, *aff[i], transpose=True, group_size=GROUP, bits=bits)
             amed, amin = time_chain(fa, copies_a, args.chain, args.repeats)
             fa32 = lambda i: mx.quantized_matmul(x32[n], *aff[i], transpose=True, group_size=GROUP, bits=bits)
             a32med, _ = time_chain(fa32, copies_a, args.chain, args.repeats)
-            del aff
+            aff = None
             row = dict(kind="matvec", format=name, levels=levels, affine_bits=bits, out=out, n=n, group=GROUP,
                        tq_s=best["median_s"], tq_min_s=best["min_s"], tq_layout=best["layout"],
                        affine_bf16_s=amed, affine_bf16_min_s=amin, affine_f32x_s=a32med,
@@ -161,12 +163,12 @@ def bench_gather(args, results: list, experts: int = 64, top: int = 16) -> None:
             w, s, cb = tq_weights(levels, out, n, (experts,), key=300)
             f = lambda i: K.fused_gather(x32, w, s, cb, idxs[i % len(idxs)], backend)
             med, mn = time_chain(f, len(idxs), args.chain, args.repeats)
-            del w, s
+            w = s = None
             aw = affine_weights(bits, out, n, (experts,), key=400)
             fa = lambda i: mx.gather_qmm(xb, *aw, rhs_indices=idxs[i % len(idxs)], transpose=True,
                                          group_size=GROUP, bits=bits)
             amed, amin = time_chain(fa, len(idxs), args.chain, args.repeats)
-            del aw
+            aw = None
             row = dict(kind="gather", format=name, levels=levels, affine_bits=bits, out=out, n=n, group=GROUP,
                        experts=experts, top=top, x_shared=shared, tq_s=med, tq_min_s=mn, affine_bf16_s=amed,
                        affine_bf16_min_s=amin, ratio=med / amed,
@@ -184,15 +186,15 @@ def reference64(x: mx.array, w: mx.array, s: mx.array, cb: mx.array) -> np.ndarr
     return np.array(x, np.float64) @ np.swapaxes(wd, -1, -2)
 
 
-def check(results: list) -> float:
+def check(results: list, quick: bool = False) -> float:
     """Every variant against a float64 reference; returns the largest relative error."""
     backend = "cuda" if mx.cuda.is_available() else "metal"
     worst = 0.0
     n, out = 896, 136  # 3-bit rows of 90 words, ternary 45: misaligned rows; a partial 160-code unit
     for levels in K.LEVELS:
-        for g in K.GROUPS:
+        for g in ((64,) if quick else K.GROUPS):
             w, s, cb = K._random_case(levels, g, n, out, 6, key=levels * 10 + g)
-            for rows in (1, 2, 3, 4):
+            for rows in ((1, 3) if quick else (1, 2, 3, 4)):
                 x = mx.random.normal((rows, n), key=mx.random.key(rows + g))
                 got = np.array(K.fused_matmul(x, w[1], s[1], cb, backend), np.float64)
                 want = reference64(x, w[1], s[1], cb)
@@ -241,6 +243,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="JSON file for the results")
     ap.add_argument("--check", action="store_true", help="correctness of every kernel variant first")
+    ap.add_argument("--check-quick", action="store_true", help="correctness of group 64, 1 and 3 rows only")
     ap.add_argument("--variants", action="store_true", help="also time other kernel layouts")
     ap.add_argument("--quick", action="store_true", help="short chains and few repeats")
     ap.add_argument("--chain", type=int, default=200, help="products per timed evaluation")
@@ -260,9 +263,9 @@ def main() -> int:
         pass
     results: list = []
     worst = None
-    if args.check:
+    if args.check or args.check_quick:
         t = time.time()
-        worst = check(results)
+        worst = check(results, quick=not args.check)
         print(f"correctness: worst relative error {worst:.2e} ({time.time() - t:.0f} s)", flush=True)
     if not args.skip_timing:
         t = time.time()

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from tqbench.quant.turboquant import codebook as published_codebook
-from tqbench.quant.turboquant import pack
 from tqbench.runtime import codebook as ref
 from tqbench.runtime import kernels as K
 
@@ -93,13 +92,20 @@ def test_spec_refuses_what_the_kernel_cannot_do() -> None:
     with pytest.raises(ValueError):
         K.make_spec(8, 64, 4096, 62, 1, 1, False)  # 3-bit rows tiles start at multiples of 4 rows
     assert K.make_spec(16, 64, 4096, 62, 1, 1, False).out == 62  # 4-bit rows are always aligned
+    with pytest.raises(ValueError, match="at most 256"):
+        K.make_spec(3, 64, 4096, 64, 1, 1, False, tiles=2)  # 5 warps a tile group: 320 threads
+    for levels in K.LEVELS:  # the defaults always fit
+        for n, out in ((7168, 3072), (3072, 7168), (896, 48)):
+            assert K.make_spec(levels, 64, n, out, 1, 4, False).threads <= 256
 
 
 def test_layout_keeps_lanes_busy() -> None:
     # 3-bit / ternary units hold 160 codes; the lanes of a row tile walk a row's units
-    assert K.choose_layout(8, 3072, 3584)["lanes"] == 8  # 20 units: 8 lanes -> 20/24, 16 -> 20/32, 32 -> 20/32
-    assert K.choose_layout(3, 7168, 3072)["lanes"] in (8, 16)  # 45 units: 45/48
-    assert K.choose_layout(16, 7168, 4096) == {"rows": 4, "lanes": 32, "tiles": 4}
+    assert K.choose_layout(3, 3072, 3584)["lanes"] == 8  # 20 units: 8 lanes -> 20/24 busy, 16 -> 20/32
+    assert K.choose_layout(3, 7168, 3072)["lanes"] == 8  # 45 units: 45/48 either way, fewer lanes win
+    assert K.choose_layout(8, 7168, 3072) == {"rows": 4, "lanes": 4, "tiles": 1}
+    assert K.choose_layout(16, 7168, 4096) == {"rows": 8, "lanes": 16, "tiles": 4}
+    assert K.choose_layout(16, 256, 64) == {"rows": 8, "lanes": 8, "tiles": 4}  # 8 units a row
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -318,12 +324,15 @@ def test_emulated_gather_matches_reference(monkeypatch, levels) -> None:
 
 
 @needs_gxx
-@pytest.mark.parametrize("layout", [dict(rows=1, lanes=8, tiles=2), dict(rows=2, lanes=16, tiles=1),
-                                    dict(rows=4, lanes=32, tiles=3)])
-def test_emulated_layouts(monkeypatch, layout) -> None:
+@pytest.mark.parametrize("levels,layout", [(16, dict(rows=1, lanes=8, tiles=2)), (16, dict(rows=2, lanes=16, tiles=1)),
+                                           (16, dict(rows=8, lanes=32, tiles=3)), (8, dict(rows=8, lanes=4, tiles=1)),
+                                           (3, dict(rows=8, lanes=8, tiles=1)), (3, dict(rows=4, lanes=4, tiles=1)),
+                                           (3, dict(prefetch=True, xpre=True)), (8, dict(prefetch=False))])
+def test_emulated_layouts(monkeypatch, levels, layout) -> None:
+    """Other layouts; out=44 leaves a tile of 8 rows half past the last row."""
     monkeypatch.setattr(K, "_compiled", _emulated("cuda"))
-    w, s, cb = _case(16, 32, 256, 44, key=4)
-    x = mx.random.normal((2, 256), key=mx.random.key(1))
+    w, s, cb = _case(levels, 32, 640, 44, key=4)
+    x = mx.random.normal((2, 640), key=mx.random.key(1))
     assert _rel(K.fused_matmul(x, w[0], s[0], cb, "cuda", **layout), ref.matmul(x, w[0], s[0], cb)) < 1e-5
 
 

@@ -13,7 +13,13 @@ Kernel design (docs: benchmarks/README.md, "Fused TurboQuant kernels"):
   and bit position is a compile-time constant.
 - A warp (simdgroup) splits into row tiles of `lanes` lanes; a tile owns `rows` consecutive rows of W and its lanes
   walk the units of those rows. A lane loads x once per block and uses it for all its rows (and the codes of a
-  row once for all rows of x), so x traffic is divided by `rows` and lookups by the batch.
+  row once for all rows of x), so x traffic is divided by `rows` and lookups by the batch. Few lanes per tile and
+  many rows per lane measured fastest on an H200 (a warp's fixed costs are paid once): `choose_layout`. Binary
+  formats load the next unit's words before the current unit's arithmetic (`prefetch`); ternary does not, and
+  does not preload x as float4s (`xpre`): both raise its registers (to 195-255) and were no faster.
+- A threadgroup has at most 256 threads, so that even 255 registers a thread fit the register file: MLX does not
+  report a launch that asks for too many, the output is then left unwritten (seen on the H200 with 320 threads
+  and 255 registers, and caught by the self-check).
 - 3-bit and ternary units hold 5 blocks; five warps of a block each take one block position of every unit (a
   warp-uniform switch, no divergence) and their sums meet in shared memory. Their rows are not 16-byte aligned,
   so a lane loads aligned uint4 words around its words: row tiles start at multiples of 4 rows, which makes each
@@ -174,8 +180,10 @@ class Spec:
     gather: bool  # the products are (x row block, expert) pairs
     xdiv: int = 0  # gather: x block of pair p is p // xdiv (input `indices`: P experts); 0: input `pairs` (P, 2)
     rows: int = 4  # rows of W per lane
-    lanes: int = 32  # lanes per row tile (8, 16 or 32)
-    tiles: int = 2  # warps (per block position) per threadgroup
+    lanes: int = 32  # lanes per row tile (4, 8, 16 or 32)
+    tiles: int = 1  # warps (per block position) per threadgroup
+    xpre: bool = False  # ternary: load a block's 32 x values as float4s first
+    prefetch: bool | None = None  # load the next unit's words before this unit's arithmetic (None: not for ternary)
     scale_dtype: str = "float16"
     book_dtype: str = "float16"
 
@@ -183,10 +191,12 @@ class Spec:
         bits, per = format_of(self.levels)
         if self.group not in GROUPS or self.n % self.group:
             raise ValueError(f"group {self.group} must be one of {GROUPS} and divide n={self.n}")
-        if self.lanes not in (8, 16, 32) or not 1 <= self.batch <= KERNEL_BATCH or self.rows not in (1, 2, 4):
-            raise ValueError("lanes in 8/16/32, batch 1..4, rows 1/2/4")
-        if self.blocks > 1 and (self.rows != 4 or self.out % 4):
-            raise ValueError("3-bit and ternary kernels take rows=4 and need out % 4 == 0")
+        if self.lanes not in (4, 8, 16, 32) or not 1 <= self.batch <= KERNEL_BATCH or self.rows not in (1, 2, 4, 8):
+            raise ValueError("lanes in 4/8/16/32, batch 1..4, rows 1/2/4/8")
+        if self.blocks > 1 and (self.rows % 4 or self.out % 4):
+            raise ValueError("3-bit and ternary kernels take rows=4 or 8 and need out % 4 == 0")
+        if self.threads > 256:
+            raise ValueError(f"{self.threads} threads a threadgroup: at most 256 (255 registers each must fit)")
 
     @property
     def per_word(self) -> int:
@@ -243,11 +253,16 @@ _MACROS = r"""
 #define TQ_Q0(J, r) ((TQ_MISALIGN(r) + (32 * (J)) / TQ_PER) >> 2)
 #define TQ_Q1(J, r) ((TQ_MISALIGN(r) + (32 * (J) + 31) / TQ_PER) >> 2)
 #define TQ_WORD(J, r, wi) tq_comp(wq[r][((TQ_MISALIGN(r) + (wi)) >> 2) - TQ_Q0(J, r)], (TQ_MISALIGN(r) + (wi)) & 3)
-#define TQ_LOAD_WORDS(J) \
-  uint4 wq[TQ_R][2]; \
+#define TQ_LOAD_INTO(J, DST, UU) \
   _Pragma("unroll") for (int r = 0; r < TQ_R; ++r) { \
     _Pragma("unroll") for (int q = 0; q < 2; ++q) { \
-      if (TQ_Q0(J, r) + q <= TQ_Q1(J, r)) { wq[r][q] = TQ_LOAD(r, TQ_Q0(J, r) + q); } \
+      if (TQ_Q0(J, r) + q <= TQ_Q1(J, r)) { DST[r][q] = TQ_LOAD(r, TQ_Q0(J, r) + q, UU); } \
+    } \
+  }
+#define TQ_COPY_WORDS(J, DST, SRC) \
+  _Pragma("unroll") for (int r = 0; r < TQ_R; ++r) { \
+    _Pragma("unroll") for (int q = 0; q < 2; ++q) { \
+      if (TQ_Q0(J, r) + q <= TQ_Q1(J, r)) { DST[r][q] = SRC[r][q]; } \
     } \
   }
 #define TQ_SCALE_LOOP(EXPR) \
@@ -256,7 +271,6 @@ _MACROS = r"""
     _Pragma("unroll") for (int b = 0; b < TQ_M; ++b) { acc[r][b] = TQ_FMA(sc, EXPR, acc[r][b]); } \
   }
 #define TQ_BLOCK_BIN(J) { \
-  TQ_LOAD_WORDS(J) \
   float t[TQ_R][TQ_M]; \
   _Pragma("unroll") for (int r = 0; r < TQ_R; ++r) { _Pragma("unroll") for (int b = 0; b < TQ_M; ++b) { t[r][b] = 0.0f; } } \
   _Pragma("unroll") for (int k4 = 0; k4 < 8; ++k4) { \
@@ -273,8 +287,15 @@ _MACROS = r"""
   TQ_SCALE_LOOP(t[r][b]) \
 }
 #define TQ_BLOCK_TER(J, GEN) { \
-  TQ_LOAD_WORDS(J) \
-  float t[TQ_R][TQ_M]; float uu[TQ_R][TQ_M]; float s[TQ_M]; \
+  float t[TQ_R][TQ_M]; float uu[TQ_R][TQ_M]; float s[TQ_M]; float xa[TQ_M][32]; \
+  if (TQ_XPRE) { \
+    _Pragma("unroll") for (int b = 0; b < TQ_M; ++b) { \
+      _Pragma("unroll") for (int k4 = 0; k4 < 8; ++k4) { \
+        const float4 v4 = ((TQ_CDEV float4*)(xb[b] + col))[k4]; \
+        xa[b][4 * k4] = v4.x; xa[b][4 * k4 + 1] = v4.y; xa[b][4 * k4 + 2] = v4.z; xa[b][4 * k4 + 3] = v4.w; \
+      } \
+    } \
+  } \
   _Pragma("unroll") for (int b = 0; b < TQ_M; ++b) { \
     s[b] = 0.0f; \
     _Pragma("unroll") for (int r = 0; r < TQ_R; ++r) { t[r][b] = 0.0f; uu[r][b] = 0.0f; } \
@@ -289,7 +310,9 @@ _MACROS = r"""
       _Pragma("unroll") for (int i = 0; i < 10; ++i) { \
         if (i < cnt) { \
           const int k = 20 * wi + top - 1 - i - 32 * (J); \
-          _Pragma("unroll") for (int b = 0; b < TQ_M; ++b) { xr[b][i] = xb[b][col + k]; s[b] += xr[b][i]; } \
+          _Pragma("unroll") for (int b = 0; b < TQ_M; ++b) { \
+            xr[b][i] = TQ_XPRE ? xa[b][k] : xb[b][col + k]; s[b] += xr[b][i]; \
+          } \
         } \
       } \
       _Pragma("unroll") for (int r = 0; r < TQ_R; ++r) { \
@@ -313,13 +336,23 @@ _MACROS = r"""
   } \
   TQ_SCALE_LOOP(TQ_FMA(tq_gamma, uu[r][b], TQ_FMA(beta, t[r][b], c1 * s[b]))) \
 }
-#define TQ_UNIT_LOOP(J) \
+#define TQ_UNIT_LOOP(J) { \
+  uint4 wq[TQ_R][2]; \
+  uint4 wn[TQ_R][2]; \
+  if (TQ_PREFETCH && ustart < TQ_UNITS) { TQ_LOAD_INTO(J, wq, ustart) } \
   for (tq_u32 u = ustart; u < TQ_UNITS; u += TQ_LANES) { \
+    if (TQ_PREFETCH) { \
+      if (u + TQ_LANES < TQ_UNITS) { TQ_LOAD_INTO(J, wn, u + TQ_LANES) }  /* the next unit's words, in flight */ \
+    } else { \
+      TQ_LOAD_INTO(J, wq, u) \
+    } \
     const tq_u32 col = u * TQ_UNIT + 32u * (J); \
     if (TQ_TAIL && col >= TQ_N) { break; } \
     const tq_u32 gi = col / TQ_G; \
     TQ_BLOCK(J) \
-  }
+    if (TQ_PREFETCH) { TQ_COPY_WORDS(J, wq, wn) } \
+  } \
+}
 """
 
 
@@ -329,7 +362,8 @@ def _defines(spec: Spec, d: Dialect) -> str:
         TQ_MASK=f"{(1 << spec.bits) - 1 if spec.bits else 0}u", TQ_UW=spec.unit_words, TQ_UNIT=f"{spec.unit}u",
         TQ_BLOCKS=spec.blocks, TQ_WORDS=spec.words, TQ_N=f"{spec.n}u", TQ_OUT=f"{spec.out}u", TQ_G=f"{spec.group}u",
         TQ_UNITS=f"{spec.units}u", TQ_LANES=f"{spec.lanes}u", TQ_TAIL=int(spec.n % spec.unit != 0),
-        TQ_TRIT_MAGIC=f"{TRIT_MAGIC}u", TQ_CDEV=_c(d),
+        TQ_TRIT_MAGIC=f"{TRIT_MAGIC}u", TQ_CDEV=_c(d), TQ_XPRE=int(spec.xpre),
+        TQ_PREFETCH=int(spec.levels != 3 if spec.prefetch is None else spec.prefetch),
     )
     lines = [f"#define {k} {v}" for k, v in consts.items()]
     lines.append(f"#define TQ_H2F_S(v) {d.h2f('(v)', spec.scale_dtype)}")
@@ -339,12 +373,12 @@ def _defines(spec: Spec, d: Dialect) -> str:
         vec = "uint4" if spec.unit_words == 4 else "uint2"
         mk = "uint4{{v2.x, v2.y, 0u, 0u}}" if d.name == "cuda" else "uint4(v2.x, v2.y, 0u, 0u)"
         if vec == "uint4":
-            lines.append(f"#define TQ_LOAD(r, q) ((({_c(d)} uint4*)(w + wrow[r]))[u])")
+            lines.append(f"#define TQ_LOAD(r, q, UU) ((({_c(d)} uint4*)(w + wrow[r]))[UU])")
         else:
-            lines.append(f"#define TQ_LOAD(r, q) tq_widen((({_c(d)} uint2*)(w + wrow[r]))[u])")
+            lines.append(f"#define TQ_LOAD(r, q, UU) tq_widen((({_c(d)} uint2*)(w + wrow[r]))[UU])")
             lines.append(f"{d.inline} uint4 tq_widen(uint2 v2) {{ return {mk.format()}; }}")
     else:
-        lines.append(f"#define TQ_LOAD(r, q) tq_load4(w, wrow[r] + (tq_u64)u * {spec.unit_words}u + 4u * (q), "
+        lines.append(f"#define TQ_LOAD(r, q, UU) tq_load4(w, wrow[r] + (tq_u64)(UU) * {spec.unit_words}u + 4u * (q), "
                      "total_words)")
     lines.append("#define TQ_BLOCK(J) if (general) TQ_BLOCK_TER(J, true) else TQ_BLOCK_TER(J, false)"
                  if spec.levels == 3 else
@@ -425,7 +459,8 @@ def kernel_source(spec: Spec, dialect: str) -> tuple[str, str]:
         a("  const tq_u32 rowc = row0 + (tq_u32)r;")
     a("  const tq_u64 grow = (tq_u64)expert * TQ_OUT + rowc;")
     a("  wrow[r] = grow * (tq_u64)TQ_WORDS - (tq_u64)TQ_MISALIGN(r);")
-    a(f"  srow[r] = grow * {spec.n // spec.group}u;")
+    a("  // rows past the last (only in a tile of 8 rows) read clamped scales and guarded words; never written")
+    a(f"  srow[r] = ((tq_u64)expert * TQ_OUT + (rowc < TQ_OUT ? rowc : TQ_OUT - 1u)) * {spec.n // spec.group}u;")
     a("}")
     a(f"{_c(d)} float* xb[TQ_M];")
     a("_Pragma(\"unroll\") for (int b = 0; b < TQ_M; ++b) { xb[b] = x + ((tq_u64)xblk * TQ_M + (tq_u64)b) * TQ_N; }")
@@ -466,9 +501,9 @@ def kernel_source(spec: Spec, dialect: str) -> tuple[str, str]:
         a(d.barrier)
         a(f"for (tq_u32 i = tid; i < {nout}u; i += {spec.threads}u) {{")
         a(f"  const tq_u32 rr = {d.bid_x} * {spec.rows_per_block}u + i / TQ_M;")
-        a(f"  float s = red[i];")
+        a("  float s = red[i];")
         a(f"  for (tq_u32 jj = 1u; jj < {spec.blocks}u; ++jj) {{ s += red[jj * {nout}u + i]; }}")
-        a(f"  if (rr < TQ_OUT) y[((tq_u64)p * TQ_M + i % TQ_M) * TQ_OUT + rr] = s;")
+        a("  if (rr < TQ_OUT) y[((tq_u64)p * TQ_M + i % TQ_M) * TQ_OUT + rr] = s;")
         a("}")
     return header, "\n".join(L) + "\n"
 
@@ -499,11 +534,14 @@ def choose_layout(levels: int, n: int, out: int, pairs: int = 1) -> dict:
     """Rows per lane, lanes per row tile and warps per threadgroup for a product: keeps lanes busy on short rows
     (few units per row) and keeps enough threadgroups in flight on small matrices."""
     units = -(-n // unit_codes(levels))
-    if unit_codes(levels) == 32:  # 2- and 4-bit: many units per row
-        rows = 4 if out * pairs >= 2048 else 2
-        lanes = 32 if units >= 32 else 16 if units >= 16 else 8
-        return {"rows": rows, "lanes": lanes, "tiles": 4}
-    best = min((8, 16, 32), key=lambda l: (-(units / (l * -(-units // l))), -l))
+    # Measured on an H200 (benchmarks/README.md): more work per lane wins, since a warp's fixed costs (codebook,
+    # lane reduction, shared-memory exchange) are paid once however many units its lanes walk.
+    if unit_codes(levels) == 32:  # 2- and 4-bit: 4 words a unit, many units per row
+        lanes = 16 if units >= 16 else 8
+        return {"rows": 8, "lanes": lanes, "tiles": 4}
+    if levels == 8:  # 3-bit: 4 lanes per row tile, with the next unit's words prefetched
+        return {"rows": 4, "lanes": 4 if units >= 8 else 8, "tiles": 1}
+    best = min((8, 16), key=lambda l: (-(units / (l * -(-units // l))), l))  # ternary
     return {"rows": 4, "lanes": best, "tiles": 1}
 
 
