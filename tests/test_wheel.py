@@ -61,3 +61,21 @@ def test_wheel_runs_outside_the_source_tree(wheel, tmp_path):
                              capture_output=True, text=True, env=env, cwd=tmp_path)
     assert inspect.returncode == 0, inspect.stderr
     assert '"model_type": "kimi_k3"' in inspect.stdout
+
+
+@pytest.mark.skipif(not (ROOT / "profiles" / "demo-tq4.json").is_file(),
+                    reason="profiles/demo-tq4.json is not there yet: make it with python scripts/make_demo_profile.py")
+def test_wheel_ships_the_demo_profile(wheel, tmp_path):
+    """profiles/ lands in the wheel as tqbench/_profiles, and from there a fresh tq4 conversion of the demo picks its
+    shipped hot-expert profile (profiles/demo-tq4.json, scripts/make_demo_profile.py)."""
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = {**os.environ, "PYTHONPATH": str(site), "TQBENCH_CACHE_DIR": str(tmp_path / "cache")}
+    code = ("import sys; from tqbench.convert import convert; from tqbench.demo import ensure_demo; "
+            "from tqbench.recipe import Recipe; from tqbench.profile import choose; "
+            "list(convert(ensure_demo(), sys.argv[1], Recipe.parse('tq4'))); c = choose(sys.argv[1]); "
+            "print(c.source, c.where)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tq4")], capture_output=True, text=True,
+                          env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["shipped", str(site / "tqbench" / "_profiles" / "demo-tq4.json")]

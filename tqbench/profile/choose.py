@@ -24,20 +24,47 @@ class Choice:
     geometry: Geometry
 
 
-def read_file(file: str | Path, fp: str, geo: Geometry, force: bool = False) -> Profile:
-    """A profile file: ours, or the seed system's pin list / usage profile. Raises ProfileError (one line)."""
-    where = str(file)
+def identify(model: str | Path) -> tuple[str, Geometry]:
+    """A model directory's fingerprint and geometry. Raises a one-line TqbenchError for a directory that is no model
+    with streamable routed experts."""
     try:
-        doc = json.loads(Path(file).read_text())
+        return fingerprint(model), geometry(model)
     except OSError as e:
-        raise ProfileError(f"cannot read: {e.strerror}", where) from None
+        raise ProfileError(f"not a model directory tqbench can profile ({e.strerror or e})", model) from None
     except ValueError as e:
-        raise ProfileError(f"invalid JSON ({e})", where) from None
+        raise ProfileError(f"not a model directory tqbench can profile ({e})", model) from None
+
+
+def _json(file: str | Path) -> object:
+    try:
+        return json.loads(Path(file).read_text())
+    except OSError as e:
+        raise ProfileError(f"cannot read: {e.strerror}", file) from None
+    except ValueError as e:
+        raise ProfileError(f"invalid JSON ({e})", file) from None
+
+
+def read_profile(file: str | Path) -> Profile:
+    """A profile file of ours (schema SCHEMA), on its own: no model to check it against (merge, diff)."""
+    doc = _json(file)
+    if isinstance(doc, dict) and "schema" not in doc and ("pin" in doc or "num_experts" in doc):
+        raise ProfileError("a pin list / usage profile names no model: `tqbench profile import` it into a model "
+                           "first, then export it", file)
+    return from_dict(doc, str(file))
+
+
+def read_file(file: str | Path, fp: str, geo: Geometry, force: bool = False, seed_ok: bool = True) -> Profile:
+    """A profile file: ours, or (`seed_ok`) the seed system's pin list / usage profile. Raises ProfileError (one
+    line)."""
+    where = str(file)
+    doc = _json(file)
     if isinstance(doc, dict) and "schema" in doc:
         p = from_dict(doc, where)
         check_fits(p, fp, geo, where, force)
         p.fingerprint = fp
         return p
+    if not seed_ok:
+        raise ProfileError("not a tqbench profile (no schema, so no model fingerprint to match)", where)
     p = from_seed_files(doc, fp, geo, where)
     if p is None:
         raise ProfileError("neither a tqbench profile nor a pin list / usage profile", where)
@@ -46,26 +73,28 @@ def read_file(file: str | Path, fp: str, geo: Geometry, force: bool = False) -> 
 
 def choose(model: str | Path, file: str | Path | None = None, force: bool = False,
            store: ProfileStore | None = None, mature: int | None = None) -> Choice:
-    fp, geo = fingerprint(model), geometry(model)
+    fp, geo = identify(model)
     if file is not None:
         return Choice("file", str(file), read_file(file, fp, geo, force), fp, geo)
     if store is not None:
         learned = store.load(fp, geo)
         if learned.routings >= (MATURE if mature is None else mature) and learned.routings > 0:
             return Choice("learned", str(store.directory), learned, fp, geo)
-    for candidate in _shipped(Path(model)):
+    for candidate, in_model in _shipped(Path(model)):
         try:
-            return Choice("shipped", str(candidate), read_file(candidate, fp, geo), fp, geo)
+            return Choice("shipped", str(candidate), read_file(candidate, fp, geo, seed_ok=in_model), fp, geo)
         except ProfileError:
             continue  # a shipped file for another model
     return Choice("none", None, None, fp, geo)
 
 
-def _shipped(model: Path) -> list[Path]:
+def _shipped(model: Path) -> list[tuple[Path, bool]]:
+    """Candidates, with whether each sits in the model's own directory: there a seed-system file (no fingerprint)
+    belongs to the model; in tqbench's `profiles/` only a file whose fingerprint matches does."""
     from tqbench.paths import shipped_profiles
 
-    out = [model / n for n in SHIPPED_NAMES if (model / n).is_file()]
+    out = [(model / n, True) for n in SHIPPED_NAMES if (model / n).is_file()]
     d = shipped_profiles()
     if d.is_dir():
-        out += sorted(d.glob("*.json"))
+        out += [(f, False) for f in sorted(d.glob("*.json"))]
     return out

@@ -1,12 +1,14 @@
 """A model's identity for its hot-expert profile: derived from what decides which expert is which (the config, where
-every routed expert lives, every tensor's name, shape and dtype), never from the directory's path. A re-conversion
-with another recipe or layout gets another fingerprint, so stale counts are never reused; moving or copying the
+every routed expert lives, every tensor's name, shape and dtype, and a sample of every router's bytes), never from the
+directory's path. A re-conversion with another recipe or layout gets another fingerprint, and so does a model retrained
+or fine-tuned to the same shapes (its routers change), so stale counts are never reused; moving or copying the
 directory keeps it."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +27,13 @@ class Geometry:
                 "top_k": self.top_k}
 
 
+ROUTER_SUFFIXES = (".gate.weight", ".gate.e_score_correction_bias")  # a MoE block's router (not `gate_proj`)
+ROUTER_SAMPLE = 4096  # bytes read from the start of each router tensor
+
+
 def fingerprint(path: str | Path) -> str:
-    """sha256 (first 16 hex digits) of the config, the expert layout and the tensor table (headers only)."""
+    """sha256 (first 16 hex digits) of the config, the expert layout, the tensor table (headers) and the first
+    ROUTER_SAMPLE bytes of every router tensor (a few small reads, whatever the model's size)."""
     from tqbench.shards.header import read_header
     from tqbench.stream.store import ExpertStore
 
@@ -41,11 +48,19 @@ def fingerprint(path: str | Path) -> str:
     for f in store.files:
         for t in read_header(root / f, f).tensors:
             h.update(f"{t.name}|{t.dtype}|{t.shape}\n".encode())
+    for f in sorted(root.glob("*.safetensors")):
+        routers = [t for t in read_header(f).tensors if t.name.endswith(ROUTER_SUFFIXES)]
+        if routers:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                for t in sorted(routers, key=lambda t: t.name):
+                    h.update(t.name.encode() + os.pread(fd, min(t.nbytes, ROUTER_SAMPLE), t.offset))
+            finally:
+                os.close(fd)
     return h.hexdigest()[:16]
 
 
 def geometry(path: str | Path) -> Geometry:
-    from tqbench.runtime.load import model_type
     from tqbench.source.config import parse_config
     from tqbench.stream.store import ExpertStore
 
@@ -56,4 +71,6 @@ def geometry(path: str | Path) -> Geometry:
     store.close()
     layers = tuple(sorted(store.layers))
     experts = max(lay.experts for lay in store.layers.values())
-    return Geometry(model_type(raw), layers, experts, int(cfg.top_k or 0))
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    model_type = str(raw.get("model_type") or text.get("model_type") or "")  # as tqbench.runtime.load names it
+    return Geometry(model_type, layers, experts, int(cfg.top_k or 0))

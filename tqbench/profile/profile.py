@@ -11,6 +11,7 @@ profile's memory to token counts rather than to work.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,9 +88,21 @@ class Profile:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
+    def to_text(self) -> str:
+        """The file `tqbench profile export` writes (see dumps)."""
+        return dumps(self.to_dict())
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    """A profile document as a file: indented, each list of numbers on one line (a layer's counts, a pin), so the
+    file reads and diffs line by line."""
+    text = json.dumps(doc, indent=1)
+    return re.sub(r"\[([^\[\]{}]*)\]", lambda m: "[" + ", ".join(x.strip() for x in m[1].split(",")) + "]",
+                  text) + "\n"
+
 
 def _list(a: np.ndarray) -> list:
-    return [round(float(v), 4) for v in a]
+    return [int(v) if v == int(v) else round(float(v), 4) for v in a.tolist()]  # whole counts without ".0"
 
 
 def from_dict(doc: Any, where: str) -> Profile:
@@ -111,8 +124,10 @@ def from_dict(doc: Any, where: str) -> Profile:
                     raise ProfileError(f"layer {n} {kind} counts: expected {geo.experts} non-negative numbers", where)
                 getattr(p, kind)[n] = a
         p.routings = float(doc["routings"])
+        if not np.isfinite(p.routings) or p.routings < 0:
+            raise ProfileError(f"routings {doc['routings']!r}: expected a non-negative number", where)
         p.sessions = int(doc.get("sessions", 0))
-    except (KeyError, TypeError, ValueError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ProfileError(f"malformed profile ({type(e).__name__}: {e})", where) from None
     return p
 
@@ -135,17 +150,20 @@ def from_seed_files(doc: Any, fingerprint: str, geo: Geometry, where: str) -> Pr
         p.routings = float(sum(a.sum() for a in p.decode.values()))
         return p
     if isinstance(doc.get("counts"), dict) and "num_experts" in doc:
-        if int(doc["num_experts"]) != geo.experts:
-            raise ProfileError(f"usage profile for {doc['num_experts']} experts per layer; this model has "
-                               f"{geo.experts}", where)
-        for key, values in doc["counts"].items():
-            n = int(key)
-            a = np.asarray(values, dtype=np.float64)
-            _check_key(n, 0, geo, where)
-            if a.shape != (geo.experts,):
-                raise ProfileError(f"layer {n}: {a.size} counts, expected {geo.experts}", where)
-            p.decode[n] = a
-        p.routings = float(doc.get("routings") or sum(a.sum() for a in p.decode.values()))
+        try:
+            if int(doc["num_experts"]) != geo.experts:
+                raise ProfileError(f"usage profile for {doc['num_experts']} experts per layer; this model has "
+                                   f"{geo.experts}", where)
+            for key, values in doc["counts"].items():
+                n = int(key)
+                a = np.asarray(values, dtype=np.float64)
+                _check_key(n, 0, geo, where)
+                if a.shape != (geo.experts,) or not np.all(np.isfinite(a)) or (a < 0).any():
+                    raise ProfileError(f"layer {n}: expected {geo.experts} non-negative counts", where)
+                p.decode[n] = a
+            p.routings = float(doc.get("routings") or sum(a.sum() for a in p.decode.values()))
+        except (TypeError, ValueError) as e:  # a key that is no layer number, counts that are no numbers
+            raise ProfileError(f"malformed usage profile ({type(e).__name__}: {e})", where) from None
         return p
     return None
 

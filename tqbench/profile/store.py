@@ -7,6 +7,7 @@ sessions on one model lose no counts. A corrupt or foreign entry reads as empty,
 from __future__ import annotations
 
 import json
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -24,23 +25,29 @@ class ProfileStore:
         import diskcache
 
         self.directory = Path(directory) if directory is not None else default_directory()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._cache = diskcache.Cache(str(self.directory))
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._cache = diskcache.Cache(str(self.directory))
+        except (OSError, sqlite3.Error) as e:  # not a directory, not writable, not a SQLite database
+            raise ProfileError(f"the profile store cannot be opened ({e})", self.directory) from None
         self.warnings: list[str] = []
 
     def load(self, fp: str, geo: Geometry) -> Profile:
-        raw = self._cache.get(fp)
-        if raw is None:
-            return Profile.empty(fp, geo)
         where = f"{self.directory} [{fp}]"
         try:
+            raw = self._cache.get(fp)
+            if raw is None:
+                return Profile.empty(fp, geo)
             p = from_dict(json.loads(raw) if isinstance(raw, (str, bytes)) else raw, where)
             check_fits(p, fp, geo, where)
             return p
-        except (ProfileError, ValueError, TypeError) as e:
+        except sqlite3.Error:
+            raise  # the database itself (locked past its timeout, unreadable): never mistaken for an empty entry
+        except Exception as e:  # noqa: BLE001 - bad JSON, another schema, a pickle of a class that is gone: all empty
             line = f"tqbench: warning: the learned profile is unreadable and is ignored ({e})"
-            self.warnings.append(line)
-            print(line, file=sys.stderr)
+            if line not in self.warnings:  # once, though a session reads the entry again at its first save
+                self.warnings.append(line)
+                print(line, file=sys.stderr)
             return Profile.empty(fp, geo)
 
     def commit(self, delta: Profile, first: bool) -> Profile:

@@ -1,0 +1,325 @@
+"""`tqbench profile`: look at, share and reset the hot-expert profiles chat sessions learn (tqbench.profile).
+
+Registered in main.py with `app.add_typer(profile_app, name="profile")`. Everything computed here comes from the
+engine (tqbench.profile: overview, merge, diff); this module only renders it: rich tables on a terminal, plain lines
+when piped, `--json` on stdout, one-line errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from tqbench.cli.render import show
+from tqbench.errors import TqbenchError
+
+profile_app = typer.Typer(
+    name="profile",
+    help="Hot-expert profiles: what chat sessions learned about which experts a model needs (show, export, import, "
+         "merge, diff, reset).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+_out = Console(highlight=False, soft_wrap=False)
+
+ModelOpt = Annotated[Optional[Path], typer.Option(
+    "--model", "-m", metavar="DIR",
+    help="Model directory (default: the last converted model, else the demo's tq4 conversion).")]
+
+
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    try:
+        yield
+    except TqbenchError as e:
+        print(f"tqbench: error: {e}", file=sys.stderr)
+        raise typer.Exit(e.exit_code) from None
+    except OSError as e:  # writing an output file
+        print(f"tqbench: error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        raise typer.Exit(1) from None
+
+
+def _model(model: Path | None) -> Path:
+    """The given model, else the last converted one, else the demo's tq4 conversion if it exists."""
+    from tqbench.layout.names import INDEX_FILE
+    from tqbench.runtime.models import demo_converted_path
+    from tqbench.state import last_model
+
+    if model is not None:
+        if not model.is_dir():
+            raise TqbenchError("no such model directory", model)
+        return model
+    last = last_model()
+    if last is not None:
+        return last
+    demo = demo_converted_path()
+    if (demo / INDEX_FILE).is_file():
+        return demo
+    raise TqbenchError("no model given and none converted yet: give --model DIR (or run `tqbench chat` once, which "
+                       "converts the demo)")
+
+
+def _store():
+    from tqbench.profile import ProfileStore
+
+    return ProfileStore()
+
+
+def _n(x: float) -> str:
+    return f"{x:,.0f}" if abs(x - round(x)) < 1e-6 or abs(x) >= 100 else f"{x:,.1f}"
+
+
+@profile_app.command("show")
+def show_cmd(
+    model: ModelOpt = None,
+    file: Annotated[Optional[Path], typer.Option(
+        "--file", metavar="FILE", help="Show this profile file (checked against the model) instead.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="With --file: one made for another model of the same "
+                                                        "layers and experts.")] = False,
+    top: Annotated[int, typer.Option("--top", min=0, help="Hottest experts listed per layer.")] = 8,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the overview as JSON on stdout.")] = False,
+) -> None:
+    """Show a model's profile: its source, hottest experts and coverage per layer.
+
+    Where the profile comes from, its routings and sessions, the hottest experts of each layer and how many experts
+    cover 50/80/90% of each layer's routings; and which profile a chat starts from."""
+    from tqbench.profile import overview
+
+    with _one_line_errors():
+        path = _model(model)
+        store = _store()
+        try:
+            doc = overview(path, store, file, force, top)
+        finally:
+            store.close()
+    if as_json:
+        print(json.dumps(doc, indent=2))
+        return
+    show(_out, *overview_renderables(doc))
+
+
+def overview_renderables(doc: dict) -> list:
+    g = doc["geometry"]
+    head = [Text.assemble(("model    ", "bold"), f"{doc['model']} ({g['model_type']}: {len(g['layers'])} MoE layers x "
+                                                  f"{g['experts']} experts, top-{g['top_k']}; fingerprint "
+                                                  f"{doc['fingerprint']})")]
+    src = doc["source"]
+    if src == "none":
+        head.append(Text.assemble(("profile  ", "bold"), "none yet: chat sessions learn one (unless --no-learn)"))
+    else:
+        where = {"learned": f"learned ({doc['where']})", "shipped": f"shipped ({doc['where']})",
+                 "file": f"file {doc['where']}"}[src]
+        sessions = f", {doc['sessions']} session{'s' if doc['sessions'] != 1 else ''}" if src == "learned" else ""
+        head.append(Text.assemble(("profile  ", "bold"), f"{where}: {_n(doc['routings'])} routings (decode "
+                                                         f"{_n(doc['decode'])}, prefill {_n(doc['prefill'])}){sessions}"))
+    head.append(Text.assemble(("chat     ", "bold"), _chat_line(doc)))
+    if src == "none":
+        return head
+    return head + [coverage_table(doc)]
+
+
+def _chat_line(doc: dict) -> str:
+    chat = doc["chat"]
+    first = {"learned": "starts from the learned profile", "shipped": f"starts from the shipped profile "
+                                                                     f"({chat['where']})",
+             "none": "starts cold (no profile)"}[chat["source"]]
+    if chat["source"] != "learned" and doc["source"] == "learned":
+        first += (f"; the learned profile takes over at {doc['mature_at']:,} routings ({_n(doc['routings'])} so "
+                  "far)")
+    return first
+
+
+def coverage_table(doc: dict) -> Table:
+    keys = list(doc["coverage"])
+    t = Table(title=f"per layer: experts needed to cover {'/'.join(keys)}% of the routings (decode + 0.25 x "
+                    f"prefill), and the hottest experts with their share", title_justify="left")
+    for c in ("layer", "decode", "prefill", "used", *[f"{k}%" for k in keys]):
+        t.add_column(c, justify="right")
+    t.add_column("hottest experts (share)", overflow="fold")
+    for x in doc["layers"]:
+        t.add_row(str(x["layer"]), _n(x["decode"]), _n(x["prefill"]), str(x["experts_used"]),
+                  *[str(x["coverage"][k]) for k in keys],
+                  ", ".join(f"{e} {s:.1%}" for e, s in x["top"]) or "-",
+                  end_section=x is doc["layers"][-1])
+    experts = doc["experts"]
+    t.add_row("all", _n(doc["decode"]), _n(doc["prefill"]), str(sum(x["experts_used"] for x in doc["layers"])),
+              *[str(doc["coverage"][k]) for k in keys], f"of {experts:,} experts")
+    return t
+
+
+@profile_app.command("export")
+def export_cmd(
+    model: ModelOpt = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE",
+                                                   help="Write here (default: stdout).")] = None,
+) -> None:
+    """Write the learned profile as a file to share.
+
+    JSON, schema tqbench.profile/1: the model's fingerprint and geometry, routings, per-layer decode and prefill
+    counts and a ranked pin list. `import` and `chat --profile` read it."""
+    from tqbench.convert.journal import write_atomic
+    from tqbench.profile import identify
+
+    with _one_line_errors():
+        path = _model(model)
+        fp, geo = identify(path)
+        store = _store()
+        try:
+            p = store.load(fp, geo)
+        finally:
+            store.close()
+        if p.routings <= 0:
+            raise TqbenchError(f"no learned profile for this model yet (fingerprint {fp}): chat with it first",
+                               path)
+        text = p.to_text()
+        if output is None:
+            sys.stdout.write(text)
+            return
+        write_atomic(output, text.encode())
+    print(f"wrote {output}: the learned profile of {path} ({_n(p.routings)} routings, {p.sessions} "
+          f"session{'s' if p.sessions != 1 else ''}, {len(p.ranked())} ranked pins)", file=sys.stderr)
+
+
+@profile_app.command("import")
+def import_cmd(
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="A profile: tqbench's export, or TurboQuant-MLX's pin "
+                                                              "list / usage profile.")],
+    model: ModelOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Accept a profile made for another model of the same layers "
+                                                        "and experts.")] = False,
+) -> None:
+    """Replace the model's learned profile with a file.
+
+    FILE is validated against the model first: another schema, another geometry, or another model's fingerprint is
+    refused with one line (--force accepts the last when the layers and experts match)."""
+    from tqbench.profile import MATURE, identify, read_file
+
+    with _one_line_errors():
+        path = _model(model)
+        fp, geo = identify(path)
+        p = read_file(file, fp, geo, force)
+        store = _store()
+        try:
+            old = store.load(fp, geo)
+            store.put(p)
+        finally:
+            store.close()
+    made_for = _fingerprint_in(file)
+    forced = f" (made for fingerprint {made_for}; --force)" if made_for not in (None, fp) else ""
+    when = ("chat starts from it" if p.routings >= MATURE else
+            f"chat starts from it once it has {MATURE:,} routings (until then `chat --profile {file}` does)")
+    print(f"imported {file} as the learned profile of {path} (fingerprint {fp}){forced}: {_n(p.routings)} routings, "
+          f"replacing {_n(old.routings)}; {when}", file=sys.stderr)
+
+
+def _fingerprint_in(file: Path) -> str | None:
+    try:
+        doc = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc.get("fingerprint") if isinstance(doc, dict) else None
+
+
+@profile_app.command("merge")
+def merge_cmd(
+    a: Annotated[Path, typer.Argument(metavar="A", help="A profile file (tqbench's schema).")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="Another, of the same layers and experts.")],
+    output: Annotated[Path, typer.Option("--output", "-o", metavar="C", help="The merged profile.")],
+    weight_a: Annotated[float, typer.Option("--weight-a", metavar="W", help="A's weight.")] = 1.0,
+    weight_b: Annotated[float, typer.Option("--weight-b", metavar="W", help="B's weight.")] = 1.0,
+    force: Annotated[bool, typer.Option("--force", help="Merge profiles of two models of the same geometry (keyed to "
+                                                        "A's).")] = False,
+) -> None:
+    """Merge two profiles: C = W_A x A + W_B x B.
+
+    Counts and routings are weighted and summed, pins ranked again; both must have the same layers and experts."""
+    from tqbench.convert.journal import write_atomic
+    from tqbench.profile import merge, read_profile
+
+    with _one_line_errors():
+        pa, pb = read_profile(a), read_profile(b)
+        c = merge(pa, pb, weight_a, weight_b, force, (str(a), str(b)))
+        write_atomic(output, c.to_text().encode())
+    print(f"wrote {output}: {weight_a:g} x {a} ({_n(pa.routings)} routings) + {weight_b:g} x {b} "
+          f"({_n(pb.routings)}) = {_n(c.routings)} routings", file=sys.stderr)
+
+
+@profile_app.command("diff")
+def diff_cmd(
+    a: Annotated[Path, typer.Argument(metavar="A", help="A profile file (tqbench's schema).")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="Another, of the same layers and experts.")],
+    share: Annotated[float, typer.Option("--share", min=0.01, max=1.0,
+                                         help="A layer's hot set: the fewest experts covering this share.")] = 0.8,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON on stdout.")] = False,
+) -> None:
+    """Compare two profiles' hot sets, per layer and overall.
+
+    A layer's hot set is the fewest experts covering --share of its routings; per layer: common experts, the
+    Jaccard index, and how much of each profile's routings the other's hot set serves."""
+    from tqbench.profile import diff, read_profile
+
+    with _one_line_errors():
+        pa, pb = read_profile(a), read_profile(b)
+        doc = diff(pa, pb, share, (str(a), str(b)))
+    doc["a"]["file"], doc["b"]["file"] = str(a), str(b)
+    if as_json:
+        print(json.dumps(doc, indent=2))
+        return
+    show(_out, *diff_renderables(doc))
+
+
+def diff_renderables(doc: dict) -> list:
+    pct = f"{doc['share']:.0%}"
+    head = [Text.assemble((f"{k}  ", "bold"), f"{doc[k.lower()]['file']} ({_n(doc[k.lower()]['routings'])} routings, "
+                                               f"fingerprint {doc[k.lower()]['fingerprint']})") for k in ("A", "B")]
+    if not doc["same_model"]:
+        head.append(Text("the profiles were made for different models (of the same geometry)", style="yellow"))
+    t = Table(title=f"per layer: hot sets (experts covering {pct} of the routings)", title_justify="left")
+    for c in ("layer", "hot A", "hot B", "common", "Jaccard", "A serves B", "B serves A"):
+        t.add_column(c, justify="right")
+
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    for x in doc["layers"]:
+        t.add_row(str(x["layer"]), str(x["hot_a"]), str(x["hot_b"]), str(x["common"]), f(x["jaccard"], ".2f"),
+                  f(x["a_covers_b"], ".1%"), f(x["b_covers_a"], ".1%"), end_section=x is doc["layers"][-1])
+    o = doc["overall"]
+    t.add_row("all", str(o["hot_a"]), str(o["hot_b"]), str(o["common"]), f(o["jaccard"], ".2f"),
+              f(o["a_covers_b"], ".1%"), f(o["b_covers_a"], ".1%"))
+    t.caption = (f"Jaccard: common / either, per layer and over all (layer, expert) pairs (mean of the layers' "
+                 f"{f(o['mean_jaccard'], '.2f')}); A serves B: the share of B's routings on A's hot experts")
+    return head + [t]
+
+
+@profile_app.command("reset")
+def reset_cmd(model: ModelOpt = None) -> None:
+    """Forget a model's learned profile.
+
+    Shipped profiles and exported files are untouched."""
+    from tqbench.profile import identify
+
+    with _one_line_errors():
+        path = _model(model)
+        fp, geo = identify(path)
+        store = _store()
+        try:
+            old = store.load(fp, geo)
+            gone = store.reset(fp)
+        finally:
+            store.close()
+    if gone:
+        print(f"forgot the learned profile of {path} (fingerprint {fp}, {_n(old.routings)} routings)",
+              file=sys.stderr)
+    else:
+        print(f"no learned profile for {path} (fingerprint {fp}): nothing to forget", file=sys.stderr)
