@@ -97,7 +97,7 @@ def test_a_fresh_process_shows_no_library_chatter(model):
                         "--max-tokens", "2"], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "You are using a model of type" not in p.stderr and "Warning" not in p.stderr
-    assert [ln.split(" ")[0] for ln in p.stderr.splitlines()] == ["loading", "loaded", "[2"]
+    assert [ln.split(" ")[0] for ln in p.stderr.splitlines()] == ["loading", "loaded", "hot-expert", "[2"]
 
 
 def test_without_a_model_chat_converts_the_demo_once_then_opens_the_last_conversion(tmp_path, capsys, monkeypatch):

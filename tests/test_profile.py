@@ -410,8 +410,9 @@ def test_precedence_file_then_mature_learned_then_shipped_then_none(model, tmp_p
     _export(other, capsys, monkeypatch, other / "tqbench-profile.json")
     line, st = chat("--no-learn")
     assert st["profile"]["source"] == "shipped" and st["profile"]["where"] == str(other / "tqbench-profile.json")
-    assert line.startswith(f"hot-expert profile: shipped ({other / 'tqbench-profile.json'}); pinned 36 experts")
-    assert st["pinned"] == 36 and st["preload_bytes"] > 0
+    # the default pin share, 0.1 of the 72 slots
+    assert line.startswith(f"hot-expert profile: shipped ({other / 'tqbench-profile.json'}); pinned 7 experts")
+    assert st["pinned"] == 7 and st["preload_bytes"] > 0
 
     # a mature learned profile: this one, weighted up past MATURE and imported
     big = tmp_path / "big.json"
@@ -421,11 +422,11 @@ def test_precedence_file_then_mature_learned_then_shipped_then_none(model, tmp_p
     assert tqbench(capsys, monkeypatch, "profile", "import", big, "--model", other).code == 0
     line, st = chat("--no-learn")
     assert st["profile"]["source"] == "learned" and st["profile"]["routings"] == round(MATURE * learned)
-    assert line.startswith(f"hot-expert profile: learned ({round(MATURE * learned):,} routings); pinned 36")
+    assert line.startswith(f"hot-expert profile: learned ({round(MATURE * learned):,} routings); pinned 7")
 
     line, st = chat("--no-learn", "--profile", str(other / "tqbench-profile.json"))
     assert st["profile"]["source"] == "file" and line.startswith(
-        f"hot-expert profile: from {other / 'tqbench-profile.json'}; pinned 36")
+        f"hot-expert profile: from {other / 'tqbench-profile.json'}; pinned 7")
 
 
 SHIPPED = shipped_profiles() / "demo-tq4.json"
@@ -472,7 +473,8 @@ def test_a_warm_start_hits_more_at_a_small_budget_and_keeps_the_output(model, tm
     resident, _, _ = run(None, store=str(tmp_path / "store"))  # the previous session on this work, learning
     cold_text, cold, info = run(StreamConfig(budget), learn=False, pin_share=0.0)
     assert info["pinned"] == 0 and cold["preload_bytes"] == 0
-    warm_text, warm, info = run(StreamConfig(budget), learn=False, store=str(tmp_path / "store"), mature=1)
+    warm_text, warm, info = run(StreamConfig(budget), learn=False, store=str(tmp_path / "store"), mature=1,
+                                pin_share=0.5)
     assert info["source"] == "learned" and info["pinned"] == warm["pinned"] == 36
     assert cold_text == warm_text == resident
 

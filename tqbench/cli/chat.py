@@ -65,7 +65,9 @@ def chat(
         "--profile-force", help="Use a --profile made for another model of the same layers and experts.")] = False,
     no_learn: Annotated[bool, typer.Option("--no-learn", help="Do not learn from this session.")] = False,
     pin_share: Annotated[float, typer.Option(
-        "--pin-share", min=0.0, max=0.9, help="Share of the expert cache pinned from the profile (streaming).")] = 0.5,
+        "--pin-share", min=0.0, max=0.9,
+        help="Share of the expert cache pinned from the profile (streaming; 0: none, the profile still ranks the "
+             "cache).")] = 0.1,
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", metavar="FILE",
                                                        help="Write the streaming statistics here at exit.")] = None,
 ) -> None:

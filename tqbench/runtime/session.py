@@ -9,6 +9,7 @@ Conversation on the engine thread; the faces submit `open_model`, `reply` and `r
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -23,7 +24,7 @@ LEARNER = "profile-learner"
 class ProfileOptions:
     file: str | None = None  # --profile FILE
     learn: bool = True  # --no-learn turns it off
-    pin_share: float = 0.5  # of the expert cache's slots, pinned from the profile (streaming only)
+    pin_share: float = 0.1  # of the expert cache's slots, pinned from the profile (streaming only)
     force: bool = False  # use a file made for another model of the same geometry
     store: str | None = None  # the learned profiles' directory (default: the user cache)
     mature: int | None = None  # routings before the learned profile is used (default tqbench.profile.MATURE)
@@ -32,17 +33,22 @@ class ProfileOptions:
 def _profile(session: Session, loaded: Any, opts: ProfileOptions) -> dict | None:
     """Choose the profile, pin and preload its hottest experts (streaming), start learning. None for a model
     without streamable routed experts (nothing to profile)."""
-    from tqbench.profile import Learner, Profile, ProfileStore, choose, tap
+    from tqbench.profile import Learner, Profile, ProfileError, ProfileStore, choose, tap
     from tqbench.stream.store import ExpertStore, StoreError
 
     try:
         ExpertStore.open(loaded.path).close()
     except (StoreError, OSError):
         return None
-    store = ProfileStore(opts.store) if (opts.learn or opts.file is None) else None
+    store = None
+    if opts.learn or opts.file is None:
+        try:
+            store = ProfileStore(opts.store)
+        except ProfileError as e:  # a chat still runs: it just neither learns nor uses what was learned
+            print(f"tqbench: warning: {e}; this session does not learn", file=sys.stderr)
     choice = choose(loaded.path, opts.file, opts.force, store, opts.mature)
     pinned, preload_s = 0, 0.0
-    if choice.profile is not None and loaded.streamer is not None and opts.pin_share > 0:
+    if choice.profile is not None and loaded.streamer is not None:  # share 0: no pins, history seeded
         p = choice.profile
         weights = {(n, int(e)): float(v) for n, c in p.counts().items() for e, v in enumerate(c) if v > 0}
         pinned = loaded.streamer.preload(p.ranked(), opts.pin_share, weights)
@@ -55,7 +61,7 @@ def _profile(session: Session, loaded: Any, opts: ProfileOptions) -> dict | None
         store.close()
     return {"source": choice.source, "where": choice.where, "fingerprint": choice.fingerprint,
             "routings": round(choice.profile.routings) if choice.profile else 0, "pinned": pinned,
-            "preload_s": round(preload_s, 3), "learning": bool(opts.learn)}
+            "preload_s": round(preload_s, 3), "learning": bool(opts.learn and store is not None)}
 
 
 def profile_info(session: Session) -> dict | None:

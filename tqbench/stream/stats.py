@@ -49,6 +49,7 @@ class StreamStats:
     stall_s: float = 0.0
     pinned: int = 0  # experts a profile pinned
     preload_bytes: int = 0  # read at start for those pins (not misses)
+    preload_reads: int = 0
     preload_s: float = 0.0
     layers: dict[int, LayerTotals] = field(default_factory=dict)
 
@@ -69,6 +70,7 @@ class StreamStats:
                 "reads": self.reads, "critical_bytes": self.critical_bytes,
                 "speculative_bytes": self.speculative_bytes, "evictions": self.evictions, "tokens": self.tokens,
                 "stall_s": round(self.stall_s, 4), "pinned": self.pinned, "preload_bytes": self.preload_bytes,
+                "preload_reads": self.preload_reads,
                 "preload_s": round(self.preload_s, 4),
                 "layers": {str(k): {"hits": v.hits, "misses": v.misses, "stall_s": round(v.stall_s, 4)}
                            for k, v in sorted(self.layers.items())}}

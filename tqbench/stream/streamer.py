@@ -145,6 +145,7 @@ class Streamer:
             for pool in self.pools:
                 pool.cache.seed({k: v for k, v in weights.items() if self.pool_of.get(k[0]) is pool})
         pinned = 0
+        reads = self.stats.reads
         for layer, experts in sorted(chosen.items()):
             pool = self.pool_of[layer]
             missing = [e for e in experts if (layer, e) not in pool.cache]
@@ -154,6 +155,7 @@ class Streamer:
             pool.cache.pin((layer, e) for e in experts)
             pinned += len(experts)
         self.stats.pinned = pinned
+        self.stats.preload_reads, self.stats.reads = self.stats.reads - reads, reads  # not the session's reads
         self.stats.preload_s = time.perf_counter() - t0
         s = self.stats
         s.cache_bytes = sum(len(p.cache) * p.nbytes for p in self.pools)
@@ -240,7 +242,11 @@ class Streamer:
         missing = [e for e in experts if e not in slots]
         lut = np.zeros(self.store.layers[layer].experts, dtype=np.uint32)
         stall = 0.0
-        if len(experts) <= pool.slots:
+        # Pinned experts hold their slots: those of this layer that are routed are resident, the others' slots are
+        # not there to be used.
+        pinned = [e for e in experts if (layer, e) in pool.cache.pinned]
+        room = pool.slots - len(pool.cache.pinned) + len(pinned)
+        if len(experts) <= room:
             read_bytes += self._page_in(layer, pool, missing, slots, locked)
             stall = time.perf_counter() - t0
             if self._guess is not None and not self._prefill:
@@ -254,9 +260,10 @@ class Streamer:
             # Resident experts first: chunks holding only those read nothing, so no page-in evicts one of them
             # before its chunk runs (and the chunk that mixes both locks its residents).
             y = None
-            order = [e for e in experts if e in slots] + missing
-            for a in range(0, len(order), pool.slots):
-                chunk = order[a:a + pool.slots]
+            free = max(1, pool.slots - len(pool.cache.pinned))  # preload pins at most 90% of a pool's slots
+            order = [e for e in experts if e in slots and e not in pinned] + missing
+            for a in range(0, len(order), free):
+                chunk = order[a:a + free] + (pinned if a == 0 else [])
                 chunk_slots = {e: slots[e] for e in chunk if e in slots}
                 need = [e for e in chunk if e not in chunk_slots]
                 t1 = time.perf_counter()
