@@ -2,25 +2,44 @@
 """Train the built-in demo model: a tiny Kimi K3 (mlx-lm's kimi_k3) on the Python standard library's own source.
 
     python scripts/train_demo.py all            # prepare, train, export (the shipped demo, into tqbench/demo/checkpoint)
+    python scripts/train_demo.py all --spec chat    # the second-generation chat demo (into <work>/checkpoint)
+
+Two recipes (`--spec`): `code` (default; `tqbench.demo.TRAINED_SPEC`, 64 experts top-4, the standard library's code
+alone, exactly the first demo's run) and `chat` (`tqbench.demo.CHAT_SPEC`, 448 experts top-8, code mixed with
+conversations mined from the standard library by `tqbench.demo.conversations`, --chat-share of the tokens; work
+directory build/demo-train-chat; the checkpoint and the training JSON stay in the work directory unless --dest and
+--docs say otherwise). The recipe is recorded in corpus.json by prepare; train and export refuse a different --spec.
 
 Stages, each reading and writing files under --work (default build/demo-train):
   prepare  the corpus (the running interpreter's stdlib .py files, tests and generated data skipped, sorted), a
            train/validation split by file (a hash of the relative path), a byte-level BPE trained on the training
-           split with tqbench's own trainer, written as tiktoken.model with the Kimi specials, token streams
-  train    MLX training of `tqbench.demo.TRAINED_SPEC` (AdamW, warmup + cosine, clipping) with auxiliary-loss-free
-           router balancing: after each step every MoE layer's `e_score_correction_bias` moves by
-           -u * sign(load - mean load) over that step's top-k picks (the bias gets no gradient); validation loss
-           every --eval-every steps; float weights (fp32) and train.json (setup, curve, final perplexity)
+           split with tqbench's own trainer, written as tiktoken.model with the Kimi specials, token streams; for
+           `chat` also the conversations of the training and held-out files, rendered with the chat template, and the
+           training stream of code files and conversations shuffled together (val.npy stays the held-out code;
+           val_chat.npy is the held-out conversations; documents.json labels every document's kind and domain)
+  train    MLX training of the spec (AdamW, warmup + cosine, clipping) with auxiliary-loss-free router balancing:
+           after each step every MoE layer's `e_score_correction_bias` moves by -u * sign(load - mean load) over that
+           step's top-k picks (the bias gets no gradient), or, with --bias-band LO HI, only for experts whose load is
+           below LO or above HI times the mean, the loads averaged over --bias-window steps; --bias-schedule,
+           --bias-freeze; validation loss every --eval-every steps (also on held-out conversations for `chat`); float
+           weights (fp32; for `chat` the routed experts in bf16 plus their exact mxfp4 bytes) and train.json (setup,
+           curve, final perplexity). --stop-after S / --stop-at N end a call early and keep the whole training state
+           in <work>/resume; `train --resume` goes on exactly where it stopped (same batches, same result)
   export   the K3-layout source checkpoint through tqbench.demo's writer (routed experts mxfp4 via our packer, the rest
-           bf16), checked against the float model; train.json copied into docs/demo-model.json ("training")
+           bf16), checked against the float model; train.json copied into the docs JSON ("training")
 
 Seeded: the same stdlib, seed and step count give the same data order and initialisation. The defaults are the shipped
-run (583 steps of 128 x 128 tokens: about 7 minutes on one H200 with MLX CUDA, hours on a CPU). `--steps 0
---time-budget S` instead times the first steps (inside the warmup, which does not depend on the total) and fixes the
-total from them; train.json records it, and `--steps` with that number repeats the run.
+run (583 steps of 128 x 128 tokens: about 7 minutes on one H200 with MLX CUDA, hours on a CPU); `--spec chat` changes
+the defaults to its own (`CHAT_DEFAULTS`: 1,000 steps of 64 x 128 tokens, 40% chat, the banded balancing); flags given
+on the command line win. `--steps 0 --time-budget S` instead times the first steps (inside the warmup, which does not
+depend on the total) and fixes the total from them; train.json records it, and `--steps` with that number repeats the
+run.
 
 On a machine without mlx-lm (the lent GPU), prepare here and carry the work directory and a copy of mlx_lm; the
-engine modules this script uses need only numpy, tiktoken and regex.
+engine modules this script uses need only numpy, tiktoken and regex. A device call is limited to 10 minutes: a longer
+run is several calls of `train --stop-after S` (the first) and `train --resume --stop-after S` (until it finishes), its
+state kept on the warm machine between them in --resume-dir (an ignored folder that is not carried: a carried folder
+is replaced on every call).
 """
 
 from __future__ import annotations
@@ -31,6 +50,7 @@ import json
 import math
 import platform
 import re
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -42,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the project's engine, also where it is not installed (the GPU machine)
 
 from tqbench.demo import (  # noqa: E402
+    DEMO_SPECS,
     SHIPPED_DEMO,
     TRAINED_SPEC,
     corpus_files,
@@ -56,6 +77,7 @@ from tqbench.tokenizer import load_encoding, read_tiktoken_model, train_bpe, wri
 SPEC = TRAINED_SPEC
 DOCS_JSON = ROOT / "docs" / "demo-model.json"
 FLOAT_SHARD_BYTES = 12 * 2**20  # float weights are saved in pieces below this size
+PACKED_FILE = "experts-mxfp4.safetensors"  # --save-experts bf16: the experts' exact mxfp4 bytes
 
 
 def dump_json(obj) -> str:
@@ -71,7 +93,8 @@ def log(msg: str) -> None:
 # ---- prepare --------------------------------------------------------------------------------------------------------
 
 
-def prepare(work: Path, stdlib: Path | None) -> dict:
+def prepare(work: Path, stdlib: Path | None, a: argparse.Namespace | None = None) -> dict:
+    spec_name = a.spec if a is not None else "code"
     root = Path(stdlib or stdlib_root())
     files = corpus_files(root)
     train_files = [f for f in files if not is_heldout(f)]
@@ -90,13 +113,13 @@ def prepare(work: Path, stdlib: Path | None) -> dict:
     eos = special_ids(SPEC)["eos_token_id"]
     train = encode_files(enc, root, train_files, eos)
     val = encode_files(enc, root, val_files, eos)
-    np.save(work / "train.npy", train.astype(np.uint16))
     np.save(work / "val.npy", val.astype(np.uint16))
     val_bytes = sum((root / f).stat().st_size for f in val_files)
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.encode() + b"\0" + hashlib.sha256((root / f).read_bytes()).digest())
     corpus = {
+        "spec": spec_name,
         "source": "Python standard library .py files (test directories, site-packages, encodings/, pydoc_data/, "
                   "config-*/ and _sysconfigdata* skipped)",
         "python": platform.python_version(),
@@ -110,21 +133,95 @@ def prepare(work: Path, stdlib: Path | None) -> dict:
         "bytes_per_token": round(len(train_text) / len(train), 3),
         "tokenizer": {"merges": SPEC.bpe_merges, "vocab": SPEC.vocab_size, "trained_on": "the whole training split"},
     }
+    if spec_name == "chat":
+        code_docs = [np.array(enc.encode_ordinary((root / f).read_text(encoding="utf-8")) + [eos], np.uint32)
+                     for f in train_files]
+        corpus["chat"], train = prepare_chat(work, root, files, enc, code_docs, train_files, a)
+    np.save(work / "train.npy", train.astype(np.uint16))
     (work / "corpus.json").write_text(json.dumps(corpus, indent=2) + "\n")
-    log(f"corpus: {len(train_files)} train files ({len(train):,} tokens), {len(val_files)} held out "
-        f"({len(val):,} tokens), {corpus['bytes_per_token']} bytes/token")
+    log(f"corpus: {len(train_files)} train files ({corpus['train']['tokens']:,} tokens), {len(val_files)} held out "
+        f"({len(val):,} tokens), {corpus['bytes_per_token']} bytes/token; training stream {len(train):,} tokens")
     return corpus
+
+
+def prepare_chat(work: Path, root: Path, files: list[str], enc, code_docs: list[np.ndarray], train_files: list[str],
+                 a: argparse.Namespace) -> tuple[dict, np.ndarray]:
+    """The conversations of the training and held-out files and the mixed training stream (code documents and
+    conversations shuffled together, --chat-share of the tokens chat); writes val_chat.npy and documents.json."""
+    from collections import Counter
+
+    from tqbench.demo.conversations import (
+        build_conversations,
+        domain_of,
+        encode_conversation,
+        mine_stdlib,
+        mix_stream,
+        split_items,
+    )
+    from tqbench.tokenizer import CHAT_TEMPLATE
+
+    template = json.loads((work / "tokenizer" / "tokenizer_config.json").read_text())["chat_template"]
+    if template != CHAT_TEMPLATE:
+        raise SystemExit("the tokenizer's chat template is not tqbench.tokenizer.CHAT_TEMPLATE")
+    t0 = time.time()
+    items = mine_stdlib(root, files)
+    train_items, val_items = split_items(items)
+    code_tokens = sum(len(d) for d in code_docs)
+    want = a.chat_share / (1 - a.chat_share) * code_tokens
+    one = build_conversations(train_items, a.seed, passes=1)
+    per_pass = sum(len(encode_conversation(enc, c.messages, template)) for c in one)
+    passes = max(1, math.ceil(want / per_pass)) if want else 0
+    convs = build_conversations(train_items, a.seed, passes=passes, greetings=a.greetings) if passes else []
+    chat_docs = [np.array(encode_conversation(enc, c.messages, template), np.uint32) for c in convs]
+    mixed = mix_stream(code_docs, chat_docs, a.chat_share, a.seed, [domain_of(f) for f in train_files],
+                       [c.domain for c in convs])
+    val_convs = build_conversations(val_items, a.seed, passes=1)
+    val_docs = [encode_conversation(enc, c.messages, template) for c in val_convs]
+    val_chat = np.array([t for d in val_docs for t in d], np.uint16)
+    np.save(work / "val_chat.npy", val_chat)
+    documents = {
+        "train": {"starts": mixed.starts.tolist(), "kinds": mixed.kinds, "domains": mixed.domains},
+        "val_chat": {"starts": np.cumsum([0] + [len(d) for d in val_docs[:-1]]).tolist(),
+                     "domains": [c.domain for c in val_convs], "names": [list(c.names) for c in val_convs]},
+    }
+    (work / "documents.json").write_text(json.dumps(documents) + "\n")
+    used = Counter(mixed.kinds)
+    info = {
+        "source": "ast-mined conversations about the standard library's public modules, functions, classes and "
+                  "methods with docstrings (tqbench.demo.conversations), rendered with the chat template",
+        "items": {"train": len(train_items), "validation": len(val_items),
+                  "kinds": dict(Counter(i.kind for i in items).most_common())},
+        "passes": passes, "greetings": a.greetings, "chat_share_target": a.chat_share,
+        "train": {"conversations_built": len(convs), "conversations_used": used["chat"],
+                  "tokens_per_pass": int(per_pass), **mixed.summary()},
+        "validation": {"conversations": len(val_convs), "tokens": int(len(val_chat)),
+                       "top_domains": _domain_tokens(val_convs, val_docs)},
+        "seconds": round(time.time() - t0, 1),
+    }
+    log(f"chat: {len(train_items)} training items, {len(val_items)} held out; {passes} passes -> {len(convs):,} "
+        f"conversations, {used['chat']:,} used ({mixed.chat_tokens:,} tokens, {mixed.chat_share:.1%} of "
+        f"{len(mixed.tokens):,}); held-out {len(val_convs)} conversations ({len(val_chat):,} tokens)")
+    return info, mixed.tokens
+
+
+def _domain_tokens(convs, docs, top: int = 20) -> dict:
+    from collections import Counter
+
+    c: Counter[str] = Counter()
+    for conv, d in zip(convs, docs):
+        c[conv.domain] += len(d)
+    return dict(c.most_common(top))
 
 
 # ---- model ----------------------------------------------------------------------------------------------------------
 
 
-def build_model(seed: int):
+def build_model(seed: int, spec=None):
     import mlx.core as mx
     from mlx_lm.models import kimi_k3
 
     mx.random.seed(seed)
-    model = kimi_k3.Model(kimi_k3.ModelArgs.from_dict(source_config(SPEC)))
+    model = kimi_k3.Model(kimi_k3.ModelArgs.from_dict(source_config(spec or SPEC)))
     model.freeze(keys=["e_score_correction_bias"], strict=False)  # moved by the balancing rule, never by gradients
     return model
 
@@ -144,14 +241,29 @@ def reset_attn_res_cache(model) -> None:
         model.model._output_res_w_eff = None
 
 
-def save_float(model, work: Path) -> list[str]:
-    """The fp32 parameters in safetensors pieces of < 12 MiB (so they can travel back from the GPU machine)."""
+def save_float(model, work: Path, experts: str = "float32") -> list[str]:
+    """The parameters in safetensors pieces of < 12 MiB (so they can travel back from the GPU machine), fp32; with
+    `experts` "bf16" the routed experts' weights are kept in bf16 there and, packed from their fp32 values, as the
+    exact mxfp4 bytes the checkpoint gets in experts-mxfp4.safetensors (the chat demo's fp32 experts alone are 77 MB,
+    more than a device call brings back)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from tqbench.quant.mxfp4 import pack_mxfp4
+
     params = dict(tree_flatten(model.parameters()))
-    for old in work.glob("float-*.safetensors"):
-        old.unlink()
+    for old in [*work.glob("float-*.safetensors"), work / PACKED_FILE]:
+        old.unlink(missing_ok=True)
+    names = []
+    if experts == "bf16":
+        packed = {}
+        for k, v in params.items():
+            if ".switch_mlp." in k:
+                codes, scales = pack_mxfp4(np.array(v.astype(mx.float32)))
+                packed[k + ".packed"], packed[k + ".scales"] = mx.array(codes), mx.array(scales)
+                params[k] = v.astype(mx.bfloat16)
+        mx.save_safetensors(str(work / PACKED_FILE), packed)
+        names.append(PACKED_FILE)
     pieces, cur, size = [], {}, 0
     for k, v in params.items():
         if cur and size + v.nbytes > FLOAT_SHARD_BYTES:
@@ -160,7 +272,6 @@ def save_float(model, work: Path) -> list[str]:
         cur[k] = v
         size += v.nbytes
     pieces.append(cur)
-    names = []
     for i, piece in enumerate(pieces):
         name = f"float-{i:02d}.safetensors"
         mx.save_safetensors(str(work / name), piece)
@@ -169,6 +280,7 @@ def save_float(model, work: Path) -> list[str]:
 
 
 def load_float(work: Path) -> dict:
+    """The saved parameters (mx arrays; routed experts in bf16 when they were saved so)."""
     import mlx.core as mx
 
     params = {}
@@ -179,7 +291,74 @@ def load_float(work: Path) -> dict:
     return params
 
 
+def load_packed(work: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+    """The routed experts' mxfp4 bytes packed from their fp32 values at the end of training, if saved so:
+    {parameter name: (codes, scales)}."""
+    import mlx.core as mx
+
+    f = work / PACKED_FILE
+    if not f.is_file():
+        return None
+    raw = mx.load(str(f))
+    return {k.removesuffix(".packed"): (np.array(v), np.array(raw[k.removesuffix(".packed") + ".scales"]))
+            for k, v in raw.items() if k.endswith(".packed")}
+
+
 # ---- train ----------------------------------------------------------------------------------------------------------
+
+RESUME_KEYS = ("spec", "seed", "batch", "seq_len", "lr", "warmup", "final_lr_frac", "bias_lr", "bias_schedule",
+               "bias_band", "bias_window", "bias_freeze", "router_lr_mult", "weight_decay", "clip", "eval_every")
+
+
+def save_resume(d: Path, model, optimizer, rng, ema, i: int, total: int, curve: list, best: dict, run_loss: float,
+                run_n: int, loads_acc: np.ndarray, elapsed: float, a: argparse.Namespace) -> None:
+    """Everything the training loop holds after step `i`: parameters, optimizer state, the data generator's state,
+    the balancing average, the curve, the best evaluation, the running sums (a device call is limited in time)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    d.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(d / "params.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(d / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+    extra = {"ema": ema, "loads_acc": mx.array(loads_acc.astype(np.float32))}
+    if best["params"] is not None and best["step"] != i:
+        extra.update({"best." + k: v for k, v in best["params"].items()})
+    mx.save_safetensors(str(d / "extra.safetensors"), extra)
+    state = {"step": i, "total": total, "rng": rng.bit_generator.state, "curve": curve,
+             "best": {"val_loss": best["val_loss"], "step": best["step"]}, "run_loss": run_loss, "run_n": run_n,
+             "elapsed_s": elapsed, "args": {k: getattr(a, k) for k in RESUME_KEYS}}
+    (d / "state.json").write_text(json.dumps(state) + "\n")
+
+
+def load_resume(d: Path, model, optimizer, rng, a: argparse.Namespace):
+    """The inverse of `save_resume` into a freshly built model and optimizer; refuses a state of other settings."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+
+    if not (d / "state.json").is_file():
+        raise SystemExit(f"no training state in {d} to resume")
+    state = json.loads((d / "state.json").read_text())
+    args = {k: getattr(a, k) for k in RESUME_KEYS}
+    if json.loads(json.dumps(args)) != state["args"]:
+        raise SystemExit(f"--resume with other settings than the stopped run: {state['args']} vs {args}")
+    if a.steps is not None and a.steps != state["total"]:
+        raise SystemExit(f"--resume of a run of {state['total']} steps with --steps {a.steps}")
+    model.load_weights(list(mx.load(str(d / "params.safetensors")).items()))
+    reset_attn_res_cache(model)
+    optimizer.init(model.trainable_parameters())
+    saved = mx.load(str(d / "optimizer.safetensors"))
+    optimizer.state = tree_map_with_path(lambda path, _: saved[path], optimizer.state)
+    extra = mx.load(str(d / "extra.safetensors"))
+    rng.bit_generator.state = state["rng"]
+    best = {"val_loss": state["best"]["val_loss"], "step": state["best"]["step"], "params": None}
+    if best["step"] == state["step"]:
+        best["params"] = dict(mx.load(str(d / "params.safetensors")))
+    elif best["step"]:
+        best["params"] = {k.removeprefix("best."): v for k, v in extra.items() if k.startswith("best.")}
+    return (state["step"], state["total"], state["curve"], best, state["run_loss"], state["run_n"],
+            np.array(extra["loads_acc"]).astype(np.float64), extra["ema"], state["elapsed_s"])
+
+
 
 
 def train(work: Path, a: argparse.Namespace) -> dict:
@@ -190,9 +369,18 @@ def train(work: Path, a: argparse.Namespace) -> dict:
 
     from tqbench.modelstats import capture_routing, perplexity, windows
 
+    from tqbench.modelstats import experts_covering
+
     train_ids = np.load(work / "train.npy").astype(np.int32)
     val_ids = np.load(work / "val.npy").astype(np.int32)
+    chat_file = work / "val_chat.npy"
+    val_chat = np.load(chat_file).astype(np.int32) if chat_file.is_file() else None
+    corpus_info = json.loads((work / "corpus.json").read_text())
+    chat_share = corpus_info.get("chat", {}).get("train", {}).get("chat_share", 0.0) if val_chat is not None else 0.0
     T, B, E = a.seq_len, a.batch, SPEC.num_experts
+    band = tuple(float(v) for v in a.bias_band)
+    ema_decay = 1.0 - 1.0 / a.bias_window if a.bias_window > 1 else 0.0
+    first_rule = band == (1.0, 1.0) and not ema_decay  # the first demo's balancing, as it ran
     model = build_model(a.seed)
     moes = moe_layers(model)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
@@ -227,9 +415,13 @@ def train(work: Path, a: argparse.Namespace) -> dict:
         w = train_ids[s[:, None] + np.arange(T + 1)]
         return mx.array(w[:, :-1]), mx.array(w[:, 1:])
 
-    ex, ey = windows(val_ids, T)
-    pick = np.linspace(0, len(ex) - 1, min(a.eval_windows, len(ex))).round().astype(int)
-    eval_tokens = np.concatenate([np.concatenate([ex[i], ey[i][-1:]]) for i in pick])  # windows back to back
+    def eval_subset(ids):
+        ex, ey = windows(ids, T)
+        pick = np.linspace(0, len(ex) - 1, min(a.eval_windows, len(ex))).round().astype(int)
+        return np.concatenate([np.concatenate([ex[i], ey[i][-1:]]) for i in pick])  # windows back to back
+
+    eval_tokens = eval_subset(val_ids)
+    eval_chat = eval_subset(val_chat) if val_chat is not None else None
 
     def evaluate(tokens=None):
         reset_attn_res_cache(model)
@@ -240,14 +432,21 @@ def train(work: Path, a: argparse.Namespace) -> dict:
 
     loss_and_grad = nn.value_and_grad(model, loss_fn)
 
-    def step(x, y, u):
+    def step(x, y, u, ema):
         (loss, counts), grads = loss_and_grad(model, x, y)
         grads, gnorm = optim.clip_grad_norm(grads, a.clip)
         optimizer.update(model, grads)
         loads = counts.astype(mx.float32)
+        if ema_decay:  # the loads the rule sees: an average over about --bias-window steps (a larger balancing batch)
+            loads = ema_decay * ema + (1 - ema_decay) * loads
         for moe, c in zip(moes, loads):  # auxiliary-loss-free balancing (DeepSeek-V3; K3's router bias)
-            moe.e_score_correction_bias = moe.e_score_correction_bias - u * mx.sign(c - c.mean())
-        return loss, gnorm, counts
+            if first_rule:  # every expert moves every step
+                moe.e_score_correction_bias = moe.e_score_correction_bias - u * mx.sign(c - c.mean())
+            else:  # only experts outside [lo, hi] x mean move: skew inside the band is left to the router
+                rel = c / c.mean()
+                push = mx.where(rel > band[1], -1.0, mx.where(rel < band[0], 1.0, 0.0))
+                moe.e_score_correction_bias = moe.e_score_correction_bias + u * push
+        return loss, gnorm, counts, loads
 
     if a.compile:
         state = [model.state, optimizer.state]
@@ -259,11 +458,25 @@ def train(work: Path, a: argparse.Namespace) -> dict:
     total = a.steps
     best = {"val_loss": math.inf, "step": 0, "params": None}
     curve, t_start, t_probe = [], time.time(), None
-    val0 = evaluate(tokens=eval_tokens)  # also sets kimi_k3's AttnRes caches, so the compiled step traces once
-    curve.append({"step": 0, "tokens": 0, "val_loss": round(val0["loss"], 4)})
-    log(f"step 0: val_loss={val0['loss']:.4f}")
-    run_loss, run_n, loads_acc = 0.0, 0, np.zeros((len(moes), E))
-    i = 0
+    def selection_loss(val, chat):  # what picks the kept weights: the held-out mix, weighted as the training stream
+        return val["loss"] if chat is None else (1 - chat_share) * val["loss"] + chat_share * chat["loss"]
+
+    resume_dir, t_call = a.resume_dir or work / "resume", time.time()
+    if a.resume:  # the state a --stop-after/--stop-at call left: the run continues as if never stopped
+        i, total, curve, best, run_loss, run_n, loads_acc, ema, elapsed = load_resume(resume_dir, model, optimizer,
+                                                                                     rng, a)
+        t_start = time.time() - elapsed
+        log(f"resumed at step {i} of {total} ({elapsed:.0f} s of training before)")
+    else:
+        val0 = evaluate(tokens=eval_tokens)  # also sets kimi_k3's AttnRes caches, so the compiled step traces once
+        curve.append({"step": 0, "tokens": 0, "val_loss": round(val0["loss"], 4)})
+        if eval_chat is not None:
+            curve[0]["val_chat_loss"] = round(evaluate(tokens=eval_chat)["loss"], 4)
+        log(f"step 0: {curve[0]}")
+        run_loss, run_n, loads_acc = 0.0, 0, np.zeros((len(moes), E))
+        ema = mx.zeros((len(moes), E))
+        i = 0
+    first = i
     while True:
         if total is None and i == a.probe_steps + 5:  # fix the step count from the timed steps (inside the warmup)
             per_step = (time.time() - t_probe) / a.probe_steps
@@ -273,6 +486,12 @@ def train(work: Path, a: argparse.Namespace) -> dict:
             log(f"{per_step * 1000:.0f} ms/step -> {total} steps in the time budget")
         if total is not None and i >= total:
             break
+        if total is not None and i > first and ((a.stop_after and time.time() - t_call >= a.stop_after)
+                                                or (a.stop_at and i >= a.stop_at)):
+            save_resume(resume_dir, model, optimizer, rng, ema, i, total, curve, best, run_loss, run_n, loads_acc,
+                        time.time() - t_start, a)
+            log(f"stopped at step {i} of {total}: the state is in {resume_dir}; run train --resume to go on")
+            return None
         if i == 5:
             mx.eval(model.parameters())
             t_probe = time.time()
@@ -280,15 +499,20 @@ def train(work: Path, a: argparse.Namespace) -> dict:
         lr = lr_at(i, total)
         for o, mult in zip(optimizer.optimizers, lr_mults):
             o.learning_rate = lr * mult
-        # The bias speed follows the learning rate: the router's scores drift as fast as the lr lets them.
-        loss, gnorm, counts = step(x, y, mx.array(a.bias_lr * lr / a.lr))
-        mx.eval(loss, gnorm, counts, model.parameters(), optimizer.state)
+        # The bias speed follows the learning rate (--bias-schedule lr): the router's scores drift as fast as the lr
+        # lets them; constant: always --bias-lr; no move at all from --bias-freeze x the steps on.
+        u = a.bias_lr * lr / a.lr if a.bias_schedule == "lr" else a.bias_lr
+        if total is not None and i >= a.bias_freeze * total:
+            u = 0.0
+        loss, gnorm, counts, ema = step(x, y, mx.array(u), ema)
+        mx.eval(loss, gnorm, counts, ema, model.parameters(), optimizer.state)
         run_loss += loss.item()
         run_n += 1
         loads_acc += np.array(counts)
         i += 1
         if i % a.eval_every == 0 or i == total or i == 1:
             val = evaluate(tokens=eval_tokens)
+            chat = evaluate(tokens=eval_chat) if eval_chat is not None else None
             lr_now = lr_at(i - 1, total)
             share = loads_acc / loads_acc.sum(axis=1, keepdims=True)
             biases = np.stack([np.array(m.e_score_correction_bias) for m in moes])
@@ -297,29 +521,38 @@ def train(work: Path, a: argparse.Namespace) -> dict:
                 "tokens": i * B * T,
                 "train_loss": round(run_loss / run_n, 4),
                 "val_loss": round(val["loss"], 4),
+                **({"val_chat_loss": round(chat["loss"], 4)} if chat is not None else {}),
                 "lr": float(f"{lr_now:.3g}"),
                 "grad_norm": round(gnorm.item(), 3),
                 "load_max_over_mean": round(float((share.max(axis=1) * E).max()), 3),
                 "load_min_over_mean": round(float((share.min(axis=1) * E).min()), 3),
                 "bias_range": [round(float(biases.min()), 4), round(float(biases.max()), 4)],
+                "experts_for_50pct": round(float(np.mean([experts_covering(c, 0.5) for c in loads_acc])), 1),
+                "idle_experts": int((loads_acc == 0).sum()),
                 "elapsed_s": round(time.time() - t_start, 1),
             }
             curve.append(entry)
             log(" ".join(f"{k}={v}" for k, v in entry.items()))
-            if val["loss"] < best["val_loss"]:  # arrays are immutable: holding the references keeps this state
-                best.update(val_loss=val["loss"], step=i, params=dict(tree_flatten(model.parameters())))
+            if selection_loss(val, chat) < best["val_loss"]:  # arrays are immutable: the references keep this state
+                best.update(val_loss=selection_loss(val, chat), step=i, params=dict(tree_flatten(model.parameters())))
             run_loss, run_n, loads_acc = 0.0, 0, np.zeros((len(moes), E))
     train_s = time.time() - t_start
     if best["step"] != total:
         log(f"keeping step {best['step']} (best validation subset loss {best['val_loss']:.4f})")
         model.load_weights(list(best["params"].items()))
 
-    final = evaluate()
+    final = evaluate(tokens=val_ids[: a.final_windows * T + 1] if a.final_windows else None)
     log(f"final held-out: loss {final['loss']:.4f}, perplexity {final['perplexity']:.3f} over {final['tokens']:,} "
         "tokens")
-    pieces = save_float(model, work)
-    corpus = json.loads((work / "corpus.json").read_text())
+    final_chat = evaluate(tokens=val_chat[: a.final_windows * T + 1] if a.final_windows else val_chat) \
+        if val_chat is not None else None
+    if final_chat is not None:
+        log(f"final held-out conversations: loss {final_chat['loss']:.4f}, perplexity {final_chat['perplexity']:.3f}")
+    pieces = save_float(model, work, a.save_experts)
+    shutil.rmtree(resume_dir, ignore_errors=True)  # a finished run leaves no state to resume
+    corpus = corpus_info
     result = {
+        "spec": corpus.get("spec", "code"),
         "model": {**{k: v for k, v in asdict(SPEC).items()}, "parameters": int(n_params),
                   "vocab_size": SPEC.vocab_size, "mla_layers": SPEC.full_attn_layers},
         "setup": {
@@ -332,7 +565,14 @@ def train(work: Path, a: argparse.Namespace) -> dict:
                    "final": round(a.lr * a.final_lr_frac, 10)},
             "grad_clip": a.clip, "dtype": "float32",
             "balancing": {"rule": "bias -= u * sign(load - mean load) per MoE layer after every step, from that "
-                                  "step's top-k picks", "u_peak": a.bias_lr, "u_schedule": "u = u_peak * lr / peak lr"},
+                                  "step's top-k picks" if first_rule else
+                                  f"bias += u for experts below {band[0]} x mean load, -= u above {band[1]} x mean "
+                                  "load (strictly), per MoE layer after every step, the loads an exponential average "
+                                  "of the steps' top-k picks over --bias-window steps (1: that step's)",
+                          "u_peak": a.bias_lr,
+                          "u_schedule": "u = u_peak * lr / peak lr" if a.bias_schedule == "lr" else "constant",
+                          "band": list(band), "window_steps": a.bias_window,
+                          "frozen_from_step": math.ceil(a.bias_freeze * total) if a.bias_freeze < 1 else None},
             "compiled": a.compile, "time_budget_s": a.time_budget if a.steps is None else None,
             "device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
             "train_seconds": round(train_s, 1), "tokens_per_second": round(total * B * T / train_s),
@@ -340,6 +580,8 @@ def train(work: Path, a: argparse.Namespace) -> dict:
         "corpus": {k: v for k, v in corpus.items() if k != "validation_files"},
         "curve": curve,
         "final_float": {k: (round(v, 5) if isinstance(v, float) else v) for k, v in final.items()},
+        **({"final_float_chat": {k: (round(v, 5) if isinstance(v, float) else v) for k, v in final_chat.items()}}
+           if final_chat is not None else {}),
         "float_weights": pieces,
     }
     (work / "train.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -355,9 +597,10 @@ def export(work: Path, dest: Path, check: bool = True) -> dict:
     from tqbench.demo import mlx_weights, write_checkpoint
     from tqbench.quant.mxfp4 import pack_mxfp4, unpack_mxfp4
 
-    params = {k: np.array(v) for k, v in load_float(work).items()}
+    params = {k: np.array(v.astype(mx.float32)) for k, v in load_float(work).items()}
+    packed = load_packed(work)  # the experts' mxfp4 bytes from their fp32 values, when they were saved in bf16
     ranks = read_tiktoken_model(work / "tokenizer" / "tiktoken.model")
-    write_checkpoint(dest, SPEC, mlx_weights(SPEC, params), ranks)
+    write_checkpoint(dest, SPEC, mlx_weights(SPEC, params, packed), ranks)
     dest.chmod(0o755)  # a package folder: readable by all, as the files are
     size = sum(f.stat().st_size for f in dest.iterdir())
     log(f"wrote {dest} ({size / 1e6:.2f} MB)")
@@ -376,7 +619,7 @@ def export(work: Path, dest: Path, check: bool = True) -> dict:
             if ".switch_mlp." in k:
                 w = mx.dequantize(w, got[k.removesuffix("weight") + "scales"], None, group_size=32, bits=4,
                                   mode="mxfp4", dtype=mx.float32)
-                want = unpack_mxfp4(*pack_mxfp4(v))
+                want = unpack_mxfp4(*(packed[k] if packed else pack_mxfp4(v)))
             elif k.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
                 want = v
             else:
@@ -402,22 +645,43 @@ def write_docs_training(work: Path, exported: dict | None, docs: Path = DOCS_JSO
 # ---- command line ---------------------------------------------------------------------------------------------------
 
 
+# What --spec sets when the flag is not given. code: the shipped first demo's run. chat: the second demo; see
+# docs/demo-model.md for the choices (1,000 steps of 64 x 128 tokens: the routed rows per step, 64 x 128 x 8, equal the
+# first run's 128 x 128 x 4, the size MLX CUDA is known to run; about 0.8-1.0 s a step on an H200, launch-bound like the
+# first). Balancing: experts between half and twice their share of a step's routings are left alone (the sign rule
+# only outside [0.5, 2] x mean), so the router may skew without collapse; in 100-step CPU trials this kept every
+# expert in use where a window-averaged load left up to 2% idle (docs/demo-model.md).
+CODE_DEFAULTS = {"work": ROOT / "build" / "demo-train", "dest": SHIPPED_DEMO, "docs": DOCS_JSON, "steps": 583,
+                 "save_experts": "float32",
+                 "batch": 128, "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [1.0, 1.0], "bias_window": 1,
+                 "bias_freeze": 1.0, "chat_share": 0.0, "greetings": 0}
+CHAT_DEFAULTS = {"work": ROOT / "build" / "demo-train-chat", "dest": None, "docs": None, "steps": 1000, "batch": 64,
+                 "save_experts": "bf16",
+                 "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [0.5, 2.0], "bias_window": 1,
+                 "bias_freeze": 1.0, "chat_share": 0.4, "greetings": 400}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("stage", choices=["prepare", "train", "export", "all"])
-    p.add_argument("--work", type=Path, default=ROOT / "build" / "demo-train")
+    p.add_argument("--spec", choices=sorted(DEMO_SPECS), default="code",
+                   help="code: the first demo (TRAINED_SPEC, code only); chat: the second (CHAT_SPEC, code + chat)")
+    p.add_argument("--work", type=Path, default=None, help="default: build/demo-train (code), build/demo-train-chat")
     p.add_argument("--stdlib", type=Path, default=None, help="stdlib directory (default: the running interpreter's)")
-    p.add_argument("--dest", type=Path, default=SHIPPED_DEMO)
-    p.add_argument("--docs", type=Path, default=DOCS_JSON, help="the JSON document whose \"training\" is written")
+    p.add_argument("--dest", type=Path, default=None, help="default: tqbench/demo/checkpoint (code), <work>/checkpoint")
+    p.add_argument("--docs", type=Path, default=None,
+                   help="the JSON document whose \"training\" is written (default: docs/demo-model.json (code), "
+                        "<work>/demo-model.json (chat))")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=583, help="0: fix the step count from --time-budget instead")
+    p.add_argument("--steps", type=int, default=None,
+                   help="583 (code), 1000 (chat); 0: fix the step count from --time-budget instead")
     p.add_argument("--time-budget", type=float, default=520.0, help="seconds, with --steps 0")
     p.add_argument("--max-steps", type=int, default=4000)
     p.add_argument("--max-epochs", type=float, default=8.0, help="caps the steps at this many passes over the data")
     p.add_argument("--reserve", type=float, default=40.0, help="seconds kept for the final evaluation and saving")
     p.add_argument("--probe-steps", type=int, default=20)
     p.add_argument("--eval-overhead", type=float, default=0.05)
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--batch", type=int, default=None, help="sequences per step: 128 (code), 64 (chat)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--final-lr-frac", type=float, default=0.05)
@@ -425,20 +689,62 @@ def main(argv=None) -> None:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--router-lr-mult", type=float, default=0.1, help="the router's learning rate relative to the rest")
     p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--bias-lr", type=float, default=1e-2, help="u of the balancing rule at the peak learning rate")
+    p.add_argument("--bias-lr", type=float, default=None,
+                   help="u of the balancing rule (at the peak learning rate with --bias-schedule lr): 1e-2")
+    p.add_argument("--bias-schedule", choices=["lr", "constant"], default=None,
+                   help="lr: u follows the learning rate (both recipes); constant: u throughout")
+    p.add_argument("--bias-band", type=float, nargs=2, metavar=("LO", "HI"), default=None,
+                   help="move only the biases of experts with a load below LO or above HI times the mean: 1 1 (code: "
+                        "every expert every step), 0.5 2 (chat)")
+    p.add_argument("--bias-window", type=int, default=None,
+                   help="steps the balanced loads are averaged over (exponentially; both recipes 1: that step's "
+                        "loads; longer windows delayed the correction and left experts idle in CPU trials)")
+    p.add_argument("--bias-freeze", type=float, default=None,
+                   help="stop moving the biases from this fraction of the steps on (DeepSeek-V3 stops for its last "
+                        "3%%): 1 (never, both recipes)")
+    p.add_argument("--chat-share", type=float, default=None,
+                   help="prepare: the share of conversation tokens (chat: 0.4)")
+    p.add_argument("--greetings", type=int, default=None, help="prepare: small-talk conversations (chat: 400)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--eval-batch", type=int, default=32)
+    p.add_argument("--final-windows", type=int, default=0,
+                   help="windows of the final held-out evaluation (0: the whole split; fewer for a smoke run)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="mx.compile the training step (slow to trace: kimi_k3's KDA loops over time in training)")
+    p.add_argument("--save-experts", choices=["float32", "bf16"], default=None,
+                   help="the routed experts in the saved weights: float32 (code), or bf16 plus their exact mxfp4 "
+                        "bytes (chat: its fp32 weights are more than a device call brings back)")
+    p.add_argument("--stop-after", type=float, default=0,
+                   help="train: stop after this many seconds of this call and keep the state for --resume (a device "
+                        "call is limited to 10 minutes)")
+    p.add_argument("--stop-at", type=int, default=0, help="train: stop at this step, keeping the state for --resume")
+    p.add_argument("--resume", action="store_true", help="train: go on from the state a stopped call kept")
+    p.add_argument("--resume-dir", type=Path, default=None,
+                   help="where a stopped call keeps its state (default <work>/resume); on the lent GPU an ignored "
+                        "folder that is not carried, e.g. build/demo-resume, so carrying the work again keeps it")
     p.add_argument("--no-check", action="store_true")
     a = p.parse_args(argv)
+    for k, v in (CHAT_DEFAULTS if a.spec == "chat" else CODE_DEFAULTS).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.dest = a.dest or a.work / "checkpoint"
+    a.docs = a.docs or a.work / "demo-model.json"
+    if a.spec == "code" and a.chat_share:
+        raise SystemExit("--chat-share needs --spec chat (the first demo trains on code alone)")
+    global SPEC
+    SPEC = DEMO_SPECS[a.spec]
     a.steps = a.steps or None
     a.work.mkdir(parents=True, exist_ok=True)
     if a.stage in ("prepare", "all"):
-        prepare(a.work, a.stdlib)
+        prepare(a.work, a.stdlib, a)
+    recorded = json.loads((a.work / "corpus.json").read_text()).get("spec", "code") \
+        if (a.work / "corpus.json").is_file() else a.spec
+    if recorded != a.spec:
+        raise SystemExit(f"{a.work} was prepared for --spec {recorded}, not {a.spec}")
     if a.stage in ("train", "all"):
-        train(a.work, a)
+        if train(a.work, a) is None:
+            return  # stopped early: the state waits for --resume
     if a.stage in ("export", "all"):
         exported = export(a.work, a.dest, check=not a.no_check)
         write_docs_training(a.work, exported, a.docs)

@@ -11,19 +11,32 @@ tried on it and `mlx_lm.load` runs it. Two kinds share one writer (`write_checkp
 
 One concept per module: `install` (the shipped checkpoint and its cached copy), `spec` (the shape, its config and
 tensors), `weights` (random weights, the inverse of mlx-lm's name mapping), `tokenizer` (the random demo's BPE),
-`corpus` (the shipped demo's training text) and `writer` (the checkpoint writer). Nothing here imports MLX.
+`corpus` (the shipped demo's training text), `conversations` (the chat demo's conversations mined from the standard
+library and the mixed code + chat stream; imported on its own) and `writer` (the checkpoint writer). Nothing here
+imports MLX.
 """
 
 from tqbench.demo.corpus import CORPUS_SKIP_DIRS, HELDOUT_EVERY, corpus_files, encode_files, is_heldout, stdlib_root
 from tqbench.demo.install import DEMO_VERSION, SHIPPED_DEMO, demo_path, ensure_demo
-from tqbench.demo.spec import TRAINED_SPEC, DemoSpec, source_config, special_ids, tensor_plan, text_config
+from tqbench.demo.spec import (
+    CHAT_SPEC,
+    DEMO_SPECS,
+    TRAINED_SPEC,
+    DemoSpec,
+    source_config,
+    special_ids,
+    tensor_plan,
+    text_config,
+)
 from tqbench.demo.tokenizer import DEMO_CORPUS, demo_tokenizer_ranks
 from tqbench.demo.weights import WeightSource, mlx_weights, random_weights
 from tqbench.demo.writer import build_atomically, split_shards, write_checkpoint, write_source
 
 __all__ = [
+    "CHAT_SPEC",
     "CORPUS_SKIP_DIRS",
     "DEMO_CORPUS",
+    "DEMO_SPECS",
     "DEMO_VERSION",
     "HELDOUT_EVERY",
     "SHIPPED_DEMO",

@@ -96,6 +96,40 @@ TRAINED_SPEC = DemoSpec(
 )
 
 
+# The second-generation (chat) demo: the same dense parts as TRAINED_SPEC (hidden 128, 8 layers, KDA + MLA at 4 and 8,
+# AttnRes blocks of 4, the same 4096-merge tokenizer, so per-token losses compare), with K3's routed share: 448 routed
+# experts top-8 per MoE layer = 1.79% active, exactly K3's 16 of 896 (both halved). The experts are half as wide as the
+# first demo's (latent 64 -> 32 -> 64: 6,144 parameters, 3,264 bytes in mxfp4), so a token's routed compute is the
+# same (8 x 6,144 = 4 x 12,288) while the routed parameters grow 3.5x (19.3 M). Four shared "experts" of 32 make the
+# shared MLP 128 wide, as the first demo's two of 64. 16.07 MB of tensors (10.24 MB experts); about 20 MB on disk with
+# the safetensors headers and the index of 19,028 tensors.
+CHAT_SPEC = DemoSpec(
+    hidden_size=128,
+    num_hidden_layers=8,
+    mla_every=4,
+    intermediate_size=384,
+    first_k_dense_replace=1,
+    num_experts=448,
+    num_experts_per_token=8,
+    moe_intermediate_size=32,
+    routed_expert_hidden_size=64,
+    num_shared_experts=4,
+    num_attention_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    kda_num_heads=4,
+    kda_head_dim=32,
+    attn_res_block_size=4,
+    bpe_merges=4096,
+    num_shards=4,
+)
+
+DEMO_SPECS = {"code": TRAINED_SPEC, "chat": CHAT_SPEC}  # by the name scripts/train_demo.py's --spec takes
+
+
 def special_ids(spec: DemoSpec) -> dict[str, int]:
     """bos, eos (a chat turn's end, also the end of a training document) and pad ids of a demo's vocabulary."""
     ids = {name: spec.base_vocab + i for i, name in NAMED_SPECIAL.items()}

@@ -63,18 +63,24 @@ def _array(seed: int, t: TensorSpec) -> np.ndarray:
     return to_bf16(x) if t.dtype == "BF16" else x
 
 
-def mlx_weights(spec: DemoSpec, params: Mapping[str, np.ndarray]) -> WeightSource:
+def mlx_weights(spec: DemoSpec, params: Mapping[str, np.ndarray],
+                packed: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> WeightSource:
     """A weights source from the float parameters of mlx-lm's kimi_k3 `Model` built for `spec` (names as
     `mlx.utils.tree_flatten(model.parameters())` gives them): the inverse of that model's `sanitize`.
 
     Routed experts are packed with our exact mxfp4 packer, `A_log`, `dt_bias` and the router bias stay F32 and the rest
     is rounded to bf16. mlx-lm keeps one `A_log` per KDA head and reads the first `heads` values of the source's
-    `[heads * head_dim]` tensor, so the per-head values are written there, repeated to fill the tensor."""
+    `[heads * head_dim]` tensor, so the per-head values are written there, repeated to fill the tensor.
+
+    `packed` ({switch_mlp parameter name: (codes, scales)}) gives routed experts already packed, e.g. from their fp32
+    values before `params` kept them in bf16; those are written as they are."""
     p = {k: np.asarray(v, dtype=np.float32) for k, v in params.items()}
     P = spec.kda_num_heads * spec.kda_head_dim
 
     @lru_cache(maxsize=1)
     def expert(key: str, e: int) -> tuple[np.ndarray, np.ndarray]:
+        if packed is not None and key in packed:
+            return packed[key][0][e], packed[key][1][e]
         return pack_mxfp4(p[key][e])
 
     def value(name: str) -> np.ndarray:

@@ -1,0 +1,259 @@
+"""The chat demo's data: conversations mined from the standard library with `ast`, the train/held-out split by file,
+the mixed code + chat stream, and the rendering through the model's chat template (as transformers and mlx-lm do it)."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import numpy as np
+import pytest
+
+from tqbench.demo import CHAT_SPEC, TRAINED_SPEC, DemoSpec, corpus_files, demo_tokenizer_ranks, is_heldout
+from tqbench.demo import stdlib_root, tensor_plan
+from tqbench.demo.conversations import (
+    CALL,
+    WHAT,
+    DocItem,
+    answer,
+    build_conversations,
+    clean_doc,
+    encode_conversation,
+    mine_file,
+    mine_source,
+    mine_stdlib,
+    mix_stream,
+    module_name,
+    render,
+    split_items,
+    turn,
+)
+from tqbench.tokenizer import CHAT_TEMPLATE, load_encoding, write_tokenizer
+
+JSON_DUMPS = (
+    "`json.dumps(obj, *, skipkeys=False, ensure_ascii=True, check_circular=True, allow_nan=True, cls=None, "
+    "indent=None, separators=None, default=None, sort_keys=False, **kw)`\n\n"
+    "Serialize ``obj`` to a JSON formatted ``str``.\n\n"
+    "If ``skipkeys`` is true then ``dict`` keys that are not basic types (``str``, ``int``, ``float``, ``bool``, "
+    "``None``) will be skipped instead of raising a ``TypeError``."
+)
+
+SOURCE = textwrap.dedent('''\
+    """A small module for the miner's rules.
+
+    Second paragraph of the module docstring."""
+
+    def public(a, b=0o777, *, c=None) -> int:
+        """Add the numbers a and b together.
+
+        >>> public(1, 2)
+        3
+        """
+        def nested(x):
+            """A nested function is never mined, whatever it says."""
+
+    def _private(x):
+        """A private function is skipped even with a long docstring."""
+
+    def trivial():
+        """Return self."""
+
+    async def wait(delay):
+        """Wait for delay seconds before returning."""
+
+    class Thing(Base):
+        """A thing that holds some value for later use."""
+
+        def __init__(self, value, *, label="x"):
+            """Never asked: dunder methods are skipped."""
+
+        def get(self, default=None):
+            """Return the stored value or the given default."""
+
+        @staticmethod
+        def make(x):
+            """Make a new thing from the value x."""
+
+        @classmethod
+        def parse(cls, text):
+            """Parse a thing from its text form."""
+
+        @property
+        def size(self):
+            """The number of bytes the value takes."""
+
+        @size.setter
+        def size(self, v):
+            """Setting the size is never asked about."""
+
+    if True:
+        def conditional():
+            """Defined under an if: not a top-level definition."""
+''')
+
+
+def test_miner_rules_on_a_known_source():
+    items = {i.name: i for i in mine_source(SOURCE, "pkg/tool.py")}
+    assert list(items) == ["pkg.tool", "pkg.tool.public", "pkg.tool.wait", "pkg.tool.Thing", "pkg.tool.Thing.get",
+                           "pkg.tool.Thing.make", "pkg.tool.Thing.parse", "pkg.tool.Thing.size"]
+    sig = {n: i.signature for n, i in items.items()}
+    assert sig["pkg.tool.public"] == "pkg.tool.public(a, b=0o777, *, c=None) -> int"  # defaults as written
+    assert sig["pkg.tool.wait"] == "coroutine pkg.tool.wait(delay)"
+    assert sig["pkg.tool.Thing"] == 'class pkg.tool.Thing(value, *, label="x")'  # from __init__, as written
+    assert sig["pkg.tool.Thing.get"] == "pkg.tool.Thing.get(default=None)"
+    assert sig["pkg.tool.Thing.make"] == "staticmethod pkg.tool.Thing.make(x)"
+    assert sig["pkg.tool.Thing.parse"] == "classmethod pkg.tool.Thing.parse(text)"
+    assert sig["pkg.tool.Thing.size"] == "pkg.tool.Thing.size" and items["pkg.tool.Thing.size"].kind == "property"
+    assert items["pkg.tool.public"].doc == "Add the numbers a and b together."  # the doctest paragraph is dropped
+    assert items["pkg.tool"].doc == "A small module for the miner's rules.\n\nSecond paragraph of the module docstring."
+    assert {i.domain for i in items.values()} == {"pkg"} and {i.file for i in items.values()} == {"pkg/tool.py"}
+    assert mine_source(SOURCE, "_private_mod.py") == [] and mine_source("def broken(:\n", "x.py") == []
+
+
+def test_clean_doc_bounds_and_joins():
+    doc = inspect.cleandoc("""First line of a paragraph
+        wrapped onto a second line.
+
+        Indented block kept:
+            x = 1
+        """)
+    assert clean_doc(doc) == "First line of a paragraph wrapped onto a second line.\n\nIndented block kept:\n    x = 1"
+    long = " ".join(f"Sentence number {i} is here." for i in range(40))
+    cut = clean_doc(long, max_chars=200)
+    assert len(cut) <= 200 and cut.endswith("here.")
+    assert clean_doc("Return self.") == "" and clean_doc("XXX") == ""
+
+
+def test_json_dumps_conversation_from_the_real_stdlib():
+    items = {i.name: i for i in mine_file(stdlib_root(), "json/__init__.py")}
+    dumps = items["json.dumps"]
+    assert (dumps.kind, dumps.module, dumps.domain, dumps.file) == ("function", "json", "json", "json/__init__.py")
+    assert answer(dumps) == JSON_DUMPS
+    assert answer(dumps, "call") == "Call it as " + JSON_DUMPS.replace("`\n\n", "`.\n\n", 1)
+    assert all(not part.startswith("_") for name in items for part in name.split("."))
+    # A turn is a seeded question from the templates and the answer.
+    rng = np.random.default_rng(0)
+    q, a = turn(dumps, rng)
+    assert q["role"] == "user" and a["role"] == "assistant"
+    assert q["content"] in [t.format(name="json.dumps", short="dumps", module="json", owner="json")
+                            for t in WHAT["function"] + CALL["function"]]
+    assert a["content"] in (answer(dumps), answer(dumps, "call"))
+    assert turn(dumps, np.random.default_rng(0)) == [q, a]
+
+
+def test_reexported_names_are_the_packages():
+    root = stdlib_root()
+    items = {i.name: i for i in mine_stdlib(root, ["json/__init__.py", "json/decoder.py", "json/encoder.py"])}
+    enc = items["json.JSONEncoder.encode"]
+    assert enc.file == "json/encoder.py" and enc.module == "json" and enc.signature == "json.JSONEncoder.encode(o)"
+    assert items["json.JSONEncoder"].signature.startswith("class json.JSONEncoder(*, skipkeys=False")
+    assert "json.encoder.JSONEncoder" not in items and module_name("json/__init__.py") == "json"
+
+
+SPLIT_FILES = ["ast.py", "logging/__init__.py", "logging/handlers.py", "json/__init__.py", "getopt.py", "secrets.py",
+               "shlex.py", "platform.py"]
+
+
+def test_split_never_leaks_heldout_modules():
+    root = stdlib_root()
+    assert [f for f in SPLIT_FILES if is_heldout(f)] == ["ast.py", "logging/handlers.py", "getopt.py", "secrets.py",
+                                                          "platform.py"]
+    items = mine_stdlib(root, SPLIT_FILES)
+    train, held = split_items(items)
+    assert train and held and len(train) + len(held) == len(items)
+    assert not any(is_heldout(i.file) for i in train) and all(is_heldout(i.file) for i in held)
+    text = "".join(render(c.messages) for c in build_conversations(train, seed=0, passes=2, greetings=5))
+    held_names = {i.name for i in held} - {i.name for i in train}
+    for item in held:  # neither a held-out name nor a held-out docstring reaches a training conversation
+        assert f"{item.name}(" not in text and f"{item.name}`" not in text and item.doc not in text, item.name
+    assert held_names
+    # the same rule as the code corpus: no held-out file among the corpus's training files
+    assert not set(f for f in corpus_files(root) if not is_heldout(f)) & {i.file for i in held}
+
+
+def test_conversations_are_seeded_and_keep_to_one_module():
+    items = mine_stdlib(stdlib_root(), ["json/__init__.py", "json/decoder.py", "json/encoder.py", "shlex.py"])
+    a = build_conversations(items, seed=3, passes=2, greetings=4)
+    assert a == build_conversations(items, seed=3, passes=2, greetings=4)
+    assert a != build_conversations(items, seed=4, passes=2, greetings=4)
+    by_name = {i.name: i for i in items}
+    assert sum(c.domain == "chat" for c in a) == 4
+    for c in a:
+        assert [m["role"] for m in c.messages] == ["user", "assistant"] * (len(c.messages) // 2)
+        if c.domain != "chat":
+            assert 1 <= len(c.names) <= 3 and len({by_name[n].module for n in c.names}) == 1
+            assert {by_name[n].domain for n in c.names} == {c.domain}
+    # every item is asked once per pass
+    asked = [n for c in a for n in c.names]
+    assert sorted(asked) == sorted([i.name for i in items] * 2)
+
+
+def test_mix_meets_the_ratio_and_is_reproducible():
+    rng = np.random.default_rng(1)
+    code = [rng.integers(0, 100, rng.integers(500, 20000)).astype(np.uint32) for _ in range(60)]
+    chat = [rng.integers(100, 200, rng.integers(40, 400)).astype(np.uint32) for _ in range(800)]
+    for share in (0.4, 0.6, 0.1):  # 0.6 needs more conversations than there are: they are cycled
+        m = mix_stream(code, chat, share, seed=0, code_domains=[f"c{i % 3}" for i in range(60)],
+                       chat_domains=[f"d{i % 5}" for i in range(800)])
+        assert abs(m.chat_share - share) < 0.005, (share, m.chat_share)
+        assert m.code_tokens == sum(len(c) for c in code) and len(m.tokens) == m.code_tokens + m.chat_tokens
+        assert m.kinds.count("code") == 60 and ((m.tokens < 100).sum() == m.code_tokens)
+        ends = np.append(m.starts[1:], len(m.tokens))
+        for kind, d, s, e in zip(m.kinds, m.domains, m.starts, ends):
+            assert d[0] == ("c" if kind == "code" else "d") and e > s
+        again = mix_stream(code, chat, share, seed=0)
+        assert np.array_equal(again.tokens, m.tokens)
+    assert not np.array_equal(mix_stream(code, chat, 0.4, seed=1).tokens, mix_stream(code, chat, 0.4, seed=0).tokens)
+    assert mix_stream(code, [], 0.0, seed=0).chat_tokens == 0
+    with pytest.raises(ValueError):
+        mix_stream(code, [], 0.4, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer(d, demo_tokenizer_ranks(DemoSpec()))
+    return d
+
+
+def test_rendering_equals_the_tokenizers_chat_template(tok_dir, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    wrapper = load_tokenizer(tok_dir)  # mlx-lm's TokenizerWrapper over the transformers tokenizer
+    enc = load_encoding(tok_dir)
+    items = mine_file(stdlib_root(), "json/__init__.py")
+    convs = build_conversations(items, seed=0, passes=1, greetings=2)
+    assert any(len(c.messages) > 2 for c in convs)
+    for c in convs:
+        messages = list(c.messages)
+        text = render(messages)
+        assert text == wrapper.apply_chat_template(messages, tokenize=False)
+        assert text.count("<|end_of_msg|>") == len(messages) and text.endswith("<|end_of_msg|>")
+        ids = encode_conversation(enc, messages)
+        assert ids == wrapper.encode(text, add_special_tokens=False)
+        assert ids[-1] == enc.encode("<|end_of_msg|>", allowed_special="all")[0]
+    prompt = render(convs[0].messages[:1], add_generation_prompt=True)
+    assert prompt == wrapper.apply_chat_template(list(convs[0].messages[:1]), add_generation_prompt=True,
+                                                 tokenize=False)
+    assert prompt.endswith('<|open|>message role="assistant"<|sep|>')
+    assert render([{"role": "user", "content": "hi"}], CHAT_TEMPLATE) == (
+        '<|open|>message role="user"<|sep|>hi<|end_of_msg|>')
+
+
+def test_chat_spec_has_k3s_active_share_and_fits_a_wheel():
+    assert CHAT_SPEC.num_experts_per_token / CHAT_SPEC.num_experts == 16 / 896
+    plan = tensor_plan(CHAT_SPEC)
+    assert sum(t.nbytes for t in plan) == 16_069_376  # under 30 MB with headers and index (about 21 MB on disk)
+    assert sum(t.nbytes for t in plan if t.dtype == "U8") == 10_235_904  # 3,136 experts x 3,264 bytes of mxfp4
+    # the same dense parts and tokenizer as the first demo, the same routed compute per token
+    same = ("hidden_size", "num_hidden_layers", "intermediate_size", "bpe_merges", "kda_num_heads", "q_lora_rank")
+    assert all(getattr(CHAT_SPEC, f) == getattr(TRAINED_SPEC, f) for f in same)
+    routed = lambda s: s.num_experts_per_token * 3 * s.moe_intermediate_size * s.routed_expert_hidden_size  # noqa: E731
+    assert routed(CHAT_SPEC) == routed(TRAINED_SPEC)
+    assert CHAT_SPEC.moe_intermediate_size * CHAT_SPEC.num_shared_experts == 128  # the shared MLP as wide as v1's
+
+
+def test_docitem_owner_and_short():
+    item = DocItem("json/encoder.py", "json", "json", "method", "json.JSONEncoder.encode", "", "Encode it now.")
+    assert (item.short, item.owner) == ("encode", "JSONEncoder")

@@ -1,0 +1,94 @@
+"""scripts/demo_eval.py's measurements on synthetic traces and texts: the docstring-word test, consecutive overlap
+within windows, per-domain hot sets and what a profile learned elsewhere serves."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from demo_eval import (  # noqa: E402
+    Stream,
+    derangement,
+    docstring_win,
+    hot_set_overlap,
+    per_domain_loss,
+    routing_report,
+    skew_row,
+    third_party_files,
+    window_jaccard,
+    words,
+)
+
+from tqbench.modelstats import consecutive_jaccard, random_trace  # noqa: E402
+
+
+def test_docstring_win_counts_content_words():
+    true = "Return the number of seconds since the epoch as a float."
+    other = "Open a file and return a stream object for reading bytes."
+    assert words("The Seconds since EPOCH, as a float!") == {"seconds", "since", "epoch", "float"}
+    assert docstring_win("the seconds since the epoch", true, other) == (True, 3, 0)
+    assert docstring_win("read bytes from a file", true, other) == (False, 0, 2)  # no stemming: read != reading
+    assert docstring_win("nothing in common", true, other) == (False, 0, 0)  # a tie is no win
+    # words of the question earn nothing in the strict variant
+    assert docstring_win("time.seconds seconds", true, other, exclude=words("What does time.seconds do?"))[0] is False
+    p = derangement(30, 0)
+    assert sorted(p) == list(range(30)) and all(i != j for i, j in enumerate(p)) and p == derangement(30, 0)
+
+
+def test_window_jaccard_matches_modelstats_within_one_window():
+    t = random_trace(2, 256, 16, 4, seed=1)
+    assert np.allclose(window_jaccard(t, 256), consecutive_jaccard(t))
+    same = np.repeat(np.arange(4, dtype=np.int16)[None, None, :], 256, axis=1)
+    assert window_jaccard(same, 128).tolist() == [1.0]  # identical sets; window boundaries are not compared
+
+
+def test_hot_sets_tell_domains_apart():
+    E, k, n = 40, 2, 4096
+    rng = np.random.default_rng(0)
+    # domain a routes to experts 0-9, domain b to 20-29: a profile of a serves a, not b
+    a = rng.integers(0, 10, (1, n, k)).astype(np.int16)
+    b = rng.integers(20, 30, (1, n, k)).astype(np.int16)
+    trace = np.concatenate([a, b], axis=1)
+    segs = {"a": [(0, n)], "b": [(n, 2 * n)], "tiny": [(0, 10)]}
+    h = hot_set_overlap(trace, segs, E, fraction=0.25)
+    assert h["hot_set_size"] == 10 and h["domains"] == ["a", "b"]  # the tiny domain is left out
+    row = h["layers"][0]
+    assert row["halves_jaccard"] == 1.0 and row["domains_jaccard"] == 0.0
+    assert row["served_by_own_first_half"] == 1.0 and row["served_by_other_domains"] == 0.0
+    assert row["served_by_oracle"] == 1.0 and h["uniform_served"] == 0.25
+    # uniform routing: the halves overlap like random sets, a profile serves about the uniform share
+    u = random_trace(1, 2 * n, E, k, seed=2)
+    hu = hot_set_overlap(u, {"a": [(0, n)], "b": [(n, 2 * n)]}, E, fraction=0.25)["layers"][0]
+    assert abs(hu["served_by_own_first_half"] - 0.25) < 0.05 and hu["halves_jaccard"] < 0.6
+
+
+def test_skew_row_and_report():
+    counts = np.array([50, 30, 10, 5, 5] + [0] * 20)
+    row = skew_row(counts)
+    assert (row["experts_for_50pct"], row["experts_for_80pct"], row["experts_for_90pct"]) == (1, 2, 3)
+    assert row["hottest4pct_share"] == 0.5 and row["unused"] == 20 and row["cover80_share_of_experts"] == 0.08
+    t = random_trace(3, 4096, 32, 4, seed=3)
+    rep = routing_report(t, {"x": (0, 2048), "y": (2048, 4096)}, {"d1": [(0, 2048)], "d2": [(2048, 4096)]}, 32,
+                         [1, 2, 3], 128)
+    assert [r["layer"] for r in rep["overall"]] == [1, 2, 3] and set(rep["per_domain"]) == {"d1", "d2"}
+    assert rep["uniform"]["experts_for_50pct"] == 16 and abs(rep["overall"][0]["experts_for_50pct"] - 15) <= 2
+    assert abs(rep["overall"][0]["jaccard_consecutive"] - rep["jaccard_random"]) < 0.02
+
+
+def test_streams_segments_and_domain_losses():
+    s = Stream([("a", [1, 2, 3]), ("b", [4, 5]), ("a", [6])], eos=0)
+    assert s.tokens.tolist() == [1, 2, 3, 0, 4, 5, 0, 6, 0] and s.ends == [4, 7, 9]
+    assert s.segments(8) == {"a": [(0, 4), (7, 8)], "b": [(4, 7)]}
+    nll = np.arange(4096, dtype=np.float64) % 2
+    out = per_domain_loss(nll, {"a": [(0, 3000)], "b": [(3000, 4096)]})
+    assert set(out) == {"a"} and out["a"]["tokens"] == 2999  # b has too few tokens
+
+
+def test_third_party_sources_are_installed():
+    files = third_party_files()
+    pkgs = {p for p, _ in files}
+    assert pkgs == {"click", "diskcache"} and all(f.suffix == ".py" for _, f in files)

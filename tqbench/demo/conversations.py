@@ -1,0 +1,483 @@
+"""The chat demo's conversations, mined from the Python standard library with `ast`, and the mixed training stream.
+
+A user asks what a module, function, class or method does, or how to call it, and the assistant answers with its
+signature and its docstring (the first paragraph or two, bounded). Everything is decided by the source and a seed:
+
+- `mine_file` / `mine_stdlib`: one `DocItem` per public module, top-level function, top-level class and public method
+  (or property) of a top-level class that has a non-trivial docstring; private names (a leading underscore, also in a
+  module path) and dunder methods are skipped, as are nested definitions and conditional ones (inside `if`/`try`);
+- `build_conversations`: seeded sessions of one to three turns about one module (so a conversation keeps to one domain),
+  each question in one of several phrasings; `passes` rebuilds the sessions with fresh groupings and phrasings;
+- `render` / `encode_conversation`: the messages through the model's chat template with jinja2, exactly as transformers'
+  `apply_chat_template` (and so mlx-lm's tokenizer wrapper) renders it; every turn ends with the eos `<|end_of_msg|>`;
+- `mix_stream`: code documents and conversations shuffled into one token stream with a given share of chat tokens.
+
+The split is the code corpus's: an item is held out when its file is (`tqbench.demo.is_heldout`), so conversations about
+held-out modules never reach training. Every item and document carries a domain: the top-level package or module of
+its file (`asyncio`, `email`, `json`, ...)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from tqbench.demo.corpus import corpus_files, is_heldout, stdlib_root
+from tqbench.tokenizer import CHAT_TEMPLATE
+
+MAX_DOC_CHARS = 400  # an answer's docstring part: the first paragraph, the second too while the total stays below this
+MAX_SIGNATURE_CHARS = 480  # longer signatures (huge default literals) are skipped
+MIN_DOC_WORDS = 4  # fewer words of two or more letters: a trivial docstring ("Return self.", "XXX")
+SESSION_TURNS = (1, 2, 3)
+SESSION_WEIGHTS = (0.5, 0.3, 0.2)
+FOLLOW_UP_SHARE = 0.3  # later turns of a session ask "And ...?" this often
+
+# Questions. {name}: the qualified name (json.dumps), {short}: its last part (dumps), {module}: the module (json),
+# {owner}: the class of a method. "what" questions get the signature then the docstring, "call" questions a sentence
+# with the signature first.
+WHAT = {
+    "function": ["What does {name} do?", "What does `{name}` do?", "What is {name} for?", "Can you explain {name}?",
+                 "Explain {short} from the {module} module.", "I found {short} in {module}. What does it do?",
+                 "Tell me about {name}.", "what does {name} do"],
+    "method": ["What does {name} do?", "What does the {short} method of {owner} do?", "What is {name} for?",
+               "Can you explain {owner}.{short}?", "Tell me about {name}.", "what does {name} do"],
+    "property": ["What is {name}?", "What does the {short} attribute of {owner} hold?", "Tell me about {name}."],
+    "class": ["What is {name}?", "What is the {short} class in {module}?", "What does {name} do?",
+              "Can you explain the {name} class?", "Tell me about {name}.", "what is {name}"],
+    "module": ["What is the {name} module?", "What is {name} for?", "What does the {name} module do?",
+               "Tell me about the {name} module.", "what is {name}"],
+}
+CALL = {
+    "function": ["How do I call {name}?", "What arguments does {name} take?", "What is the signature of {name}?",
+                 "How do I use {short} from {module}?"],
+    "method": ["How do I call {name}?", "What arguments does {owner}.{short} take?",
+               "What is the signature of {name}?"],
+    "class": ["How do I create an instance of {name}?", "What arguments does {name} take?", "How do I use {name}?"],
+}
+CALL_LEAD = {"function": "Call it as", "method": "Call it as", "class": "Create one with"}
+FOLLOW_UP = ["And {name}?", "What about {name}?", "And what does {short} do?"]
+GREETINGS = ["hello", "Hello!", "hi", "Hi there", "hey", "Good morning", "Who are you?", "What can you do?", "help",
+             "Hello, what can I ask you?"]
+GREETING_ANSWERS = [
+    "Hello! I am a small model trained on the Python standard library. Ask me what a module, function or class "
+    "does, for example: What does {name} do?",
+    "Hi! Ask me about the Python standard library: what a function does or how to call it, for example: How do I "
+    "call {name}?",
+    "I know the Python standard library a little. Ask me what something does, for example: What is {name}?",
+]
+
+
+@dataclass(frozen=True)
+class DocItem:
+    """One documented public thing of the standard library."""
+
+    file: str  # the corpus-relative path it is defined in
+    module: str  # dotted module name (json, email.mime.text)
+    domain: str  # the top-level package or module of the file (json, email)
+    kind: str  # module | function | class | method | property
+    name: str  # qualified name: json, json.dumps, json.JSONEncoder.encode
+    signature: str  # what the answer shows: "json.dumps(obj, *, ...)", "class json.JSONEncoder(...)"; "" for a module
+    doc: str  # the cleaned docstring (`clean_doc`)
+
+    @property
+    def short(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+    @property
+    def owner(self) -> str:
+        return self.name.rsplit(".", 2)[-2] if self.kind in ("method", "property") else self.module
+
+
+def module_name(rel: str) -> str:
+    """The dotted module name of a corpus-relative path: `json/__init__.py` -> `json`, `email/mime/text.py` ->
+    `email.mime.text`."""
+    parts = rel.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def domain_of(rel: str) -> str:
+    """The domain of a corpus file: its top-level package or module (`asyncio/tasks.py` -> `asyncio`)."""
+    return rel.split("/", 1)[0].removesuffix(".py")
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_")
+
+
+def clean_doc(doc: str, max_chars: int = MAX_DOC_CHARS) -> str:
+    """A docstring (already `inspect.cleandoc`ed) cut to what an answer shows: the first paragraph, the second while
+    the total stays within `max_chars`, none that starts a doctest; wrapped prose lines joined into one line (indented
+    or list lines kept as they are); a first paragraph longer than `max_chars` cut at its last sentence end (else its
+    last word) that fits. "" when nothing is left or the text is trivial (fewer than `MIN_DOC_WORDS` words)."""
+    paras = [p.strip("\n") for p in re.split(r"\n[ \t]*\n", doc.strip()) if p.strip()]
+    out: list[str] = []
+    for p in paras[:2]:
+        if p.lstrip().startswith(">>>"):
+            break
+        lines = p.splitlines()
+        if all(line == line.lstrip() and not re.match(r"[-*+]\s|\d+[.)]\s", line) for line in lines):
+            p = " ".join(line.strip() for line in lines)
+        if not out:
+            if len(p) > max_chars:
+                cut = p[:max_chars]
+                end = max(cut.rfind(". "), cut.rfind(".\n"))
+                p = cut[: end + 1] if end >= max_chars // 3 else cut.rsplit(None, 1)[0] + " ..."
+            out.append(p)
+        elif len(out[0]) + 2 + len(p) <= max_chars:
+            out.append(p)
+    text = "\n\n".join(out).strip()
+    return text if len(re.findall(r"[A-Za-z]{2,}", text)) >= MIN_DOC_WORDS else ""
+
+
+def _decorators(node) -> set[str]:
+    return {ast.unparse(d).split("(")[0] for d in node.decorator_list}
+
+
+def _as_written(source: str, node):
+    """`node` as its source spells it (`0o777`, not `511`), as a name node that unparses to that text."""
+    if node is None:
+        return None
+    text = ast.get_source_segment(source, node)
+    return ast.Name(id=text) if text and "\n" not in text else node
+
+
+def _arguments(node, drop_first: bool, source: str) -> str:
+    args = ast.arguments(**{f: getattr(node.args, f) for f in node.args._fields})
+    args.defaults = [_as_written(source, d) for d in args.defaults]
+    args.kw_defaults = [_as_written(source, d) for d in args.kw_defaults]
+    if drop_first:
+        if args.posonlyargs:
+            args.posonlyargs = args.posonlyargs[1:]
+        elif args.args:
+            if len(args.defaults) > len(args.args) - 1:  # the dropped argument had a default
+                args.defaults = args.defaults[1:]
+            args.args = args.args[1:]
+    text = ast.unparse(args)
+    if node.returns is not None:
+        return f"({text}) -> {ast.unparse(node.returns)}"
+    return f"({text})"
+
+
+def _function_signature(node, qual: str, method: bool, source: str) -> str:
+    decos = _decorators(node)
+    sig = qual + _arguments(node, method and "staticmethod" not in decos, source)
+    if isinstance(node, ast.AsyncFunctionDef):
+        sig = "coroutine " + sig
+    elif "classmethod" in decos:
+        sig = "classmethod " + sig
+    elif "staticmethod" in decos:
+        sig = "staticmethod " + sig
+    return sig
+
+
+def _class_signature(node: ast.ClassDef, qual: str, source: str) -> str:
+    init = next((b for b in node.body if isinstance(b, ast.FunctionDef) and b.name == "__init__"), None)
+    if init is not None:
+        return "class " + qual + _arguments(init, True, source).split(" -> ")[0]
+    bases = ", ".join(ast.unparse(b) for b in node.bases + node.keywords)
+    return f"class {qual}({bases})" if bases else f"class {qual}"
+
+
+def mine_source(source: str, rel: str) -> list[DocItem]:
+    """The documented public items of one module's source (the corpus-relative path `rel` names it). An unparsable
+    source, or one whose module path has a private part, gives none."""
+    module = module_name(rel)
+    if any(is_private(part) for part in module.split(".")) or rel.endswith("__main__.py"):
+        return []
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    domain = domain_of(rel)
+    items: list[DocItem] = []
+    seen: set[str] = set()
+
+    def add(kind: str, qual: str, signature: str, node) -> None:
+        doc = ast.get_docstring(node, clean=True)
+        text = clean_doc(doc) if doc else ""
+        if text and qual not in seen and len(signature) <= MAX_SIGNATURE_CHARS:
+            seen.add(qual)
+            items.append(DocItem(rel, module, domain, kind, qual, signature, text))
+
+    add("module", module, "", tree)
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_private(node.name):
+            qual = f"{module}.{node.name}"
+            add("function", qual, _function_signature(node, qual, False, source), node)
+        elif isinstance(node, ast.ClassDef) and not is_private(node.name):
+            cls = f"{module}.{node.name}"
+            add("class", cls, _class_signature(node, cls, source), node)
+            for sub in node.body:
+                if not isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) or is_private(sub.name):
+                    continue
+                decos, qual = _decorators(sub), f"{cls}.{sub.name}"
+                if decos & {"property", "functools.cached_property", "cached_property"}:
+                    add("property", qual, qual, sub)
+                elif not any(d.endswith((".setter", ".deleter", ".getter")) for d in decos):
+                    add("method", qual, _function_signature(sub, qual, True, source), sub)
+    return items
+
+
+def mine_file(root: Path, rel: str) -> list[DocItem]:
+    """`mine_source` of the corpus file `rel` under the stdlib directory `root`."""
+    return mine_source((Path(root) / rel).read_text(encoding="utf-8"), rel)
+
+
+def public_names(tree: ast.Module) -> list[str]:
+    """What `from module import *` gives: a literal `__all__`, else the public top-level functions and classes."""
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)):
+            try:
+                names = ast.literal_eval(node.value)
+            except ValueError:
+                break
+            return [n for n in names if isinstance(n, str)]
+    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and not is_private(n.name)]
+
+
+def reexports(tree: ast.Module, package: str, public: dict[str, list[str]]) -> dict[str, str]:
+    """The names a package's `__init__` re-exports from its own submodules (`from .tasks import *`,
+    `from .encoder import JSONEncoder`), as {defining name: package name}, e.g. `asyncio.tasks.sleep` ->
+    `asyncio.sleep`; `public` gives each module's `public_names` for star imports."""
+    out: dict[str, str] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ImportFrom) or not node.module:
+            continue
+        if node.level == 1:
+            sub = f"{package}.{node.module}"
+        elif node.level == 0 and node.module.startswith(package + "."):
+            sub = node.module
+        else:
+            continue
+        for alias in node.names:
+            names = public.get(sub, []) if alias.name == "*" else [alias.name]
+            for n in names:
+                exported = alias.asname if alias.name != "*" and alias.asname else n
+                if not is_private(exported):
+                    out[f"{sub}.{n}"] = f"{package}.{exported}"
+    return out
+
+
+def _renamed(item: DocItem, aliases: dict[str, str]) -> DocItem:
+    """`item` under the name its package re-exports it as (methods follow their class), if any."""
+    from dataclasses import replace
+
+    head = item.name if item.kind in ("function", "class") else item.name.rsplit(".", 1)[0]
+    if item.kind == "module" or head not in aliases:
+        return item
+    new = aliases[head] + item.name[len(head):]
+    return replace(item, name=new, module=aliases[head].rsplit(".", 1)[0],
+                   signature=item.signature.replace(item.name, new, 1))
+
+
+def mine_stdlib(root: Path | None = None, files: Sequence[str] | None = None) -> list[DocItem]:
+    """The items of every corpus file (default: `corpus_files(root)`), in file order, named as users know them: what a
+    package's `__init__` re-exports from its submodules goes by the package's name (`asyncio.sleep`, not
+    `asyncio.tasks.sleep`; `json.JSONEncoder.encode`)."""
+    root = Path(root or stdlib_root())
+    files = list(files if files is not None else corpus_files(root))
+    sources = {rel: (root / rel).read_text(encoding="utf-8") for rel in files}
+    trees: dict[str, ast.Module] = {}
+    for rel, src in sources.items():
+        try:
+            trees[rel] = ast.parse(src)
+        except (SyntaxError, ValueError):
+            pass
+    public = {module_name(rel): public_names(t) for rel, t in trees.items()}
+    aliases: dict[str, str] = {}
+    for rel, t in trees.items():
+        if rel.endswith("/__init__.py"):
+            aliases.update(reexports(t, module_name(rel), public))
+    items, seen = [], set()
+    for rel in files:
+        for item in mine_source(sources[rel], rel):
+            item = _renamed(item, aliases)
+            if item.name not in seen:
+                seen.add(item.name)
+                items.append(item)
+    return items
+
+
+def split_items(items: Iterable[DocItem]) -> tuple[list[DocItem], list[DocItem]]:
+    """(training, held-out) by the code corpus's rule on each item's file."""
+    items = list(items)
+    return [i for i in items if not is_heldout(i.file)], [i for i in items if is_heldout(i.file)]
+
+
+# ---- conversations --------------------------------------------------------------------------------------------------
+
+
+def answer(item: DocItem, style: str = "what") -> str:
+    """The assistant's answer: the signature in backticks, then the docstring; for "call" questions a sentence
+    leads with it. A module's answer is its docstring."""
+    if item.kind == "module":
+        return item.doc
+    if style == "call" and item.kind in CALL_LEAD:
+        return f"{CALL_LEAD[item.kind]} `{item.signature}`.\n\n{item.doc}"
+    return f"`{item.signature}`\n\n{item.doc}"
+
+
+def question(item: DocItem, template: str) -> str:
+    return template.format(name=item.name, short=item.short, module=item.module, owner=item.owner)
+
+
+def turn(item: DocItem, rng: np.random.Generator, follow_up: bool = False) -> list[dict]:
+    """One seeded question about `item` and its answer, as two messages."""
+    styles = ["what"] + (["call"] if item.kind in CALL else [])
+    style = styles[rng.integers(len(styles))] if rng.random() < 0.7 or len(styles) == 1 else "call"
+    if style == "call":
+        template = CALL[item.kind][rng.integers(len(CALL[item.kind]))]
+    elif follow_up and item.kind != "module" and rng.random() < FOLLOW_UP_SHARE:
+        template = FOLLOW_UP[rng.integers(len(FOLLOW_UP))]
+    else:
+        template = WHAT[item.kind][rng.integers(len(WHAT[item.kind]))]
+    return [{"role": "user", "content": question(item, template)},
+            {"role": "assistant", "content": answer(item, style)}]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    messages: tuple  # ({"role", "content"}, ...)
+    domain: str  # the items' domain, "chat" for greetings
+    names: tuple[str, ...]  # the items asked about
+
+
+def build_conversations(items: Sequence[DocItem], seed: int, passes: int = 1, greetings: int = 0) -> list[Conversation]:
+    """Seeded sessions over `items`: per pass, each module's items in a random order cut into sessions of 1-3 turns
+    (`SESSION_WEIGHTS`), every item asked once per pass; the sessions of all modules in a random order. Plus
+    `greetings` small-talk exchanges whose answers point at random items. The same items and seed give the same
+    conversations."""
+    rng = np.random.default_rng([seed, 0xC0DE])
+    by_module: dict[str, list[DocItem]] = {}
+    for item in items:
+        by_module.setdefault(item.module, []).append(item)
+    out: list[Conversation] = []
+    for _ in range(passes):
+        sessions: list[Conversation] = []
+        for module in sorted(by_module):
+            group = [by_module[module][i] for i in rng.permutation(len(by_module[module]))]
+            while group:
+                n = int(rng.choice(SESSION_TURNS, p=SESSION_WEIGHTS))
+                chunk, group = group[:n], group[n:]
+                messages = [m for j, it in enumerate(chunk) for m in turn(it, rng, follow_up=j > 0)]
+                sessions.append(Conversation(tuple(messages), chunk[0].domain, tuple(it.name for it in chunk)))
+        out += [sessions[i] for i in rng.permutation(len(sessions))]
+    named = [i for i in items if i.kind != "module"]
+    for _ in range(greetings if named else 0):
+        item = named[rng.integers(len(named))]
+        reply = GREETING_ANSWERS[rng.integers(len(GREETING_ANSWERS))].format(name=item.name)
+        messages = ({"role": "user", "content": GREETINGS[rng.integers(len(GREETINGS))]},
+                    {"role": "assistant", "content": reply})
+        out.insert(int(rng.integers(len(out) + 1)), Conversation(messages, "chat", ()))
+    return out
+
+
+# ---- rendering ------------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4)
+def _compiled(template: str):
+    """The template compiled as transformers compiles chat templates (a sandboxed environment, trim_blocks,
+    lstrip_blocks, the loopcontrols extension), so the rendering is the same string."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    return env.from_string(template)
+
+
+def render(messages: Sequence[dict], template: str = CHAT_TEMPLATE, add_generation_prompt: bool = False,
+           **special) -> str:
+    """`messages` rendered by the chat `template` (the one `tqbench.tokenizer` writes into tokenizer_config.json):
+    what `tokenizer.apply_chat_template(messages, tokenize=False)` returns."""
+    return _compiled(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt, **special)
+
+
+def encode_conversation(encoding, messages: Sequence[dict], template: str = CHAT_TEMPLATE) -> list[int]:
+    """Token ids of a rendered conversation: the template's special tokens as specials, the text between them as
+    ordinary text (as the transformers tokenizer encodes the rendered string)."""
+    return encoding.encode(render(messages, template), allowed_special="all")
+
+
+# ---- the mixed stream -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MixedStream:
+    tokens: np.ndarray  # uint32 ids, documents back to back
+    starts: np.ndarray  # int64 start of each document in `tokens`
+    kinds: list[str]  # "code" or "chat" per document
+    domains: list[str]  # the domain of each document
+    code_tokens: int
+    chat_tokens: int
+
+    @property
+    def chat_share(self) -> float:
+        return self.chat_tokens / max(self.code_tokens + self.chat_tokens, 1)
+
+    def summary(self, top: int = 20) -> dict:
+        """Counts for the record: documents and tokens of each kind, the `top` domains by tokens (all documents, and
+        the conversations alone)."""
+        by_domain: dict[str, Counter[str]] = {"all": Counter(), "chat": Counter()}
+        ends = np.append(self.starts[1:], len(self.tokens))
+        for kind, d, s, e in zip(self.kinds, self.domains, self.starts, ends):
+            by_domain["all"][d] += int(e - s)
+            if kind == "chat":
+                by_domain["chat"][d] += int(e - s)
+        return {"tokens": int(len(self.tokens)), "documents": len(self.kinds),
+                "code_documents": self.kinds.count("code"), "chat_documents": self.kinds.count("chat"),
+                "code_tokens": self.code_tokens, "chat_tokens": self.chat_tokens,
+                "chat_share": round(self.chat_share, 4),
+                "top_domains": dict(by_domain["all"].most_common(top)),
+                "top_chat_domains": dict(by_domain["chat"].most_common(top))}
+
+
+def mix_stream(code_docs: Sequence[np.ndarray], chat_docs: Sequence[np.ndarray], chat_share: float, seed: int,
+               code_domains: Sequence[str] | None = None, chat_domains: Sequence[str] | None = None) -> MixedStream:
+    """One training stream: every code document once, and conversations until they make `chat_share` of the tokens
+    (each document already ends with the eos). Conversations are taken in a seeded random order, cycling through them
+    again (a fresh order per cycle) when there are too few, and the last one taken is the one that brings the share
+    closest to the target; then all documents are shuffled together (seeded) and concatenated."""
+    if not 0.0 <= chat_share < 1.0:
+        raise ValueError(f"chat_share must be in [0, 1), got {chat_share}")
+    rng = np.random.default_rng([seed, 0x5EED])
+    code_tokens = int(sum(len(d) for d in code_docs))
+    want = chat_share / (1 - chat_share) * code_tokens
+    picked: list[int] = []
+    got = 0
+    if want > 0:
+        if not chat_docs or not any(len(d) for d in chat_docs):
+            raise ValueError("a chat share was asked but there are no conversations")
+        while got < want:
+            for i in rng.permutation(len(chat_docs)):
+                n = len(chat_docs[i])
+                if got + n - want > want - got:  # taking it would overshoot more than stopping short
+                    break
+                picked.append(int(i))
+                got += n
+            else:
+                continue
+            break
+    docs = [("code", j) for j in range(len(code_docs))] + [("chat", i) for i in picked]
+    order = rng.permutation(len(docs))
+    parts, kinds, domains, starts, pos = [], [], [], [], 0
+    for o in order:
+        kind, j = docs[o]
+        d = np.asarray(code_docs[j] if kind == "code" else chat_docs[j], dtype=np.uint32)
+        parts.append(d)
+        kinds.append(kind)
+        names = code_domains if kind == "code" else chat_domains
+        domains.append(names[j] if names is not None else kind)
+        starts.append(pos)
+        pos += len(d)
+    tokens = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+    return MixedStream(tokens, np.array(starts, dtype=np.int64), kinds, domains, code_tokens, got)
