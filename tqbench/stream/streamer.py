@@ -305,7 +305,9 @@ class Streamer:
                 else:
                     futures = self._submit(layer, run[0], bufs[0])
                 inflight[tuple(run)] = (bufs, futures)
-            wait([f for _, fs in inflight.values() for f in fs], return_when=FIRST_COMPLETED)
+            running = [f for _, fs in inflight.values() for f in fs if not f.done()]
+            if running:  # only reads still running: a finished piece of a fanned-out expert must not make this spin
+                wait(running, return_when=FIRST_COMPLETED)
             for run in [r for r, (_, fs) in inflight.items() if all(f.done() for f in fs)]:
                 bufs, fs = inflight.pop(run)
                 self.stats.reads += sum(f.result() for f in fs)  # re-raises a StoreError from the worker
