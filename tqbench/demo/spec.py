@@ -4,7 +4,7 @@ the K3 layout: routed experts U8 (mxfp4), `A_log`, `dt_bias` and `e_score_correc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tqbench.shards.header import TensorSpec
 from tqbench.skeleton import K3_TEXT_CONFIG, k3_tensor_specs
@@ -103,29 +103,8 @@ TRAINED_SPEC = DemoSpec(
 # same (8 x 6,144 = 4 x 12,288) while the routed parameters grow 3.5x (19.3 M). Four shared "experts" of 32 make the
 # shared MLP 128 wide, as the first demo's two of 64. 16.07 MB of tensors (10.24 MB experts); about 20 MB on disk with
 # the safetensors headers and the index of 19,028 tensors.
-CHAT_SPEC = DemoSpec(
-    hidden_size=128,
-    num_hidden_layers=8,
-    mla_every=4,
-    intermediate_size=384,
-    first_k_dense_replace=1,
-    num_experts=448,
-    num_experts_per_token=8,
-    moe_intermediate_size=32,
-    routed_expert_hidden_size=64,
-    num_shared_experts=4,
-    num_attention_heads=4,
-    q_lora_rank=64,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    kda_num_heads=4,
-    kda_head_dim=32,
-    attn_res_block_size=4,
-    bpe_merges=4096,
-    num_shards=4,
-)
+CHAT_SPEC = replace(TRAINED_SPEC, num_experts=448, num_experts_per_token=8, moe_intermediate_size=32,
+                    num_shared_experts=4)
 
 DEMO_SPECS = {"code": TRAINED_SPEC, "chat": CHAT_SPEC}  # by the name scripts/train_demo.py's --spec takes
 
