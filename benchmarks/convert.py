@@ -50,6 +50,9 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers next to this script
+from pagecache import drop_cache, peak_rss_bytes, resident_fraction  # noqa: E402
+
 SCHEMA = "tqbench.bench.convert/1"
 BLOCK = 16 * 2**20
 MiB = 2**20
@@ -67,12 +70,6 @@ QUICK_RECIPES = "tq3a-tqTe-down4-g64,affine4"
 
 
 # --- helpers shared by parent and children ---------------------------------------------------------------------------
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024
 
 
 def current_rss_bytes() -> int | None:
@@ -98,58 +95,6 @@ def source_files(src: Path) -> list[Path]:
 
 def tree_bytes(root: Path) -> int:
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-
-
-def resident_fraction(files: list[Path]) -> float | None:
-    """Fraction of the files' pages in the page cache (mincore on a shared read-only mapping), None if unsupported."""
-    try:
-        import ctypes
-        import mmap
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        page = os.sysconf("SC_PAGE_SIZE")
-        resident = total = 0
-        for f in files:
-            size = f.stat().st_size
-            if not size:
-                continue
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-                if addr in (None, ctypes.c_void_p(-1).value):
-                    return None
-                try:
-                    n = (size + page - 1) // page
-                    vec = (ctypes.c_ubyte * n)()
-                    if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-                        return None
-                    resident += sum(b & 1 for b in bytes(vec))
-                    total += n
-                finally:
-                    libc.munmap(ctypes.c_void_p(addr), size)
-            finally:
-                os.close(fd)
-        return resident / total if total else None
-    except Exception:
-        return None
-
-
-def drop_cache(files: list[Path]) -> bool:
-    """fsync each file (dirty pages cannot be dropped) and advise the kernel to drop its cached pages."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return True
 
 
 def _emit(result: dict) -> None:
