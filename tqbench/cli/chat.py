@@ -129,19 +129,19 @@ def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout:
         raise TqbenchError(f"--cache-policy {policy!r}: choose lrfu or lru")
     if page_cache not in ("auto", "on", "off"):
         raise TqbenchError(f"--page-cache {page_cache!r}: choose auto, on or off")
-    streamable = _streamable(path)
+    experts = _experts(path)  # read once for the decisions below
     if budget is None:
-        if not streamable or not needs_streaming(path):
+        if experts is None or not needs_streaming(path, store=experts):
             return None
         budget = "auto"
         if not quiet:
             err.print("the model does not fit in memory: streaming its experts from disk (--cache-budget-gb auto)",
                       markup=False)
-    if not streamable:
+    if experts is None:
         raise TqbenchError("no routed experts to stream (neither tqbench's expert_map.json nor stacked "
                            "switch_mlp tensors); run it resident without --cache-budget-gb", path)
     if budget.strip().lower() == "auto":
-        nbytes = auto_budget(path)
+        nbytes = auto_budget(path, store=experts)
     else:
         try:
             nbytes = parse_size(budget + ("" if budget.strip()[-1:].isalpha() else "GB"))
@@ -150,14 +150,16 @@ def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout:
     return StreamConfig(nbytes, workers, policy, fanout, page_cache)
 
 
-def _streamable(path: str) -> bool:
+def _experts(path: str):
+    """The model's expert layout (tqbench.stream.ExpertStore, closed), or None when it has no routed experts."""
     from tqbench.stream.store import ExpertStore, StoreError
 
     try:
-        ExpertStore.open(Path(path)).close()
+        store = ExpertStore.open(Path(path))
     except (StoreError, TqbenchError, OSError):
-        return False
-    return True
+        return None
+    store.close()
+    return store
 
 
 def _write_stats(session: Session, file: Path) -> None:

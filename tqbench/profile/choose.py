@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqbench.profile.fingerprint import Geometry, fingerprint, geometry
 from tqbench.profile.profile import MATURE, Profile, ProfileError, check_fits, from_dict, from_seed_files
@@ -24,11 +25,11 @@ class Choice:
     geometry: Geometry
 
 
-def identify(model: str | Path) -> tuple[str, Geometry]:
+def identify(model: str | Path, experts: Any = None) -> tuple[str, Geometry]:
     """A model directory's fingerprint and geometry. Raises a one-line TqbenchError for a directory that is no model
     with streamable routed experts."""
     try:
-        return fingerprint(model), geometry(model)
+        return fingerprint(model, experts), geometry(model, experts)
     except OSError as e:
         raise ProfileError(f"not a model directory tqbench can profile ({e.strerror or e})", model) from None
     except ValueError as e:
@@ -72,8 +73,9 @@ def read_file(file: str | Path, fp: str, geo: Geometry, force: bool = False, see
 
 
 def choose(model: str | Path, file: str | Path | None = None, force: bool = False,
-           store: ProfileStore | None = None, mature: int | None = None) -> Choice:
-    fp, geo = identify(model)
+           store: ProfileStore | None = None, mature: int | None = None, experts: Any = None) -> Choice:
+    """`experts`: the model's tqbench.stream.ExpertStore when the caller has one open (not read again)."""
+    fp, geo = identify(model, experts)
     if file is not None:
         return Choice("file", str(file), read_file(file, fp, geo, force), fp, geo)
     if store is not None:

@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -31,25 +32,30 @@ ROUTER_SUFFIXES = (".gate.weight", ".gate.e_score_correction_bias")  # a MoE blo
 ROUTER_SAMPLE = 4096  # bytes read from the start of each router tensor
 
 
-def fingerprint(path: str | Path) -> str:
+def fingerprint(path: str | Path, store: Any = None) -> str:
     """sha256 (first 16 hex digits) of the config, the expert layout, the tensor table (headers) and the first
     ROUTER_SAMPLE bytes of every router tensor (a few small reads, whatever the model's size)."""
     from tqbench.shards.header import read_header
-    from tqbench.stream.store import ExpertStore
 
     root = Path(path)
     h = hashlib.sha256()
     config = json.loads((root / "config.json").read_text())
     h.update(json.dumps(config, sort_keys=True).encode())
-    store = ExpertStore.open(root)
+    store = store or _open(root)
     for n, lay in sorted(store.layers.items()):
         h.update(repr((n, lay.experts, lay.nbytes, lay.signature, lay.extents[0], lay.extents[-1])).encode())
-    store.close()
+    headers: dict[Path, list] = {}  # each shard's header is read once
+
+    def tensors(f: Path) -> list:
+        if f not in headers:
+            headers[f] = read_header(f, f.name).tensors
+        return headers[f]
+
     for f in store.files:
-        for t in read_header(root / f, f).tensors:
+        for t in tensors(root / f):
             h.update(f"{t.name}|{t.dtype}|{t.shape}\n".encode())
     for f in sorted(root.glob("*.safetensors")):
-        routers = [t for t in read_header(f).tensors if t.name.endswith(ROUTER_SUFFIXES)]
+        routers = [t for t in tensors(f) if t.name.endswith(ROUTER_SUFFIXES)]
         if routers:
             fd = os.open(f, os.O_RDONLY)
             try:
@@ -60,15 +66,22 @@ def fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def geometry(path: str | Path) -> Geometry:
-    from tqbench.source.config import parse_config
+def _open(root: Path) -> Any:
+    """The model's expert layout (headers or expert_map.json only; no file stays open)."""
     from tqbench.stream.store import ExpertStore
+
+    store = ExpertStore.open(root)
+    store.close()
+    return store
+
+
+def geometry(path: str | Path, store: Any = None) -> Geometry:
+    from tqbench.source.config import parse_config
 
     root = Path(path)
     raw = json.loads((root / "config.json").read_text())
     cfg = parse_config(raw)
-    store = ExpertStore.open(root)
-    store.close()
+    store = store or _open(root)
     layers = tuple(sorted(store.layers))
     experts = max(lay.experts for lay in store.layers.values())
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}

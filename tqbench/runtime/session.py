@@ -36,17 +36,20 @@ def _profile(session: Session, loaded: Any, opts: ProfileOptions) -> dict | None
     from tqbench.profile import Learner, Profile, ProfileError, ProfileStore, choose, tap
     from tqbench.stream.store import ExpertStore, StoreError
 
-    try:
-        ExpertStore.open(loaded.path).close()
-    except (StoreError, OSError):
-        return None
+    experts = loaded.streamer.store if loaded.streamer is not None else None
+    if experts is None:
+        try:
+            experts = ExpertStore.open(loaded.path)
+        except (StoreError, OSError):
+            return None  # no routed experts to profile
+        experts.close()
     store = None
     if opts.learn or opts.file is None:
         try:
             store = ProfileStore(opts.store)
         except ProfileError as e:  # a chat still runs: it just neither learns nor uses what was learned
             print(f"tqbench: warning: {e}; this session does not learn", file=sys.stderr)
-    choice = choose(loaded.path, opts.file, opts.force, store, opts.mature)
+    choice = choose(loaded.path, opts.file, opts.force, store, opts.mature, experts)
     pinned, preload_s = 0, 0.0
     if choice.profile is not None and loaded.streamer is not None:  # share 0: no pins, history seeded
         p = choice.profile

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqbench.recipe.fit import RESERVE, machine
 
@@ -20,24 +21,27 @@ class ModelBytes:
         return self.total - self.experts
 
 
-def model_bytes(path: str | Path) -> ModelBytes:
-    """From tqbench's expert map, else from a stacked layout's headers (tqbench.stream.ExpertStore.open)."""
+def model_bytes(path: str | Path, store: Any = None) -> ModelBytes:
+    """From tqbench's expert map, else from a stacked layout's headers (tqbench.stream.ExpertStore.open); `store`:
+    the model's ExpertStore when the caller has it open."""
     from tqbench.stream.store import ExpertStore
 
-    store = ExpertStore.open(Path(path))
+    if store is None:
+        store = ExpertStore.open(Path(path))
+        store.close()
     total = sum((store.root / f).stat().st_size for f in store.files)
     layers = store.layers.values()
     return ModelBytes(total, sum(lay.nbytes * lay.experts for lay in layers), max(lay.nbytes for lay in layers))
 
 
-def auto_budget(path: str | Path, gpu_limit: int | None = None) -> int:
+def auto_budget(path: str | Path, gpu_limit: int | None = None, store: Any = None) -> int:
     """limit - resident bytes - reserve, at most every expert's bytes (a cache larger than the model is pointless)."""
-    mb = model_bytes(path)
+    mb = model_bytes(path, store)
     limit = gpu_limit if gpu_limit is not None else machine().gpu_limit_bytes
     return max(0, min(limit - mb.resident - RESERVE, mb.experts + 16 * mb.one_expert))
 
 
-def needs_streaming(path: str | Path, gpu_limit: int | None = None) -> bool:
+def needs_streaming(path: str | Path, gpu_limit: int | None = None, store: Any = None) -> bool:
     """Whether the whole model plus the reserve exceeds the GPU working-set limit (then it must stream)."""
     limit = gpu_limit if gpu_limit is not None else machine().gpu_limit_bytes
-    return model_bytes(path).total + RESERVE > limit
+    return model_bytes(path, store).total + RESERVE > limit
