@@ -51,7 +51,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers next to this script
-from pagecache import drop_cache, peak_rss_bytes, resident_fraction  # noqa: E402
+from measure import current_rss_bytes, drop_cache, openblas_mapped, peak_rss_bytes, resident_fraction  # noqa: E402,E501
 
 SCHEMA = "tqbench.bench.convert/1"
 BLOCK = 16 * 2**20
@@ -70,23 +70,6 @@ QUICK_RECIPES = "tq3a-tqTe-down4-g64,affine4"
 
 
 # --- helpers shared by parent and children ---------------------------------------------------------------------------
-
-
-def current_rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return None
-
-
-def openblas_mapped() -> bool | None:
-    """Whether an OpenBLAS library is mapped into this process (None where /proc is absent)."""
-    try:
-        with open("/proc/self/maps") as f:
-            return "libopenblas" in f.read()
-    except OSError:
-        return None
 
 
 def source_files(src: Path) -> list[Path]:

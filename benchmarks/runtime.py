@@ -55,6 +55,9 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers next to this script
+from measure import current_rss_bytes, openblas_mapped, peak_rss_bytes  # noqa: E402
+
 SCHEMA = "tqbench.bench.runtime/1"
 MiB = 2**20
 RESULT_MARK = "BENCH-RESULT "
@@ -66,32 +69,10 @@ QUICK = dict(repeats=1, prompt_tokens=128, gen_tokens=16, warmup_tokens=4, windo
 PROFILE_TOKENS = 32
 REPO = Path(__file__).resolve().parent.parent
 CHILD_SCRIPT: Path | None = None  # the snapshot's copy of this script (snapshot_code)
-RELEVANT = ("tqbench", "benchmarks/runtime.py", "pyproject.toml")  # what a measurement here depends on in the repo
+RELEVANT = ("tqbench", "benchmarks/runtime.py", "benchmarks/measure.py", "pyproject.toml")  # what a measurement here depends on in the repo
 
 
 # --- helpers shared by parent and children ---------------------------------------------------------------------------
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024
-
-
-def current_rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return None
-
-
-def openblas_mapped() -> bool | None:
-    try:
-        with open("/proc/self/maps") as f:
-            return "libopenblas" in f.read()
-    except OSError:
-        return None
 
 
 def code_files() -> dict[str, str]:
@@ -116,6 +97,7 @@ def snapshot_code(work: Path) -> Path:
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(REPO / "tqbench", dest / "tqbench", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copy2(Path(__file__).resolve(), dest / "runtime.py")
+    shutil.copy2(Path(__file__).resolve().parent / "measure.py", dest / "measure.py")
     return dest
 
 

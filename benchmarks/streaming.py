@@ -79,7 +79,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait  # noqa
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers next to this script
-from pagecache import drop_cache, peak_rss_bytes, resident_fraction  # noqa: E402
+from measure import drop_cache, peak_rss_bytes, resident_fraction  # noqa: E402
 
 import numpy as np  # noqa: E402
 

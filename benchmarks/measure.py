@@ -1,5 +1,5 @@
-"""Measurement helpers the benchmarks share: a process's peak RSS, and the page cache (how much of some files it holds,
-and dropping them from it) so a read measures the disk, not memory."""
+"""Measurement helpers the benchmarks share: a process's memory (peak and current RSS), whether OpenBLAS is loaded, and
+the page cache (how much of some files it holds, and dropping them from it) so a read measures the disk, not memory."""
 
 from __future__ import annotations
 
@@ -15,6 +15,22 @@ def peak_rss_bytes() -> int:
     """This process's peak resident set size in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
+
+def current_rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
+def openblas_mapped() -> bool | None:
+    """Whether an OpenBLAS library is mapped into this process (None where /proc is absent)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libopenblas" in f.read()
+    except OSError:
+        return None
 
 
 def resident_fraction(files: list[Path]) -> float | None:
