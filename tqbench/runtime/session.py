@@ -145,6 +145,29 @@ def stream_stats(session: Session) -> dict | None:
     return None if streamer is None else streamer.stats.to_dict()
 
 
+def export_profile(session: Session, file: str) -> dict:
+    """Save what this session learned, then write the model's learned profile to `file` as `tqbench profile export`
+    does (JSON, schema tqbench.profile/1). Returns file, routings, sessions and pins. Use with session.call."""
+    from pathlib import Path
+
+    from tqbench.convert.journal import write_atomic
+    from tqbench.errors import TqbenchError
+
+    learner = session.state.get(LEARNER)
+    if learner is None:
+        raise TqbenchError("this session does not learn a profile (a model without routed experts, or no profile "
+                           "store)")
+    learner.flush()
+    learner.save()
+    p = learner.store.load(learner.blank.fingerprint, learner.blank.geometry)
+    if p.routings <= 0:
+        raise TqbenchError("no learned profile for this model yet: chat with it first")
+    out = Path(file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, p.to_text().encode())
+    return {"file": str(out), "routings": p.routings, "sessions": p.sessions, "pins": len(p.ranked())}
+
+
 def last_reply(session: Session) -> ReplyDone | None:
     """The summary of the last reply, also of one stopped early (finish_reason "cancelled"). Use with session.call."""
     return conversation(session).last

@@ -17,6 +17,7 @@ class PageIn:
     served: tuple[str, ...]  # per expert: "pinned", "cache", "prefetched" (look-ahead, in time) or "miss"
     bytes_read: int
     stall_s: float  # time the layer waited for reads and slot writes
+    cache_bytes: int = 0  # the expert cache's bytes after this layer (pinned and cached experts)
 
 
 @dataclass

@@ -348,7 +348,7 @@ class Streamer:
         s.evictions = sum(p.cache.evictions for p in self.pools)
         s.cache_bytes = sum(len(p.cache) * p.nbytes for p in self.pools)
         s.cache_bytes_max = max(s.cache_bytes_max, s.cache_bytes)
-        self.events.append(PageIn(self.token, layer, tuple(experts), kinds, read_bytes, stall))
+        self.events.append(PageIn(self.token, layer, tuple(experts), kinds, read_bytes, stall, s.cache_bytes))
 
     # ---- between tokens ----
 

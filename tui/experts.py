@@ -1,0 +1,125 @@
+"""The live expert view's state, plain Python (no Textual): for every MoE layer and routed expert, how it was served
+on its last routing and when, folded into bins for a narrow map; per layer, misses over recent tokens and stall time.
+
+Fed with tqbench.stream.PageIn events in batches (the Chat screen's reply worker posts them at most every ~50 ms).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+KINDS = ("pinned", "cache", "prefetched", "miss")  # PageIn.served values, best first (a bin shows its worst)
+GLYPHS = {"pinned": "P", "cache": "=", "prefetched": "+", "miss": "#", None: " "}  # None: never routed
+LABELS = {"pinned": "pinned", "cache": "cache hit", "prefetched": "prefetched", "miss": "read from disk"}
+FADE = 24  # tokens after which a routing is fully faded
+SPARK = 12  # tokens of miss history kept per layer
+
+
+def fold(experts: int, columns: int) -> int:
+    """Experts per cell so that `experts` fit in `columns` cells (1 when they fit as they are)."""
+    return max(1, -(-experts // max(1, columns)))
+
+
+def bins(experts: int, per: int) -> list[range]:
+    """The bins of `per` experts (the last may be shorter): every expert in exactly one."""
+    return [range(a, min(a + per, experts)) for a in range(0, experts, per)]
+
+
+@dataclass
+class LayerState:
+    experts: int
+    last: list[int] = field(default_factory=list)  # per expert: the token of its last routing (-1: never)
+    kind: list[int] = field(default_factory=list)  # per expert: index into KINDS of that routing
+    misses: deque = field(default_factory=lambda: deque(maxlen=SPARK))  # misses per recent token
+    stall_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.last = [-1] * self.experts
+        self.kind = [0] * self.experts
+
+
+class ExpertMap:
+    """Layers x experts, from PageIn events. `layers`: each MoE layer's number of routed experts (from the model)."""
+
+    def __init__(self, layers: dict[int, int]):
+        self.layers = {n: LayerState(e) for n, e in sorted(layers.items())}
+        self.token = 0  # the newest PageIn.token seen
+        self.seen = {k: 0 for k in KINDS}  # routings by how they were served, since the map was made
+        self.bytes_read = 0
+        self.stall_s = 0.0
+        self.cache_bytes = 0  # after the newest event
+        self.dirty: set[int] = set(self.layers)  # layers changed since the view last drew them
+
+    @property
+    def widest(self) -> int:
+        return max((s.experts for s in self.layers.values()), default=0)
+
+    def apply(self, events: Iterable) -> None:
+        """Take a batch of PageIn events, in the order the engine produced them."""
+        for ev in events:
+            st = self.layers.get(ev.layer)
+            if st is None:  # a layer the map was not told about: never expected, never fatal
+                continue
+            self.token = max(self.token, ev.token)
+            misses = 0
+            for e, how in zip(ev.experts, ev.served):
+                if 0 <= e < st.experts:
+                    st.last[e] = ev.token
+                    st.kind[e] = KINDS.index(how)
+                self.seen[how] += 1
+                misses += how == "miss"
+            st.misses.append(misses)
+            st.stall_s += ev.stall_s
+            self.stall_s += ev.stall_s
+            self.bytes_read += ev.bytes_read
+            self.cache_bytes = ev.cache_bytes
+        self.dirty = set(self.layers)  # every row fades by one token
+
+    def cell(self, layer: int, expert: int) -> tuple[str | None, int]:
+        """(how the expert was served on its last routing, tokens since): (None, -1) if never routed."""
+        st = self.layers[layer]
+        if st.last[expert] < 0:
+            return None, -1
+        return KINDS[st.kind[expert]], self.token - st.last[expert]
+
+    def bin(self, layer: int, experts: range) -> tuple[str | None, int]:
+        """A bin's state: its most recent routing; among those of the same token, the worst served."""
+        st = self.layers[layer]
+        best = (-1, -1)
+        for e in experts:
+            if e < st.experts and (st.last[e], st.kind[e]) > best:
+                best = (st.last[e], st.kind[e])
+        if best[0] < 0:
+            return None, -1
+        return KINDS[best[1]], self.token - best[0]
+
+    def hits(self) -> int:
+        return self.seen["pinned"] + self.seen["cache"] + self.seen["prefetched"]
+
+    def hit_rate(self) -> float:
+        """As tqbench.stream.StreamStats.hit_rate: hits over routings."""
+        n = self.hits() + self.seen["miss"]
+        return self.hits() / n if n else 0.0
+
+    def take_dirty(self) -> set[int]:
+        out, self.dirty = self.dirty, set()
+        return out
+
+
+def heat(age: int) -> float:
+    """1.0 for an expert routed this token, fading linearly to 0.0 after FADE tokens."""
+    return 0.0 if age < 0 else max(0.0, 1.0 - age / FADE)
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Iterable[int], top: int, width: int = SPARK) -> str:
+    """Recent values as block characters scaled to `top`, right-aligned in `width` cells (blank: no token yet)."""
+    vals = list(values)[-width:]
+    top = max(1, top)
+    line = "".join(SPARKS[0 if v <= 0 else max(1, min(len(SPARKS) - 1, round(v / top * (len(SPARKS) - 1))))]
+                   for v in vals)
+    return line.rjust(width)

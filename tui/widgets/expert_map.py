@@ -1,0 +1,218 @@
+"""The live expert view's map: one row per MoE layer, one cell per routed expert (or per bin of experts when the
+width is short), drawn with Textual's Line API from a tui.experts.ExpertMap.
+
+A cell tells how its expert was served on its last routing by glyph (readable without colour) and colour: P pinned,
+= cache hit, + prefetched (read ahead in time), # read from disk (a miss), blank never routed. Its colour fades over
+FADE tokens after the routing; this token's routings are bold. A bin shows its most recent routing (the worst served
+among those of the same token). After the cells: the layer's misses over the last tokens and its stall time so far.
+
+Keys (the map focused): up/down choose a layer, enter opens it (all its experts, wrapped over several lines), + and -
+zoom (experts per cell), left/right scroll when the bins do not fit.
+"""
+
+from __future__ import annotations
+
+from rich.segment import Segment
+from rich.style import Style
+from textual.binding import Binding
+from textual.geometry import Region, Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from tui.experts import FADE, GLYPHS, KINDS, SPARK, ExpertMap, bins, fold, heat, sparkline
+
+STALL_W = 7  # "12.3 s", "999 ms"
+MIN_CELLS = 8  # fewer cell columns than this: the sparkline and stall columns are left out
+
+
+def stall_text(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+class ExpertMapView(ScrollView, can_focus=True):
+    DEFAULT_CSS = """
+    ExpertMapView { height: 1fr; overflow-x: hidden; scrollbar-size-vertical: 1; }
+    ExpertMapView > .expert-map--pinned { color: $primary; }
+    ExpertMapView > .expert-map--cache { color: $success; }
+    ExpertMapView > .expert-map--prefetched { color: $accent; }
+    ExpertMapView > .expert-map--miss { color: $error; }
+    ExpertMapView > .expert-map--muted { color: $text-muted; }
+    ExpertMapView > .expert-map--cursor { background: $accent 40%; text-style: bold; }
+    """
+    COMPONENT_CLASSES = {f"expert-map--{k}" for k in (*KINDS, "muted", "cursor")}
+    BINDINGS = [
+        Binding("up", "cursor(-1)", "Layer", show=False),
+        Binding("down", "cursor(1)", "Layer", show=False),
+        Binding("enter", "open", "Open layer"),
+        Binding("plus,equals_sign", "zoom(-1)", "Zoom in"),
+        Binding("minus", "zoom(1)", "Zoom out"),
+        Binding("left", "scroll_bins(-1)", "Scroll", show=False),
+        Binding("right", "scroll_bins(1)", "Scroll", show=False),
+    ]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.model: ExpertMap | None = None
+        self.per: int | None = None  # experts per cell (None: fit the width)
+        self.first = 0  # first bin shown
+        self.cursor = 0  # index of the chosen layer
+        self.opened: set[int] = set()  # layers shown with all their experts
+        self.paused = False
+        self._rows: list[tuple] = []  # ("head",) | ("layer", n) | ("wrap", n, first expert)
+        self._styles: dict = {}
+
+    # ---- state ----
+
+    def set_model(self, model: ExpertMap | None) -> None:
+        self.model, self.per, self.first, self.cursor, self.opened = model, None, 0, 0, set()
+        self._relayout()
+
+    def update_view(self) -> None:
+        """The model took a batch: redraw (rows only; nothing while paused)."""
+        if self.model is not None and not self.paused:
+            self.model.take_dirty()
+            self.refresh()
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        self._relayout()
+
+    # ---- geometry ----
+
+    @property
+    def layer_list(self) -> list[int]:
+        return list(self.model.layers) if self.model else []
+
+    def geometry(self) -> tuple[int, int, int, bool]:
+        """(label width, cell columns, experts per cell, tail shown)."""
+        width = self.scrollable_content_region.width or self.size.width
+        m = self.model
+        label = max(len(f"L{max(m.layers, default=0)}"), len(str(max(0, m.widest - 1)))) + 1 if m else 3
+        tail = SPARK + STALL_W + 2
+        cols = width - label - tail
+        shown = cols >= MIN_CELLS
+        if not shown:
+            cols = width - label
+        cols = max(1, cols)
+        return label, cols, self.per or fold(m.widest if m else 1, cols), shown
+
+    def wrap_width(self) -> int:
+        """Experts per line of an opened layer."""
+        return max(1, (self.scrollable_content_region.width or self.size.width) - self.geometry()[0])
+
+    def _relayout(self) -> None:
+        rows: list[tuple] = [("head",)]
+        if self.model is not None:
+            wrap = self.wrap_width()
+            for n in self.model.layers:
+                rows.append(("layer", n))
+                if n in self.opened:
+                    rows += [("wrap", n, a) for a in range(0, self.model.layers[n].experts, wrap)]
+        self._rows = rows
+        self.virtual_size = Size(self.size.width, len(rows))
+        self.refresh()
+
+    def on_resize(self) -> None:
+        self._relayout()
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._styles = {}
+
+    # ---- keys ----
+
+    def action_cursor(self, step: int) -> None:
+        layers = self.layer_list
+        if not layers:
+            return
+        self.cursor = max(0, min(len(layers) - 1, self.cursor + step))
+        y = self._rows.index(("layer", layers[self.cursor]))
+        self.scroll_to_region(Region(0, y, 1, 1), animate=False)
+        self.refresh()
+
+    def action_open(self) -> None:
+        layers = self.layer_list
+        if layers:
+            self.opened ^= {layers[self.cursor]}
+            self._relayout()
+
+    def action_zoom(self, step: int) -> None:
+        """step -1: fewer experts per cell (down to one), +1: more (up to the whole layer in a cell)."""
+        if self.model is None:
+            return
+        _, _, per, _ = self.geometry()
+        per = max(1, per // 2) if step < 0 else min(self.model.widest, per * 2)
+        self.per, self.first = per, 0
+        self.refresh()
+
+    def action_scroll_bins(self, step: int) -> None:
+        if self.model is None:
+            return
+        _, cols, per, _ = self.geometry()
+        total = len(bins(self.model.widest, per))
+        self.first = max(0, min(max(0, total - cols), self.first + step * max(1, cols // 2)))
+        self.refresh()
+
+    # ---- drawing ----
+
+    def _style(self, key: tuple) -> Style:
+        """Styles by (kind, age) for cells, or a component name."""
+        style = self._styles.get(key)
+        if style is None:
+            base = self.rich_style
+            if key[0] in KINDS:
+                kind, age = key
+                bg = self.background_colors[1]
+                color = self.get_component_styles(f"expert-map--{kind}").color
+                fg = bg.blend(color, 0.35 + 0.65 * heat(age))
+                style = base + Style(color=fg.rich_color, bold=age == 0)
+            else:
+                style = base + self.get_component_rich_style(f"expert-map--{key[0]}", partial=True)
+            self._styles[key] = style
+        return style
+
+    def _cells(self, layer: int, groups: list[range]) -> list[Segment]:
+        out = []
+        for g in groups:
+            kind, age = self.model.cell(layer, g.start) if len(g) == 1 else self.model.bin(layer, g)
+            out.append(Segment(GLYPHS[kind], self._style((kind, min(age, FADE))) if kind else self.rich_style))
+        return out
+
+    def render_line(self, y: int) -> Strip:
+        width = self.scrollable_content_region.width or self.size.width
+        i = y + int(self.scroll_offset.y)
+        if i >= len(self._rows) or self.model is None:
+            return Strip.blank(width, self.rich_style)
+        row = self._rows[i]
+        label, cols, per, tail = self.geometry()
+        m = self.model
+        muted = self._style(("muted",))
+        if row[0] == "head":
+            total = len(bins(m.widest, per))
+            first = min(self.first, max(0, total - cols))
+            text = f"{m.widest} experts/layer · {per} per cell"
+            if total > cols:
+                text += f" · cells {first + 1}-{min(total, first + cols)} of {total} ◀▶"
+            if self.paused:
+                text += " · PAUSED (v)"
+            segs = [Segment(text, muted)]
+        elif row[0] == "layer":
+            n = row[1]
+            st = m.layers[n]
+            groups = bins(st.experts, per)
+            first = min(self.first, max(0, len(bins(m.widest, per)) - cols))
+            chosen = self.has_focus and self.layer_list[self.cursor] == n
+            mark = "▾" if n in self.opened else " "
+            segs = [Segment(f"L{n}".ljust(label - 1) + mark, self._style(("cursor",)) if chosen else muted)]
+            segs += self._cells(n, groups[first:first + cols])
+            segs.append(Segment(" " * (cols - len(groups[first:first + cols]))))
+            if tail:
+                top = max((max(s.misses, default=0) for s in m.layers.values()), default=1)
+                segs += [Segment(" "), Segment(sparkline(st.misses, top), self._style(("miss", FADE // 2))),
+                         Segment(stall_text(st.stall_s).rjust(STALL_W), muted)]
+        else:  # ("wrap", layer, first expert): one cell per expert
+            n, a = row[1], row[2]
+            experts = m.layers[n].experts
+            segs = [Segment(str(a).rjust(label - 1) + " ", muted)]
+            segs += self._cells(n, [range(e, e + 1) for e in range(a, min(experts, a + self.wrap_width()))])
+        return Strip(segs).adjust_cell_length(width, self.rich_style)
