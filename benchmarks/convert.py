@@ -165,7 +165,7 @@ def _install_stage_timers() -> dict[str, list]:
     from tqbench.convert import pipeline, produce
     from tqbench.quant import turboquant as tq
     from tqbench.source import reader
-    from tqbench import writer
+    from tqbench.shards import writer
 
     stats: dict[str, list] = {}
 

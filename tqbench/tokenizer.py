@@ -18,9 +18,12 @@ import heapq
 import json
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import regex
-import tiktoken
+
+if TYPE_CHECKING:
+    import tiktoken
 
 NUM_SPECIAL = 256
 NAMED_SPECIAL = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
@@ -96,6 +99,8 @@ def write_tokenizer(dest: Path, ranks: dict[bytes, int], model_max_length: int =
 
 def load_encoding(directory: Path) -> tiktoken.Encoding:
     """A tiktoken Encoding from a tokenizer directory (`tiktoken.model` + `tokenizer_config.json`)."""
+    import tiktoken  # only here: writing tokenizer files needs no tiktoken
+
     directory = Path(directory)
     ranks = read_tiktoken_model(directory / TIKTOKEN_FILE)
     config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))

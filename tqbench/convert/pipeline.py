@@ -144,10 +144,12 @@ def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
 
 
 def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: Recipe,
-            shard_size: int = SHARD_SIZE, force: bool = False) -> Iterator[Any]:
+            shard_size: int = SHARD_SIZE, force: bool = False,
+            producer_class: type[Producer] = Producer) -> Iterator[Any]:
     """Convert, yielding ConvertStarted, UnitConverted per unit, ShardWritten per shard, ConvertFinished.
     `source` may be an opened Checkpoint or a Layout computed for this recipe and shard size (faces that checked
-    the destination have one). Closing the generator stops cleanly: the shard being written is dropped and the
+    the destination have one). `producer_class` computes each unit's tensors (a benchmark may substitute one that
+    writes synthetic expert codes). Closing the generator stops cleanly: the shard being written is dropped and the
     output resumes later."""
     t0 = time.monotonic()
     if isinstance(source, Layout):
@@ -175,7 +177,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     shards = chunks(with_source_bytes(iter_units(plan.modules, "streaming")), lay.counts)
     pending = _lookahead(x for shard, r in zip(shards, resumed) if not r for x in shard)
     with ShardReader(ckpt.path, workers=PREFETCH_WORKERS) as reader:
-        producer = Producer(ckpt, recipe, reader)
+        producer = producer_class(ckpt, recipe, reader)
         for i, (file, header) in enumerate(zip(files, headers)):
             if resumed[i]:
                 continue

@@ -131,10 +131,12 @@ def quiet_libraries() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False, streaming: Any = None) -> Loaded:
+def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False, streaming: Any = None,
+         tokenizer: bool = True) -> Loaded:
     """Load a model directory (tqbench conversion, TurboQuant-MLX build, MLX or source checkpoint) with its tokenizer.
     `streaming` (a tqbench.stream.StreamConfig) keeps routed experts on disk: they are swapped for streamed ones
-    before any stacked expert array is evaluated. Must run on the engine's MLX thread. Raises LoadError (or
+    before any stacked expert array is evaluated. `tokenizer=False` skips the tokenizer (benchmarks that feed token
+    ids; Loaded.tokenizer is then None). Must run on the engine's MLX thread. Raises LoadError (or
     tqbench.stream.StoreError) with one line naming the directory and the problem."""
     import mlx_lm.utils as mu
 
@@ -169,14 +171,17 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
         streamer = _stream(model, path, streaming) if streaming is not None else None
         if not lazy:
             mx.eval(model.parameters())
-        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        if not tokenizer:
+            tok = None
+        elif not any((path / f).is_file() for f in TOKENIZER_FILES):
             raise LoadError(f"no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)", path)
-        try:
-            tokenizer = mu.load_tokenizer(path, {"trust_remote_code": trust}, eos_token_ids=config.get("eos_token_id"))
-        except (ValueError, OSError) as e:  # transformers: no tokenizer files, a broken tokenizer.json, ...
-            raise LoadError(f"cannot load its tokenizer ({_one_line(e)})", path) from None
+        else:
+            try:
+                tok = mu.load_tokenizer(path, {"trust_remote_code": trust}, eos_token_ids=config.get("eos_token_id"))
+            except (ValueError, OSError) as e:  # transformers: no tokenizer files, a broken tokenizer.json, ...
+                raise LoadError(f"cannot load its tokenizer ({_one_line(e)})", path) from None
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    return Loaded(model, tokenizer, config, path, model_type(config), len(swapped), nbytes, streamer)
+    return Loaded(model, tok, config, path, model_type(config), len(swapped), nbytes, streamer)
 
 
 def _stream(model: nn.Module, path: Path, config: Any):

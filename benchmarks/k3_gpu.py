@@ -1,0 +1,504 @@
+#!/usr/bin/env python3
+"""The whole path on a GPU (issue 14): a Kimi-K3-shaped model streamed from NVMe, with the page cache bypassed.
+
+    PYTHONPATH=. python3 benchmarks/k3_gpu.py --work /tmp/k3 --out k3.json        # on the GPU machine
+    python benchmarks/k3_gpu.py --quick                                            # a CPU smoke run (about a minute)
+
+What it does, in one run on one disk (the work directory):
+
+1. Conversion (`--convert-layers`, `--convert-experts`): a seeded random K3-shaped source (`tqbench.demo.write_source`:
+   K3's expert shapes, mxfp4 experts) converted for real with `tq3a-tqTe-down4-g64` by `benchmarks/convert.py`'s child,
+   twice in fresh processes (the first pays MLX's kernel compilation, reported apart), with its per-stage timers, and
+   the raw read+write of the same bytes on the same disk, page cache dropped before each.
+2. The streaming model: K3's expert shapes (hidden 7168, latent 3584, expert width 3072: 10.96 MB per expert at the
+   recipe), `--layers` layers (the first dense) of `--experts` experts, top-16, smaller attention than K3 (see SPEC).
+   Its source is written sparse for the routed experts (holes: a K3-shaped mxfp4 source of that size would not fit
+   beside the output), and it is converted by the converter itself with one substitution (`SyntheticExperts`): each
+   routed projection's codes and scales are computed once from random weights and written for every expert. So the
+   expert bytes on disk are real converter output of the real size, their values are the same for every expert (the
+   speed does not depend on them), and every other tensor is converted from its random source as usual.
+3. This disk's raw O_DIRECT bandwidth at the expert size (`benchmarks/streaming.py`'s `raw_round`).
+4. Decode, each run in this order in one fresh process, greedy, the same random-token prompts: A) prompt A cold at
+   native top-16, whose routings make a profile (counts per expert); B) prompt B cold; C) prompt B warm-started from
+   A's profile (pinned share `--pin-share` of the budget, preloaded before the prompt, the counts seeding the cache);
+   D) prompt B cold at `--max-active-experts 8`; E) prompt B cold with look-ahead. Budget `--budget-gb`, page cache
+   off, `--workers` read threads. Per run: prefill and decode tok/s, expert bytes read per token, hit rate by tier,
+   stall (waiting on reads and slot writes) per token and per layer, and for B the LRU / LRFU / Belady / best fixed
+   set hit rates of its whole trace (prefill included) at the same slot count, next to the streamer's own.
+5. Resident: the same model with every expert in GPU memory (an upper bound for a model that fits), fresh process.
+6. The projection for full K3 (92 MoE layers, 10.96 MB experts) at top-16 and top-8 on this disk, from the measured
+   per-expert read cost on misses and the resident per-layer compute, at the hit rates measured here.
+
+Writes JSON (`--out`) after every part, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers next to this script
+from measure import drop_cache  # noqa: E402
+
+SCHEMA = "tqbench.bench.k3gpu/1"
+RECIPE = "tq3a-tqTe-down4-g64"
+RESULT_MARK = "BENCH-RESULT "
+K3_MOE_LAYERS, K3_EXPERT_BYTES = 92, 10_960_896
+SEED_PROMPT_A, SEED_PROMPT_B = 11, 12
+
+# K3's routed-expert shapes; attention narrower than K3's 96 heads and a smaller dense MLP and vocabulary, so that the
+# model's resident part converts in seconds (the streamed experts are the subject).
+SPEC = dict(hidden_size=7168, routed_expert_hidden_size=3584, moe_intermediate_size=3072, num_experts_per_token=16,
+            num_shared_experts=1, intermediate_size=8192, num_attention_heads=16, q_lora_rank=1536, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kda_num_heads=16, kda_head_dim=128,
+            mla_every=4, first_k_dense_replace=1, bpe_merges=256, num_shards=8)
+QUICK_SPEC = dict(SPEC, hidden_size=256, routed_expert_hidden_size=256, moe_intermediate_size=256,
+                  num_experts_per_token=4, intermediate_size=512, num_attention_heads=4, q_lora_rank=64,
+                  kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_num_heads=4,
+                  kda_head_dim=32, num_shards=2)
+DEFAULTS = dict(layers=9, experts=384, budget_gb=6.0, workers=4, prompt=4, tokens=24, warmup=2, pin_share=0.5,
+                convert_layers=2, convert_experts=32, raw_bytes=1536 * 2**20)
+QUICK = dict(layers=3, experts=16, budget_gb=0.004, workers=2, prompt=3, tokens=4, warmup=1, pin_share=0.5,
+             convert_layers=2, convert_experts=4, raw_bytes=8 * 2**20)
+
+
+def _emit(result: dict) -> None:
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def is_routed_expert(name: str) -> bool:
+    return ".experts." in name and name.endswith((".weight_packed", ".weight_scale"))
+
+
+# --- the streaming model -----------------------------------------------------------------------------------------------
+
+
+def write_sparse_source(dest: Path, spec, seed: int = 0) -> None:
+    """`tqbench.demo.write_source` with the routed experts' data left as holes in the shards (sparse files)."""
+    from tqbench.demo import demo_tokenizer_ranks, random_weights, split_shards
+    from tqbench.demo.spec import source_config, special_ids, tensor_plan
+    from tqbench.layout.names import shard_file
+    from tqbench.shards import header_bytes
+    from tqbench.tokenizer import write_tokenizer
+
+    dest.mkdir(parents=True)
+    write_tokenizer(dest, demo_tokenizer_ranks(spec))
+    weights, weight_map = random_weights(seed), {}
+    shards = split_shards(tensor_plan(spec), spec.num_shards)
+    for k, tensors in enumerate(shards):
+        name = shard_file(k, len(shards))
+        with open(dest / name, "wb") as f:
+            f.write(header_bytes(tensors, {"format": "pt"}))
+            for t in tensors:
+                if is_routed_expert(t.name):
+                    f.seek(t.nbytes, os.SEEK_CUR)
+                else:
+                    f.write(np.ascontiguousarray(weights(t)).tobytes())
+                weight_map[t.name] = name
+            f.truncate(f.tell())
+    total = sum(t.nbytes for s in shards for t in s)
+    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}))
+    (dest / "config.json").write_text(json.dumps(source_config(spec)))
+    (dest / "generation_config.json").write_text(json.dumps(special_ids(spec)))
+
+
+def synthetic_experts_class():
+    import mlx.core as mx
+
+    from tqbench.convert.produce import Producer
+
+    class SyntheticExperts(Producer):
+        """Routed experts: one projection's codes computed from random weights once and written for every expert
+        (the source holds holes there); everything else is produced from the source as usual."""
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self._outputs: dict[str, tuple] = {}
+
+        def unit_entries(self, unit, after):
+            return [e for e in super().unit_entries(unit, after) if not is_routed_expert(e.name)]
+
+        def decode(self, parts, fmt):
+            if "weight_packed" in parts and is_routed_expert(parts["weight_packed"].name):
+                rows, half = parts["weight_packed"].shape
+                return mx.random.normal((rows, 2 * half), key=mx.random.key(rows + half)) * (2 * half) ** -0.5
+            return super().decode(parts, fmt)
+
+        def module_outputs(self, m, expert):
+            if expert is None:
+                return super().module_outputs(m, expert)
+            key = f"{m.name.rsplit('.', 1)[-1]}:{m.source.shape}:{m.choice}"
+            if key not in self._outputs:
+                self._outputs[key] = super().module_outputs(m, expert)
+            out, nbytes, err = self._outputs[key]
+            return out, nbytes, err
+
+    return SyntheticExperts
+
+
+def child_build(a: dict) -> None:
+    """Write the sparse source and convert it (synthetic expert codes) into a["dst"]."""
+    t0 = time.perf_counter()
+    from tqbench.convert import convert
+    from tqbench.demo import DemoSpec
+    from tqbench.events import ConvertFinished
+    from tqbench.recipe import Recipe
+    spec = DemoSpec(**a["spec"])
+    src, dst = Path(a["src"]), Path(a["dst"])
+    t1 = time.perf_counter()
+    write_sparse_source(src, spec)
+    t2 = time.perf_counter()
+    fin = None
+    for ev in convert(src, dst, Recipe.parse(RECIPE), force=True, producer_class=synthetic_experts_class()):
+        if isinstance(ev, ConvertFinished):
+            fin = ev
+    t3 = time.perf_counter()
+    _emit(dict(mode="build", import_s=t1 - t0, write_source_s=t2 - t1, convert_s=t3 - t2,
+               bytes_out=fin.bytes_out if fin else None))
+
+
+# --- decode runs -------------------------------------------------------------------------------------------------------
+
+
+def _counters(st) -> dict:
+    s = st.stats
+    return dict(hits=s.hits, hits_pinned=s.hits_pinned, hits_cache=s.hits_cache, hits_prefetched=s.hits_prefetched,
+                misses=s.misses, reads=s.reads, critical_bytes=s.critical_bytes,
+                speculative_bytes=s.speculative_bytes, stall_s=s.stall_s, tokens=s.tokens, evictions=s.evictions,
+                lookahead_reads=s.lookahead_reads, lookahead_used=s.lookahead_used)
+
+
+def child_decode(a: dict) -> None:
+    """The runs of a["runs"] one after another in this process (see the module docstring)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from tqbench.runtime.load import load
+    from tqbench.runtime.routing import set_active_experts
+    from tqbench.stream.streamer import StreamConfig
+
+    prompts = {k: mx.array(np.array(v, dtype=np.uint32))[None] for k, v in a["prompts"].items()}
+    profile: dict[tuple[int, int], int] = {}
+    out = []
+    for run in a["runs"]:
+        t0 = time.perf_counter()
+        stream = run.get("stream")
+        loaded = load(a["path"], streaming=StreamConfig(**stream) if stream else None, tokenizer=False)
+        st = loaded.streamer
+        if run.get("top_k"):
+            set_active_experts(loaded.model, run["top_k"])
+        load_s = time.perf_counter() - t0
+        pinned = 0
+        if run.get("warm") and st is not None:  # the profile learned in run A: hottest first
+            ranked = [k for k, _ in sorted(profile.items(), key=lambda kv: -kv[1])]
+            pinned = st.preload(ranked, run["pin_share"], dict(profile))
+        preload_s = st.stats.preload_s if st else 0.0
+        cache = make_prompt_cache(loaded.model)
+        t1 = time.perf_counter()
+        logits = loaded.model(prompts[run["prompt"]], cache=cache)
+        tok = mx.argmax(logits[:, -1], axis=-1)
+        mx.eval(tok)
+        prefill_s = time.perf_counter() - t1
+        tokens, times, before = [int(tok.item())], [], None
+        for i in range(a["warmup"] + a["tokens"]):
+            if i == a["warmup"]:
+                before = _counters(st) if st else None
+                n_events = len(st.events) if st else 0
+            t = time.perf_counter()
+            logits = loaded.model(tok[:, None], cache=cache)
+            tok = mx.argmax(logits[:, -1], axis=-1)
+            mx.eval(tok)
+            if i >= a["warmup"]:
+                times.append(time.perf_counter() - t)
+            tokens.append(int(tok.item()))
+        r = dict(label=run["label"], load_s=load_s, prefill_s=prefill_s, prompt_tokens=int(prompts[run["prompt"]].size),
+                 token_s=times, decode_s=sum(times), decode_tps=len(times) / sum(times), tokens=tokens,
+                 weight_bytes=loaded.weight_bytes, stream=stream, top_k=run.get("top_k"))
+        if st is not None:
+            after = _counters(st)
+            events = st.events[n_events:]
+            if run.get("learn"):
+                for e in st.events:
+                    for x in e.experts:
+                        profile[(e.layer, x)] = profile.get((e.layer, x), 0) + 1
+            per_layer: dict[int, dict] = {}
+            for e in events:
+                d = per_layer.setdefault(e.layer, dict(stall_s=0.0, misses=0, routed=0))
+                d["stall_s"] += e.stall_s
+                d["misses"] += sum(k == "miss" for k in e.served)
+                d["routed"] += len(e.experts)
+            r.update(delta={k: after[k] - before[k] for k in after}, pinned=pinned, preload_s=preload_s,
+                     preload_bytes=st.stats.preload_bytes, slots=st.stats.slots, slot_bytes=st.stats.slot_bytes,
+                     staging_bytes=st.stats.staging_bytes, budget_bytes=st.stats.budget_bytes,
+                     cache_bytes_max=st.stats.cache_bytes_max, page_cache=st.stats.page_cache,
+                     per_layer={str(k): v for k, v in sorted(per_layer.items())},
+                     hit_rate_all=st.stats.hit_rate(),  # the whole run: prefill, warm-up and measured tokens
+                     trace=[[e.token, e.layer, list(e.experts)] for e in st.events])
+            st.close()
+        out.append(r)
+        del loaded, cache, logits
+        mx.clear_cache()
+    _emit(dict(mode="decode", runs=out, mlx_peak=int(mx.get_peak_memory()),
+               device=str(mx.default_device())))
+
+
+CHILDREN = {"build": child_build, "decode": child_decode}
+
+
+def run_child(mode: str, args: dict, timeout: float, script: Path | None = None) -> dict:
+    cmd = [sys.executable, str(script or Path(__file__).resolve()), "--child", mode, json.dumps(args)]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_MARK)]
+    if p.returncode or not lines:
+        raise RuntimeError(f"{mode} child failed (exit {p.returncode}):\n{p.stderr[-4000:]}{p.stdout[-2000:]}")
+    result = json.loads(lines[-1][len(RESULT_MARK):])
+    result["process_wall_s"] = time.perf_counter() - t0
+    return result
+
+
+# --- parts -------------------------------------------------------------------------------------------------------------
+
+
+def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
+    """A real K3-shaped source converted twice (first: kernel compilation included), and the raw read+write."""
+    from tqbench.demo import DemoSpec, write_source
+    convert_py = Path(__file__).resolve().parent / "convert.py"
+    spec = DemoSpec(**dict(spec_kw, num_hidden_layers=cfg["convert_layers"], num_experts=cfg["convert_experts"]))
+    src = work / "convert-source"
+    t0 = time.perf_counter()
+    write_source(src, spec, 0)
+    write_s = time.perf_counter() - t0
+    files = sorted(src.glob("*.safetensors"))
+    source_bytes = sum(f.stat().st_size for f in files)
+    runs = []
+    for i in range(2):
+        dst = work / f"convert-out-{i}"
+        drop_cache(files)
+        runs.append(run_child("convert", dict(src=str(src), dst=str(dst), recipe=RECIPE, shard_size=5 * 2**30,
+                                              stages=True), timeout, convert_py))
+        out_bytes = sum(f.stat().st_size for f in dst.iterdir() if f.is_file())
+        runs[-1]["output_bytes"] = out_bytes
+        if i == 0:
+            for f in dst.iterdir():
+                f.unlink()
+            dst.rmdir()
+    drop_cache(files)
+    raw = run_child("raw", dict(files=[str(f) for f in files], dst=str(work / "raw.bin"),
+                                write_bytes=runs[-1]["output_bytes"]), timeout, convert_py)
+    warm = runs[1]
+    return dict(spec=asdict(spec), write_source_s=write_s, source_bytes=source_bytes, runs=runs, raw=raw,
+                source_mb_per_s=source_bytes / warm["seconds"] / 1e6,
+                vs_raw=warm["seconds"] / raw["seconds"],
+                first_run_extra_s=runs[0]["seconds"] - warm["seconds"])
+
+
+def build_model(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
+    spec = dict(spec_kw, num_hidden_layers=cfg["layers"], num_experts=cfg["experts"])
+    dst, marker = work / "k3-stream", work / "k3-stream.json"
+    info: dict = dict(spec=spec, path=str(dst), reused=True)
+    if not (marker.is_file() and json.loads(marker.read_text()) == spec):
+        marker.unlink(missing_ok=True)
+        src = work / "k3-stream-source"
+        for d in (src, dst):
+            if d.exists():
+                subprocess.run(["rm", "-rf", str(d)], check=True)
+        info.update(run_child("build", dict(spec=spec, src=str(src), dst=str(dst)), timeout), reused=False)
+        subprocess.run(["rm", "-rf", str(src)], check=True)
+        marker.write_text(json.dumps(spec))
+    from tqbench.stream.store import ExpertStore
+    store = ExpertStore.open(dst)
+    lay = next(iter(store.layers.values()))
+    info.update(files=[str(dst / f) for f in store.files], expert_bytes=lay.nbytes, moe_layers=len(store.layers),
+                experts_per_layer=lay.experts, expert_total_bytes=sum(x.nbytes * x.experts
+                                                                      for x in store.layers.values()),
+                model_bytes=sum(f.stat().st_size for f in dst.iterdir() if f.is_file()))
+    return info
+
+
+def trace_bounds(trace: list, slots: int) -> dict:
+    """Hit rates of a run's whole trace (prefill included, from an empty cache) at its slot count: LRU, LRFU, Belady
+    and the best fixed set; compare with the run's own `hit_rate_all`."""
+    from streaming import belady_hit_rate, best_fixed_hit_rate, make_cache, simulate
+    tokens: dict[int, list] = {}
+    for t, layer, experts in trace:
+        tokens.setdefault(t, []).append((layer, sorted(set(experts))))
+    batches = [tokens[t] for t in sorted(tokens)]
+    return dict(slots=slots, lru=simulate(batches, make_cache(slots, "lru"))["hit_rate"],
+                lrfu=simulate(batches, make_cache(slots, "lrfu"))["hit_rate"],
+                belady=belady_hit_rate(batches, slots), best_fixed=best_fixed_hit_rate(batches, slots))
+
+
+def summarize(run: dict, resident_token_s: float | None, layers: int) -> dict:
+    d, n = run.get("delta"), len(run["token_s"])
+    row = dict(label=run["label"], decode_tps=run["decode_tps"], prefill_tps=run["prompt_tokens"] / run["prefill_s"],
+               token_s_median=statistics.median(run["token_s"]), load_s=run["load_s"])
+    if d:
+        routed = d["hits"] + d["misses"]
+        stall = d["stall_s"] / n
+        row.update(hit_rate=d["hits"] / max(1, routed), hits_pinned=d["hits_pinned"], hits_cache=d["hits_cache"],
+                   hits_prefetched=d["hits_prefetched"], misses_per_token=d["misses"] / n,
+                   bytes_per_token=d["critical_bytes"] / n, speculative_bytes_per_token=d["speculative_bytes"] / n,
+                   stall_s_per_token=stall, stall_share=d["stall_s"] / run["decode_s"],
+                   read_s_per_miss=d["stall_s"] / d["misses"] if d["misses"] else None,
+                   disk_gbps_on_misses=d["critical_bytes"] / d["stall_s"] / 1e9 if d["stall_s"] else None,
+                   pinned=run.get("pinned"), preload_s=run.get("preload_s"), preload_bytes=run.get("preload_bytes"),
+                   slots=run["slots"], budget_bytes=run["budget_bytes"], cache_bytes_max=run["cache_bytes_max"])
+        if resident_token_s is not None:  # the token's time: compute (as resident), waiting on reads, the rest
+            t = row["token_s_median"]
+            row["split_per_token_s"] = dict(compute=resident_token_s, waiting_on_reads=stall,
+                                            overhead=max(0.0, statistics.mean(run["token_s"]) - stall
+                                                         - resident_token_s))
+            row["split_per_layer_token_ms"] = {k: v * 1e3 / layers for k, v in row["split_per_token_s"].items()}
+            del t
+    return row
+
+
+def projection(read_s_per_miss: float, layer_compute_s: float, hit_rates: dict[str, float], raw_gbps: float) -> list:
+    """Full K3 (92 MoE layers, 10.96 MB experts) on this disk: tok/s = 1 / (misses x read cost + 93 layers' compute),
+    and the disk-only ceiling (misses' bytes at the raw bandwidth)."""
+    rows = []
+    for k in (16, 8):
+        for name, h in hit_rates.items():
+            misses = K3_MOE_LAYERS * k * (1 - h)
+            serial = misses * read_s_per_miss + 93 * layer_compute_s
+            rows.append(dict(top_k=k, hit_rate_from=name, hit_rate=h, misses_per_token=misses,
+                             bytes_per_token=misses * K3_EXPERT_BYTES, tps=1 / serial,
+                             disk_ceiling_tps=raw_gbps * 1e9 / (misses * K3_EXPERT_BYTES) if misses else None))
+    return rows
+
+
+def machine_info() -> dict:
+    info = dict(cpu_count=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
+                date=time.strftime("%Y-%m-%d"))
+    try:
+        import mlx.core as mx
+        info.update(mlx=mx.__version__, device=str(mx.default_device()))
+        if mx.cuda.is_available():
+            info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                                         capture_output=True, text=True).stdout.strip()
+    except Exception as e:  # a machine without MLX's GPU build still reports the rest
+        info["mlx_error"] = str(e)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a CPU smoke run at tiny shapes")
+    for k, v in DEFAULTS.items():
+        p.add_argument("--" + k.replace("_", "-"), type=type(v), help=f"default {v} (--quick: {QUICK[k]})")
+    p.add_argument("--parts", default="convert,stream,resident", help="any of convert, stream, resident")
+    p.add_argument("--work", type=Path, help="work directory on the disk to measure (kept)")
+    p.add_argument("--out", type=Path, default=Path("bench-results/k3_gpu.json"))
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        CHILDREN[a.child[0]](json.loads(a.child[1]))
+        return 0
+    if a.work is None:
+        p.error("--work is required (a directory on the disk to measure)")
+    cfg = dict(QUICK if a.quick else DEFAULTS)
+    cfg.update({k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None})
+    spec_kw = QUICK_SPEC if a.quick else SPEC
+    parts = set(a.parts.split(","))
+    work = a.work
+    work.mkdir(parents=True, exist_ok=True)
+    doc: dict = dict(schema=SCHEMA, machine=machine_info(), config=cfg, spec=spec_kw, recipe=RECIPE, quick=a.quick)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        a.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    save()
+    if "convert" in parts:
+        c = doc["convert"] = part_convert(work, spec_kw, cfg, a.timeout)
+        log(f"convert: {c['source_bytes'] / 1e6:.0f} MB of source at {c['source_mb_per_s']:.1f} MB/s, "
+            f"{c['vs_raw']:.1f}x raw read+write; first run +{c['first_run_extra_s']:.1f} s")
+        save()
+    if not parts & {"stream", "resident"}:
+        return 0
+    model = doc["model"] = build_model(work, spec_kw, cfg, a.timeout)
+    log(f"model: {model['moe_layers']} MoE layers x {model['experts_per_layer']} experts x "
+        f"{model['expert_bytes'] / 1e6:.2f} MB = {model['expert_total_bytes'] / 1e9:.2f} GB of experts"
+        + ("" if model["reused"] else f" (source {model['write_source_s']:.0f} s, convert {model['convert_s']:.0f} s)"))
+    save()
+    from streaming import raw_round
+    files = [Path(f) for f in model["files"]]
+    eb = model["expert_bytes"]
+    raw = doc["raw"] = raw_round(files, eb, cfg["raw_bytes"], sorted({1, cfg["workers"], 4, 16}), 0)
+    raw_gbps = raw["best_gbps"]
+    log(f"raw O_DIRECT: {raw_gbps:.2f} GB/s at {raw['best_workers']} workers")
+    save()
+    rng = np.random.default_rng
+    vocab = 256 + spec_kw["bpe_merges"]
+    prompts = {"A": rng(SEED_PROMPT_A).integers(0, vocab, cfg["prompt"]).tolist(),
+               "B": rng(SEED_PROMPT_B).integers(0, vocab, cfg["prompt"]).tolist()}
+    resident_token_s = None
+    if "resident" in parts:
+        drop_cache(files)
+        res = run_child("decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
+                                       tokens=cfg["tokens"], runs=[dict(label="resident", prompt="B")]), a.timeout)
+        r = res["runs"][0]
+        resident_token_s = statistics.median(r["token_s"])
+        doc["resident"] = dict(summarize(r, None, model["moe_layers"]), weight_bytes=r["weight_bytes"],
+                               tokens=r["tokens"], mlx_peak=res["mlx_peak"])
+        log(f"resident: decode {r['decode_tps']:.2f} tok/s, load {r['load_s']:.1f} s")
+        save()
+    if "stream" in parts:
+        stream = dict(budget_bytes=int(cfg["budget_gb"] * 1e9), workers=cfg["workers"], page_cache="off")
+        half = spec_kw["num_experts_per_token"] // 2  # K3: 16 -> 8
+        runs = [dict(label="A cold (learns the profile)", prompt="A", stream=stream, learn=True),
+                dict(label="B cold", prompt="B", stream=stream),
+                dict(label="B warm from A's profile", prompt="B", stream=stream, warm=True,
+                     pin_share=cfg["pin_share"]),
+                dict(label=f"B cold, top-{half}", prompt="B", stream=stream, top_k=half),
+                dict(label="B cold, look-ahead", prompt="B", stream=dict(stream, lookahead=True))]
+        drop_cache(files)
+        res = run_child("decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
+                                       tokens=cfg["tokens"], runs=runs), a.timeout)
+        rows = []
+        for r in res["runs"]:
+            row = summarize(r, resident_token_s, model["moe_layers"])
+            row["per_layer"] = r["per_layer"]
+            row["same_tokens_as_resident"] = (r["tokens"] == doc["resident"]["tokens"]
+                                              if "resident" in doc and r["prompt_tokens"] and r["top_k"] is None
+                                              and r["label"].startswith("B") else None)
+            if r["label"] == "B cold":
+                row["trace_bounds"] = dict(trace_bounds(r["trace"], r["slots"]), streamer=r["hit_rate_all"])
+            rows.append(row)
+            log(f"{row['label']:<28} decode {row['decode_tps']:.3f} tok/s, hit {row['hit_rate']:.1%}, "
+                f"{row['bytes_per_token'] / 1e9:.2f} GB/token, stall {row['stall_share']:.0%}, "
+                f"disk on misses {row['disk_gbps_on_misses'] or 0:.2f} GB/s")
+        doc["stream"] = dict(rows=rows, mlx_peak=res["mlx_peak"], device=res["device"])
+        cold = next(r for r in rows if r["label"] == "B cold")
+        doc["disk_on_misses_vs_raw"] = (cold["disk_gbps_on_misses"] or 0) / raw_gbps
+        if resident_token_s is not None and cold["read_s_per_miss"]:
+            b = cold["trace_bounds"]
+            hit = {"measured (B cold)": cold["hit_rate"], "Belady (B trace)": b["belady"], "none": 0.0}
+            doc["projection_k3"] = projection(cold["read_s_per_miss"], resident_token_s / (cfg["layers"]), hit,
+                                              raw_gbps)
+            for row in doc["projection_k3"]:
+                log(f"K3 top-{row['top_k']} at hit rate {row['hit_rate']:.1%} ({row['hit_rate_from']}): "
+                    f"{row['tps']:.3f} tok/s (disk ceiling {row['disk_ceiling_tps'] or 0:.3f})")
+        save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
