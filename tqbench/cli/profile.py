@@ -51,20 +51,15 @@ def _one_line_errors() -> Iterator[None]:
 
 def _model(model: Path | None) -> Path:
     """The given model, else the last converted one, else the demo's tq4 conversion if it exists."""
-    from tqbench.layout.names import INDEX_FILE
-    from tqbench.runtime.models import demo_converted_path
-    from tqbench.state import last_model
+    from tqbench.runtime.models import default_model
 
     if model is not None:
         if not model.is_dir():
             raise TqbenchError("no such model directory", model)
         return model
-    last = last_model()
-    if last is not None:
-        return last
-    demo = demo_converted_path()
-    if (demo / INDEX_FILE).is_file():
-        return demo
+    found = default_model()
+    if found is not None:
+        return found
     raise TqbenchError("no model given and none converted yet: give --model DIR (or run `tqbench chat` once, which "
                        "converts the demo)")
 
@@ -167,25 +162,18 @@ def export_cmd(
 
     JSON, schema tqbench.profile/1: the model's fingerprint and geometry, routings, per-layer decode and prefill
     counts and a ranked pin list. `import` and `chat --profile` read it."""
-    from tqbench.convert.journal import write_atomic
-    from tqbench.profile import identify
+    from tqbench.profile import export_learned
 
     with _one_line_errors():
         path = _model(model)
-        fp, geo = identify(path)
         store = _store()
         try:
-            p = store.load(fp, geo)
+            p = export_learned(path, store, output)
         finally:
             store.close()
-        if p.routings <= 0:
-            raise TqbenchError(f"no learned profile for this model yet (fingerprint {fp}): chat with it first",
-                               path)
-        text = p.to_text()
         if output is None:
-            sys.stdout.write(text)
+            sys.stdout.write(p.to_text())
             return
-        write_atomic(output, text.encode())
     print(f"wrote {output}: the learned profile of {path} ({_n(p.routings)} routings, {p.sessions} "
           f"session{'s' if p.sessions != 1 else ''}, {len(p.ranked())} ranked pins)", file=sys.stderr)
 
@@ -202,18 +190,16 @@ def import_cmd(
 
     FILE is validated against the model first: another schema, another geometry, or another model's fingerprint is
     refused with one line (--force accepts the last when the layers and experts match)."""
-    from tqbench.profile import MATURE, identify, read_file
+    from tqbench.profile import MATURE, import_file
 
     with _one_line_errors():
         path = _model(model)
-        fp, geo = identify(path)
-        p = read_file(file, fp, geo, force)
         store = _store()
         try:
-            old = store.load(fp, geo)
-            store.put(p)
+            p, old = import_file(path, file, store, force)
         finally:
             store.close()
+    fp = p.fingerprint  # the model's (read_file keys a profile to the model it is imported into)
     made_for = _fingerprint_in(file)
     forced = f" (made for fingerprint {made_for}; --force)" if made_for not in (None, fp) else ""
     when = ("chat starts from it" if p.routings >= MATURE else

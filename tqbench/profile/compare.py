@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from tqbench.profile.choose import choose, identify, read_file
+from tqbench.profile.choose import choose, identify, read_file, read_profile
 from tqbench.profile.profile import MATURE, Profile, ProfileError
 from tqbench.profile.store import ProfileStore
 
@@ -59,6 +59,12 @@ def overview(model: str | Path, store: ProfileStore, file: str | Path | None = N
              top: int = 8) -> dict[str, Any]:
     """What `tqbench profile show` reports for a model: the profile shown (`file` if given, else the learned one if
     it has any routings, else what a chat would start from), and what a chat without --profile starts from."""
+    return overview_profile(model, store, file, force, top)[0]
+
+
+def overview_profile(model: str | Path, store: ProfileStore, file: str | Path | None = None, force: bool = False,
+                     top: int = 8) -> tuple[dict[str, Any], Profile]:
+    """`overview`, and the profile it describes (an empty one when there is none)."""
     fp, geo = identify(model)
     chat = choose(model, store=store)
     if file is not None:
@@ -76,7 +82,17 @@ def overview(model: str | Path, store: ProfileStore, file: str | Path | None = N
         p = Profile.empty(fp, geo)
     doc.update(summary(p, top))
     doc["fingerprint"] = fp
-    return doc
+    return doc, p
+
+
+def overview_file(file: str | Path, top: int = 8) -> tuple[dict[str, Any], Profile]:
+    """A profile file of ours on its own, no model to check it against: `overview`'s document (model and chat None)
+    and the profile."""
+    p = read_profile(file)
+    doc: dict[str, Any] = {"model": None, "source": "file", "where": str(file), "chat": None, "mature_at": MATURE,
+                           "warnings": []}
+    doc.update(summary(p, top))
+    return doc, p
 
 
 def _same_geometry(a: Profile, b: Profile, names: tuple[str, str]) -> None:

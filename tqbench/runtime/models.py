@@ -26,6 +26,15 @@ def demo_converted_path(recipe: str = DEMO_RECIPE) -> Path:
     return src.parent / f"{src.name}-{recipe}"
 
 
+def default_model(recipe: str = DEMO_RECIPE) -> Path | None:
+    """The last converted model, else the demo's conversion if it exists (none is made here)."""
+    last = last_model()
+    if last is not None:
+        return last
+    dest = demo_converted_path(recipe)
+    return dest if (dest / INDEX_FILE).is_file() else None
+
+
 def choose_model(recipe: str = DEMO_RECIPE) -> Iterator[ModelChosen | Any]:
     """Yields conversion events if the demo has to be converted, then ModelChosen. Runs on the engine thread."""
     from tqbench.convert import convert
