@@ -2,12 +2,15 @@
 against the engine's own chat API (tqbench.runtime.session) run directly with the same greedy sampling: the text, the
 tokens reused from the cache, a reply stopped with esc and the turn after it, reset; plus the default model (the demo
 converted on the spot), a model that fails to load, the Convert screen's output loaded next, and quitting mid-reply.
+The live expert view: its cells against the PageIn events of the same reply run directly with the same streaming
+settings, its summary against the engine's StreamStats; its plain state (tui.experts) and an SVG snapshot of the map.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,9 +25,15 @@ from tqbench.recipe import Recipe
 from tqbench.runtime.chat import ReplyDone, TokenOut
 from tqbench.runtime.models import demo_converted_path
 from tqbench.state import last_model, remember_model
+from tqbench.stream import PageIn
+from textual.app import App
+from textual.widgets import Input
 from tui.app import TqbenchApp
+from tui.experts import FADE, ExpertMap, bins, fold, heat, sparkline
 from tui.screens.chat import ChatScreen
+from tui.screens.chat_settings import ChatOptions, SettingsScreen, stream_config
 from tui.state import display_path
+from tui.widgets.expert_map import ExpertMapView
 from tui.widgets.transcript import CURSOR, reply_content
 from tui_helpers import screen_lines, settle
 
@@ -331,3 +340,157 @@ def test_thinking_is_dim_and_italic_and_endings_are_marked():
     assert reply_content(parts[:1], streaming=True).plain == "<think>the user wants" + CURSOR
     assert reply_content((), "stop").plain == "(empty reply)"
     assert reply_content((("x\n", False),), "length").plain == "x\n[max tokens]"
+
+
+# ---- the live expert view ---------------------------------------------------------------------------------------------
+
+BUDGET = "1MB"  # about a third of the demo's experts (6.5 kB each): a reply pages experts in and evicts some
+# One read worker: with several, reads finish in any order and so enter the cache in any order, which can change an
+# eviction (the policy breaks ties by insertion order) and so turn one later hit into a miss between two runs.
+OPTIONS = ChatOptions(budget=BUDGET, workers=1)
+
+
+def engine_page_ins(model_dir: Path, prompt: str) -> tuple[list[PageIn], dict]:
+    """The reply run directly with the streaming settings the Chat screen gets from OPTIONS: its PageIn events, then
+    the session's StreamStats (as a dict)."""
+    cfg = stream_config(str(model_dir), OPTIONS)
+    session = Session()
+    try:
+        with session.submit(lambda s: session_api.open_model(s, str(model_dir), streaming=cfg,
+                                                             profile=session_api.ProfileOptions(learn=False))) as job:
+            loaded = job.result()[-1]
+        with session.submit(lambda s: session_api.reply(s, prompt, loaded.sampling)) as job:
+            events = [ev for ev in job.result() if isinstance(ev, PageIn)]
+        stats = session.call(session_api.stream_stats)
+    finally:
+        session.close()
+    return events, stats
+
+
+async def test_the_expert_view_shows_what_the_engine_paged_in(model_dir, monkeypatch, tmp_path):
+    events, stats = engine_page_ins(model_dir, PROMPTS[0])
+    assert stats["misses"] and stats["hits_cache"]
+    remember_model(model_dir)
+    batches = []
+    original = ChatScreen.on_chat_experts
+
+    def record(self, message):
+        batches.append(len(message.events))
+        original(self, message)
+
+    monkeypatch.setattr(ChatScreen, "on_chat_experts", record)
+    app = TqbenchApp()
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_chat(pilot)
+        assert screen.loaded.stream is None and not screen.query_one("#expert-panel").display  # the demo fits
+        assert "experts resident: o streams them" in screen_text(pilot)
+
+        await pilot.press("escape", "o")  # the streaming settings, between turns: a cache budget re-opens the model
+        assert isinstance(app.screen, SettingsScreen)
+        app.screen.query_one("#opt-workers", Input).value = "1"
+        field = app.screen.query_one("#opt-budget", Input)
+        field.value = BUDGET
+        field.focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.loaded is not None and screen.loaded.stream is not None, "re-opening")
+        await pilot.pause()
+        assert screen.options == OPTIONS and screen.query_one("#expert-panel").display
+        assert "streaming experts: cache 1.00 MB, 1 worker, lrfu" in screen_text(pilot)
+
+        await send(pilot, screen, PROMPTS[0])
+        m = screen.experts
+        assert {n: st.experts for n, st in m.layers.items()} == {n: 64 for n in range(1, 8)}  # from the model
+        assert sum(batches) == len(events) and len(batches) * 4 < len(events)  # coalesced, none lost
+        last = {}
+        for ev in events:
+            last.update({(ev.layer, e): how for e, how in zip(ev.experts, ev.served)})
+        assert {(n, e): m.cell(n, e)[0] for n, st in m.layers.items() for e in range(st.experts)
+                if m.cell(n, e)[0] is not None} == last
+        assert m.seen == Counter(how for ev in events for how in ev.served) | {"prefetched": 0}
+        assert m.seen["miss"] == stats["misses"] and m.hits() == stats["hits"]
+        assert m.hit_rate() == stats["hits"] / (stats["hits"] + stats["misses"])
+        assert m.token == events[-1].token and m.cache_bytes == stats["cache_bytes"]
+        assert screen.stream["hit_rate"] == stats["hit_rate"]
+        shown = screen_text(pilot)
+        assert f"hits {stats['hit_rate']:.1%}" in shown and "read per token" in shown and "of 1.00 MB" in shown
+        assert all(f"L{n} " in shown for n in range(1, 8)) and "64 experts, 4/cell" in shown
+        assert all(len(line) <= 80 for line in screen_lines(app))
+
+        view = screen.query_one(ExpertMapView)
+        await pilot.press("escape", "v")
+        assert view.paused and "PAUSED" in screen_text(pilot)
+        await pilot.press("v")
+        assert not view.paused
+        view.focus()
+        await pilot.press("down", "enter")  # opens L2: every expert, wrapped
+        assert view.opened == {2}
+        lines = screen_lines(app)
+        row = next(i for i, line in enumerate(lines) if "L2▾" in line)
+        assert lines[row + 1].split("▏")[1].strip().startswith("0 ")
+        await pilot.press("plus", "plus", "plus")
+        assert view.per == 1 and "64 experts, 1/cell · 1-18 of 64 ◀▶" in screen_text(pilot)
+        await pilot.press("right")
+        assert view.first > 0
+
+        monkeypatch.setenv("TQBENCH_CACHE_DIR", str(tmp_path))
+        await pilot.press("e")
+        out = tmp_path / "profile-exports" / f"{model_dir.name}.json"
+        await wait_for(pilot, lambda: out.is_file() and "profile exported" in status(screen), "the export")
+        doc = json.loads(out.read_text())
+        assert doc["schema"] == "tqbench.profile/1" and doc["routings"] > 0
+
+
+def test_experts_fold_into_bins_and_fade():
+    per = fold(896, 80)
+    groups = bins(896, per)
+    assert per == 12 and len(groups) == 75 <= 80
+    assert sorted(e for g in groups for e in g) == list(range(896))  # every expert in exactly one bin
+    assert fold(64, 80) == 1 and fold(64, 63) == 2 and len(bins(448, fold(448, 30))) <= 30
+
+    m = ExpertMap({1: 896, 3: 896})
+    m.apply([PageIn(1, 1, (0, 5, 13), ("pinned", "miss", "cache"), 200, 0.01, 500),
+             PageIn(1, 3, (7,), ("prefetched",), 0, 0.0, 600)])
+    assert m.cell(1, 5) == ("miss", 0) and m.cell(1, 1) == (None, -1) and m.cell(3, 7) == ("prefetched", 0)
+    assert m.bin(1, groups[0]) == ("miss", 0)  # 0 and 5 routed at the same token: the worst served shows
+    assert m.bin(1, groups[1]) == ("cache", 0) and m.bin(1, groups[2]) == (None, -1)
+    m.apply([PageIn(2, 1, (0,), ("pinned",), 0, 0.0, 600)])
+    assert m.bin(1, groups[0]) == ("pinned", 0)  # the most recent routing shows
+    assert m.cell(1, 5) == ("miss", 1)  # one token older
+    m.apply([PageIn(FADE + 2, 1, (1,), ("cache",), 0, 0.0, 600)])
+    assert m.cell(1, 5) == ("miss", FADE + 1) and heat(FADE + 1) == 0.0  # fully faded
+    assert heat(0) == 1.0 and heat(FADE // 2) == 0.5 and heat(-1) == 0.0
+    assert m.seen == {"pinned": 2, "cache": 2, "prefetched": 1, "miss": 1} and m.hit_rate() == 5 / 6
+    assert m.bytes_read == 200 and m.cache_bytes == 600 and list(m.layers[1].misses) == [1, 0, 0]
+    assert sparkline([0, 1, 4], 4, 4) == " ▁▃█"
+
+
+def map_events(tokens: int, layers: int = 7, experts: int = 448, k: int = 8) -> list[PageIn]:
+    """A fixed routing pattern: each token k experts per layer, served in turn by every kind."""
+    kinds = ("miss", "cache", "pinned", "prefetched", "cache", "cache")
+    return [PageIn(t, n, tuple(sorted({(t * 37 + n * 101 + i * 53) % experts for i in range(k)})),
+                   tuple(kinds[(t + n + i) % len(kinds)] for i in range(k)), 1000, 0.001 * n, 2_000_000)
+            for t in range(1, tokens + 1) for n in range(1, layers + 1)]
+
+
+class MapApp(App[None]):
+    """The map alone, with the fixed pattern of 40 tokens on 7 layers of 448 experts."""
+
+    def compose(self):
+        yield ExpertMapView()
+
+    def on_mount(self) -> None:
+        model = ExpertMap({n: 448 for n in range(1, 8)})
+        model.apply(map_events(40))
+        view = self.query_one(ExpertMapView)
+        view.set_model(model)
+        view.focus()
+
+
+def test_snapshot_expert_map(snap_compare):
+    """80 columns: 448 experts folded into bins; L3 opened below its row (every expert, wrapped)."""
+    async def run_before(pilot) -> None:
+        await pilot.pause()
+        await pilot.press("down", "down", "enter")
+        await pilot.pause()
+
+    assert snap_compare(MapApp(), terminal_size=(80, 20), run_before=run_before)

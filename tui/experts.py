@@ -14,7 +14,7 @@ KINDS = ("pinned", "cache", "prefetched", "miss")  # PageIn.served values, best 
 GLYPHS = {"pinned": "P", "cache": "=", "prefetched": "+", "miss": "#", None: " "}  # None: never routed
 LABELS = {"pinned": "pinned", "cache": "cache hit", "prefetched": "prefetched", "miss": "read from disk"}
 FADE = 24  # tokens after which a routing is fully faded
-SPARK = 12  # tokens of miss history kept per layer
+SPARK = 8  # tokens of miss history kept per layer
 
 
 def fold(experts: int, columns: int) -> int:
@@ -123,3 +123,46 @@ def sparkline(values: Iterable[int], top: int, width: int = SPARK) -> str:
     line = "".join(SPARKS[0 if v <= 0 else max(1, min(len(SPARKS) - 1, round(v / top * (len(SPARKS) - 1))))]
                    for v in vals)
     return line.rjust(width)
+
+
+@dataclass(frozen=True)
+class ReplyRates:
+    """A streaming reply's rates so far: decode tokens per second, expert bytes read per decode token, and bytes
+    read per second since the reply began (prefill included)."""
+
+    tok_s: float
+    bytes_per_token: float
+    read_bps: float
+
+
+class ReplyClock:
+    """Counts a reply's tokens and page-ins as the reply worker sees them (off the UI thread). Page-ins before the
+    first token are the prompt's (prefill); those after it are decode passes, one per token."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._now = time.monotonic
+        self.t0 = self._now()
+        self.first: float | None = None  # when the first token came
+        self.tokens = 0
+        self.bytes = 0
+        self.decode_bytes = 0
+        self.decode_passes: set[int] = set()
+
+    def token(self) -> None:
+        self.tokens += 1
+        if self.first is None:
+            self.first = self._now()
+
+    def page_in(self, ev) -> None:
+        self.bytes += ev.bytes_read
+        if self.first is not None:
+            self.decode_bytes += ev.bytes_read
+            self.decode_passes.add(ev.token)
+
+    def rates(self) -> ReplyRates:
+        now = self._now()
+        tok_s = (self.tokens - 1) / (now - self.first) if self.tokens > 1 and now > self.first else 0.0
+        per = self.decode_bytes / len(self.decode_passes) if self.decode_passes else 0.0
+        return ReplyRates(tok_s, per, self.bytes / (now - self.t0) if now > self.t0 else 0.0)

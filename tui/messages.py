@@ -17,8 +17,9 @@ says explicitly whether it merges:
   machine: held-down keys and fast typing post one per key), ConvertProgress (the per-layer totals are cumulative
   snapshots of a run), ChatConvertProgress (the demo's conversion before a chat: byte counts are cumulative) and
   ChatReplyProgress (a streaming reply's whole text so far, posted at most every ~50 ms);
-- never merged, because each one counts: ConvertShardWritten (the screen counts shards written) and PlansReady
-  (each carries plans the others lack; dropping one would only make the screen plan them again).
+- never merged, because each one counts: ConvertShardWritten (the screen counts shards written), PlansReady
+  (each carries plans the others lack; dropping one would only make the screen plan them again) and ChatExperts
+  (a streaming reply's expert page-ins since the last batch; the expert view counts every routing).
 
 The others (a load starting, finishing or failing, a destination checked, a run beginning, ending or failing) come
 once per action and never merge: Message.can_replace's default.
@@ -33,6 +34,8 @@ from typing import TYPE_CHECKING
 from rich.text import Text
 from textual.message import Message
 
+from tui.experts import ReplyRates
+
 if TYPE_CHECKING:
     from tqbench.convert import DestinationStatus, Layout
     from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from tqbench.runtime.models import ModelChosen
     from tqbench.runtime.session import ModelLoaded
     from tqbench.source import Checkpoint, Summary, Tensor
+    from tqbench.stream import PageIn
     from tui.tally import LayerStats
 
 
@@ -260,6 +264,7 @@ class ChatModelReady(Message):
     load_id: int
     chosen: ModelChosen  # which model and why
     loaded: ModelLoaded
+    experts: dict[int, int] | None = None  # streaming: each MoE layer's number of routed experts (the expert view)
 
 
 @dataclass
@@ -292,6 +297,20 @@ class ChatReplyProgress(Message):
 
 
 @dataclass
+class ChatExperts(Message):
+    """A batch of a streaming reply's tqbench.stream.PageIn events (posted with the reply's progress, at most every
+    ~50 ms), with the reply's rates so far."""
+
+    turn_id: int
+    events: tuple[PageIn, ...] = field(repr=False)
+    rates: ReplyRates
+
+    def can_replace(self, message: Message) -> bool:
+        """Never merged: each batch holds routings the others lack (the expert view counts them all)."""
+        return False
+
+
+@dataclass
 class ChatReplyEnded(Message):
     """A reply is over: finished (done.finish_reason "stop" or "length"), or stopped with Esc (done.finish_reason
     "cancelled": the partial reply stays in the conversation). `done` is None when the turn was stopped before the
@@ -300,6 +319,7 @@ class ChatReplyEnded(Message):
     turn_id: int
     parts: tuple[tuple[str, bool], ...]
     done: ReplyDone | None
+    stream: dict[str, object] | None = None  # streaming: tqbench.runtime.session.stream_stats after the reply
 
 
 @dataclass
@@ -317,6 +337,16 @@ class ChatResetDone(Message):
     error: str | None = None
 
 
+@dataclass
+class ChatProfileExported(Message):
+    """The learned profile was written (tqbench.runtime.session.export_profile) to `file`, or `error` (one line)."""
+
+    file: str | None
+    routings: float = 0.0
+    error: str | None = None
+
+
 # Messages that can come in bursts: each defines can_replace itself (see the module docstring).
 HIGH_RATE: tuple[type[Message], ...] = (ScanProgress, FilterApplied, PlansReady, RecipeChosen, MachineChosen,
-                                        ConvertProgress, ConvertShardWritten, ChatConvertProgress, ChatReplyProgress)
+                                        ConvertProgress, ConvertShardWritten, ChatConvertProgress, ChatReplyProgress,
+                                        ChatExperts)

@@ -13,6 +13,14 @@ progress); the partial reply stays, marked as stopped, and is part of the conver
 next turn continues from it. Sending while a reply runs is refused with a notice (nothing is queued). ctrl+r forgets
 the conversation.
 
+The live expert view (streaming only): beside the transcript (under it on a narrow screen), the MoE layers x routed
+experts map (tui.widgets.expert_map) with each layer's recent misses and stall time, and a summary: hit rate by tier,
+tok/s, expert bytes per token, disk reads per second, the cache's fill. The reply worker posts the page-ins
+(tqbench.stream.PageIn) in batches with the text (ChatExperts, never one message per event); after the reply the
+summary takes the engine's StreamStats. v pauses the view; o opens the streaming settings (cache budget, max active
+experts, prefetch workers, fan-out, look-ahead, cache policy), which re-open the model: a new conversation; e exports
+the learned hot-expert profile (as `tqbench profile export`) to a file in the cache directory, whose path is shown.
+
 While the message field has focus, printable keys type: the app's one-letter keys (q, s, p, c) are hidden from the
 footer and ctrl+q quits; esc leaves the field (then the transcript scrolls and the app's keys work; i or enter types
 again).
@@ -23,10 +31,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import humanize
+
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal
+from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Label, ProgressBar, Static
@@ -35,9 +45,13 @@ from textual.worker import Worker, WorkerState, get_current_worker
 from tqbench import units
 from tqbench.engine import Job, Session, engine, submit
 from tqbench.errors import TqbenchError
-from tui.messages import (ChatConvertProgress, ChatLoadFailed, ChatLoadStep, ChatModelReady, ChatReplyBegan,
-                          ChatReplyEnded, ChatReplyFailed, ChatReplyProgress, ChatResetDone)
+from tui.experts import GLYPHS, ExpertMap, ReplyClock, ReplyRates
+from tui.messages import (ChatConvertProgress, ChatExperts, ChatLoadFailed, ChatLoadStep, ChatModelReady,
+                          ChatProfileExported, ChatReplyBegan, ChatReplyEnded, ChatReplyFailed, ChatReplyProgress,
+                          ChatResetDone)
+from tui.screens.chat_settings import ChatOptions, SettingsScreen, stream_config
 from tui.state import display_path
+from tui.widgets.expert_map import ExpertMapView, natural_width
 from tui.widgets.inputs import OrderedInput
 from tui.widgets.model_band import ModelBand
 from tui.widgets.transcript import ReplyTurn, Transcript, UserTurn
@@ -45,6 +59,7 @@ from tui.widgets.transcript import ReplyTurn, Transcript, UserTurn
 STREAM_INTERVAL = 0.05  # seconds between updates of a streaming reply
 PROGRESS_INTERVAL = 0.1  # seconds between progress messages of the demo's conversion
 STATUS_KEY = 8  # width of the status lines' labels
+NARROW = 70  # screens narrower than this show the expert view under the transcript, not beside it
 START_HINT = "Type a message below and press enter. esc stops a reply; ctrl+r starts a new conversation."
 
 
@@ -76,6 +91,45 @@ def reply_summary(done) -> Content:
         (f"{done.cached_tokens} reused", "bold"), " from the cache")
 
 
+def streaming_text(loaded) -> str:
+    """How the model runs its experts, for the status line once loaded."""
+    st = loaded.stream
+    if st is None:
+        return "experts resident: o streams them from disk (with a cache budget) to watch them page in"
+    extra = "".join(x for x, on in ((", fan-out", st["fanout"]), (", look-ahead", st["lookahead"])) if on)
+    active = f", {loaded.experts_active} of {loaded.experts_native} experts" if loaded.experts_active else ""
+    workers = f"{st['workers']} worker" + ("s" if st["workers"] != 1 else "")
+    return (f"streaming experts: cache {units.gb(st['budget_bytes'])}, {workers}, {st['policy']}"
+            f"{extra}{active}; o: settings")
+
+
+def expert_summary(model: ExpertMap, budget: int, rates: ReplyRates | None, stats: dict | None) -> Content:
+    """The expert view's figures: hit rate split by tier, decode rate, expert bytes per token, disk reads per second,
+    the cache's fill against its budget. `stats` (tqbench.runtime.session.stream_stats, after a reply) overrides the
+    counts the view made from the page-ins (they agree; the engine's are authoritative)."""
+    if stats is not None:
+        seen = {k: stats[f"hits_{k}"] for k in ("pinned", "cache", "prefetched")} | {"miss": stats["misses"]}
+        rate, cache = stats["hit_rate"], stats["cache_bytes"]
+    else:
+        seen, rate, cache = model.seen, model.hit_rate(), model.cache_bytes
+    total = sum(seen.values()) or 1
+    sep = Content.styled(" · ", "$text-muted")
+    split = Content(" ").join(Content.assemble((GLYPHS[k], "bold"), f"{seen[k] / total:.0%}")
+                              for k in ("pinned", "cache", "prefetched", "miss"))
+    lines = [Content.assemble("hits ", (f"{rate:.1%}", "bold"), "  ", split)]
+    if rates is not None:
+        per_token = humanize.naturalsize(rates.bytes_per_token, format="%.1f")
+        lines.append(Content.assemble((f"{rates.tok_s:.1f} tok/s", "bold"), sep, (per_token, "bold"),
+                                      " read per token"))
+        lines.append(Content.assemble("disk ", (f"{rates.read_bps / 1e6:.1f} MB/s", "bold"), sep, "cache ",
+                                      (f"{cache / budget:.0%}" if budget else "-", "bold"),
+                                      f" of {units.gb(budget)}"))
+    else:
+        lines.append(Content.assemble("cache ", (units.gb(cache), "bold"), f" of {units.gb(budget)}"))
+    lines.append(Content.styled("P pinned  = cache  + ahead  # disk", "$text-muted"))
+    return Content("\n").join(lines)
+
+
 class ChatInput(OrderedInput):
     """The message field: enter sends. While it has focus the app's one-letter keys are hidden (they type)."""
 
@@ -87,8 +141,16 @@ class ChatInput(OrderedInput):
 
 
 class ChatScreen(Screen):
-    """The model's header band, the transcript, a status line and the message field."""
+    """The model's header band, the transcript with the live expert view beside it (streaming only), a status line
+    and the message field."""
 
+    DEFAULT_CSS = """
+    #chat-body { height: 1fr; }
+    #chat-body > Transcript { width: 1fr; }
+    #expert-panel { display: none; width: 38; height: 1fr; border-left: vkey $foreground 20%; padding: 0 0 0 1; }
+    #chat-body.narrow #expert-panel { width: 1fr; border-left: none; border-top: hkey $foreground 20%; padding: 0; }
+    #expert-summary { height: auto; }
+    """
     AUTO_FOCUS = "#chat-input"
     BINDINGS = [
         Binding("escape", "stop", "Stop"),  # while a reply runs
@@ -96,6 +158,9 @@ class ChatScreen(Screen):
         Binding("i", "type", "Type"),  # from the transcript
         Binding("enter", "type", "Type", show=False),
         Binding("ctrl+r", "reset", "Reset"),
+        Binding("v", "pause_view", "Pause"),
+        Binding("o", "settings", "Settings"),
+        Binding("e", "export_profile", "Export"),
         Binding("ctrl+q", "quit_app", "Quit"),  # shown while the field hides the app's q
     ]
 
@@ -114,6 +179,10 @@ class ChatScreen(Screen):
         self._resetting = False
         self._user: UserTurn | None = None
         self._reply: ReplyTurn | None = None
+        self.options = ChatOptions()  # streaming settings the next load uses
+        self.experts: ExpertMap | None = None  # the expert view's state (streaming only)
+        self.stream: dict | None = None  # stream_stats after the last reply
+        self.rates: ReplyRates | None = None  # the last reply's rates
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -122,7 +191,11 @@ class ChatScreen(Screen):
             yield ProgressBar(total=None, show_eta=False, id="chat-bar")
             yield Label("", id="chat-bar-text")
         yield Static("", id="chat-error", markup=False)
-        yield Transcript(id="transcript")
+        with Horizontal(id="chat-body"):
+            yield Transcript(id="transcript")
+            with Vertical(id="expert-panel"):
+                yield ExpertMapView(id="expert-map")
+                yield Static("", id="expert-summary")
         yield Static("", id="chat-status")
         yield ChatInput(placeholder="Type a message; enter sends", id="chat-input")
         yield Footer()
@@ -171,11 +244,12 @@ class ChatScreen(Screen):
         waiting = " (waiting for the engine's running job to end first)" if engine().busy else ""
         self._band(Content.styled(f"choosing a model...{waiting}", "$text-muted"))
         self._status(Content(""))
-        self._load(self._load_id)
+        self._set_experts(None)
+        self._load(self._load_id, self.options)
         self.refresh_bindings()
 
     @work(thread=True, exclusive=True, group="load", exit_on_error=False, description="load the chat model")
-    def _load(self, load_id: int) -> None:
+    def _load(self, load_id: int, opts: ChatOptions) -> None:
         from tqbench.events import ConvertStarted, UnitConverted
         from tqbench.runtime.models import ModelChosen
 
@@ -212,20 +286,26 @@ class ChatScreen(Screen):
             self.post_message(ChatLoadStep(load_id, f"loading {display_path(Path(chosen.path))}..."))
             path = chosen.path
 
-            def opener(session: Session):  # on the engine thread
-                from tqbench.runtime.session import open_model
+            def opener(session: Session):  # on the engine thread: ModelLoaded, then the experts per MoE layer
+                from tqbench.runtime.session import KEY, open_model
 
-                return open_model(session, path, trust_remote_code=False)
+                yield from open_model(session, path, trust_remote_code=False, streaming=stream_config(path, opts),
+                                      max_active_experts=opts.max_active_experts)
+                streamer = session.state[KEY].loaded.streamer
+                yield {n: lay.experts for n, lay in streamer.store.layers.items()} if streamer else None
 
-            loaded = None
+            loaded = layout = None
             with self.session.submit(opener) as job:
                 for ev in job.items(cancelled):
-                    loaded = ev
+                    if isinstance(ev, dict) or ev is None:
+                        layout = ev
+                    else:
+                        loaded = ev
         except Exception as e:  # TqbenchError (bad input) or a bug: one line either way
             self.post_message(ChatLoadFailed(load_id, one_line(e)))
             return
         if loaded is not None and not worker.is_cancelled:
-            self.post_message(ChatModelReady(load_id, chosen, loaded))
+            self.post_message(ChatModelReady(load_id, chosen, loaded, layout))
 
     def on_chat_load_step(self, message: ChatLoadStep) -> None:
         if message.load_id != self._load_id:
@@ -255,7 +335,9 @@ class ChatScreen(Screen):
         self.query_one(ModelBand).show_model(message.chosen, m)
         template = "; no chat template: turns are plain text" if not m.chat_template else ""
         self.transcript.hint(START_HINT)
-        self._status(Content.styled(f"ready: {sampling_text(m.sampling)}{template}", "$text-muted"))
+        self._set_experts(ExpertMap(message.experts) if message.experts else None)
+        self._status(Content.styled(f"ready: {sampling_text(m.sampling)}{template}\n{streaming_text(m)}",
+                                    "$text-muted"))
         self.refresh_bindings()
 
     def on_chat_load_failed(self, message: ChatLoadFailed) -> None:
@@ -306,13 +388,14 @@ class ChatScreen(Screen):
 
         self._job = self.session.submit(make)
         self._status(Content.styled("waiting for the engine...", "$text-muted"))
-        self._relay(self._turn_id, self._job)
+        self._relay(self._turn_id, self._job, self.experts is not None)
         self.refresh_bindings()
 
     @work(thread=True, exclusive=True, group="reply", exit_on_error=False, description="reply")
-    def _relay(self, turn_id: int, job: Job) -> None:
+    def _relay(self, turn_id: int, job: Job, streaming: bool) -> None:
         from tqbench.runtime.chat import ReplyDone, ReplyStarted, TokenOut
-        from tqbench.runtime.session import last_reply
+        from tqbench.runtime.session import last_reply, stream_stats
+        from tqbench.stream import PageIn
 
         worker = get_current_worker()
         runs: list[tuple[list[str], bool]] = []  # the reply so far: runs of (pieces, thinking)
@@ -320,20 +403,33 @@ class ChatScreen(Screen):
         started = False
         done = None
         posted = 0.0
+        clock = ReplyClock()
+        batch: list[PageIn] = []  # page-ins since the last ChatExperts
+
+        def flush() -> None:
+            nonlocal batch
+            if batch:
+                self.post_message(ChatExperts(turn_id, tuple(batch), clock.rates()))
+                batch = []
 
         def parts() -> tuple[tuple[str, bool], ...]:
             return tuple(("".join(pieces), thinking) for pieces, thinking in runs)
 
         try:
             for ev in job.items(lambda: worker.is_cancelled):
-                if isinstance(ev, TokenOut):
+                if isinstance(ev, PageIn):
+                    clock.page_in(ev)
+                    batch.append(ev)
+                elif isinstance(ev, TokenOut):
                     tokens += 1
+                    clock.token()
                     if ev.text:
                         if runs and runs[-1][1] == ev.thinking:
                             runs[-1][0].append(ev.text)
                         else:
                             runs.append(([ev.text], ev.thinking))
                     if time.monotonic() - posted >= STREAM_INTERVAL:
+                        flush()
                         self.post_message(ChatReplyProgress(turn_id, parts(), tokens))
                         posted = time.monotonic()
                 elif isinstance(ev, ReplyStarted):
@@ -343,13 +439,16 @@ class ChatScreen(Screen):
                     done = ev
             job.stop()
             job.wait()  # the reply is closed on the engine thread: the conversation holds what was generated
+            flush()
             if done is None and started and tokens:
                 done = self.session.call(last_reply)  # stopped with esc: the partial reply's figures
+            stats = self.session.call(stream_stats) if streaming else None
         except Exception as e:  # TqbenchError or a bug: one line either way
             job.stop()
+            flush()
             self.post_message(ChatReplyFailed(turn_id, one_line(e)))
             return
-        self.post_message(ChatReplyEnded(turn_id, parts(), done))
+        self.post_message(ChatReplyEnded(turn_id, parts(), done, stats))
 
     def on_chat_reply_began(self, message: ChatReplyBegan) -> None:
         if message.turn_id != self._turn_id or self._stopping:
@@ -358,6 +457,16 @@ class ChatScreen(Screen):
         self._status(Content.assemble(
             f"processing the prompt: {ev.prompt_tokens} tokens, {ev.cached_tokens} reused from the cache",
             ("  esc: stop", "$text-muted")))
+
+    def on_chat_experts(self, message: ChatExperts) -> None:
+        if message.turn_id != self._turn_id or self.experts is None:
+            return
+        self.experts.apply(message.events)
+        self.rates, self.stream = message.rates, None
+        view = self.query_one(ExpertMapView)
+        view.update_view()
+        if not view.paused:
+            self._show_summary()
 
     def on_chat_reply_progress(self, message: ChatReplyProgress) -> None:
         if message.turn_id != self._turn_id or self._reply is None:
@@ -386,6 +495,11 @@ class ChatScreen(Screen):
             self._reply.end(message.parts, done.finish_reason)
             self.transcript.follow()
             self._status(reply_summary(done))
+        if self.experts is not None and message.stream is not None:
+            self.stream = message.stream
+            if done is not None and self.rates is not None:  # the engine's decode rate, not the view's estimate
+                self.rates = ReplyRates(done.decode_tps, self.rates.bytes_per_token, self.rates.read_bps)
+            self._show_summary()
         self._ended()
 
     def on_chat_reply_failed(self, message: ChatReplyFailed) -> None:
@@ -467,6 +581,10 @@ class ChatScreen(Screen):
             return True if self.loaded is not None else None  # while a reply runs: a notice says esc first
         if action == "quit_app":
             return typing
+        if action == "pause_view":
+            return self.experts is not None
+        if action in ("settings", "export_profile"):
+            return True if self.loaded is not None or not self._loading else None
         return True
 
     def action_leave_input(self) -> None:
@@ -477,6 +595,91 @@ class ChatScreen(Screen):
 
     async def action_quit_app(self) -> None:
         await self.app.action_quit()
+
+    # ---- the expert view, settings, the profile --------------------------------------------------------------------
+
+    def _set_experts(self, model: ExpertMap | None) -> None:
+        self.experts, self.stream, self.rates = model, None, None
+        self.query_one(ExpertMapView).set_model(model)
+        self._show_summary()
+        self._layout()
+
+    def _show_summary(self) -> None:
+        if self.experts is not None and self.loaded is not None and self.loaded.stream is not None:
+            budget = self.loaded.stream["budget_bytes"]
+            self.query_one("#expert-summary", Static).update(
+                expert_summary(self.experts, budget, self.rates, self.stream))
+
+    def on_resize(self) -> None:
+        self._layout()
+
+    def _layout(self) -> None:
+        """The expert view beside the transcript, or under it on a narrow screen; hidden without streaming."""
+        panel, body = self.query_one("#expert-panel"), self.query_one("#chat-body")
+        panel.display = self.experts is not None
+        if self.experts is None:
+            return
+        width = self.size.width
+        narrow = width < NARROW
+        body.set_class(narrow, "narrow")
+        body.styles.layout = "vertical" if narrow else "horizontal"
+        if narrow:
+            panel.styles.height = min(len(self.experts.layers) + 6, max(8, self.size.height // 2))
+        else:
+            panel.styles.height = "1fr"
+            panel.styles.width = max(36, min(natural_width(self.experts) + 2, width // 2))
+
+    def action_pause_view(self) -> None:
+        view = self.query_one(ExpertMapView)
+        view.set_paused(not view.paused)
+        if not view.paused:
+            view.update_view()
+            self._show_summary()
+        self.notify("expert view paused (v resumes)" if view.paused else "expert view resumed")
+
+    def action_settings(self) -> None:
+        if self.replying or self._loading or self._resetting:
+            self.notify("Streaming settings change between turns: wait for the reply (esc stops it).",
+                        severity="warning")
+            return
+
+        def chosen(opts: ChatOptions | None) -> None:
+            if opts is None or opts == self.options and self.loaded is not None:
+                return
+            self.options = opts
+            self.notify("Re-opening the model with the new streaming settings: a new conversation.")
+            self.load()
+
+        self.app.push_screen(SettingsScreen(self.options), chosen)
+
+    def action_export_profile(self) -> None:
+        if self.replying or self.loaded is None:
+            self.notify("Export the profile between turns, with a model loaded.", severity="warning")
+            return
+        from tqbench.paths import cache_dir
+
+        self._export(str(cache_dir() / "profile-exports" / f"{Path(self.loaded.path).name}.json"))
+
+    @work(thread=True, exclusive=True, group="export", exit_on_error=False, description="export the profile")
+    def _export(self, file: str) -> None:
+        from tqbench.runtime.session import export_profile
+
+        try:
+            info = self.session.call(lambda s: export_profile(s, file))
+        except Exception as e:
+            self.post_message(ChatProfileExported(None, error=one_line(e)))
+            return
+        self.post_message(ChatProfileExported(info["file"], info["routings"]))
+
+    def on_chat_profile_exported(self, message: ChatProfileExported) -> None:
+        if message.error is not None:
+            self.notify(f"profile not exported: {message.error}", severity="error")
+            return
+        where = display_path(Path(message.file))
+        self._status(Content.assemble("profile exported to ", (where, "bold"),
+                                      (f"\n{message.routings:,.0f} routings; tqbench chat --profile FILE uses it",
+                                       "$text-muted")))
+        self.notify(f"profile exported to {where}")
 
     # ---- lines ----------------------------------------------------------------------------------------------------
 

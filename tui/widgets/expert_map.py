@@ -43,9 +43,9 @@ class ExpertMapView(ScrollView, can_focus=True):
     BINDINGS = [
         Binding("up", "cursor(-1)", "Layer", show=False),
         Binding("down", "cursor(1)", "Layer", show=False),
-        Binding("enter", "open", "Open layer"),
-        Binding("plus,equals_sign", "zoom(-1)", "Zoom in"),
-        Binding("minus", "zoom(1)", "Zoom out"),
+        Binding("enter", "open", "Open"),
+        Binding("plus,equals_sign", "zoom(-1)", "Zoom", key_display="+"),
+        Binding("minus", "zoom(1)", "Zoom", key_display="-"),
         Binding("left", "scroll_bins(-1)", "Scroll", show=False),
         Binding("right", "scroll_bins(1)", "Scroll", show=False),
     ]
@@ -58,7 +58,7 @@ class ExpertMapView(ScrollView, can_focus=True):
         self.cursor = 0  # index of the chosen layer
         self.opened: set[int] = set()  # layers shown with all their experts
         self.paused = False
-        self._rows: list[tuple] = []  # ("head",) | ("layer", n) | ("wrap", n, first expert)
+        self._rows: list[tuple] = []  # ("layer", n) | ("wrap", n, first expert), under the fixed header line
         self._styles: dict = {}
 
     # ---- state ----
@@ -101,7 +101,7 @@ class ExpertMapView(ScrollView, can_focus=True):
         return max(1, (self.scrollable_content_region.width or self.size.width) - self.geometry()[0])
 
     def _relayout(self) -> None:
-        rows: list[tuple] = [("head",)]
+        rows: list[tuple] = []
         if self.model is not None:
             wrap = self.wrap_width()
             for n in self.model.layers:
@@ -109,7 +109,7 @@ class ExpertMapView(ScrollView, can_focus=True):
                 if n in self.opened:
                     rows += [("wrap", n, a) for a in range(0, self.model.layers[n].experts, wrap)]
         self._rows = rows
-        self.virtual_size = Size(self.size.width, len(rows))
+        self.virtual_size = Size(self.size.width, len(rows) + 1)  # + the header, which stays in place
         self.refresh()
 
     def on_resize(self) -> None:
@@ -127,7 +127,7 @@ class ExpertMapView(ScrollView, can_focus=True):
             return
         self.cursor = max(0, min(len(layers) - 1, self.cursor + step))
         y = self._rows.index(("layer", layers[self.cursor]))
-        self.scroll_to_region(Region(0, y, 1, 1), animate=False)
+        self.scroll_to_region(Region(0, y, 1, 2), animate=False)  # shown at y + 1 - scroll_y: under the header
         self.refresh()
 
     def action_open(self) -> None:
@@ -180,21 +180,21 @@ class ExpertMapView(ScrollView, can_focus=True):
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width or self.size.width
-        i = y + int(self.scroll_offset.y)
-        if i >= len(self._rows) or self.model is None:
+        if self.model is None:
             return Strip.blank(width, self.rich_style)
-        row = self._rows[i]
+        i = y - 1 + int(self.scroll_offset.y)
+        row = ("head",) if y == 0 else self._rows[i] if i < len(self._rows) else None
+        if row is None:
+            return Strip.blank(width, self.rich_style)
         label, cols, per, tail = self.geometry()
         m = self.model
         muted = self._style(("muted",))
         if row[0] == "head":
             total = len(bins(m.widest, per))
             first = min(self.first, max(0, total - cols))
-            text = f"{m.widest} experts/layer · {per} per cell"
+            text = ("PAUSED · " if self.paused else "") + f"{m.widest} experts, {per}/cell"
             if total > cols:
-                text += f" · cells {first + 1}-{min(total, first + cols)} of {total} ◀▶"
-            if self.paused:
-                text += " · PAUSED (v)"
+                text += f" · {first + 1}-{min(total, first + cols)} of {total} ◀▶"
             segs = [Segment(text, muted)]
         elif row[0] == "layer":
             n = row[1]
@@ -205,7 +205,8 @@ class ExpertMapView(ScrollView, can_focus=True):
             mark = "▾" if n in self.opened else " "
             segs = [Segment(f"L{n}".ljust(label - 1) + mark, self._style(("cursor",)) if chosen else muted)]
             segs += self._cells(n, groups[first:first + cols])
-            segs.append(Segment(" " * (cols - len(groups[first:first + cols]))))
+            width_used = min(cols, len(bins(m.widest, per)))  # the tail follows the widest layer's cells
+            segs.append(Segment(" " * (width_used - len(groups[first:first + cols]))))
             if tail:
                 top = max((max(s.misses, default=0) for s in m.layers.values()), default=1)
                 segs += [Segment(" "), Segment(sparkline(st.misses, top), self._style(("miss", FADE // 2))),
@@ -216,3 +217,9 @@ class ExpertMapView(ScrollView, can_focus=True):
             segs = [Segment(str(a).rjust(label - 1) + " ", muted)]
             segs += self._cells(n, [range(e, e + 1) for e in range(a, min(experts, a + self.wrap_width()))])
         return Strip(segs).adjust_cell_length(width, self.rich_style)
+
+
+def natural_width(model: ExpertMap) -> int:
+    """Columns the map needs to show every expert in its own cell, with the layer labels and the tail."""
+    label = max(len(f"L{max(model.layers, default=0)}"), len(str(max(0, model.widest - 1)))) + 1
+    return label + model.widest + 1 + SPARK + STALL_W + 1
