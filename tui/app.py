@@ -1,20 +1,24 @@
 """`TqbenchApp`: the full-screen workbench. Each workbench area is an app mode: Source first, then Recipe, Convert,
-Chat."""
+Chat, Profile; ? (or F1) lists every key, and the command palette (ctrl+p) reaches every screen too."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from textual import work
-from textual.app import App
+from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.reactive import reactive
+from textual.screen import Screen
 
 from tqbench.engine import engine
 from tqbench.recipe import Recipe
 from tui.screens.chat import ChatScreen
 from tui.screens.convert import ConvertScreen
+from tui.screens.help import HelpScreen
+from tui.screens.profile import ProfileScreen
 from tui.screens.recipe import RecipeScreen
 from tui.screens.source import SourceScreen
 from tui.widgets.recipe_editor import INITIAL_RECIPE
@@ -25,8 +29,8 @@ class TqbenchApp(App[None]):
 
     TITLE = "tqbench"
     CSS_PATH = "app.tcss"
-    MODES = {"source": SourceScreen, "recipe": RecipeScreen, "convert": ConvertScreen,
-             "chat": ChatScreen}  # later: "streaming"
+    MODES = {"source": SourceScreen, "recipe": RecipeScreen, "convert": ConvertScreen, "chat": ChatScreen,
+             "profile": ProfileScreen}
     DEFAULT_MODE = "source"
     BINDINGS = [
         Binding("q", "quit", "Quit"),
@@ -34,6 +38,9 @@ class TqbenchApp(App[None]):
         Binding("p", "switch_mode('recipe')", "Recipe"),
         Binding("c", "switch_mode('convert')", "Convert"),
         Binding("t", "switch_mode('chat')", "Chat"),
+        Binding("h", "switch_mode('profile')", "Profile"),  # f: the Convert screen's Force
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("f1", "help", "Help", show=False),  # also in fields, where ? types
     ]
 
     # The tqbench.source.Checkpoint opened last, for every screen (the Source screen sets it; the Recipe screen
@@ -61,6 +68,20 @@ class TqbenchApp(App[None]):
     def _stop_engine_then_exit(self) -> None:
         engine().stop_all()
         self.call_from_thread(self.exit)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """The palette: every screen, by the name its key has, and the help screen; then Textual's commands."""
+        for _, b in self._bindings:
+            if b.action.startswith("switch_mode("):
+                mode = b.action.split("'")[1]
+                yield SystemCommand(b.description, f"Go to the {b.description} screen ({b.key})",
+                                    partial(self.switch_mode, mode))
+        yield SystemCommand("Help", "Every key of the app and of each screen (? or F1)", self.action_help)
+        yield from super().get_system_commands(screen)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ("quit", "switch_mode") and getattr(self.focused, "hides_app_keys", False):

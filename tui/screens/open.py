@@ -1,4 +1,4 @@
-"""A small modal asking for a checkpoint directory to open."""
+"""A small modal asking for a path: a checkpoint directory to open (the default), or whatever `title` asks for."""
 
 from __future__ import annotations
 
@@ -19,15 +19,16 @@ class OpenScreen(ModalScreen[Path | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, initial: str = "") -> None:
+    def __init__(self, initial: str = "", title: str = "Open a checkpoint directory (Enter to open, Esc to cancel)",
+                 placeholder: str = "/path/to/checkpoint") -> None:
         super().__init__()
-        self._initial = initial
+        self._initial, self._title, self._placeholder = initial, title, placeholder
 
     def compose(self) -> ComposeResult:
         with Vertical(id="open-dialog"):
-            yield Label("Open a checkpoint directory (Enter to open, Esc to cancel)")
+            yield Label(self._title)
             # Ordered: ctrl+u then a pasted path keeps the path (Textual would run ctrl+u after the pasted keys).
-            yield OrderedInput(value=self._initial, placeholder="/path/to/checkpoint", id="open-path")
+            yield OrderedInput(value=self._initial, placeholder=self._placeholder, id="open-path")
 
     @on(Input.Submitted, "#open-path")
     def _submitted(self, event: Input.Submitted) -> None:

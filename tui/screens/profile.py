@@ -1,0 +1,324 @@
+"""The Profile screen: a model's hot-expert profile (tqbench.profile), as `tqbench profile show` reports it: which
+profile applies and how mature it is, a layer x expert heat map of its counts, the experts each layer needs for
+50/80/90% of its routings; plus export and import, as `tqbench profile export/import` do them.
+
+The model is the one the Chat screen opens (the last converted model, else the demo's conversion); o opens another
+model directory, or a profile file (shown against the model when it fits, else on its own). The profile is read again
+each time the screen is shown: chat sessions keep learning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.content import Content
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Header, Static
+
+from tqbench.errors import TqbenchError
+from tui.screens.open import OpenScreen
+from tui.state import display_path
+from tui.widgets.heat_map import RAMP, HeatMap
+
+
+def one_line(e: TqbenchError) -> str:
+    """The engine's one-line error, its path as the screen shows paths."""
+    return f"{display_path(Path(e.path))}: {e.message}" if e.path else e.message
+
+
+def number(x: float) -> str:
+    """Counts are decayed, so not always whole: 1,234 or 12.5."""
+    return f"{x:,.0f}" if abs(x - round(x)) < 1e-6 or abs(x) >= 100 else f"{x:,.1f}"
+
+
+class ProfileScreen(Screen):
+    BINDINGS = [
+        Binding("o", "open", "Open"),
+        Binding("e", "export", "Export"),
+        Binding("i", "import", "Import"),
+        Binding("r", "reload", "Reload", show=False),
+        Binding("escape", "own_profile", "Model's profile"),  # while a file is shown
+    ]
+    DEFAULT_CSS = """
+    ProfileScreen #error { text-wrap: nowrap; text-overflow: ellipsis; }
+    ProfileScreen #profile-info { height: auto; padding: 0 1; background: $boost; text-wrap: nowrap;
+                                  text-overflow: ellipsis; }
+    ProfileScreen #profile-body { height: 1fr; }
+    ProfileScreen #heat-cell { height: 1; padding: 0 1; color: $text-muted; text-wrap: nowrap;
+                               text-overflow: ellipsis; }
+    ProfileScreen #coverage { height: 1fr; }
+    ProfileScreen #profile-empty { height: 1fr; padding: 1 2; color: $text-muted; }
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: Path | None = None  # None: the Chat screen's default model
+        self.file: Path | None = None  # a profile file shown instead of the model's own profile
+        self.doc: dict[str, Any] | None = None  # tqbench.profile.overview's document of what is shown
+        self.profile = None  # its tqbench.profile.Profile
+        self.shown_model: Path | None = None  # the model it was read for (None: a file on its own)
+        self.error: str | None = None
+        self._load_id = 0
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Static("", id="error")
+        yield Static("", id="profile-info")
+        yield Static("", id="profile-empty")
+        with Vertical(id="profile-body"):
+            yield HeatMap(id="heat")
+            yield Static("", id="heat-cell")
+            yield DataTable(id="coverage", cursor_type="row", zebra_stripes=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = "Profile"
+        self.query_one("#profile-body").display = False
+        self.query_one("#profile-empty").display = False
+
+    def on_screen_resume(self) -> None:
+        self.reload(clear=False)  # also back from a dialog: an error it led to stays
+
+    # ---- loading ----------------------------------------------------------------------------------------------------
+
+    def reload(self, clear: bool = True) -> None:
+        if clear:
+            self._set_error(None)
+        self._load_id += 1
+        self._load(self._load_id, self.model, self.file)
+
+    @work(thread=True, exclusive=True, group="profile", exit_on_error=False, description="read the profile")
+    def _load(self, load_id: int, model: Path | None, file: Path | None) -> None:
+        from tqbench.profile import ProfileError, ProfileStore, overview_file, overview_profile
+        from tqbench.runtime.models import default_model
+
+        try:
+            model = model or default_model()
+            if model is None and file is None:
+                self.app.call_from_thread(self._show, load_id, None, None, None)
+                return
+            if model is None:
+                doc, p = overview_file(file)
+            else:
+                store = ProfileStore()
+                try:
+                    doc, p = overview_profile(model, store, file)
+                except ProfileError as e:
+                    if file is None:
+                        raise
+                    try:  # another model's file: shown on its own
+                        doc, p = overview_file(file)
+                    except TqbenchError:
+                        raise e from None
+                    doc["warnings"].append(f"not for this model ({e}): shown on its own")
+                    model = None
+                finally:
+                    store.close()
+        except TqbenchError as e:
+            self.app.call_from_thread(self._fail, load_id, one_line(e))
+            return
+        self.app.call_from_thread(self._show, load_id, model, doc, p)
+
+    def _fail(self, load_id: int, text: str) -> None:
+        if load_id == self._load_id:
+            self._set_error(text)
+
+    def _show(self, load_id: int, model: Path | None, doc: dict | None, profile: Any) -> None:
+        if load_id != self._load_id:
+            return
+        self.doc, self.profile, self.shown_model = doc, profile, model
+        self.query_one("#profile-body").display = doc is not None
+        empty = self.query_one("#profile-empty", Static)
+        empty.display = doc is None
+        self.query_one("#profile-info").display = doc is not None
+        self.refresh_bindings()
+        if doc is None:
+            empty.update("No converted model yet: the Chat screen (t) converts the demo, the Convert screen (c) "
+                         "converts a checkpoint. Or press o to open a model directory or a profile file.")
+            return
+        shown = doc["where"] if doc["source"] == "file" else doc["model"]
+        self.sub_title = f"Profile: {display_path(Path(shown))}"
+        self.query_one("#profile-info", Static).update(Content("\n".join(self._info_lines(doc))))
+        counts = profile.counts()
+        layers = list(profile.geometry.layers)
+        heat = self.query_one(HeatMap)
+        heat.show(layers, np.stack([counts[n] for n in layers]) if layers else np.zeros((0, 0)))
+        self._fill_table(doc)
+        if self.focused is None:
+            heat.focus()
+
+    def _info_lines(self, doc: dict) -> list[str]:
+        g = doc["geometry"]
+        shape = f"{g['model_type']}: {len(g['layers'])} MoE layers x {g['experts']} experts, top-{g['top_k']}"
+        routings = f"{number(doc['routings'])} routings"
+        source, where = doc["source"], doc["where"]
+        if source == "learned":
+            sessions = doc["sessions"]
+            mature = doc["mature_at"]
+            maturity = (f"mature (from {mature:,})" if doc["routings"] >= mature else
+                        f"mature at {mature:,} ({doc['routings'] / mature:.0%} there)")
+            line = f"learned: {routings}, {sessions} session{'s' if sessions != 1 else ''}; {maturity}"
+        elif source == "none":
+            line = "none yet: chat sessions learn one"
+        else:
+            line = f"{source} {display_path(Path(where))}: {routings}"
+        chat = doc["chat"]
+        chat_line = ("-" if chat is None else {"learned": "starts from the learned profile",
+                                                "shipped": "starts from the shipped profile",
+                                                "none": "starts cold (no profile)"}[chat["source"]])
+        model = f"{shape} [{doc['fingerprint']}]" if doc["model"] else f"none: the file on its own ({shape})"
+        lines = [f"model    {model}", f"profile  {line}", f"chat     {chat_line}"]
+        return lines + [f"warning  {w}" for w in doc["warnings"]]
+
+    def _fill_table(self, doc: dict) -> None:
+        table = self.query_one("#coverage", DataTable)
+        table.clear(columns=True)
+        keys = list(doc["coverage"])
+        for name in ("layer", "decode", "prefill", "used", *[f"{k}%" for k in keys]):
+            table.add_column(name)
+        table.add_column("hottest (share)")
+        for x in doc["layers"]:
+            table.add_row(str(x["layer"]), number(x["decode"]), number(x["prefill"]), str(x["experts_used"]),
+                          *[str(x["coverage"][k]) for k in keys],
+                          ", ".join(f"{e} {s:.1%}" for e, s in x["top"][:3]) or "-")
+        table.add_row("all", number(doc["decode"]), number(doc["prefill"]),
+                      str(sum(x["experts_used"] for x in doc["layers"])), *[str(doc["coverage"][k]) for k in keys],
+                      f"of {doc['experts']:,} experts")
+
+    @on(HeatMap.Moved)
+    def _cell_moved(self) -> None:
+        heat = self.query_one(HeatMap)
+        line = self.query_one("#heat-cell", Static)
+        if not heat.layer_ids:
+            line.update("")
+            return
+        row, col = heat.cursor
+        first, last = heat.cell_span(col)
+        value = heat.cells[row, col]
+        total = heat.counts[row].sum()
+        share = f" ({value / total:.1%})" if total > 0 else ""
+        where = f"expert {first}" if first == last else f"experts {first}-{last}"
+        hottest = ""
+        if first != last and value > 0:
+            e = first + int(np.argmax(heat.counts[row, first:last + 1]))
+            hottest = f", hottest {e}: {number(heat.maxima[row, col])}"
+        per = "1 expert" if heat.bin == 1 else f"{heat.bin} experts"
+        line.update(Content(f"layer {heat.layer_ids[row]} {where}: {number(value)}{share}{hottest} · {per}/cell, "
+                            f"+/- zoom · \"{RAMP}\" 0..max"))
+
+    def _set_error(self, text: str | None) -> None:
+        self.error = text
+        error = self.query_one("#error", Static)
+        error.update(Content(f"error: {text}" if text else ""))
+        error.tooltip = text
+        error.display = bool(text)
+
+    # ---- actions ----------------------------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "own_profile":
+            return self.file is not None
+        return True
+
+    def action_reload(self) -> None:
+        self.reload()
+
+    def action_own_profile(self) -> None:
+        self.file = None
+        self.refresh_bindings()
+        self.reload()
+
+    def action_open(self) -> None:
+        current = self.file or self.model or self.shown_model
+
+        def opened(path: Path | None) -> None:
+            if path is None:
+                return
+            if path.is_dir():
+                self.model, self.file = path, None
+            else:
+                self.file = path
+            self.refresh_bindings()
+            self.reload()
+
+        self.app.push_screen(OpenScreen(str(current) if current else "", "Open a model directory or a profile file "
+                                        "(Esc cancels)", "/path/to/model or profile.json"), opened)
+
+    def _model_or_error(self) -> Path | None:
+        model = self.model or self.shown_model
+        if model is None:
+            self._set_error("no model: open a model directory first (o)")
+        return model
+
+    def action_export(self) -> None:
+        model = self._model_or_error()
+        if model is None:
+            return
+        initial = display_path(Path.cwd() / f"{model.name}-profile.json")
+
+        def chosen(dest: Path | None) -> None:
+            if dest is not None:
+                self._set_error(None)
+                self._export(model, dest)
+
+        self.app.push_screen(OpenScreen(initial, "Write the learned profile to (Esc cancels)",
+                                        "profile.json"), chosen)
+
+    @work(thread=True, group="share", exit_on_error=False, description="export the profile")
+    def _export(self, model: Path, dest: Path) -> None:
+        from tqbench.profile import ProfileStore, export_learned
+
+        try:
+            store = ProfileStore()
+            try:
+                p = export_learned(model, store, dest)
+            finally:
+                store.close()
+        except TqbenchError as e:
+            self.app.call_from_thread(self._set_error, one_line(e))
+            return
+        except OSError as e:
+            self.app.call_from_thread(self._set_error, f"{display_path(dest)}: {e.strerror or e}")
+            return
+        self.app.call_from_thread(self._done, f"wrote {display_path(dest)}: {number(p.routings)} routings")
+
+    def action_import(self) -> None:
+        model = self._model_or_error()
+        if model is None:
+            return
+
+        def chosen(file: Path | None) -> None:
+            if file is not None:
+                self._set_error(None)
+                self._import(model, file)
+
+        self.app.push_screen(OpenScreen("", "Import a profile file as the learned profile "
+                                        "(Esc cancels)", "profile.json"), chosen)
+
+    @work(thread=True, group="share", exit_on_error=False, description="import a profile")
+    def _import(self, model: Path, file: Path) -> None:
+        from tqbench.profile import ProfileStore, import_file
+
+        try:
+            store = ProfileStore()
+            try:
+                p, _ = import_file(model, file, store)
+            finally:
+                store.close()
+        except TqbenchError as e:
+            self.app.call_from_thread(self._set_error, one_line(e))
+            return
+        self.app.call_from_thread(self._imported, f"imported {display_path(file)}: {number(p.routings)} routings")
+
+    def _imported(self, text: str) -> None:
+        self.file = None  # show the learned profile, now the imported one
+        self._done(text)
+        self.reload()
+
+    def _done(self, text: str) -> None:
+        self.notify(text)
