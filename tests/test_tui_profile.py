@@ -247,6 +247,9 @@ async def test_export_writes_what_the_engine_reads_back(demo, tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_profile(pilot)
         await pilot.press("e")
+        await type_path(pilot, tmp_path / "no-such-dir" / "out.json")
+        assert screen.error.endswith("out.json: No such file or directory") and "\n" not in screen.error
+        await pilot.press("e")
         await type_path(pilot, tmp_path / "out.json")
         assert screen.error is None
     fp, geo = identify(model)
@@ -303,6 +306,22 @@ async def test_a_profile_file_of_another_model_is_shown_on_its_own(demo, wide, t
         await pilot.press("escape")  # back to the model's own profile
         await settle(pilot)
         assert screen.file is None and screen.query_one(HeatMap).experts == 64
+
+
+async def test_a_path_that_is_neither_keeps_what_is_shown(demo, tmp_path):
+    src, model, _ = demo
+    remember_model(model)
+    put(seeded(model, seed=7))
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_profile(pilot)
+        cells = screen.query_one(HeatMap).cells.copy()
+        for bad in (tmp_path / "nothing-here", tmp_path):  # no such file; a directory that is no model
+            await pilot.press("o")
+            await type_path(pilot, bad)
+            assert screen.error.startswith(f"{bad}: ") and "\n" not in screen.error
+            assert (screen.model, screen.file) == (None, None) and "Model's profile" not in screen_lines(app)[-1]
+            assert np.array_equal(screen.query_one(HeatMap).cells, cells)
 
 
 async def test_without_a_converted_model_the_screen_says_how_to_get_one(tmp_path):

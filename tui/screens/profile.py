@@ -64,6 +64,7 @@ class ProfileScreen(Screen):
         self.shown_model: Path | None = None  # the model it was read for (None: a file on its own)
         self.error: str | None = None
         self._load_id = 0
+        self._shown_paths: tuple[Path | None, Path | None] = (None, None)  # (model, file) of the last good load
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -126,11 +127,14 @@ class ProfileScreen(Screen):
 
     def _fail(self, load_id: int, text: str) -> None:
         if load_id == self._load_id:
+            self.model, self.file = self._shown_paths  # what is shown stays shown
+            self.refresh_bindings()
             self._set_error(text)
 
     def _show(self, load_id: int, model: Path | None, doc: dict | None, profile: Any) -> None:
         if load_id != self._load_id:
             return
+        self._shown_paths = (self.model, self.file)
         self.doc, self.profile, self.shown_model = doc, profile, model
         self.query_one("#profile-body").display = doc is not None
         empty = self.query_one("#profile-empty", Static)
