@@ -254,7 +254,9 @@ class ProfileScreen(Screen):
                                         "(Esc cancels)", "/path/to/model or profile.json"), opened)
 
     def _model_or_error(self) -> Path | None:
-        model = self.model or self.shown_model
+        from tqbench.runtime.models import default_model
+
+        model = self.model or self.shown_model or default_model()
         if model is None:
             self._set_error("no model: open a model directory first (o)")
         return model
