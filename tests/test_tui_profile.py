@@ -143,7 +143,7 @@ def table_rows(table: DataTable) -> list[list[str]]:
     return [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
 
 
-# ---- what is shown ----------------------------------------------------------------------------------------------------
+# ---- what is shown ---------------------------------------------------------------------------------------------------
 
 async def test_every_expert_its_own_cell_with_the_learned_counts(demo, tmp_path):
     src, model, text = demo
@@ -230,7 +230,7 @@ async def test_coverage_is_the_engines(demo, tmp_path):
         assert rows[-1][0] == "all" and rows[-1][4:7] == [str(doc["coverage"][k]) for k in ("50", "80", "90")]
 
 
-# ---- export and import ------------------------------------------------------------------------------------------------
+# ---- export and import -----------------------------------------------------------------------------------------------
 
 async def type_path(pilot, path: Path) -> None:
     field = pilot.app.screen.query_one("#open-path", Input)
@@ -331,7 +331,7 @@ async def test_without_a_converted_model_the_screen_says_how_to_get_one(tmp_path
         assert "No converted model yet" in "\n".join(screen_lines(app))
 
 
-# ---- the app: help, palette, footer -----------------------------------------------------------------------------------
+# ---- the app: help, palette, footer ----------------------------------------------------------------------------------
 
 def sections(text: str) -> dict[str, str]:
     """The help text by section title (the lines that are not indented)."""

@@ -19,6 +19,7 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
+from textual.worker import Worker, WorkerState
 
 from tqbench.errors import TqbenchError
 from tui.screens.open import OpenScreen
@@ -124,6 +125,12 @@ class ProfileScreen(Screen):
             self.app.call_from_thread(self._fail, load_id, one_line(e))
             return
         self.app.call_from_thread(self._show, load_id, model, doc, p)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """Anything else a worker raised (a locked store, a bug) is one line too."""
+        if event.state is WorkerState.ERROR and event.worker.group in ("profile", "share"):
+            e = event.worker.error
+            self._set_error(" ".join(f"{type(e).__name__}: {e}".split()))
 
     def _fail(self, load_id: int, text: str) -> None:
         if load_id == self._load_id:
