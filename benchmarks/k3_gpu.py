@@ -379,6 +379,31 @@ def projection(read_s_per_miss: float, layer_compute_s: float, hit_rates: dict[s
     return rows
 
 
+def finish(doc: dict) -> None:
+    """The figures that need several parts: disk on misses against raw, and the K3 projection."""
+    if "stream" not in doc or "raw" not in doc:
+        return
+    raw_gbps = doc["raw"]["best_gbps"]
+    cold = next(r for r in doc["stream"]["rows"] if r["label"] == "B cold")
+    doc["disk_on_misses_vs_raw"] = (cold["disk_gbps_on_misses"] or 0) / raw_gbps
+    if "resident" in doc and cold["read_s_per_miss"]:
+        b = cold["trace_bounds"]
+        hit = {"measured (B cold)": cold["hit_rate"], "Belady (B trace)": b["belady"], "none": 0.0}
+        layers = doc["model"]["spec"]["num_hidden_layers"]
+        doc["projection_k3"] = projection(cold["read_s_per_miss"], doc["resident"]["token_s_median"] / layers, hit,
+                                          raw_gbps)
+
+
+def combine(docs: list[dict], names: list[str]) -> dict:
+    out: dict = {"configs": {}}
+    for d, name in zip(docs, names):
+        out.update({k: v for k, v in d.items() if v is not None and k != "config"})
+        out["configs"][name] = d.get("config")
+    out["combined_from"] = names
+    finish(out)
+    return out
+
+
 def machine_info() -> dict:
     info = dict(cpu_count=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
                 date=time.strftime("%Y-%m-%d"))
@@ -403,10 +428,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, help="work directory on the disk to measure (kept)")
     p.add_argument("--out", type=Path, default=Path("bench-results/k3_gpu.json"))
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--combine", nargs="+", type=Path, metavar="JSON",
+                   help="merge the parts of runs cut into several calls (later files win) and redo the projection")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         CHILDREN[a.child[0]](json.loads(a.child[1]))
+        return 0
+    if a.combine:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(combine([json.loads(f.read_text()) for f in a.combine],
+                                            [str(f) for f in a.combine]), indent=1) + "\n")
         return 0
     if a.work is None:
         p.error("--work is required (a directory on the disk to measure)")
@@ -486,16 +518,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['bytes_per_token'] / 1e9:.2f} GB/token, stall {row['stall_share']:.0%}, "
                 f"disk on misses {row['disk_gbps_on_misses'] or 0:.2f} GB/s")
         doc["stream"] = dict(rows=rows, mlx_peak=res["mlx_peak"], device=res["device"])
-        cold = next(r for r in rows if r["label"] == "B cold")
-        doc["disk_on_misses_vs_raw"] = (cold["disk_gbps_on_misses"] or 0) / raw_gbps
-        if resident_token_s is not None and cold["read_s_per_miss"]:
-            b = cold["trace_bounds"]
-            hit = {"measured (B cold)": cold["hit_rate"], "Belady (B trace)": b["belady"], "none": 0.0}
-            doc["projection_k3"] = projection(cold["read_s_per_miss"], resident_token_s / (cfg["layers"]), hit,
-                                              raw_gbps)
-            for row in doc["projection_k3"]:
-                log(f"K3 top-{row['top_k']} at hit rate {row['hit_rate']:.1%} ({row['hit_rate_from']}): "
-                    f"{row['tps']:.3f} tok/s (disk ceiling {row['disk_ceiling_tps'] or 0:.3f})")
+        finish(doc)
+        for row in doc.get("projection_k3", []):
+            log(f"K3 top-{row['top_k']} at hit rate {row['hit_rate']:.1%} ({row['hit_rate_from']}): "
+                f"{row['tps']:.3f} tok/s (disk ceiling {row['disk_ceiling_tps'] or 0:.3f})")
         save()
     return 0
 
