@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 KINDS = ("pinned", "cache", "prefetched", "miss")  # PageIn.served values, best first (a bin shows its worst)
+RANK = {k: i for i, k in enumerate(KINDS)}
 GLYPHS = {"pinned": "P", "cache": "=", "prefetched": "+", "miss": "#", None: " "}  # None: never routed
 LABELS = {"pinned": "pinned", "cache": "cache hit", "prefetched": "prefetched", "miss": "read from disk"}
 FADE = 24  # tokens after which a routing is fully faded
@@ -30,14 +31,14 @@ def bins(experts: int, per: int) -> list[range]:
 @dataclass
 class LayerState:
     experts: int
-    last: list[int] = field(default_factory=list)  # per expert: the token of its last routing (-1: never)
-    kind: list[int] = field(default_factory=list)  # per expert: index into KINDS of that routing
+    # per expert: token * 4 + RANK of how it was served on its last routing, -1 never routed; so the largest in a bin
+    # is its most recent routing, the worst served among those of that token
+    last: list[int] = field(default_factory=list)
     misses: deque = field(default_factory=lambda: deque(maxlen=SPARK))  # misses per recent token
     stall_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.last = [-1] * self.experts
-        self.kind = [0] * self.experts
 
 
 class ExpertMap:
@@ -50,7 +51,7 @@ class ExpertMap:
         self.bytes_read = 0
         self.stall_s = 0.0
         self.cache_bytes = 0  # after the newest event
-        self.dirty: set[int] = set(self.layers)  # layers changed since the view last drew them
+        self.version = 0  # counts batches applied (the view caches its lines per version)
 
     @property
     def widest(self) -> int:
@@ -66,8 +67,7 @@ class ExpertMap:
             misses = 0
             for e, how in zip(ev.experts, ev.served):
                 if 0 <= e < st.experts:
-                    st.last[e] = ev.token
-                    st.kind[e] = KINDS.index(how)
+                    st.last[e] = ev.token * 4 + RANK[how]
                 self.seen[how] += 1
                 misses += how == "miss"
             st.misses.append(misses)
@@ -75,25 +75,18 @@ class ExpertMap:
             self.stall_s += ev.stall_s
             self.bytes_read += ev.bytes_read
             self.cache_bytes = ev.cache_bytes
-        self.dirty = set(self.layers)  # every row fades by one token
+        self.version += 1
 
     def cell(self, layer: int, expert: int) -> tuple[str | None, int]:
         """(how the expert was served on its last routing, tokens since): (None, -1) if never routed."""
-        st = self.layers[layer]
-        if st.last[expert] < 0:
-            return None, -1
-        return KINDS[st.kind[expert]], self.token - st.last[expert]
+        return self._state(self.layers[layer].last[expert])
 
     def bin(self, layer: int, experts: range) -> tuple[str | None, int]:
         """A bin's state: its most recent routing; among those of the same token, the worst served."""
-        st = self.layers[layer]
-        best = (-1, -1)
-        for e in experts:
-            if e < st.experts and (st.last[e], st.kind[e]) > best:
-                best = (st.last[e], st.kind[e])
-        if best[0] < 0:
-            return None, -1
-        return KINDS[best[1]], self.token - best[0]
+        return self._state(max(self.layers[layer].last[experts.start:experts.stop], default=-1))
+
+    def _state(self, last: int) -> tuple[str | None, int]:
+        return (None, -1) if last < 0 else (KINDS[last % 4], self.token - last // 4)
 
     def hits(self) -> int:
         return self.seen["pinned"] + self.seen["cache"] + self.seen["prefetched"]
@@ -102,10 +95,6 @@ class ExpertMap:
         """As tqbench.stream.StreamStats.hit_rate: hits over routings."""
         n = self.hits() + self.seen["miss"]
         return self.hits() / n if n else 0.0
-
-    def take_dirty(self) -> set[int]:
-        out, self.dirty = self.dirty, set()
-        return out
 
 
 def heat(age: int) -> float:

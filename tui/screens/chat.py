@@ -112,7 +112,10 @@ def expert_summary(model: ExpertMap, budget: int, rates: ReplyRates | None, stat
         rate, cache = stats["hit_rate"], stats["cache_bytes"]
     else:
         seen, rate, cache = model.seen, model.hit_rate(), model.cache_bytes
-    total = sum(seen.values()) or 1
+    total = sum(seen.values())
+    if not total:
+        return Content.styled(f"no expert routed yet; cache {units.gb(budget)}\nP pinned  = cache  + ahead  # disk",
+                              "$text-muted")
     sep = Content.styled(" · ", "$text-muted")
     split = Content(" ").join(Content.assemble((GLYPHS[k], "bold"), f"{seen[k] / total:.0%}")
                               for k in ("pinned", "cache", "prefetched", "miss"))
@@ -149,7 +152,7 @@ class ChatScreen(Screen):
     #chat-body > Transcript { width: 1fr; }
     #expert-panel { display: none; width: 38; height: 1fr; border-left: vkey $foreground 20%; padding: 0 0 0 1; }
     #chat-body.narrow #expert-panel { width: 1fr; border-left: none; border-top: hkey $foreground 20%; padding: 0; }
-    #expert-summary { height: auto; }
+    #expert-summary { height: 4; }
     """
     AUTO_FOCUS = "#chat-input"
     BINDINGS = [
@@ -183,6 +186,7 @@ class ChatScreen(Screen):
         self.experts: ExpertMap | None = None  # the expert view's state (streaming only)
         self.stream: dict | None = None  # stream_stats after the last reply
         self.rates: ReplyRates | None = None  # the last reply's rates
+        self._held: list = []  # page-ins that came while the view was paused
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -461,12 +465,13 @@ class ChatScreen(Screen):
     def on_chat_experts(self, message: ChatExperts) -> None:
         if message.turn_id != self._turn_id or self.experts is None:
             return
-        self.experts.apply(message.events)
         self.rates, self.stream = message.rates, None
-        view = self.query_one(ExpertMapView)
-        view.update_view()
-        if not view.paused:
-            self._show_summary()
+        if self.query_one(ExpertMapView).paused:  # frozen: the batches wait until v resumes
+            self._held.extend(message.events)
+            return
+        self.experts.apply(message.events)
+        self.query_one(ExpertMapView).update_view()
+        self._show_summary()
 
     def on_chat_reply_progress(self, message: ChatReplyProgress) -> None:
         if message.turn_id != self._turn_id or self._reply is None:
@@ -599,16 +604,18 @@ class ChatScreen(Screen):
     # ---- the expert view, settings, the profile --------------------------------------------------------------------
 
     def _set_experts(self, model: ExpertMap | None) -> None:
-        self.experts, self.stream, self.rates = model, None, None
+        self.experts, self.stream, self.rates, self._held = model, None, None, []
         self.query_one(ExpertMapView).set_model(model)
         self._show_summary()
         self._layout()
 
     def _show_summary(self) -> None:
+        if self.query_one(ExpertMapView).paused:
+            return
         if self.experts is not None and self.loaded is not None and self.loaded.stream is not None:
             budget = self.loaded.stream["budget_bytes"]
-            self.query_one("#expert-summary", Static).update(
-                expert_summary(self.experts, budget, self.rates, self.stream))
+            self.query_one("#expert-summary", Static).update(  # 4 lines, its height: no layout pass needed
+                expert_summary(self.experts, budget, self.rates, self.stream), layout=False)
 
     def on_resize(self) -> None:
         self._layout()
@@ -624,6 +631,7 @@ class ChatScreen(Screen):
         body.set_class(narrow, "narrow")
         body.styles.layout = "vertical" if narrow else "horizontal"
         if narrow:
+            panel.styles.width = "1fr"
             panel.styles.height = min(len(self.experts.layers) + 6, max(8, self.size.height // 2))
         else:
             panel.styles.height = "1fr"
@@ -633,6 +641,9 @@ class ChatScreen(Screen):
         view = self.query_one(ExpertMapView)
         view.set_paused(not view.paused)
         if not view.paused:
+            if self.experts is not None:
+                self.experts.apply(self._held)
+            self._held = []
             view.update_view()
             self._show_summary()
         self.notify("expert view paused (v resumes)" if view.paused else "expert view resumed")

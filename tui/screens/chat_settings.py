@@ -12,11 +12,12 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Checkbox, Input, Label, Select, Static
+from textual.widgets import Button, Input, Label, Select, Static
 
 from tqbench.errors import TqbenchError
 
 POLICIES = ("lrfu", "lru")
+ON_OFF = [("off", False), ("on", True)]
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,10 @@ class SettingsScreen(ModalScreen[ChatOptions | None]):
     DEFAULT_CSS = """
     SettingsScreen { align: center middle; }
     #settings { width: 64; max-width: 100%; height: auto; border: round $accent; padding: 0 1; background: $surface; }
-    #settings .row { height: 1; margin: 0 0 1 0; }
+    #settings .row { height: 1; }
     #settings .row Label { width: 22; }
     #settings .row Input, #settings .row Select { width: 1fr; }
-    #settings Checkbox { margin: 0 0 1 0; }
-    #settings-note { color: $text-muted; margin: 0 0 1 0; }
+    #settings-note { color: $text-muted; margin: 1 0; }
     #settings-error { color: $text-error; display: none; }
     #settings-buttons { height: 1; align: right middle; }
     #settings-buttons Button { margin: 0 0 0 2; }
@@ -104,13 +104,16 @@ class SettingsScreen(ModalScreen[ChatOptions | None]):
                 yield Label("cache policy")
                 yield Select([(p, p) for p in POLICIES], value=o.policy, allow_blank=False, id="opt-policy",
                              compact=True)
-            yield Checkbox("fan-out: split each expert's read across the workers", o.fanout, id="opt-fanout",
-                           compact=True)
-            yield Checkbox("look-ahead: read the next layer's likely experts", o.lookahead, id="opt-lookahead",
-                           compact=True)
-            yield Static("Applying re-opens the model with these settings: a new conversation. fit streams only a "
-                         "model that does not fit in memory; max active experts 0 keeps the model's own top-k.",
-                         id="settings-note")
+            with Horizontal(classes="row"):
+                yield Label("fan-out")
+                yield Select(ON_OFF, value=o.fanout, allow_blank=False, id="opt-fanout", compact=True)
+            with Horizontal(classes="row"):
+                yield Label("look-ahead")
+                yield Select(ON_OFF, value=o.lookahead, allow_blank=False, id="opt-lookahead", compact=True)
+            yield Static("Applying re-opens the model with these settings: a new conversation.\n"
+                         "budget: fit (stream only a model that does not fit in memory), auto, off or a size. "
+                         "max active experts: 0 keeps the model's top-k. fan-out splits each read across the "
+                         "workers; look-ahead reads the next layer's likely experts early.", id="settings-note")
             yield Static("", id="settings-error")
             with Horizontal(id="settings-buttons"):
                 yield Button("Apply", variant="primary", id="settings-apply", compact=True)
@@ -127,8 +130,8 @@ class SettingsScreen(ModalScreen[ChatOptions | None]):
         budget = self.query_one("#opt-budget", Input).value.strip() or "fit"
         return ChatOptions(budget.lower() if budget.lower() in ("fit", "auto", "off") else budget,
                            number("#opt-active"), number("#opt-workers"),
-                           self.query_one("#opt-fanout", Checkbox).value,
-                           self.query_one("#opt-lookahead", Checkbox).value,
+                           self.query_one("#opt-fanout", Select).value is True,
+                           self.query_one("#opt-lookahead", Select).value is True,
                            str(self.query_one("#opt-policy", Select).value)).check()
 
     @on(Button.Pressed, "#settings-apply")

@@ -60,6 +60,7 @@ class ExpertMapView(ScrollView, can_focus=True):
         self.paused = False
         self._rows: list[tuple] = []  # ("layer", n) | ("wrap", n, first expert), under the fixed header line
         self._styles: dict = {}
+        self._lines: dict[int, tuple[tuple, Strip]] = {}  # y -> (what it showed, its strip)
 
     # ---- state ----
 
@@ -70,7 +71,6 @@ class ExpertMapView(ScrollView, can_focus=True):
     def update_view(self) -> None:
         """The model took a batch: redraw (rows only; nothing while paused)."""
         if self.model is not None and not self.paused:
-            self.model.take_dirty()
             self.refresh()
 
     def set_paused(self, paused: bool) -> None:
@@ -117,7 +117,7 @@ class ExpertMapView(ScrollView, can_focus=True):
 
     def notify_style_update(self) -> None:
         super().notify_style_update()
-        self._styles = {}
+        self._styles, self._lines = {}, {}
 
     # ---- keys ----
 
@@ -159,8 +159,10 @@ class ExpertMapView(ScrollView, can_focus=True):
         """Styles by (kind, age) for cells, or a component name."""
         style = self._styles.get(key)
         if style is None:
-            base = self.rich_style
-            if key[0] in KINDS:
+            base = self._styles.get(("base",)) or self.rich_style  # rich_style walks the DOM: once per style change
+            if key[0] == "base":
+                style = base
+            elif key[0] in KINDS:
                 kind, age = key
                 bg = self.background_colors[1]
                 color = self.get_component_styles(f"expert-map--{kind}").color
@@ -172,20 +174,42 @@ class ExpertMapView(ScrollView, can_focus=True):
         return style
 
     def _cells(self, layer: int, groups: list[range]) -> list[Segment]:
-        out = []
+        """The cells as segments, neighbours of the same style in one."""
+        out: list[Segment] = []
+        run: list[str] = []
+        style = None
         for g in groups:
             kind, age = self.model.cell(layer, g.start) if len(g) == 1 else self.model.bin(layer, g)
-            out.append(Segment(GLYPHS[kind], self._style((kind, min(age, FADE))) if kind else self.rich_style))
+            s = self._style((kind, min(age, FADE))) if kind else self._style(("base",))
+            if s is not style and run:
+                out.append(Segment("".join(run), style))
+                run = []
+            style = s
+            run.append(GLYPHS[kind])
+        if run:
+            out.append(Segment("".join(run), style))
         return out
 
     def render_line(self, y: int) -> Strip:
+        """Line y, from the cache while nothing it shows has changed (the screen redraws more often than the map
+        takes a batch)."""
         width = self.scrollable_content_region.width or self.size.width
-        if self.model is None:
-            return Strip.blank(width, self.rich_style)
+        if self.model is None or y > len(self._rows) - int(self.scroll_offset.y):  # under the last row
+            return Strip.blank(width, self._style(("base",)))
+        key = (self.model.version, width, int(self.scroll_offset.y), self.per, self.first, self.cursor,
+               self.has_focus, self.paused, len(self._rows), tuple(self.opened))
+        cached = self._lines.get(y)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        strip = self._render_line(y, width)
+        self._lines[y] = (key, strip)
+        return strip
+
+    def _render_line(self, y: int, width: int) -> Strip:
         i = y - 1 + int(self.scroll_offset.y)
         row = ("head",) if y == 0 else self._rows[i] if i < len(self._rows) else None
         if row is None:
-            return Strip.blank(width, self.rich_style)
+            return Strip.blank(width, self._style(("base",)))
         label, cols, per, tail = self.geometry()
         m = self.model
         muted = self._style(("muted",))
@@ -193,8 +217,8 @@ class ExpertMapView(ScrollView, can_focus=True):
             total = len(bins(m.widest, per))
             first = min(self.first, max(0, total - cols))
             text = ("PAUSED · " if self.paused else "") + f"{m.widest} experts, {per}/cell"
-            if total > cols:
-                text += f" · {first + 1}-{min(total, first + cols)} of {total} ◀▶"
+            if total > cols:  # which experts the cells show
+                text += f" · shown {first * per}-{min(m.widest, (first + cols) * per) - 1} ◀▶"
             segs = [Segment(text, muted)]
         elif row[0] == "layer":
             n = row[1]
@@ -216,7 +240,7 @@ class ExpertMapView(ScrollView, can_focus=True):
             experts = m.layers[n].experts
             segs = [Segment(str(a).rjust(label - 1) + " ", muted)]
             segs += self._cells(n, [range(e, e + 1) for e in range(a, min(experts, a + self.wrap_width()))])
-        return Strip(segs).adjust_cell_length(width, self.rich_style)
+        return Strip(segs).adjust_cell_length(width, self._style(("base",)))
 
 
 def natural_width(model: ExpertMap) -> int:
