@@ -436,14 +436,14 @@ def prepare_inputs(work: Path, cfg: dict) -> dict:
     """The held-out split tokenized; the prompt and the quality windows written for the children."""
     import numpy as np
 
-    from tqbench.demo import (SHIPPED_DEMO, TRAINED_SPEC, corpus_files, encode_files, is_heldout, special_ids,
+    from tqbench.demo import (SHIPPED_DEMO, SHIPPED_SPEC, corpus_files, encode_files, is_heldout, special_ids,
                               stdlib_root)
     from tqbench.tokenizer import load_encoding
 
     root = stdlib_root()
     files = [f for f in corpus_files(root) if is_heldout(f)]
     enc = load_encoding(SHIPPED_DEMO)
-    eos = special_ids(TRAINED_SPEC)["eos_token_id"]
+    eos = special_ids(SHIPPED_SPEC)["eos_token_id"]
     per_file = [np.array(enc.encode_ordinary((root / f).read_text(encoding="utf-8")), dtype=np.uint32)
                 for f in files]
     stream = encode_files(enc, root, files, eos)

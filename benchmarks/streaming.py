@@ -461,24 +461,24 @@ def child_trace(a: dict) -> None:
     t0 = time.perf_counter()
     from mlx_lm import load
 
-    from tqbench.demo import (SHIPPED_DEMO, TRAINED_SPEC, corpus_files, encode_files, is_heldout, special_ids,
+    from tqbench.demo import (SHIPPED_DEMO, SHIPPED_SPEC, corpus_files, encode_files, is_heldout, special_ids,
                               stdlib_root)
     from tqbench.modelstats import trace_routing
     from tqbench.tokenizer import load_encoding
     root = stdlib_root()
     files = [f for f in corpus_files(root) if is_heldout(f)]
     enc = load_encoding(SHIPPED_DEMO)
-    stream = encode_files(enc, root, files, special_ids(TRAINED_SPEC)["eos_token_id"])
+    stream = encode_files(enc, root, files, special_ids(SHIPPED_SPEC)["eos_token_id"])
     tokens = stream[: a["tokens"] + 1]
     model, _ = load(str(SHIPPED_DEMO))
     t1 = time.perf_counter()
     trace = trace_routing(model, tokens, window=a["window"], batch=a["batch"])
     seconds = time.perf_counter() - t1
     np.save(a["out"], trace)
-    moe = [i for i in range(TRAINED_SPEC.num_hidden_layers) if TRAINED_SPEC.is_moe(i)]
+    moe = [i for i in range(SHIPPED_SPEC.num_hidden_layers) if SHIPPED_SPEC.is_moe(i)]
     _emit(dict(mode="trace", shape=list(trace.shape), heldout_files=len(files), heldout_tokens=int(len(stream)),
                tokens_sha256=hashlib.sha256(tokens.astype(np.uint32).tobytes()).hexdigest(),
-               moe_layers=moe, num_experts=TRAINED_SPEC.num_experts, top_k=TRAINED_SPEC.num_experts_per_token,
+               moe_layers=moe, num_experts=SHIPPED_SPEC.num_experts, top_k=SHIPPED_SPEC.num_experts_per_token,
                trace_seconds=seconds, tokens_per_s=trace.shape[1] / seconds, total_seconds=time.perf_counter() - t0,
                stdlib=str(root), demo=str(SHIPPED_DEMO)))
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from tqbench.demo import (  # noqa: E402
     SHIPPED_DEMO,
-    TRAINED_SPEC,
+    SHIPPED_SPEC,
     corpus_files,
     encode_files,
     is_heldout,
@@ -63,7 +63,7 @@ def heldout_tokens(root: Path | None = None) -> tuple[np.ndarray, list[str]]:
     root = Path(root or stdlib_root())
     files = [f for f in corpus_files(root) if is_heldout(f)]
     enc = load_encoding(SHIPPED_DEMO)
-    return encode_files(enc, root, files, special_ids(TRAINED_SPEC)["eos_token_id"]), files
+    return encode_files(enc, root, files, special_ids(SHIPPED_SPEC)["eos_token_id"]), files
 
 
 def slice_files(files: list[str], root: Path, n_tokens: int) -> list[dict]:
@@ -87,16 +87,16 @@ def routing_section(trace: np.ndarray, tokens: np.ndarray) -> dict:
     """The routing statistics of a held-out trace (`[moe layers, tokens, k]`), for docs/demo-model.json."""
     from tqbench.modelstats import routing_summary
 
-    moe_ids = [i for i in range(TRAINED_SPEC.num_hidden_layers) if TRAINED_SPEC.is_moe(i)]
-    doc_ends = (np.flatnonzero(tokens == special_ids(TRAINED_SPEC)["eos_token_id"]) + 1).tolist()
-    summary = routing_summary(trace, TRAINED_SPEC.num_experts, moe_ids, doc_ends=doc_ends)
+    moe_ids = [i for i in range(SHIPPED_SPEC.num_hidden_layers) if SHIPPED_SPEC.is_moe(i)]
+    doc_ends = (np.flatnonzero(tokens == special_ids(SHIPPED_SPEC)["eos_token_id"]) + 1).tolist()
+    summary = routing_summary(trace, SHIPPED_SPEC.num_experts, moe_ids, doc_ends=doc_ends)
     summary["layers"] = [round_dict(row) for row in summary["layers"]]
     summary["distinct_random"] = round_dict(summary["distinct_random"], 2)
     if "per_document_random" in summary:
         summary["per_document_random"] = round_dict(summary["per_document_random"], 2)
     summary["jaccard_random"] = round(summary["jaccard_random"], 4)
     summary["lru_random"] = round_dict(summary["lru_random"])
-    counts = [np.bincount(t.reshape(-1), minlength=TRAINED_SPEC.num_experts).tolist() for t in trace]
+    counts = [np.bincount(t.reshape(-1), minlength=SHIPPED_SPEC.num_experts).tolist() for t in trace]
     return {**summary, "model": "the shipped checkpoint (mxfp4 experts)",
             "counts": {str(i): c for i, c in zip(moe_ids, counts)}}
 

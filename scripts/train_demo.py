@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Train the built-in demo model: a tiny Kimi K3 (mlx-lm's kimi_k3) on the Python standard library's own source.
 
-    python scripts/train_demo.py all            # prepare, train, export (the shipped demo, into tqbench/demo/checkpoint)
-    python scripts/train_demo.py all --spec chat    # the second-generation chat demo (into <work>/checkpoint)
+    python scripts/train_demo.py all            # the first demo (into build/demo-train/checkpoint), for comparison
+    python scripts/train_demo.py all --spec chat    # the shipped second-generation chat demo (tqbench/demo/checkpoint)
 
 Two recipes (`--spec`): `code` (default; `tqbench.demo.TRAINED_SPEC`, 64 experts top-4, the standard library's code
 alone, exactly the first demo's run) and `chat` (`tqbench.demo.CHAT_SPEC`, 448 experts top-8, code mixed with
 conversations mined from the standard library by `tqbench.demo.conversations`, --chat-share of the tokens; work
-directory build/demo-train-chat; the checkpoint and the training JSON stay in the work directory unless --dest and
---docs say otherwise). The recipe is recorded in corpus.json by prepare; train and export refuse a different --spec.
+directory build/demo-train-chat; exported into the package and docs/demo-model.json, the first demo's into its work
+directory and docs/demo-model-v1.json, unless --dest and --docs say otherwise). The recipe is recorded in
+corpus.json by prepare; train and export refuse a different --spec.
 
 Stages, each reading and writing files under --work (default build/demo-train):
   prepare  the corpus (the running interpreter's stdlib .py files, tests and generated data skipped, sorted), a
@@ -75,7 +76,8 @@ from tqbench.demo import (  # noqa: E402
 from tqbench.tokenizer import load_encoding, read_tiktoken_model, train_bpe, write_tokenizer  # noqa: E402
 
 SPEC = TRAINED_SPEC
-DOCS_JSON = ROOT / "docs" / "demo-model.json"
+DOCS_JSON = ROOT / "docs" / "demo-model.json"  # the shipped demo's record (the second, chat demo since v4)
+DOCS_V1_JSON = ROOT / "docs" / "demo-model-v1.json"  # the first demo's record, kept for comparison
 FLOAT_SHARD_BYTES = 12 * 2**20  # float weights are saved in pieces below this size
 PACKED_FILE = "experts-mxfp4.safetensors"  # --save-experts bf16: the experts' exact mxfp4 bytes
 
@@ -651,11 +653,12 @@ def write_docs_training(work: Path, exported: dict | None, docs: Path = DOCS_JSO
 # first). Balancing: experts between half and twice their share of a step's routings are left alone (the sign rule
 # only outside [0.5, 2] x mean), so the router may skew without collapse; in 100-step CPU trials this kept every
 # expert in use where a window-averaged load left up to 2% idle (docs/demo-model.md).
-CODE_DEFAULTS = {"work": ROOT / "build" / "demo-train", "dest": SHIPPED_DEMO, "docs": DOCS_JSON, "steps": 583,
+CODE_DEFAULTS = {"work": ROOT / "build" / "demo-train", "dest": None, "docs": DOCS_V1_JSON, "steps": 583,
                  "save_experts": "float32",
                  "batch": 128, "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [1.0, 1.0], "bias_window": 1,
                  "bias_freeze": 1.0, "chat_share": 0.0, "greetings": 0}
-CHAT_DEFAULTS = {"work": ROOT / "build" / "demo-train-chat", "dest": None, "docs": None, "steps": 1000, "batch": 64,
+CHAT_DEFAULTS = {"work": ROOT / "build" / "demo-train-chat", "dest": SHIPPED_DEMO, "docs": DOCS_JSON, "steps": 1000,
+                 "batch": 64,
                  "save_experts": "bf16",
                  "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [0.5, 2.0], "bias_window": 1,
                  "bias_freeze": 1.0, "chat_share": 0.4, "greetings": 400}
@@ -668,10 +671,11 @@ def main(argv=None) -> None:
                    help="code: the first demo (TRAINED_SPEC, code only); chat: the second (CHAT_SPEC, code + chat)")
     p.add_argument("--work", type=Path, default=None, help="default: build/demo-train (code), build/demo-train-chat")
     p.add_argument("--stdlib", type=Path, default=None, help="stdlib directory (default: the running interpreter's)")
-    p.add_argument("--dest", type=Path, default=None, help="default: tqbench/demo/checkpoint (code), <work>/checkpoint")
+    p.add_argument("--dest", type=Path, default=None,
+                   help="default: tqbench/demo/checkpoint (chat), <work>/checkpoint (code)")
     p.add_argument("--docs", type=Path, default=None,
-                   help="the JSON document whose \"training\" is written (default: docs/demo-model.json (code), "
-                        "<work>/demo-model.json (chat))")
+                   help="the JSON document whose \"training\" is written (default: docs/demo-model.json (chat), "
+                        "docs/demo-model-v1.json (code))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None,
                    help="583 (code), 1000 (chat); 0: fix the step count from --time-budget instead")

@@ -25,7 +25,7 @@ import pytest
 
 from cli_helpers import tqbench
 from tqbench.convert import convert
-from tqbench.demo import ensure_demo
+from tqbench.demo import SHIPPED_SPEC, ensure_demo
 from tqbench.engine import Session
 from tqbench.paths import cache_dir, shipped_profiles
 from tqbench.profile import (DECAY, MATURE, SCHEMA, Profile, ProfileStore, choose, diff, hot_set, identify, merge,
@@ -35,8 +35,12 @@ from tqbench.runtime.chat import ReplyDone, Sampling
 from tqbench.runtime.session import ProfileOptions, conversation, open_model, reply, reset, stream_stats
 from tqbench.stream import StreamConfig
 
-SMALL_BUDGET = "0.0005"  # GB: 72 slots of the demo's 448 tq4 experts
+SMALL_BUDGET = "0.0005"  # GB: a few percent of the demo's tq4 experts
 P1, P2 = "def fib(n):", "class Stack:\n    def __init__(self):\n"
+
+# The shipped demo's routing: experts per MoE layer, top-k, MoE layers.
+E, K = SHIPPED_SPEC.num_experts, SHIPPED_SPEC.num_experts_per_token
+L = sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers))
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +159,7 @@ def test_learning_is_exact_and_decays_once_per_session(model):
     first = _stored(model)
     ref1, ref2 = (x.sum(axis=0) for x in _passes(model, [(P1, 16), (P2, 16)]))
     assert np.array_equal(_array(first), ref1)
-    assert ref1[1].sum() > 0 and ref1[0].sum() == 17 * 4 * 7  # a prefill pass, then 17 single-token passes
+    assert ref1[1].sum() > 0 and ref1[0].sum() == 17 * K * L  # a prefill pass, then 17 single-token passes
     assert first.routings == ref1.sum() and first.sessions == 1
 
     _learn(model, P2, 16)
@@ -202,7 +206,7 @@ def test_counts_persist_across_processes_and_survive_kill_9(model, tmp_path):
     p = _stored(model)
     assert p.sessions == 2
     saved = _array(p) - DECAY * c1
-    steps = round(saved[0].sum() / (4 * 7))
+    steps = round(saved[0].sum() / (K * L))
     assert steps >= 1
     (passes,) = _passes(model, [(P2, steps + 1)])
     cum = _cumulative(passes)
@@ -286,7 +290,7 @@ def test_a_session_over_a_corrupt_entry_warns_once_and_learns_afresh(model, caps
     warnings = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
     assert len(warnings) == 1  # once, though the session read the entry at its start and at its first save
     p = _stored(model)
-    assert p.sessions == 1 and p.routings == (4 + 1) * 4 * 7 + 4 * 4 * 7  # 4 prefill positions, 5 decode passes
+    assert p.sessions == 1 and p.routings == (4 + 1) * K * L + 4 * K * L  # 4 prefill positions, 5 decode passes
 
 
 def test_an_unreadable_store_is_one_error_line(model, capsys, monkeypatch):
@@ -319,18 +323,18 @@ def test_import_refuses_bad_files_with_one_line(model, tmp_path, capsys, monkeyp
               "counts": {k: {n: v for n, v in d.items() if n != "7"} for k, d in doc["counts"].items()}}
     cases = {
         bad("schema.json", {**doc, "schema": "tqbench.profile/0"}): "not a tqbench profile (schema 'tqbench.profile/0'",
-        bad("experts.json", geometry): "made for 7 MoE layers x 32 experts; this model has 7 x 64",
-        bad("layers.json", layers): "made for 6 MoE layers x 64 experts; this model has 7 x 64",
+        bad("experts.json", geometry): f"made for 7 MoE layers x 32 experts; this model has 7 x {E}",
+        bad("layers.json", layers): f"made for 6 MoE layers x {E} experts; this model has 7 x {E}",
         bad("counts.json", {**doc, "counts": {"decode": {"1": [1, 2]}, "prefill": {}}}): "layer 1 decode counts",
         bad("negative.json", {**doc, "routings": -5}): "expected a non-negative number",
         bad("truncated.json", json.dumps(doc)[:200]): "invalid JSON",
         bad("list.json", [1, 2]): "neither a tqbench profile nor a pin list",
         bad("pins.json", {"pin": [[0, 3]]}): "layer 0 is not one of the model's MoE layers (1..7)",
-        bad("pins2.json", {"pin": [[1, 64]]}): "expert 64 of layer 1: the model has 64 per layer",
+        bad("pins2.json", {"pin": [[1, E]]}): f"expert {E} of layer 1: the model has {E} per layer",
         bad("pins3.json", {"pin": [["a", 1]]}): "is not [layer, expert]",
         bad("usage.json", {"version": 1, "num_experts": 32, "routings": 1, "counts": {"1": [1] * 32}}):
             "usage profile for 32 experts per layer",
-        bad("usage2.json", {"version": 1, "num_experts": 64, "counts": {"x": [1] * 64}}): "malformed usage profile",
+        bad("usage2.json", {"version": 1, "num_experts": E, "counts": {"x": [1] * E}}): "malformed usage profile",
         tmp_path / "missing.json": "cannot read: No such file or directory",
     }
     for f, why in cases.items():
@@ -376,11 +380,11 @@ def test_seed_system_files_import(model, tmp_path, capsys, monkeypatch):
     assert p.decode[3][7] > p.decode[3][9] > 0 and p.decode[1][2] > 0 and p.routings == 3 + 2 + 1
     assert p.ranked() == [(1, 2), (3, 7), (3, 9)]  # each layer's order kept; layers compared by their shares
     usage = tmp_path / "usage.json"
-    counts = {str(n): [float(e == n) * 10 + 1 for e in range(64)] for n in range(1, 8)}
-    usage.write_text(json.dumps({"version": 1, "num_experts": 64, "routings": 7 * 74, "counts": counts}))
+    counts = {str(n): [float(e == n) * 10 + 1 for e in range(E)] for n in range(1, 8)}
+    usage.write_text(json.dumps({"version": 1, "num_experts": E, "routings": 7 * (10 + E), "counts": counts}))
     assert tqbench(capsys, monkeypatch, "profile", "import", usage, "--model", model).code == 0
     p = _stored(model)
-    assert [p.ranked()[i] for i in range(7)] == [(n, n) for n in range(1, 8)] and p.routings == 7 * 74
+    assert [p.ranked()[i] for i in range(7)] == [(n, n) for n in range(1, 8)] and p.routings == 7 * (10 + E)
 
 
 # ---- precedence --------------------------------------------------------------------------------------------------
@@ -410,9 +414,9 @@ def test_precedence_file_then_mature_learned_then_shipped_then_none(model, tmp_p
     _export(other, capsys, monkeypatch, other / "tqbench-profile.json")
     line, st = chat("--no-learn")
     assert st["profile"]["source"] == "shipped" and st["profile"]["where"] == str(other / "tqbench-profile.json")
-    # the default pin share, 0.1 of the 72 slots
-    assert line.startswith(f"hot-expert profile: shipped ({other / 'tqbench-profile.json'}); pinned 7 experts")
-    assert st["pinned"] == 7 and st["preload_bytes"] > 0
+    pins = int(0.1 * st["slots"])  # the default pin share of the cache's slots
+    assert pins > 0 and st["pinned"] == pins and st["preload_bytes"] > 0
+    assert line.startswith(f"hot-expert profile: shipped ({other / 'tqbench-profile.json'}); pinned {pins} experts")
 
     # a mature learned profile: this one, weighted up past MATURE and imported
     big = tmp_path / "big.json"
@@ -422,11 +426,11 @@ def test_precedence_file_then_mature_learned_then_shipped_then_none(model, tmp_p
     assert tqbench(capsys, monkeypatch, "profile", "import", big, "--model", other).code == 0
     line, st = chat("--no-learn")
     assert st["profile"]["source"] == "learned" and st["profile"]["routings"] == round(MATURE * learned)
-    assert line.startswith(f"hot-expert profile: learned ({round(MATURE * learned):,} routings); pinned 7")
+    assert line.startswith(f"hot-expert profile: learned ({round(MATURE * learned):,} routings); pinned {pins}")
 
     line, st = chat("--no-learn", "--profile", str(other / "tqbench-profile.json"))
     assert st["profile"]["source"] == "file" and line.startswith(
-        f"hot-expert profile: from {other / 'tqbench-profile.json'}; pinned 7")
+        f"hot-expert profile: from {other / 'tqbench-profile.json'}; pinned {pins}")
 
 
 SHIPPED = shipped_profiles() / "demo-tq4.json"
@@ -453,8 +457,8 @@ def test_the_demo_ships_a_profile_a_fresh_conversion_picks(model, capsys, monkey
 # ---- warm start -------------------------------------------------------------------------------------------------
 
 def test_a_warm_start_hits_more_at_a_small_budget_and_keeps_the_output(model, tmp_path):
-    """At 72 slots of 448 experts: cold (no pins) vs warm (the profile a previous session on the same work learned,
-    36 experts pinned and preloaded). Same tokens as resident both times; the same expert uses, more of them hits;
+    """At a small budget: cold (no pins) vs warm (the profile a previous session on the same work learned, half the
+    slots pinned and preloaded). Same tokens as resident both times; the same expert uses, more of them hits;
     misses and critical bytes exclude the preload, which is reported apart."""
     budget = int(float(SMALL_BUDGET) * 1e9)
 
@@ -475,13 +479,13 @@ def test_a_warm_start_hits_more_at_a_small_budget_and_keeps_the_output(model, tm
     assert info["pinned"] == 0 and cold["preload_bytes"] == 0
     warm_text, warm, info = run(StreamConfig(budget), learn=False, store=str(tmp_path / "store"), mature=1,
                                 pin_share=0.5)
-    assert info["source"] == "learned" and info["pinned"] == warm["pinned"] == 36
+    assert info["source"] == "learned" and info["pinned"] == warm["pinned"] == int(0.5 * warm["slots"]) > 0
     assert cold_text == warm_text == resident
 
     expert = warm["slot_bytes"] // warm["slots"]
     assert warm["hits"] + warm["misses"] == cold["hits"] + cold["misses"]  # the same routing, the preload apart
     assert warm["hits_pinned"] > 0 and warm["hit_rate"] > cold["hit_rate"] + 0.03
-    assert warm["preload_bytes"] == 36 * expert
+    assert warm["preload_bytes"] == warm["pinned"] * expert
     for st in (cold, warm):
         assert st["critical_bytes"] == st["misses"] * expert
 
@@ -540,7 +544,7 @@ def test_show_export_merge_diff_reset_commands(model, tmp_path, capsys, monkeypa
     assert [x["coverage"]["80"] for x in doc["layers"]] == [learned.coverage(n, 0.8) for n in learned.geometry.layers]
     assert doc["coverage"]["80"] == sum(x["coverage"]["80"] for x in doc["layers"])
     r = tqbench(capsys, monkeypatch, "profile", "show", "--model", model)  # plain lines when piped
-    assert r.out.splitlines()[0].startswith(f"model    {model} (kimi_k3: 7 MoE layers x 64 experts, top-4;")
+    assert r.out.splitlines()[0].startswith(f"model    {model} (kimi_k3: {L} MoE layers x {E} experts, top-{K};")
     assert "the learned profile takes over at 20,000 routings" in r.out
     assert re.search(r"^\s+1\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+ \d+\.\d%", r.out, re.M)
 

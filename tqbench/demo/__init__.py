@@ -21,6 +21,7 @@ from tqbench.demo.install import DEMO_VERSION, SHIPPED_DEMO, demo_path, ensure_d
 from tqbench.demo.spec import (
     CHAT_SPEC,
     DEMO_SPECS,
+    SHIPPED_SPEC,
     TRAINED_SPEC,
     DemoSpec,
     source_config,
@@ -40,6 +41,7 @@ __all__ = [
     "DEMO_VERSION",
     "HELDOUT_EVERY",
     "SHIPPED_DEMO",
+    "SHIPPED_SPEC",
     "TRAINED_SPEC",
     "DemoSpec",
     "WeightSource",

@@ -1,6 +1,7 @@
-"""The demo model's shape (`DemoSpec`, the shipped `TRAINED_SPEC`) and what follows from it alone: the K3-like
-`config.json`, the special token ids and the tensors of the checkpoint (names, shapes and dtypes from `tqbench.skeleton`,
-the K3 layout: routed experts U8 (mxfp4), `A_log`, `dt_bias` and `e_score_correction_bias` F32, everything else BF16)."""
+"""The demo model's shape (`DemoSpec`; the first demo's `TRAINED_SPEC`, the shipped `SHIPPED_SPEC`) and what follows
+from it alone: the K3-like `config.json`, the special token ids and the tensors of the checkpoint (names, shapes and
+dtypes from `tqbench.skeleton`, the K3 layout: routed experts U8 (mxfp4), `A_log`, `dt_bias` and
+`e_score_correction_bias` F32, everything else BF16)."""
 
 from __future__ import annotations
 
@@ -105,6 +106,8 @@ TRAINED_SPEC = DemoSpec(
 # the safetensors headers and the index of 19,028 tensors.
 CHAT_SPEC = replace(TRAINED_SPEC, num_experts=448, num_experts_per_token=8, moe_intermediate_size=32,
                     num_shared_experts=4)
+
+SHIPPED_SPEC = CHAT_SPEC  # the checkpoint in the package (tqbench/demo/checkpoint) since demo v4
 
 DEMO_SPECS = {"code": TRAINED_SPEC, "chat": CHAT_SPEC}  # by the name scripts/train_demo.py's --spec takes
 
