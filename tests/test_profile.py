@@ -432,6 +432,10 @@ def test_precedence_file_then_mature_learned_then_shipped_then_none(model, tmp_p
     assert st["profile"]["source"] == "file" and line.startswith(
         f"hot-expert profile: from {other / 'tqbench-profile.json'}; pinned {pins}")
 
+    line, st = chat("--no-learn", "--cold")  # a mature learned and a shipped profile exist: --cold uses neither
+    assert st["profile"]["source"] == "none" and st["pinned"] == 0 and st["preload_bytes"] == 0
+    assert line == "hot-expert profile: none (--cold); not learning (--no-learn)"
+
 
 SHIPPED = shipped_profiles() / "demo-tq4.json"
 

@@ -64,6 +64,8 @@ def chat(
     profile_force: Annotated[bool, typer.Option(
         "--profile-force", help="Use a --profile made for another model of the same layers and experts.")] = False,
     no_learn: Annotated[bool, typer.Option("--no-learn", help="Do not learn from this session.")] = False,
+    cold: Annotated[bool, typer.Option(
+        "--cold", help="Start from no profile, whatever was learned or shipped (a baseline to compare with).")] = False,
     pin_share: Annotated[float, typer.Option(
         "--pin-share", min=0.0, max=0.9,
         help="Share of the expert cache pinned from the profile (streaming; 0: none, the profile still ranks the "
@@ -77,6 +79,8 @@ def chat(
     answer, then exit. With stdin not a terminal: each line is one user turn. Sampling defaults come from the model's
     generation_config.json.
     """
+    if cold and profile:
+        raise typer.BadParameter("--cold starts from no profile: leave out --profile", param_hint="--cold")
     from tqbench.runtime.session import open_model
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)  # piped lines never wrap
@@ -92,7 +96,7 @@ def chat(
             err.print(f"loading {path} ...", markup=False)
         from tqbench.runtime.session import ProfileOptions
 
-        popts = ProfileOptions(str(profile) if profile else None, not no_learn, pin_share, profile_force)
+        popts = ProfileOptions(str(profile) if profile else None, not no_learn, pin_share, profile_force, cold=cold)
         with session.submit(lambda s: open_model(s, path, trust_remote_code, system, not no_chat_template, streaming,
                                                  max_active_experts, popts, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
                                                  seed=seed)) as job:
@@ -228,7 +232,8 @@ def _loaded_line(m) -> str:
 
 def _profile_line(p: dict) -> str:
     src = {"file": f"from {p['where']}", "learned": f"learned ({p['routings']:,} routings)",
-           "shipped": f"shipped ({p['where']})", "none": "none yet"}[p["source"]]
+           "shipped": f"shipped ({p['where']})",
+           "none": "none (--cold)" if p["where"] == "cold" else "none yet"}[p["source"]]
     pins = f"; pinned {p['pinned']} experts (preloaded in {p['preload_s']:.2f} s)" if p["pinned"] else ""
     learn = "learning from this session" if p["learning"] else "not learning (--no-learn)"
     return f"hot-expert profile: {src}{pins}; {learn}"

@@ -73,9 +73,13 @@ def read_file(file: str | Path, fp: str, geo: Geometry, force: bool = False, see
 
 
 def choose(model: str | Path, file: str | Path | None = None, force: bool = False,
-           store: ProfileStore | None = None, mature: int | None = None, experts: Any = None) -> Choice:
-    """`experts`: the model's tqbench.stream.ExpertStore when the caller has one open (not read again)."""
+           store: ProfileStore | None = None, mature: int | None = None, experts: Any = None,
+           cold: bool = False) -> Choice:
+    """`experts`: the model's tqbench.stream.ExpertStore when the caller has one open (not read again). `cold`:
+    no profile whatever exists (a baseline for comparisons)."""
     fp, geo = identify(model, experts)
+    if cold:
+        return Choice("none", "cold", None, fp, geo)
     if file is not None:
         return Choice("file", str(file), read_file(file, fp, geo, force), fp, geo)
     if store is not None:

@@ -28,6 +28,7 @@ class ProfileOptions:
     force: bool = False  # use a file made for another model of the same geometry
     store: str | None = None  # the learned profiles' directory (default: the user cache)
     mature: int | None = None  # routings before the learned profile is used (default tqbench.profile.MATURE)
+    cold: bool = False  # --cold: start from no profile (still learns unless learn is off)
 
 
 def _profile(session: Session, loaded: Any, opts: ProfileOptions) -> dict | None:
@@ -49,7 +50,7 @@ def _profile(session: Session, loaded: Any, opts: ProfileOptions) -> dict | None
             store = ProfileStore(opts.store)
         except ProfileError as e:  # a chat still runs: it just neither learns nor uses what was learned
             print(f"tqbench: warning: {e}; this session does not learn", file=sys.stderr)
-    choice = choose(loaded.path, opts.file, opts.force, store, opts.mature, experts)
+    choice = choose(loaded.path, opts.file, opts.force, store, opts.mature, experts, opts.cold)
     pinned, preload_s = 0, 0.0
     if choice.profile is not None and loaded.streamer is not None:  # share 0: no pins, history seeded
         p = choice.profile
