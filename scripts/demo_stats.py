@@ -133,8 +133,10 @@ def main(argv=None) -> None:
     floats = sorted(a.work.glob("float-*.safetensors"))
     if floats:
         sys.path.insert(0, str(ROOT / "scripts"))
+        import train_demo
         from train_demo import build_model, load_float
 
+        train_demo.SPEC = SHIPPED_SPEC  # build_model builds train_demo's current spec
         params = load_float(a.work)
         fm = build_model(0)
         fm.load_weights(list(params.items()))
