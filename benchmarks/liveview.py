@@ -13,14 +13,15 @@ Linux CPU wheel ships a reference BLAS. `--no-openblas` opts out.)
 2. Per repeat (`--repeats`), two fresh subprocesses, each with its own empty tqbench cache directory (so no learned
    profile changes what is pinned), the model remembered as the last converted one:
    - TUI: `tui.app.TqbenchApp` headless (`App.run_test`, `--size`), the Chat screen re-opened with the cache budget
-     (`--budget`, `--workers`), one warm-up reply, then `--pairs` pairs of measured replies of the same prompt, each
+     (`--budget-share` of the experts' bytes plus the read buffers, `--workers`), one warm-up reply, then `--pairs` pairs of measured replies of the same prompt, each
      after ctrl+r (a new conversation: the same reply again; the expert cache stays warm): one with the view drawing
      every batch of page-ins (`view`), one with the view paused by v (`paused`: the worker posts the same batches,
      the screen holds them until v resumes, nothing is drawn). The order within a pair alternates (view first, then paused first, ...);
    - `engine`: `tqbench.runtime.session` directly, the same settings, warm-up and as many replies after a reset each.
 3. Reported per reply: decode tok/s (ReplyDone.decode_tps, the engine's own figure), tokens, the reply's misses, hits
-   and stall (StreamStats after it minus before it), the batches the view received, the seconds its handler took and
-   the seconds the map spent drawing its lines (`render_line`; the compositor's own work is not in it).
+   and stall (StreamStats after it minus before it), the batches the view received, the CPU seconds its handler took
+   and the map spent drawing its lines (`render_line`; the compositor's own work is not in it), both as the UI
+   thread's CPU time (`time.thread_time`: wall time there would count the waits for the GIL the engine holds);
    the process's CPU seconds over the reply (all threads: engine, readers, UI). The ratio of decode tok/s view /
    paused per pair and its median; overhead = 1 - that median, goal below 5% (`OVERHEAD_GOAL`); the same ratio of CPU
    seconds (less sensitive to other load on the machine than wall-clock rates).
@@ -56,7 +57,7 @@ SCHEMA = "tqbench.bench.liveview/1"
 RESULT_MARK = "BENCH-RESULT "
 OVERHEAD_GOAL = 0.05
 REPO = Path(__file__).resolve().parent.parent
-DEFAULTS = dict(repeats=3, pairs=4, budget="1MB", workers=4, prompt="def parse_args(argv):", size="100x30")
+DEFAULTS = dict(repeats=3, pairs=6, budget_share=0.35, workers=4, prompt="def parse_args(argv):", size="100x30")
 QUICK = dict(DEFAULTS, repeats=1, pairs=2)
 
 
@@ -118,16 +119,16 @@ def child_tui(a: dict) -> None:
     original, render = ChatScreen.on_chat_experts, ExpertMapView.render_line
 
     def timed(self, message):  # the view's handler: applying a batch, the summary line, asking for a redraw
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # CPU time of the UI thread: wall time would count waits for the GIL
         original(self, message)
-        handled["seconds"] += time.perf_counter() - t0
+        handled["seconds"] += time.thread_time() - t0
         handled["batches"] += 1
         handled["events"] += len(message.events)
 
     def timed_render(self, y):  # the map's lines, as the compositor asks for them
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         strip = render(self, y)
-        handled["render_s"] += time.perf_counter() - t0
+        handled["render_s"] += time.thread_time() - t0
         return strip
 
     ChatScreen.on_chat_experts = timed
@@ -155,12 +156,14 @@ def child_tui(a: dict) -> None:
                 raise RuntimeError(f"not streaming: {screen.error}")
 
             async def reply() -> None:
+                turn = screen._turn_id
                 screen.chat_input.value = a["prompt"]
                 screen.chat_input.focus()
                 await pilot.press("enter")
-                await until(pilot, lambda: screen.replying)
-                await until(pilot, lambda: not screen.replying)
+                await until(pilot, lambda: screen._turn_id > turn and not screen.replying)
                 await pilot.pause()
+                if screen.error:
+                    raise RuntimeError(screen.error)
 
             await reply()  # warm-up
             view = screen.query_one("#expert-map")
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK['repeats']} repeats")
     for k, v in DEFAULTS.items():
-        p.add_argument("--" + k, type=type(v), help=f"default {v}")
+        p.add_argument("--" + k.replace("_", "-"), type=type(v), help=f"default {v}")
     p.add_argument("--work", type=Path, help="work directory (default: a temporary one, removed afterwards; a given "
                                              "one keeps the converted model for reuse)")
     p.add_argument("--out", type=Path, default=Path("bench-results/liveview.json"), help="JSON result file")
@@ -279,7 +282,12 @@ def main(argv: list[str] | None = None) -> int:
                      machine=machine(), config=dict(cfg, quick=a.quick), runs=[])
     try:
         model = convert_demo(work)
-        base = dict(model=str(model), budget=cfg["budget"], workers=cfg["workers"], prompt=cfg["prompt"],
+        from tqbench.stream.budget import model_bytes
+
+        mb = model_bytes(model)
+        budget = int(cfg["budget_share"] * mb.experts) + cfg["workers"] * mb.one_expert  # + the read buffers
+        doc["config"].update(budget_bytes=budget, expert_bytes=mb.experts)
+        base = dict(model=str(model), budget=str(budget), workers=cfg["workers"], prompt=cfg["prompt"],
                     size=cfg["size"])
         for i in range(cfg["repeats"]):
             # view/paused pairs, the order alternating: view paused, paused view, view paused, ...

@@ -60,7 +60,9 @@ class ExpertMapView(ScrollView, can_focus=True):
         self.paused = False
         self._rows: list[tuple] = []  # ("layer", n) | ("wrap", n, first expert), under the fixed header line
         self._styles: dict = {}
-        self._lines: dict[int, tuple[tuple, Strip]] = {}  # y -> (what it showed, its strip)
+        self._key: tuple | None = None  # what the cached lines were drawn for
+        self._frame: dict = {}
+        self._lines: dict[int, Strip] = {}
 
     # ---- state ----
 
@@ -117,7 +119,7 @@ class ExpertMapView(ScrollView, can_focus=True):
 
     def notify_style_update(self) -> None:
         super().notify_style_update()
-        self._styles, self._lines = {}, {}
+        self._styles, self._key = {}, None
 
     # ---- keys ----
 
@@ -178,9 +180,10 @@ class ExpertMapView(ScrollView, can_focus=True):
         out: list[Segment] = []
         run: list[str] = []
         style = None
+        cell, bin_, style_of, base = self.model.cell, self.model.bin, self._style, self._style(("base",))
         for g in groups:
-            kind, age = self.model.cell(layer, g.start) if len(g) == 1 else self.model.bin(layer, g)
-            s = self._style((kind, min(age, FADE))) if kind else self._style(("base",))
+            kind, age = cell(layer, g.start) if len(g) == 1 else bin_(layer, g)
+            s = style_of((kind, age if age < FADE else FADE)) if kind else base
             if s is not style and run:
                 out.append(Segment("".join(run), style))
                 run = []
@@ -193,54 +196,56 @@ class ExpertMapView(ScrollView, can_focus=True):
     def render_line(self, y: int) -> Strip:
         """Line y, from the cache while nothing it shows has changed (the screen redraws more often than the map
         takes a batch)."""
-        width = self.scrollable_content_region.width or self.size.width
-        if self.model is None or y > len(self._rows) - int(self.scroll_offset.y):  # under the last row
-            return Strip.blank(width, self._style(("base",)))
-        key = (self.model.version, width, int(self.scroll_offset.y), self.per, self.first, self.cursor,
-               self.has_focus, self.paused, len(self._rows), tuple(self.opened))
-        cached = self._lines.get(y)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        strip = self._render_line(y, width)
-        self._lines[y] = (key, strip)
+        scroll = int(self.scroll_offset.y)
+        key = (self.model and self.model.version, self.scrollable_content_region.width or self.size.width, scroll,
+               self.per, self.first, self.cursor, self.has_focus, self.paused, len(self._rows), tuple(self.opened))
+        if key != self._key:  # what every line is drawn with, worked out once per change
+            self._key, self._lines = key, {}
+            self._frame = self._make_frame(key[1])
+        strip = self._lines.get(y)
+        if strip is None:
+            strip = self._lines[y] = self._render_line(y, scroll)
         return strip
 
-    def _render_line(self, y: int, width: int) -> Strip:
-        i = y - 1 + int(self.scroll_offset.y)
-        row = ("head",) if y == 0 else self._rows[i] if i < len(self._rows) else None
-        if row is None:
-            return Strip.blank(width, self._style(("base",)))
-        label, cols, per, tail = self.geometry()
+    def _make_frame(self, width: int) -> dict:
+        f = dict(width=width, base=self._style(("base",)), muted=self._style(("muted",)))
         m = self.model
-        muted = self._style(("muted",))
-        if row[0] == "head":
+        if m is not None:
+            label, cols, per, tail = self.geometry()
             total = len(bins(m.widest, per))
-            first = min(self.first, max(0, total - cols))
+            f.update(label=label, cols=cols, per=per, tail=tail, total=total, first=min(self.first, max(0, total - cols)),
+                     top=max((max(s.misses, default=0) for s in m.layers.values()), default=1),
+                     wrap=self.wrap_width(), chosen=self.layer_list[self.cursor] if self.has_focus else None)
+        return f
+
+    def _render_line(self, y: int, scroll: int) -> Strip:
+        f, m = self._frame, self.model
+        i = y - 1 + scroll
+        row = ("head",) if y == 0 else self._rows[i] if i < len(self._rows) else None
+        if row is None or m is None:
+            return Strip.blank(f["width"], f["base"])
+        label, cols, per, first, muted = f["label"], f["cols"], f["per"], f["first"], f["muted"]
+        if row[0] == "head":
             text = ("PAUSED · " if self.paused else "") + f"{m.widest} experts, {per}/cell"
-            if total > cols:  # which experts the cells show
+            if f["total"] > cols:  # which experts the cells show
                 text += f" · shown {first * per}-{min(m.widest, (first + cols) * per) - 1} ◀▶"
             segs = [Segment(text, muted)]
         elif row[0] == "layer":
             n = row[1]
             st = m.layers[n]
-            groups = bins(st.experts, per)
-            first = min(self.first, max(0, len(bins(m.widest, per)) - cols))
-            chosen = self.has_focus and self.layer_list[self.cursor] == n
+            groups = bins(st.experts, per)[first:first + cols]
             mark = "▾" if n in self.opened else " "
-            segs = [Segment(f"L{n}".ljust(label - 1) + mark, self._style(("cursor",)) if chosen else muted)]
-            segs += self._cells(n, groups[first:first + cols])
-            width_used = min(cols, len(bins(m.widest, per)))  # the tail follows the widest layer's cells
-            segs.append(Segment(" " * (width_used - len(groups[first:first + cols]))))
-            if tail:
-                top = max((max(s.misses, default=0) for s in m.layers.values()), default=1)
-                segs += [Segment(" "), Segment(sparkline(st.misses, top), self._style(("miss", FADE // 2))),
+            segs = [Segment(f"L{n}".ljust(label - 1) + mark, self._style(("cursor",)) if f["chosen"] == n else muted)]
+            segs += self._cells(n, groups)
+            segs.append(Segment(" " * (min(cols, f["total"]) - len(groups))))  # the tail after the widest layer's
+            if f["tail"]:
+                segs += [Segment(" "), Segment(sparkline(st.misses, f["top"]), self._style(("miss", FADE // 2))),
                          Segment(stall_text(st.stall_s).rjust(STALL_W), muted)]
         else:  # ("wrap", layer, first expert): one cell per expert
             n, a = row[1], row[2]
-            experts = m.layers[n].experts
             segs = [Segment(str(a).rjust(label - 1) + " ", muted)]
-            segs += self._cells(n, [range(e, e + 1) for e in range(a, min(experts, a + self.wrap_width()))])
-        return Strip(segs).adjust_cell_length(width, self._style(("base",)))
+            segs += self._cells(n, [range(e, e + 1) for e in range(a, min(m.layers[n].experts, a + f["wrap"]))])
+        return Strip(segs).adjust_cell_length(f["width"], f["base"])
 
 
 def natural_width(model: ExpertMap) -> int:
