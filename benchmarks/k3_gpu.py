@@ -80,7 +80,7 @@ def is_routed_expert(name: str) -> bool:
     return ".experts." in name and name.endswith((".weight_packed", ".weight_scale"))
 
 
-# --- the streaming model -----------------------------------------------------------------------------------------------
+# --- the streaming model ----------------------------------------------------------------------------------------------
 
 
 def write_sparse_source(dest: Path, spec, seed: int = 0) -> None:
@@ -168,7 +168,7 @@ def child_build(a: dict) -> None:
                bytes_out=fin.bytes_out if fin else None))
 
 
-# --- decode runs -------------------------------------------------------------------------------------------------------
+# --- decode runs ------------------------------------------------------------------------------------------------------
 
 
 def _counters(st) -> dict:
@@ -268,7 +268,7 @@ def run_child(mode: str, args: dict, timeout: float, script: Path | None = None)
     return result
 
 
-# --- parts -------------------------------------------------------------------------------------------------------------
+# --- parts ------------------------------------------------------------------------------------------------------------
 
 
 def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
