@@ -10,9 +10,9 @@ seed system's rule, on sessions about one kind of text and then another.
 Workload: the shipped demo converted with `tq4` (what `tqbench chat` runs), expert streaming at `--budget-kb` (about
 a quarter of its 3,136 expert-layers by default), page cache on (this measures hits and bytes, not speed). Phase 1 is
 `--sessions` chat sessions about domain A, phase 2 as many about domain B (default email, then asyncio: two large
-domains the demo was trained on); a session is one conversation of `--turns` questions ("What does email.message.Message.get do?"
-about that domain's documented functions and methods, seeded, none asked twice), greedy `--tokens` per reply, each
-session a fresh engine session and expert cache, as a new `tqbench chat` process would be. Every variant replays the
+domains the demo was trained on); a session is one conversation of `--turns` questions ("What does
+email.message.Message.get do?" about that domain's documented functions and methods, seeded, none asked twice),
+greedy `--tokens` per reply, each session a fresh engine session and expert cache, as a new `tqbench chat` process would be. Every variant replays the
 same sessions in the same order through the engine (`tqbench.runtime.session`):
 
 - cold: `--cold --no-learn`, no profile;
