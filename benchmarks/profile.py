@@ -12,8 +12,8 @@ a quarter of its 3,136 expert-layers by default), page cache on (this measures h
 `--sessions` chat sessions about domain A, phase 2 as many about domain B (default email, then asyncio: two large
 domains the demo was trained on); a session is one conversation of `--turns` questions ("What does
 email.message.Message.get do?" about that domain's documented functions and methods, seeded, none asked twice),
-greedy `--tokens` per reply, each session a fresh engine session and expert cache, as a new `tqbench chat` process would be. Every variant replays the
-same sessions in the same order through the engine (`tqbench.runtime.session`):
+greedy `--tokens` per reply, each session a fresh engine session and expert cache, as a new `tqbench chat` process
+would be. Every variant replays the same sessions in the same order through the engine (`tqbench.runtime.session`):
 
 - cold: `--cold --no-learn`, no profile;
 - shipped: the profile shipped for the demo (`profiles/demo-tq4.json`, made from held-out code files), no learning;
