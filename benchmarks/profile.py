@@ -19,6 +19,7 @@ would be. Every variant replays the same sessions in the same order through the 
 - shipped: the profile shipped for the demo (`profiles/demo-tq4.json`, made from held-out code files), no learning;
 - learned: the engine's default: learning into its own store, using the learned profile once mature (20,000 routings),
   default pin share 0.1;
+- learned 60%: the same with the seed system's pin share, 0.6 of the slots (separates its rule from its share);
 - imported (phase 2 only): phase 1's learned profile exported to a file (`tqbench profile export`'s function) and
   imported into a fresh store (`tqbench profile import`'s), then the same as learned: it must give exactly the learned
   variant's phase-2 figures (the file loses nothing);
@@ -161,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in convert(ensure_demo(), model, Recipe.parse("tq4")):
             pass
         log(f"converted the demo with tq4 in {time.perf_counter() - t0:.1f} s")
-        stores = {v: work / f"store-{v}" for v in ("learned", "imported", "empty")}
+        stores = {v: work / f"store-{v}" for v in ("learned", "learned60", "imported", "empty")}
         seed_file, seed_doc = work / "seed-usage.json", None
-        results: dict[str, list[dict]] = {v: [] for v in ("cold", "shipped", "learned", "imported", "seed rule")}
+        results: dict[str, list[dict]] = {v: [] for v in ("cold", "shipped", "learned", "learned 60%", "imported",
+                                                           "seed rule")}
         for i, (domain, turns) in enumerate(plan):
             phase = 1 + domains.index(domain)
             if i == n:  # phase 2 starts: export what "learned" has, import it into a fresh store
@@ -183,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 "cold": ProfileOptions(cold=True, learn=False),
                 "shipped": ProfileOptions(learn=False, store=str(stores["empty"])),
                 "learned": ProfileOptions(store=str(stores["learned"])),
+                "learned 60%": ProfileOptions(store=str(stores["learned60"]), pin_share=SEED_PIN_SHARE),
                 "seed rule": (ProfileOptions(file=str(seed_file), learn=False, pin_share=SEED_PIN_SHARE)
                               if seed_mature else ProfileOptions(cold=True, learn=False)),
             }
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                     seed_file.write_text(json.dumps(seed_doc))
                 del r["counts"]
                 results[name].append(r)
-                log(f"session {i + 1} ({domain}) {name:<9}: hit {r['hit_rate']:.1%} (pinned {r['hits_pinned']}), "
+                log(f"session {i + 1} ({domain}) {name:<11}: hit {r['hit_rate']:.1%} (pinned {r['hits_pinned']}), "
                     f"{r['critical_bytes'] / max(1, r['generated']) / 1e3:.1f} kB/token, profile "
                     f"{r['profile']['source']} ({r['profile']['routings']:,} routings, {r['pinned']} pinned)")
         slots = results["cold"][0]["slots"]
@@ -214,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     a.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"\nbudget {budget:,} bytes = {slots} slots of {doc['expert_layers']:,} expert-layers; "
           f"phase 1 {domains[0]}, phase 2 {domains[1]}, {n} sessions each")
-    print(f"{'variant':<10} {'phase':<6} {'hit rate':>8} {'pinned':>7} {'kB/token':>9} {'preload':>9}")
+    print(f"{'variant':<12} {'phase':<6} {'hit rate':>8} {'pinned':>7} {'kB/token':>9} {'preload':>9}")
     for name, phs in summary.items():
         for ph, s in phs.items():
-            print(f"{name:<10} {ph[-1]:<6} {s['hit_rate']:>8.1%} {s['pinned_hit_share']:>7.1%} "
+            print(f"{name:<12} {ph[-1]:<6} {s['hit_rate']:>8.1%} {s['pinned_hit_share']:>7.1%} "
                   f"{s['critical_bytes_per_token'] / 1e3:>9.1f} {s['preload_bytes'] / 1e3:>7.0f}kB")
     print(f"imported == learned in phase 2: {doc['imported_equals_learned']}")
     return 0
