@@ -14,11 +14,12 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from tqbench.convert import convert
-from tqbench.demo import ensure_demo
+from tqbench.demo import SHIPPED_SPEC, ensure_demo
 from tqbench.recipe import Recipe
 from tqbench.runtime.load import load
 from tqbench.stream import StoreError, StreamConfig
 from tqbench.stream.cache import LRFU, LRU, SlotCache
+from tqbench.stream.store import ExpertStore
 
 # ---- policies (pure bookkeeping) --------------------------------------------------------------------------------------
 
@@ -98,6 +99,14 @@ def test_policies_validate():
 # ---- streamed == resident --------------------------------------------------------------------------------------------
 
 PROMPT = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]
+# Ternary gate/up and 4-bit down experts, all TurboQuant. g32, not the first demo's g64: the shipped demo's experts are
+# 32 wide (moe_intermediate_size), so at g64 the down projection (input 32) is kept as the source's mxfp4 ("in % 64 !=
+# 0"), down4 would not apply and the model would not have TurboQuant-MLX's stacked layout.
+RECIPE = "tq3a-tqTe-down4-g32"
+
+# The shipped demo's routing: experts per MoE layer, top-k, MoE layers (layers 1..L).
+E, K = SHIPPED_SPEC.num_experts, SHIPPED_SPEC.num_experts_per_token
+L = sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers))
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +115,20 @@ def models(tmp_path_factory) -> dict[str, Path]:
     src = root / "demo"
     shutil.copytree(ensure_demo(), src)
     out = {}
-    for name in ("tq3a-tqTe-down4-g64", "affine4", "src"):
+    for name in (RECIPE, "affine4", "src"):
         out[name] = root / name
         list(convert(src, out[name], Recipe.parse(name)))
     return out
+
+
+@pytest.fixture(scope="module")
+def expert(models) -> int:
+    """One routed expert's bytes in the RECIPE conversion, as its expert map says (every MoE layer alike)."""
+    store = ExpertStore.open(models[RECIPE])
+    sizes = {lay.nbytes for lay in store.layers.values()}
+    store.close()
+    assert len(sizes) == 1
+    return sizes.pop()
 
 
 def _run(model, n: int = 10) -> tuple[np.ndarray, list[int]]:
@@ -124,13 +143,13 @@ def resident(models) -> dict[str, tuple[np.ndarray, list[int]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tq3a-tqTe-down4-g64", "affine4", "src"])
+@pytest.mark.parametrize("recipe", [RECIPE, "affine4", "src"])
 @pytest.mark.parametrize("slots, workers, fanout, policy, page_cache", [
     (10_000, 4, False, "lrfu", "on"),  # everything fits
-    (40, 1, True, "lru", "off"),  # a few tokens' worth; O_DIRECT reads of aligned supersets
+    (K * L * 10 // 7, 1, True, "lru", "off"),  # ~1.4 tokens' worth (40 at top-4); O_DIRECT reads of aligned supersets
     (12, 4, True, "lrfu", "off"),
     (12, 3, True, "lrfu", "on"),
-    (2, 2, False, "lru", "auto"),  # fewer slots than one layer's 4 active experts: chunked
+    (2, 2, False, "lru", "auto"),  # fewer slots than one layer's K active experts: chunked
     (1, 1, False, "lrfu", "off"),
 ])
 def test_streamed_generation_is_bit_identical_to_resident(models, resident, recipe, slots, workers, fanout, policy,
@@ -145,7 +164,7 @@ def test_streamed_generation_is_bit_identical_to_resident(models, resident, reci
     loaded = load(path, streaming=StreamConfig(budget, workers, policy, fanout, page_cache))
     assert loaded.streamer.direct == (page_cache == "off" and _takes_o_direct(path))
     st = loaded.streamer.stats
-    assert st.slots == min(slots, 7 * 64)
+    assert st.slots == min(slots, L * E)
     logits, tokens = _run(loaded.model)
     want_logits, want_tokens = resident[recipe]
     np.testing.assert_array_equal(logits, want_logits)
@@ -171,12 +190,12 @@ def _takes_o_direct(path: Path) -> bool:
 
 
 def test_page_in_events_account_for_every_routed_expert(models):
-    loaded = load(models["tq3a-tqTe-down4-g64"], streaming=StreamConfig(10**7, 2))
+    loaded = load(models[RECIPE], streaming=StreamConfig(10**7, 2))
     loaded.model(mx.array([PROMPT[:1]]))
     loaded.model(mx.array([PROMPT[1:2]]))
     events = loaded.streamer.drain()
-    assert [e.token for e in events] == [1] * 7 + [2] * 7 and [e.layer for e in events[:7]] == list(range(1, 8))
-    assert all(len(e.experts) == 4 and len(e.served) == 4 for e in events)  # one token, top-4
+    assert [e.token for e in events] == [1] * L + [2] * L and [e.layer for e in events[:L]] == list(range(1, L + 1))
+    assert all(len(e.experts) == K and len(e.served) == K for e in events)  # one token, top-K
     assert all(k == "miss" for k in events[0].served)  # a cold cache
     st = loaded.streamer.stats
     assert st.misses == sum(k == "miss" for e in events for k in e.served)
@@ -185,21 +204,21 @@ def test_page_in_events_account_for_every_routed_expert(models):
     loaded.streamer.close()
 
 
-def test_a_budget_below_one_expert_is_refused(models):
-    with pytest.raises(StoreError, match=r"cannot hold one expert \(4,480 bytes\) plus 2 read buffer"):
-        load(models["tq3a-tqTe-down4-g64"], streaming=StreamConfig(3 * 4480 - 1, 2))
+def test_a_budget_below_one_expert_is_refused(models, expert):
+    with pytest.raises(StoreError, match=rf"cannot hold one expert \({expert:,} bytes\) plus 2 read buffer"):
+        load(models[RECIPE], streaming=StreamConfig(3 * expert - 1, 2))
 
 
-def test_a_model_that_changes_under_the_session_gives_one_clear_error(models, tmp_path):
+def test_a_model_that_changes_under_the_session_gives_one_clear_error(models, expert, tmp_path):
     path = tmp_path / "m"
-    shutil.copytree(models["tq3a-tqTe-down4-g64"], path)
-    loaded = load(path, streaming=StreamConfig(3 * 4480, 2))
+    shutil.copytree(models[RECIPE], path)
+    loaded = load(path, streaming=StreamConfig(3 * expert, 2))
     loaded.model(mx.array([PROMPT[:2]]))
     shard = next(path.glob("model-*.safetensors"))
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
     with pytest.raises(StoreError, match=r"model-00001-of-00001.safetensors: expert \d+ of layer \d+: read \d+ of "
-                                         r"4480 bytes .* it changed under the session"):
+                                         rf"{expert} bytes .* it changed under the session"):
         for _ in range(40):  # until a page-in reaches past the cut
             mx.eval(loaded.model(mx.array([PROMPT[:3]])))
     loaded.streamer.close()
@@ -209,21 +228,21 @@ def test_max_active_experts_routes_to_k_and_native_is_unchanged(models, resident
     from tqbench.errors import TqbenchError
     from tqbench.runtime.routing import set_active_experts
 
-    path = models["tq3a-tqTe-down4-g64"]
+    path = models[RECIPE]
     loaded = load(path, streaming=StreamConfig(10**7, 2))
-    assert set_active_experts(loaded.model, 0).active == 4
-    assert set_active_experts(loaded.model, 4).layers == 0
+    assert set_active_experts(loaded.model, 0).active == K
+    assert set_active_experts(loaded.model, K).layers == 0
     logits, _ = _run(loaded.model, 1)
-    np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])  # native: the same model
+    np.testing.assert_array_equal(logits, resident[RECIPE][0])  # native: the same model
     ae = set_active_experts(loaded.model, 2)
-    assert (ae.native, ae.active, ae.layers, ae.cut) == (4, 2, 7, 2.0)
+    assert (ae.native, ae.active, ae.layers, ae.cut) == (K, 2, L, K / 2)
     loaded.streamer.drain()
     cut = np.array(loaded.model(mx.array([PROMPT[:1]])).astype(mx.float32))
     events = loaded.streamer.drain()
-    assert len(events) == 7 and all(len(e.experts) == 2 for e in events)  # one token, two experts per layer
+    assert len(events) == L and all(len(e.experts) == 2 for e in events)  # one token, two experts per layer
     assert np.abs(cut[0, -1] - logits[0, 0]).max() > 0  # a different model
-    with pytest.raises(TqbenchError, match=r"--max-active-experts 5: choose 1..4"):
-        set_active_experts(loaded.model, 5)
+    with pytest.raises(TqbenchError, match=rf"--max-active-experts {K + 1}: choose 1..{K}"):
+        set_active_experts(loaded.model, K + 1)
     loaded.streamer.close()
 
 
@@ -243,44 +262,48 @@ def test_prefill_entries_are_evicted_before_the_decode_working_set(policy):
     assert evicted in {"p1", "p2"} and {"a", "b", "d", "e"} == set(c.slots)
 
 
-@pytest.mark.parametrize("max_array", [1 << 30, 2048 * 20, 2048 * 7])  # 1 pool; 3 pools; one pool per layer
-def test_pools_split_under_the_array_limit_and_stay_bit_identical(models, resident, max_array):
-    path = models["tq3a-tqTe-down4-g64"]
-    loaded = load(path, streaming=StreamConfig(2 * 4480 + 60 * 4480, 2, max_array_bytes=max_array))
+# A slot's widest array in RECIPE: the down projection's 4-bit codes, latent x moe_intermediate / 2 bytes per expert
+# ((64, 4) uint32 = 1,024 bytes in the shipped demo).
+WIDEST = SHIPPED_SPEC.routed_expert_hidden_size * SHIPPED_SPEC.moe_intermediate_size // 2
+
+
+@pytest.mark.parametrize("max_array", [1 << 30, WIDEST * 20, WIDEST * 7])  # 1 pool; 3 pools; one pool per layer
+def test_pools_split_under_the_array_limit_and_stay_bit_identical(models, resident, expert, max_array):
+    path = models[RECIPE]
+    loaded = load(path, streaming=StreamConfig(2 * expert + 60 * expert, 2, max_array_bytes=max_array))
     s = loaded.streamer
     pools = s.pools
-    widest = 64 * 8 * 4  # the down projection's codes: (64, 8) uint32 = 2048 bytes per expert
-    assert all(p.slots * widest <= max_array for p in pools)
-    assert len(pools) == {1 << 30: 1, 2048 * 20: 3, 2048 * 7: 7}[max_array]
-    assert sorted(s.pool_of) == list(range(1, 8)) and len({id(s.pool_of[n]) for n in s.pool_of}) == len(pools)
+    assert max(p.nbytes for p in s.store.layers[1].parts) == WIDEST
+    assert all(p.slots * WIDEST <= max_array for p in pools)
+    assert len(pools) == {1 << 30: 1, WIDEST * 20: 3, WIDEST * 7: L}[max_array]
+    assert sorted(s.pool_of) == list(range(1, L + 1)) and len({id(s.pool_of[n]) for n in s.pool_of}) == len(pools)
     assert sum(p.slots for p in pools) <= 60
     logits, tokens = _run(loaded.model)
-    np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])
-    assert tokens == resident["tq3a-tqTe-down4-g64"][1]
+    np.testing.assert_array_equal(logits, resident[RECIPE][0])
+    assert tokens == resident[RECIPE][1]
     s.close()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("slots, fanout", [(10_000, False), (3, True), (1, False)])
-def test_a_stacked_layout_streams_bit_identically(models, resident, tmp_path, slots, fanout):
+def test_a_stacked_layout_streams_bit_identically(models, resident, expert, tmp_path, slots, fanout):
     """TurboQuant-MLX's stacked layout (experts as slices of `switch_mlp` tensors, no expert map): one extent per
     tensor per expert, the same slots and the same logits."""
     from test_runtime_tqmlx import to_turboquant_mlx
 
-    from tqbench.stream.store import ExpertStore
-
-    theirs = to_turboquant_mlx(models["tq3a-tqTe-down4-g64"], tmp_path / "tqmlx")
+    theirs = to_turboquant_mlx(models[RECIPE], tmp_path / "tqmlx")
     store = ExpertStore.open(theirs)
-    assert sorted(store.layers) == list(range(1, 8))
+    assert sorted(store.layers) == list(range(1, L + 1))
     lay = store.layers[1]
-    assert lay.experts == 64 and lay.nbytes == 4480 and len(lay.extents[5]) == 6  # weight + scales per projection
+    # an expert as many bytes as in tqbench's layout
+    assert lay.experts == E and lay.nbytes == expert and len(lay.extents[5]) == 6  # weight + scales per projection
     assert {(p.projection, p.param) for p in lay.parts} == {(j, q) for j in ("gate_proj", "up_proj", "down_proj")
                                                            for q in ("weight", "scales")}
     store.close()
-    loaded = load(theirs, streaming=StreamConfig(2 * 4480 + slots * 4480, 2, "lrfu", fanout))
+    loaded = load(theirs, streaming=StreamConfig(2 * expert + slots * expert, 2, "lrfu", fanout))
     logits, tokens = _run(loaded.model)
-    np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])
-    assert tokens == resident["tq3a-tqTe-down4-g64"][1]
+    np.testing.assert_array_equal(logits, resident[RECIPE][0])
+    assert tokens == resident[RECIPE][1]
     st = loaded.streamer.stats
     # six ranges per expert in this layout; adjacent missed experts share one scatter read per tensor (the prefill
     # misses many neighbours at once), except with fan-out, which splits instead
@@ -289,8 +312,8 @@ def test_a_stacked_layout_streams_bit_identically(models, resident, tmp_path, sl
         assert st.reads < 6 * st.misses
     # a run read equals the experts read one by one
     store = loaded.streamer.store
-    one = [np.zeros(4480, np.uint8) for _ in range(3)]
-    run = [np.zeros(4480, np.uint8) for _ in range(3)]
+    one = [np.zeros(expert, np.uint8) for _ in range(3)]
+    run = [np.zeros(expert, np.uint8) for _ in range(3)]
     for e, b in zip((10, 11, 12), one):
         assert store.read(1, e, b) == 6
     assert store.read_run(1, [10, 11, 12], run) == 6
@@ -299,17 +322,17 @@ def test_a_stacked_layout_streams_bit_identically(models, resident, tmp_path, sl
 
 
 @pytest.mark.parametrize("workers, fanout", [(4, False), (2, True)])
-def test_lookahead_is_bit_identical_and_counted_honestly(models, resident, workers, fanout):
+def test_lookahead_is_bit_identical_and_counted_honestly(models, resident, expert, workers, fanout):
     """Look-ahead reads layer L+1's likely experts (its router on layer L's input) during decode; a routed expert
     whose read was done in time is "prefetched", its bytes speculative; an unused read is speculative too."""
-    path = models["tq3a-tqTe-down4-g64"]
+    path = models[RECIPE]
     runs = {}
     for lookahead in (False, True):
-        loaded = load(path, streaming=StreamConfig(workers * 4480 + 60 * 4480, workers, "lrfu", fanout,
+        loaded = load(path, streaming=StreamConfig(workers * expert + 60 * expert, workers, "lrfu", fanout,
                                                    lookahead=lookahead))
         logits, tokens = _run(loaded.model, 16)
-        np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])
-        want = resident["tq3a-tqTe-down4-g64"][1]  # 10 greedy tokens
+        np.testing.assert_array_equal(logits, resident[RECIPE][0])
+        want = resident[RECIPE][1]  # 10 greedy tokens
         assert len(tokens) == 16 and tokens[:len(want)] == want
         runs[lookahead] = loaded.streamer.stats
         events = loaded.streamer.drain()
@@ -323,14 +346,14 @@ def test_lookahead_is_bit_identical_and_counted_honestly(models, resident, worke
     # every expert read counts once, on the critical path or as speculative: a look-ahead read that was still running
     # when its layer needed it is a miss (critical) and is not read again
     late = on.lookahead_used - on.hits_prefetched
-    assert on.critical_bytes + on.speculative_bytes == (on.misses - late + on.lookahead_reads) * 4480
-    assert on.critical_bytes == on.misses * 4480
+    assert on.critical_bytes + on.speculative_bytes == (on.misses - late + on.lookahead_reads) * expert
+    assert on.critical_bytes == on.misses * expert
     assert on.critical_bytes < off.critical_bytes  # it took reads off the critical path
 
 
-def test_lookahead_with_fewer_slots_than_one_tokens_experts_stays_exact(models, resident):
-    loaded = load(models["tq3a-tqTe-down4-g64"], streaming=StreamConfig(4 * 4480 + 3 * 4480, 4, lookahead=True))
+def test_lookahead_with_fewer_slots_than_one_tokens_experts_stays_exact(models, resident, expert):
+    loaded = load(models[RECIPE], streaming=StreamConfig(4 * expert + 3 * expert, 4, lookahead=True))
     logits, tokens = _run(loaded.model, 8)
-    np.testing.assert_array_equal(logits, resident["tq3a-tqTe-down4-g64"][0])
-    assert tokens == resident["tq3a-tqTe-down4-g64"][1][:8]
+    np.testing.assert_array_equal(logits, resident[RECIPE][0])
+    assert tokens == resident[RECIPE][1][:8]
     loaded.streamer.close()
