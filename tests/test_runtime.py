@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from tqbench.convert import convert
-from tqbench.demo import ensure_demo
+from tqbench.demo import SHIPPED_SPEC, ensure_demo
 from tqbench.layout import QuantizationBlock
 from tqbench.quant import turboquant as tq
 from tqbench.recipe import Recipe
@@ -27,6 +27,19 @@ from tqbench.runtime.load import LoadError, load, trust_decision
 
 pytestmark = pytest.mark.slow  # conversions of the demo and model loads (~20 s)
 
+# Ternary gate/up and 4-bit down experts. g32, not the first demo's g64: the shipped demo's experts are 32 wide
+# (moe_intermediate_size), so at g64 the down projection (input 32) is kept as the source's mxfp4 ("in % 64 != 0").
+RECIPE = "tq3a-tqTe-down4-g32"
+L = sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers))  # MoE layers
+
+
+def _turboquant_expert_projections(recipe: str) -> int:
+    """Expert projections a recipe quantizes: per MoE layer gate and up (input: the latent size) and down (input:
+    moe_intermediate_size), each whose input the expert group size divides (recipe rules: else kept)."""
+    g = Recipe.parse(recipe).expert_group_size
+    ins = (SHIPPED_SPEC.routed_expert_hidden_size,) * 2 + (SHIPPED_SPEC.moe_intermediate_size,)
+    return L * sum(n % g == 0 for n in ins)
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
@@ -35,7 +48,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     src = root / "demo"
     shutil.copytree(ensure_demo(), src)
     out = {"source": src}
-    for name in ("tq3a-tqTe-down4-g64", "tq4", "src"):
+    for name in (RECIPE, "tq4", "src"):
         out[name] = root / name
         list(convert(src, out[name], Recipe.parse(name)))
     return out
@@ -62,7 +75,7 @@ def _float(m: TurboQuantLinear | TurboQuantSwitchLinear) -> mx.array:
     return tq.dequantize(m.weight, m.scales, m.codebook, signs, m.input_dims)
 
 
-@pytest.mark.parametrize("recipe", ["tq3a-tqTe-down4-g64", "tq4"])
+@pytest.mark.parametrize("recipe", [RECIPE, "tq4"])
 def test_turboquant_model_equals_its_dequantized_weights(models, recipe):
     """The loaded TurboQuant model's logits == mlx-lm's model of the same architecture holding the dequantized float
     weights, both in float32."""
@@ -87,8 +100,10 @@ def test_turboquant_model_equals_its_dequantized_weights(models, recipe):
             getattr(parent, leaf).weight = _float(m)
             kinds["linear"] += 1
     assert loaded.turboquant_modules == kinds["linear"] + kinds["experts"] + 3 * kinds["concat"]
-    # 7 MoE layers x 3 expert projections; 6 KDA layers whose q/k/v mlx-lm fuses into qkv_proj
-    assert kinds["experts"] == 21 and kinds["concat"] == 6 and kinds["linear"] > 40
+    # RECIPE: 7 MoE layers x 3 expert projections; tq4 (g64): x 2, the 32-wide down projection kept mxfp4;
+    # 6 KDA layers whose q/k/v mlx-lm fuses into qkv_proj
+    assert kinds["experts"] == _turboquant_expert_projections(recipe) == {RECIPE: 3 * L, "tq4": 2 * L}[recipe]
+    assert kinds["concat"] == 6 and kinds["linear"] > 40
     got, want = _logits(model, PROMPT), _logits(reference, PROMPT)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     # and the weights are really quantized: the source model's logits differ
@@ -98,13 +113,14 @@ def test_turboquant_model_equals_its_dequantized_weights(models, recipe):
 
 
 def test_rotation_comes_from_the_recorded_block(models):
-    loaded = load(models["tq3a-tqTe-down4-g64"])
-    block = QuantizationBlock.from_config(json.loads((models["tq3a-tqTe-down4-g64"] / "config.json").read_text())
-                                          ["quantization"])
+    loaded = load(models[RECIPE])
+    block = QuantizationBlock.from_config(json.loads((models[RECIPE] / "config.json").read_text())["quantization"])
     q = block.modules["language_model.model.layers.1.block_sparse_moe.switch_mlp.down_proj"]
     m = loaded.model.language_model.model.layers[1].mlp.switch_mlp.down_proj
-    assert isinstance(m, TurboQuantSwitchLinear) and m.block == q.rotation["block"] == 64
-    assert m.codebook.shape == (16,) and m.group_size == 64  # down4: 4-bit codebook, from the stored tensors
+    # one Hadamard transform of the whole input (moe_intermediate_size, a power of two)
+    assert isinstance(m, TurboQuantSwitchLinear)
+    assert m.block == q.rotation["block"] == SHIPPED_SPEC.moe_intermediate_size
+    assert m.codebook.shape == (16,) and m.group_size == 32  # down4: 4-bit codebook, from the stored tensors
     assert loaded.model.language_model.model.layers[1].mlp.switch_mlp.gate_proj.codebook.shape == (3,)  # ternary
 
 
