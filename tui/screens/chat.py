@@ -60,6 +60,7 @@ STREAM_INTERVAL = 0.05  # seconds between updates of a streaming reply
 PROGRESS_INTERVAL = 0.1  # seconds between progress messages of the demo's conversion
 STATUS_KEY = 8  # width of the status lines' labels
 NARROW = 70  # screens narrower than this show the expert view under the transcript, not beside it
+SUMMARY_INTERVAL = 0.25  # seconds between updates of the expert view's figures during a reply
 START_HINT = "Type a message below and press enter. esc stops a reply; ctrl+r starts a new conversation."
 
 
@@ -187,6 +188,7 @@ class ChatScreen(Screen):
         self.stream: dict | None = None  # stream_stats after the last reply
         self.rates: ReplyRates | None = None  # the last reply's rates
         self._held: list = []  # page-ins that came while the view was paused
+        self._summary_at = 0.0  # when the summary was last updated
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -471,7 +473,8 @@ class ChatScreen(Screen):
             return
         self.experts.apply(message.events)
         self.query_one(ExpertMapView).update_view()
-        self._show_summary()
+        if time.monotonic() - self._summary_at >= SUMMARY_INTERVAL:
+            self._show_summary()
 
     def on_chat_reply_progress(self, message: ChatReplyProgress) -> None:
         if message.turn_id != self._turn_id or self._reply is None:
@@ -612,6 +615,7 @@ class ChatScreen(Screen):
     def _show_summary(self) -> None:
         if self.query_one(ExpertMapView).paused:
             return
+        self._summary_at = time.monotonic()
         if self.experts is not None and self.loaded is not None and self.loaded.stream is not None:
             budget = self.loaded.stream["budget_bytes"]
             self.query_one("#expert-summary", Static).update(  # 4 lines, its height: no layout pass needed
