@@ -13,7 +13,7 @@ import pytest
 
 from cli_helpers import tqbench
 from tqbench.convert import convert
-from tqbench.demo import ensure_demo
+from tqbench.demo import SHIPPED_SPEC, ensure_demo
 from tqbench.engine import Session
 from tqbench.recipe import Recipe
 from tqbench.runtime.chat import Sampling
@@ -133,4 +133,5 @@ def test_streaming_flags_write_stats_json(model, tmp_path, capsys, monkeypatch):
     assert bad.code == 1 and bad.err.splitlines()[-1] == "tqbench: error: --cache-budget-gb 'lots': give a number of GB or auto"
     many = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--max-tokens", "2",
                    "--max-active-experts", "1")
-    assert many.code == 0 and "warning: routing to 1 of the model's 4 experts per token" in many.err
+    k = SHIPPED_SPEC.num_experts_per_token
+    assert many.code == 0 and f"warning: routing to 1 of the model's {k} experts per token" in many.err
