@@ -148,11 +148,11 @@ def stream_stats(session: Session) -> dict | None:
 
 def export_profile(session: Session, file: str) -> dict:
     """Save what this session learned, then write the model's learned profile to `file` as `tqbench profile export`
-    does (JSON, schema tqbench.profile/1). Returns file, routings, sessions and pins. Use with session.call."""
+    does (tqbench.profile.export_learned). Returns file, routings, sessions and pins. Use with session.call."""
     from pathlib import Path
 
-    from tqbench.convert.journal import write_atomic
     from tqbench.errors import TqbenchError
+    from tqbench.profile import export_learned
 
     learner = session.state.get(LEARNER)
     if learner is None:
@@ -160,12 +160,9 @@ def export_profile(session: Session, file: str) -> dict:
                            "store)")
     learner.flush()
     learner.save()
-    p = learner.store.load(learner.blank.fingerprint, learner.blank.geometry)
-    if p.routings <= 0:
-        raise TqbenchError("no learned profile for this model yet: chat with it first")
     out = Path(file)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, p.to_text().encode())
+    p = export_learned(conversation(session).loaded.path, learner.store, out)
     return {"file": str(out), "routings": p.routings, "sessions": p.sessions, "pins": len(p.ranked())}
 
 

@@ -208,6 +208,8 @@ class ChatScreen(Screen):
 
     def on_mount(self) -> None:
         self.sub_title = "Chat"
+        self.map_view = self.query_one(ExpertMapView)  # kept: a batch's handler should not search the DOM
+        self.summary = self.query_one("#expert-summary", Static)
 
     def on_screen_resume(self) -> None:
         """Shown (first time or again): load the model converted last, unless it is the one loaded."""
@@ -468,11 +470,11 @@ class ChatScreen(Screen):
         if message.turn_id != self._turn_id or self.experts is None:
             return
         self.rates, self.stream = message.rates, None
-        if self.query_one(ExpertMapView).paused:  # frozen: the batches wait until v resumes
+        if self.map_view.paused:  # frozen: the batches wait until v resumes
             self._held.extend(message.events)
             return
         self.experts.apply(message.events)
-        self.query_one(ExpertMapView).update_view()
+        self.map_view.update_view()
         if time.monotonic() - self._summary_at >= SUMMARY_INTERVAL:
             self._show_summary()
 
@@ -503,6 +505,8 @@ class ChatScreen(Screen):
             self._reply.end(message.parts, done.finish_reason)
             self.transcript.follow()
             self._status(reply_summary(done))
+        if self.experts is not None:
+            self.map_view.update_view(force=True)  # the last batch may have come inside DRAW_INTERVAL
         if self.experts is not None and message.stream is not None:
             self.stream = message.stream
             if done is not None and self.rates is not None:  # the engine's decode rate, not the view's estimate
@@ -517,6 +521,8 @@ class ChatScreen(Screen):
             self._reply.end(self._reply.parts, "failed")
         self._set_error(f"the reply failed: {message.message}")
         self._status(Content(""))
+        if self.experts is not None:
+            self.map_view.update_view(force=True)
         self._ended()
 
     def _ended(self) -> None:
@@ -613,12 +619,12 @@ class ChatScreen(Screen):
         self._layout()
 
     def _show_summary(self) -> None:
-        if self.query_one(ExpertMapView).paused:
+        if self.map_view.paused:
             return
         self._summary_at = time.monotonic()
         if self.experts is not None and self.loaded is not None and self.loaded.stream is not None:
             budget = self.loaded.stream["budget_bytes"]
-            self.query_one("#expert-summary", Static).update(  # 4 lines, its height: no layout pass needed
+            self.summary.update(  # 4 lines, its height: no layout pass needed
                 expert_summary(self.experts, budget, self.rates, self.stream), layout=False)
 
     def on_resize(self) -> None:

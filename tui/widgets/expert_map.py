@@ -24,7 +24,7 @@ from textual.strip import Strip
 from tui.experts import FADE, GLYPHS, KINDS, SPARK, ExpertMap, bins, fold, heat, sparkline
 
 STALL_W = 7  # "12.3 s", "999 ms"
-DRAW_INTERVAL = 0.1  # seconds between redraws while batches come (they come every ~50 ms)
+DRAW_INTERVAL = 0.1  # seconds between redraws while batches come (every ~50 ms; the last is drawn with force)
 MIN_CELLS = 8  # fewer cell columns than this: the sparkline and stall columns are left out
 
 
@@ -64,7 +64,6 @@ class ExpertMapView(ScrollView, can_focus=True):
         self._rows: list[tuple] = []  # ("layer", n) | ("wrap", n, first expert), under the fixed header line
         self._styles: dict = {}
         self._drawn = 0.0  # when the last redraw was asked for
-        self._draw_timer = None
         self._key: tuple | None = None  # what the cached lines were drawn for
         self._frame: dict = {}
         self._lines: dict[int, Strip] = {}
@@ -75,19 +74,12 @@ class ExpertMapView(ScrollView, can_focus=True):
         self.model, self.per, self.first, self.cursor, self.opened = model, None, 0, 0, set()
         self._relayout()
 
-    def update_view(self) -> None:
-        """The model took a batch: redraw, at most every DRAW_INTERVAL (nothing while paused)."""
-        if self.model is None or self.paused or self._draw_timer is not None:
+    def update_view(self, force: bool = False) -> None:
+        """The model took a batch: redraw the lines that show something (the header and the rows, not the blank ones
+        under them), at most every DRAW_INTERVAL unless `force` (nothing while paused)."""
+        if self.model is None or self.paused or not force and time.monotonic() - self._drawn < DRAW_INTERVAL:
             return
-        wait = self._drawn + DRAW_INTERVAL - time.monotonic()
-        if wait <= 0:
-            self._draw()
-        else:
-            self._draw_timer = self.set_timer(wait, self._draw)
-
-    def _draw(self) -> None:
-        """Redraw the lines that show something (the header and the rows), not the blank ones under them."""
-        self._draw_timer, self._drawn = None, time.monotonic()
+        self._drawn = time.monotonic()
         self.refresh(Region(0, 0, self.size.width, min(self.size.height, len(self._rows) + 1)))
 
     def set_paused(self, paused: bool) -> None:
