@@ -12,9 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tqbench.demo import SHIPPED_SPEC
+
 pytestmark = pytest.mark.slow  # traces the demo, writes a 470 MB expert file, converts and decodes a model (~45 s)
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "streaming.py"
+# The shipped demo's MoE layers and experts per layer: the trace is per MoE layer, the cache holds expert-layers.
+L = sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers))
+E, K = SHIPPED_SPEC.num_experts, SHIPPED_SPEC.num_experts_per_token
 
 
 def _bench():
@@ -57,7 +62,8 @@ def test_quick_run_writes_every_section(tmp_path):
     assert doc["schema"] == "tqbench.bench.streaming/1" and doc["config"]["quick"]
     assert doc["machine"]["git_commit"]
     rp = doc["replay"]
-    assert rp["trace"]["shape"][0] == 7 and rp["trace"]["routings"] > 0 and rp["trace"]["expert_layers"] == 448
+    assert rp["trace"]["shape"][0] == L and rp["trace"]["shape"][-1] == rp["trace"]["top_k"] == K
+    assert rp["trace"]["routings"] > 0 and rp["trace"]["expert_layers"] == L * E
     budgets = [int(x) for x in doc["config"]["budgets"].split(",")]
     assert [r["budget"] for r in rp["hit_rates"]] == budgets
     for r, lam_row in zip(rp["hit_rates"], rp["lam_sweep"]["rows"]):
