@@ -44,6 +44,13 @@ def test_wheel_holds_every_package_file(wheel):
     assert not missing, sorted(missing)[:20]
 
 
+def test_wheel_stays_under_30_mb(wheel):
+    """The shipped demo checkpoint (since demo v4 about 21 MB, 448 experts x 7 layers) is most of the package: the
+    wheel and what it installs stay under 30 MB."""
+    installed = sum(i.file_size for i in zipfile.ZipFile(wheel).infolist())
+    assert wheel.stat().st_size < 30e6 and installed < 30e6
+
+
 def test_wheel_runs_outside_the_source_tree(wheel, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
