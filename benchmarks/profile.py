@@ -20,6 +20,7 @@ would be. Every variant replays the same sessions in the same order through the 
 - learned: the engine's default: learning into its own store, using the learned profile once mature (20,000 routings),
   default pin share 0.1;
 - learned 60%: the same with the seed system's pin share, 0.6 of the slots (separates its rule from its share);
+  "learned 60% p1" also counts prompt (prefill) routings fully when ranking pins (the default weighs them 0.25);
 - imported (phase 2 only): phase 1's learned profile exported to a file (`tqbench profile export`'s function) and
   imported into a fresh store (`tqbench profile import`'s), then the same as learned: it must give exactly the learned
   variant's phase-2 figures (the file loses nothing);
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
     for k, v in DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), type=type(v), help=f"default {v} (--quick: {QUICK[k]})")
+    p.add_argument("--variants", default=None, help="a comma-separated subset of the variants (default: all)")
     p.add_argument("--out", type=Path, default=Path("bench-results/profile.json"))
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
     a = p.parse_args(argv)
@@ -162,13 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         for _ in convert(ensure_demo(), model, Recipe.parse("tq4")):
             pass
         log(f"converted the demo with tq4 in {time.perf_counter() - t0:.1f} s")
-        stores = {v: work / f"store-{v}" for v in ("learned", "learned60", "imported", "empty")}
+        stores = {v: work / f"store-{v}" for v in ("learned", "learned60", "learned60p1", "imported", "empty")}
         seed_file, seed_doc = work / "seed-usage.json", None
-        results: dict[str, list[dict]] = {v: [] for v in ("cold", "shipped", "learned", "learned 60%", "imported",
-                                                           "seed rule")}
+        results: dict[str, list[dict]] = {v: [] for v in ("cold", "shipped", "learned", "learned 60%",
+                                                           "learned 60% p1", "imported", "seed rule")}
         for i, (domain, turns) in enumerate(plan):
             phase = 1 + domains.index(domain)
-            if i == n:  # phase 2 starts: export what "learned" has, import it into a fresh store
+            if i == n and (not a.variants or "imported" in a.variants.split(",")):
+                # phase 2 starts: export what "learned" has, import it into a fresh store
                 exported = work / "exported.json"
                 st = ProfileStore(str(stores["learned"]))
                 try:
@@ -186,11 +189,15 @@ def main(argv: list[str] | None = None) -> int:
                 "shipped": ProfileOptions(learn=False, store=str(stores["empty"])),
                 "learned": ProfileOptions(store=str(stores["learned"])),
                 "learned 60%": ProfileOptions(store=str(stores["learned60"]), pin_share=SEED_PIN_SHARE),
+                "learned 60% p1": ProfileOptions(store=str(stores["learned60p1"]), pin_share=SEED_PIN_SHARE,
+                                                 prefill_weight=1.0),
                 "seed rule": (ProfileOptions(file=str(seed_file), learn=False, pin_share=SEED_PIN_SHARE)
                               if seed_mature else ProfileOptions(cold=True, learn=False)),
             }
             if phase > 1:
                 variants["imported"] = ProfileOptions(store=str(stores["imported"]))
+            if a.variants:
+                variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}
             for name, opts in variants.items():
                 r = run_session(str(model), turns, cfg["tokens"], budget, opts)
                 r.update(phase=phase, domain=domain, session=i + 1)
@@ -199,28 +206,29 @@ def main(argv: list[str] | None = None) -> int:
                     seed_file.write_text(json.dumps(seed_doc))
                 del r["counts"]
                 results[name].append(r)
-                log(f"session {i + 1} ({domain}) {name:<11}: hit {r['hit_rate']:.1%} (pinned {r['hits_pinned']}), "
+                log(f"session {i + 1} ({domain}) {name:<14}: hit {r['hit_rate']:.1%} (pinned {r['hits_pinned']}), "
                     f"{r['critical_bytes'] / max(1, r['generated']) / 1e3:.1f} kB/token, profile "
                     f"{r['profile']['source']} ({r['profile']['routings']:,} routings, {r['pinned']} pinned)")
-        slots = results["cold"][0]["slots"]
+        slots = next(r["slots"] for rows in results.values() for r in rows)
+    results = {k: v for k, v in results.items() if v}
     summary = {name: {f"phase {ph}": summarize([r for r in rows if r["phase"] == ph]) for ph in (1, 2)
                       if any(r["phase"] == ph for r in rows)} for name, rows in results.items()}
     same = [(a["hits"], a["misses"], a["critical_bytes"]) == (b["hits"], b["misses"], b["critical_bytes"])
-            for a, b in zip(results["imported"], [r for r in results["learned"] if r["phase"] == 2])]
+            for a, b in zip(results.get("imported", []), [r for r in results.get("learned", []) if r["phase"] == 2])]
     doc = dict(schema=SCHEMA, config=cfg, budget_bytes=budget, slots=slots, expert_layers=SHIPPED_SPEC.num_experts
                * sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers)),
                sessions=[dict(domain=d, questions=t) for d, t in plan], results=results, summary=summary,
-               imported_equals_learned=all(same) and len(same) == n,
+               imported_equals_learned=(all(same) and len(same) == n) if "imported" in results else None,
                machine=dict(platform=platform.platform(), python=platform.python_version(),
                             cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d")))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"\nbudget {budget:,} bytes = {slots} slots of {doc['expert_layers']:,} expert-layers; "
           f"phase 1 {domains[0]}, phase 2 {domains[1]}, {n} sessions each")
-    print(f"{'variant':<12} {'phase':<6} {'hit rate':>8} {'pinned':>7} {'kB/token':>9} {'preload':>9}")
+    print(f"{'variant':<15} {'phase':<6} {'hit rate':>8} {'pinned':>7} {'kB/token':>9} {'preload':>9}")
     for name, phs in summary.items():
         for ph, s in phs.items():
-            print(f"{name:<12} {ph[-1]:<6} {s['hit_rate']:>8.1%} {s['pinned_hit_share']:>7.1%} "
+            print(f"{name:<15} {ph[-1]:<6} {s['hit_rate']:>8.1%} {s['pinned_hit_share']:>7.1%} "
                   f"{s['critical_bytes_per_token'] / 1e3:>9.1f} {s['preload_bytes'] / 1e3:>7.0f}kB")
     print(f"imported == learned in phase 2: {doc['imported_equals_learned']}")
     return 0

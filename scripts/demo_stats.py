@@ -138,6 +138,7 @@ def main(argv=None) -> None:
 
         train_demo.SPEC = SHIPPED_SPEC  # build_model builds train_demo's current spec
         params = load_float(a.work)
+        params = {k: v.astype(mx.float32) if ".switch_mlp." in k else v for k, v in params.items()}
         fm = build_model(0)
         fm.load_weights(list(params.items()))
         fm.eval()
@@ -145,8 +146,9 @@ def main(argv=None) -> None:
         log(f"float model: {ev['perplexity']['float32']}")
         keep = ("A_log", "dt_bias", "e_score_correction_bias")
         bm = build_model(0)
-        bm.load_weights([(k, v if (".switch_mlp." in k or k.endswith(keep)) else v.astype(mx.bfloat16))
-                         for k, v in params.items()])
+        # experts as saved, in float32 (the chat demo saves them bf16; MLX's CPU gather_mm takes float32 only)
+        bm.load_weights([(k, v.astype(mx.float32) if ".switch_mlp." in k else v if k.endswith(keep)
+                          else v.astype(mx.bfloat16)) for k, v in params.items()])
         bm.eval()
         ev["perplexity"]["bf16_float_experts"] = round_dict(perplexity(bm, tokens, a.window, a.batch))
         log(f"bf16, float experts: {ev['perplexity']['bf16_float_experts']}")

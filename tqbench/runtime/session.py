@@ -29,6 +29,7 @@ class ProfileOptions:
     store: str | None = None  # the learned profiles' directory (default: the user cache)
     mature: int | None = None  # routings before the learned profile is used (default tqbench.profile.MATURE)
     cold: bool = False  # --cold: start from no profile (still learns unless learn is off)
+    prefill_weight: float = 0.25  # how much a prompt's routings count next to decode's when ranking pins
 
 
 def _profile(session: Session, loaded: Any, opts: ProfileOptions) -> dict | None:
@@ -54,8 +55,9 @@ def _profile(session: Session, loaded: Any, opts: ProfileOptions) -> dict | None
     pinned, preload_s = 0, 0.0
     if choice.profile is not None and loaded.streamer is not None:  # share 0: no pins, history seeded
         p = choice.profile
-        weights = {(n, int(e)): float(v) for n, c in p.counts().items() for e, v in enumerate(c) if v > 0}
-        pinned = loaded.streamer.preload(p.ranked(), opts.pin_share, weights)
+        weights = {(n, int(e)): float(v) for n, c in p.counts(opts.prefill_weight).items()
+                   for e, v in enumerate(c) if v > 0}
+        pinned = loaded.streamer.preload(p.ranked(opts.prefill_weight), opts.pin_share, weights)
         preload_s = loaded.streamer.stats.preload_s
     if opts.learn and store is not None:
         learner = Learner(store, Profile.empty(choice.fingerprint, choice.geometry))
