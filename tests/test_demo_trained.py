@@ -93,6 +93,12 @@ def test_greedy_fibonacci_is_python(shipped, tmp_path, monkeypatch):
         assert not pythonish(rtext), (prompt, rtext)
 
 
+def _unsigned_zeros(packed: np.ndarray) -> np.ndarray:
+    """mxfp4 codes with every -0 (code 8) made +0 (code 0), nibble by nibble."""
+    lo, hi = packed & 0xF, packed >> 4
+    return (np.where(lo == 8, 0, lo) | (np.where(hi == 8, 0, hi) << 4)).astype(np.uint8)
+
+
 def test_shipped_experts_are_exact_mxfp4():
     index = json.loads((SHIPPED_DEMO / "model.safetensors.index.json").read_text())
     raw = {f: (SHIPPED_DEMO / f).read_bytes() for f in sorted(set(index["weight_map"].values()))}
@@ -110,7 +116,12 @@ def test_shipped_experts_are_exact_mxfp4():
             w = unpack_mxfp4(packed, scales)
             assert np.isfinite(w).all() and w.std() > 0
             p2, s2 = pack_mxfp4(w)
-            assert np.array_equal(p2, packed) and np.array_equal(s2, scales), name
+            # Since demo v4 the experts are packed from the trained float weights (train_demo.py export) as
+            # compressed-tensors packs them: a weight below zero that rounds to 0 keeps its sign bit (code 8, -0),
+            # which its decoded value -0.0 does not carry. So re-packing the decoded values gives every scale and
+            # code back but +0 for -0. (The first demo, re-packed from its decoded values by repack_demo.py, had
+            # no -0: docs/demo-model.md, "mxfp4 packing".)
+            assert np.array_equal(s2, scales) and np.array_equal(p2, _unsigned_zeros(packed)), name
             seen += 1
     dtypes = {n: t.dtype for n, (_, t) in tensors.items()}
     moe_layers = sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers))
