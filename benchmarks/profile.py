@@ -17,10 +17,9 @@ would be. Every variant replays the same sessions in the same order through the 
 
 - cold: `--cold --no-learn`, no profile;
 - shipped: the profile shipped for the demo (`profiles/demo-tq4.json`, made from held-out code files), no learning;
-- learned: the engine's default: learning into its own store, using the learned profile once mature (20,000 routings),
-  default pin share 0.1;
-- learned 60%: the same with the seed system's pin share, 0.6 of the slots (separates its rule from its share);
-  "learned 60% p1" also counts prompt (prefill) routings fully when ranking pins (the default weighs them 0.25);
+- learned: the engine's defaults: learning into its own store, using the learned profile once mature (20,000
+  routings; before that the shipped one), pins up to 0.5 of the slots, prompts' routings weighed as decode's;
+- learned 10%: the same with the earlier defaults, 0.1 of the slots and prompts weighed 0.25;
 - imported (phase 2 only): phase 1's learned profile exported to a file (`tqbench profile export`'s function) and
   imported into a fresh store (`tqbench profile import`'s), then the same as learned: it must give exactly the learned
   variant's phase-2 figures (the file loses nothing);
@@ -164,10 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in convert(ensure_demo(), model, Recipe.parse("tq4")):
             pass
         log(f"converted the demo with tq4 in {time.perf_counter() - t0:.1f} s")
-        stores = {v: work / f"store-{v}" for v in ("learned", "learned60", "learned60p1", "imported", "empty")}
+        stores = {v: work / f"store-{v}" for v in ("learned", "learned10", "imported", "empty")}
         seed_file, seed_doc = work / "seed-usage.json", None
-        results: dict[str, list[dict]] = {v: [] for v in ("cold", "shipped", "learned", "learned 60%",
-                                                           "learned 60% p1", "imported", "seed rule")}
+        results: dict[str, list[dict]] = {v: [] for v in ("cold", "shipped", "learned", "learned 10%", "imported",
+                                                           "seed rule")}
         for i, (domain, turns) in enumerate(plan):
             phase = 1 + domains.index(domain)
             if i == n and (not a.variants or "imported" in a.variants.split(",")):
@@ -188,9 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 "cold": ProfileOptions(cold=True, learn=False),
                 "shipped": ProfileOptions(learn=False, store=str(stores["empty"])),
                 "learned": ProfileOptions(store=str(stores["learned"])),
-                "learned 60%": ProfileOptions(store=str(stores["learned60"]), pin_share=SEED_PIN_SHARE),
-                "learned 60% p1": ProfileOptions(store=str(stores["learned60p1"]), pin_share=SEED_PIN_SHARE,
-                                                 prefill_weight=1.0),
+                "learned 10%": ProfileOptions(store=str(stores["learned10"]), pin_share=0.1, prefill_weight=0.25),
                 "seed rule": (ProfileOptions(file=str(seed_file), learn=False, pin_share=SEED_PIN_SHARE)
                               if seed_mature else ProfileOptions(cold=True, learn=False)),
             }

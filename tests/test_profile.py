@@ -28,8 +28,8 @@ from tqbench.convert import convert
 from tqbench.demo import SHIPPED_SPEC, ensure_demo
 from tqbench.engine import Session
 from tqbench.paths import cache_dir, shipped_profiles
-from tqbench.profile import (DECAY, MATURE, SCHEMA, Profile, ProfileStore, choose, diff, hot_set, identify, merge,
-                             read_profile)
+from tqbench.profile import (DECAY, MATURE, PIN_SHARE, SCHEMA, SHIPPED_PIN_SHARE, Profile, ProfileStore, choose, diff,
+                             hot_set, identify, merge, read_profile)
 from tqbench.recipe import Recipe
 from tqbench.runtime.chat import ReplyDone, Sampling
 from tqbench.runtime.session import ProfileOptions, conversation, open_model, reply, reset, stream_stats
@@ -414,7 +414,7 @@ def test_precedence_file_then_mature_learned_then_shipped_then_none(model, tmp_p
     _export(other, capsys, monkeypatch, other / "tqbench-profile.json")
     line, st = chat("--no-learn")
     assert st["profile"]["source"] == "shipped" and st["profile"]["where"] == str(other / "tqbench-profile.json")
-    pins = int(0.1 * st["slots"])  # the default pin share of the cache's slots
+    pins = int(SHIPPED_PIN_SHARE * st["slots"])  # a shipped profile's default share of the cache's slots
     assert pins > 0 and st["pinned"] == pins and st["preload_bytes"] > 0
     assert line.startswith(f"hot-expert profile: shipped ({other / 'tqbench-profile.json'}); pinned {pins} experts")
 
@@ -426,11 +426,15 @@ def test_precedence_file_then_mature_learned_then_shipped_then_none(model, tmp_p
     assert tqbench(capsys, monkeypatch, "profile", "import", big, "--model", other).code == 0
     line, st = chat("--no-learn")
     assert st["profile"]["source"] == "learned" and st["profile"]["routings"] == round(MATURE * learned)
-    assert line.startswith(f"hot-expert profile: learned ({round(MATURE * learned):,} routings); pinned {pins}")
+    # one's own profile pins a larger share: as many experts as it counted, up to PIN_SHARE of the slots
+    counted = sum(int((c > 0).sum()) for c in _stored(other).counts().values())
+    own = min(int(PIN_SHARE * st["slots"]), counted)
+    assert own > pins and st["pinned"] == own
+    assert line.startswith(f"hot-expert profile: learned ({round(MATURE * learned):,} routings); pinned {own}")
 
     line, st = chat("--no-learn", "--profile", str(other / "tqbench-profile.json"))
     assert st["profile"]["source"] == "file" and line.startswith(
-        f"hot-expert profile: from {other / 'tqbench-profile.json'}; pinned {pins}")
+        f"hot-expert profile: from {other / 'tqbench-profile.json'}; pinned {own}")
 
     line, st = chat("--no-learn", "--cold")  # a mature learned and a shipped profile exist: --cold uses neither
     assert st["profile"]["source"] == "none" and st["pinned"] == 0 and st["preload_bytes"] == 0

@@ -155,7 +155,7 @@ async def test_every_expert_its_own_cell_with_the_learned_counts(demo, tmp_path)
         heat = screen.query_one(HeatMap)
         counts = matrix(p)
         assert heat.bin == 1 and heat.layer_ids == list(p.geometry.layers)
-        assert np.array_equal(heat.cells, counts)  # one cell per expert: its count, decode + 0.25 x prefill
+        assert np.array_equal(heat.cells, counts)  # one cell per expert: its count, decode + prefill
         top = counts.max()
         assert map_rows(app, heat) == [ramp(list(row), top).ljust(heat.region.width - heat.label_width)
                                        for row in counts]

@@ -66,10 +66,10 @@ def chat(
     no_learn: Annotated[bool, typer.Option("--no-learn", help="Do not learn from this session.")] = False,
     cold: Annotated[bool, typer.Option(
         "--cold", help="Start from no profile, whatever was learned or shipped (a baseline to compare with).")] = False,
-    pin_share: Annotated[float, typer.Option(
+    pin_share: Annotated[Optional[float], typer.Option(
         "--pin-share", min=0.0, max=0.9,
         help="Share of the expert cache pinned from the profile (streaming; 0: none, the profile still ranks the "
-             "cache).")] = 0.1,
+             "cache). Default 0.5 for a learned or given profile, 0.1 for a shipped one.")] = None,
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", metavar="FILE",
                                                        help="Write the streaming statistics here at exit.")] = None,
 ) -> None:

@@ -136,7 +136,7 @@ def _chat_line(doc: dict) -> str:
 
 def coverage_table(doc: dict) -> Table:
     keys = list(doc["coverage"])
-    t = Table(title=f"per layer: experts needed to cover {'/'.join(keys)}% of the routings (decode + 0.25 x "
+    t = Table(title=f"per layer: experts needed to cover {'/'.join(keys)}% of the routings (decode + "
                     f"prefill), and the hottest experts with their share", title_justify="left")
     for c in ("layer", "decode", "prefill", "used", *[f"{k}%" for k in keys]):
         t.add_column(c, justify="right")

@@ -2,7 +2,7 @@
 (its top experts, and how many experts cover 50/80/90% of its routings), the overview of a model's profiles, a
 weighted merge of two profiles, and how far two profiles' hot sets overlap per layer.
 
-Counts are weighed as pins are chosen (`Profile.counts()`: decode + 0.25 x prefill), so "hot" here means what a
+Counts are weighed as pins are chosen (`Profile.counts()`: decode + prefill), so "hot" here means what a
 session would pin."""
 
 from __future__ import annotations

@@ -23,6 +23,13 @@ from tqbench.profile.fingerprint import Geometry
 SCHEMA = "tqbench.profile/1"
 DECAY = 0.8  # applied once per session to what earlier sessions stored
 MATURE = 20_000  # routings before a learned profile is trusted over a shipped one
+# A prompt's routings count as much as decode's when ranking: prompts are read from disk too, and weighing them 0.25
+# pinned worse (benchmarks/profile.py: 38.6% against 39.7% hits on the second domain's sessions).
+PREFILL_WEIGHT = 1.0
+# Share of the expert cache's slots pinned from a profile of the user's own work (learned, or a file given), and from
+# one shipped with the model (made from other text). benchmarks/profile.py, the same sessions after a domain switch:
+# cold 31.7%, learned at 0.1 34.8%, at 0.6 38.6%; the shipped profile at 0.1 29.6% (below cold).
+PIN_SHARE, SHIPPED_PIN_SHARE = 0.5, 0.1
 
 
 class ProfileError(TqbenchError):
@@ -43,12 +50,11 @@ class Profile:
         z = {n: np.zeros(geometry.experts) for n in geometry.layers}
         return cls(fingerprint, geometry, z, {n: a.copy() for n, a in z.items()})
 
-    def counts(self, prefill_weight: float = 0.25) -> dict[int, np.ndarray]:
-        """Per layer: decode counts plus a fraction of prefill's (a prompt's experts say less about the next
-        replies' than decode's do)."""
+    def counts(self, prefill_weight: float = PREFILL_WEIGHT) -> dict[int, np.ndarray]:
+        """Per layer: decode counts plus `prefill_weight` x prefill's."""
         return {n: self.decode[n] + prefill_weight * self.prefill[n] for n in self.geometry.layers}
 
-    def ranked(self, prefill_weight: float = 0.25) -> list[tuple[int, int]]:
+    def ranked(self, prefill_weight: float = PREFILL_WEIGHT) -> list[tuple[int, int]]:
         """Every (layer, expert) with a count, hottest first; counts are compared as each layer's share of its own
         routings, so every layer gets its hot experts (a global list would favour the busiest layers)."""
         keys = []
@@ -59,7 +65,7 @@ class Profile:
         keys.sort(key=lambda k: (-k[0], k[1], k[2]))
         return [(n, e) for _, n, e in keys]
 
-    def coverage(self, layer: int, share: float, prefill_weight: float = 0.25) -> int:
+    def coverage(self, layer: int, share: float, prefill_weight: float = PREFILL_WEIGHT) -> int:
         """How many experts of `layer` cover `share` of its routings."""
         c = np.sort(self.counts(prefill_weight)[layer])[::-1]
         total = c.sum()

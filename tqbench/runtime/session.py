@@ -24,18 +24,20 @@ LEARNER = "profile-learner"
 class ProfileOptions:
     file: str | None = None  # --profile FILE
     learn: bool = True  # --no-learn turns it off
-    pin_share: float = 0.1  # of the expert cache's slots, pinned from the profile (streaming only)
+    pin_share: float | None = None  # of the expert cache's slots pinned from the profile (streaming only); None:
+    # tqbench.profile.PIN_SHARE for a learned or given profile, SHIPPED_PIN_SHARE for a shipped one
     force: bool = False  # use a file made for another model of the same geometry
     store: str | None = None  # the learned profiles' directory (default: the user cache)
     mature: int | None = None  # routings before the learned profile is used (default tqbench.profile.MATURE)
     cold: bool = False  # --cold: start from no profile (still learns unless learn is off)
-    prefill_weight: float = 0.25  # how much a prompt's routings count next to decode's when ranking pins
+    prefill_weight: float | None = None  # a prompt's routings next to decode's when ranking pins (None: the default)
 
 
 def _profile(session: Session, loaded: Any, opts: ProfileOptions) -> dict | None:
     """Choose the profile, pin and preload its hottest experts (streaming), start learning. None for a model
     without streamable routed experts (nothing to profile)."""
-    from tqbench.profile import Learner, Profile, ProfileError, ProfileStore, choose, tap
+    from tqbench.profile import (PIN_SHARE, PREFILL_WEIGHT, SHIPPED_PIN_SHARE, Learner, Profile, ProfileError,
+                                 ProfileStore, choose, tap)
     from tqbench.stream.store import ExpertStore, StoreError
 
     experts = loaded.streamer.store if loaded.streamer is not None else None
@@ -55,9 +57,12 @@ def _profile(session: Session, loaded: Any, opts: ProfileOptions) -> dict | None
     pinned, preload_s = 0, 0.0
     if choice.profile is not None and loaded.streamer is not None:  # share 0: no pins, history seeded
         p = choice.profile
-        weights = {(n, int(e)): float(v) for n, c in p.counts(opts.prefill_weight).items()
-                   for e, v in enumerate(c) if v > 0}
-        pinned = loaded.streamer.preload(p.ranked(opts.prefill_weight), opts.pin_share, weights)
+        pw = PREFILL_WEIGHT if opts.prefill_weight is None else opts.prefill_weight
+        share = opts.pin_share
+        if share is None:
+            share = SHIPPED_PIN_SHARE if choice.source == "shipped" else PIN_SHARE
+        weights = {(n, int(e)): float(v) for n, c in p.counts(pw).items() for e, v in enumerate(c) if v > 0}
+        pinned = loaded.streamer.preload(p.ranked(pw), share, weights)
         preload_s = loaded.streamer.stats.preload_s
     if opts.learn and store is not None:
         learner = Learner(store, Profile.empty(choice.fingerprint, choice.geometry))
