@@ -91,6 +91,7 @@ class SettingsScreen(ModalScreen[ChatOptions | None]):
         o = self.opts
         with Vertical(id="settings") as box:
             box.border_title = "streaming settings"
+            box.border_subtitle = "enter applies · esc cancels"  # the Chat screen's footer below is not this dialog's
             with Horizontal(classes="row"):
                 yield Label("expert cache budget")
                 yield Input(o.budget, placeholder="fit, auto, off or a size (8MB)", id="opt-budget", compact=True)

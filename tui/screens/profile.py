@@ -194,12 +194,12 @@ class ProfileScreen(Screen):
             table.add_column(name)
         table.add_column("hottest (share)")
         for x in doc["layers"]:
-            table.add_row(str(x["layer"]), number(x["decode"]), number(x["prefill"]), str(x["experts_used"]),
-                          *[str(x["coverage"][k]) for k in keys],
+            table.add_row(str(x["layer"]), number(x["decode"]), number(x["prefill"]), f"{x['experts_used']:,}",
+                          *[f"{x['coverage'][k]:,}" for k in keys],
                           ", ".join(f"{e} {s:.1%}" for e, s in x["top"][:3]) or "-")
-        table.add_row("all", number(doc["decode"]), number(doc["prefill"]),
-                      str(sum(x["experts_used"] for x in doc["layers"])), *[str(doc["coverage"][k]) for k in keys],
-                      f"of {doc['experts']:,} experts")
+        table.add_row("all", number(doc["decode"]), number(doc["prefill"]),  # counts with separators, as decode's
+                      f"{sum(x['experts_used'] for x in doc['layers']):,}",
+                      *[f"{doc['coverage'][k]:,}" for k in keys], f"of {doc['experts']:,} experts")
 
     @on(HeatMap.Moved)
     def _cell_moved(self) -> None:

@@ -26,6 +26,7 @@ from tui.experts import FADE, GLYPHS, KINDS, SPARK, ExpertMap, bins, fold, heat,
 STALL_W = 7  # "12.3 s", "999 ms"
 DRAW_INTERVAL = 0.1  # seconds between redraws while batches come (every ~50 ms; the last is drawn with force)
 MIN_CELLS = 8  # fewer cell columns than this: the sparkline and stall columns are left out
+ZOOM = Binding.Group("Zoom")
 
 
 def stall_text(seconds: float) -> str:
@@ -47,8 +48,8 @@ class ExpertMapView(ScrollView, can_focus=True):
         Binding("up", "cursor(-1)", "Layer", show=False),
         Binding("down", "cursor(1)", "Layer", show=False),
         Binding("enter", "open", "Open"),
-        Binding("plus,equals_sign", "zoom(-1)", "Zoom", key_display="+"),
-        Binding("minus", "zoom(1)", "Zoom", key_display="-"),
+        Binding("plus,equals_sign", "zoom(-1)", "Zoom", key_display="+", group=ZOOM),  # one footer entry: "+ - Zoom"
+        Binding("minus", "zoom(1)", "Zoom", key_display="-", group=ZOOM),
         Binding("left", "scroll_bins(-1)", "Scroll", show=False),
         Binding("right", "scroll_bins(1)", "Scroll", show=False),
     ]
