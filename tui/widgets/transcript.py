@@ -38,11 +38,16 @@ def reply_content(parts: Parts, ending: str | None = None, streaming: bool = Fal
     return body
 
 
+def speaker(who: str) -> Content:
+    """The label a turn starts with, so turns read apart without colour too."""
+    return Content.styled(f"{who} › ", "$text-muted")
+
+
 class UserTurn(Static):
     """What the user sent."""
 
     def __init__(self, text: str) -> None:
-        super().__init__(Content(text), classes="user-turn", markup=False)
+        super().__init__(speaker("you") + Content(text), classes="user-turn", markup=False)
         self.text = text
         self.border_title = "you"
 
@@ -51,18 +56,18 @@ class ReplyTurn(Static):
     """The model's reply, updated as it streams."""
 
     def __init__(self, who: str) -> None:
-        super().__init__(reply_content((), streaming=True), classes="reply-turn", markup=False)
+        super().__init__(speaker(who) + reply_content((), streaming=True), classes="reply-turn", markup=False)
         self.border_title = who
         self.parts: Parts = ()
         self.ending: str | None = None  # ReplyDone.finish_reason once it ended
 
     def stream(self, parts: Parts) -> None:
         self.parts = parts
-        self.update(reply_content(parts, streaming=True))
+        self.update(speaker(self.border_title) + reply_content(parts, streaming=True))
 
     def end(self, parts: Parts, ending: str) -> None:
         self.parts, self.ending = parts, ending
-        self.update(reply_content(parts, ending))
+        self.update(speaker(self.border_title) + reply_content(parts, ending))
         self.remove_class("streaming")
 
     @property
