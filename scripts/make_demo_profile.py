@@ -10,7 +10,9 @@ What it does, all through the engine a `tqbench chat` session uses:
 2. opens it with learning on (`tqbench.runtime.session.open_model`, a temporary profile store) and, for every
    held-out file of the demo corpus (`tqbench.demo.is_heldout`: text the model never trained on), sends the file's
    first lines as a plain-text prompt (no chat template) and decodes up to --tokens greedy tokens, starting a new
-   conversation for each file;
+   conversation for each file; then, in a second session with the chat template, asks --questions "What does NAME
+   do?" about held-out functions and methods, one conversation each (the demo is a chat model too: a profile of code
+   prompts alone cost chat sessions hits);
 3. writes the learned profile (tqbench's schema, keyed by the conversion's fingerprint) with `made_by` recording
    this command and the text.
 
@@ -47,12 +49,30 @@ def prompts(max_chars: int, max_lines: int) -> list[tuple[str, str]]:
     return out
 
 
+def questions(n: int) -> list[str]:
+    """`n` seeded chat questions about documented functions and methods of the held-out files."""
+    import numpy as np
+
+    from tqbench.demo import corpus_files, is_heldout, stdlib_root
+    from tqbench.demo.conversations import mine_stdlib, question
+
+    if n <= 0:
+        return []
+    root = stdlib_root()
+    items = [i for i in mine_stdlib(root, [f for f in corpus_files(root) if is_heldout(f)])
+             if i.kind in ("function", "method")]
+    pick = np.random.default_rng(0).choice(len(items), min(n, len(items)), replace=False)
+    return [question(items[i], "What does {name} do?") for i in sorted(pick)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="tq4", help="Conversion recipe (default tq4, tqbench chat's demo default).")
     ap.add_argument("--tokens", type=int, default=64, help="Greedy tokens decoded per held-out file.")
     ap.add_argument("--lines", type=int, default=40, help="Prompt: a file's first lines ...")
     ap.add_argument("--chars", type=int, default=1500, help="... cut at this many characters.")
+    ap.add_argument("--questions", type=int, default=96,
+                    help="Then this many chat questions about held-out functions (0: code prompts only).")
     ap.add_argument("--out", type=Path, default=None, help="Output file (default profiles/demo-<recipe>.json).")
     args = ap.parse_args()
     out = args.out or ROOT / "profiles" / f"demo-{args.recipe}.json"
@@ -86,6 +106,18 @@ def main() -> None:
                     done = job.result()[-1]
                 print(f"[{i + 1}/{len(texts)}] {rel}: {done.prompt_tokens} prompt tokens, {done.generated_tokens} "
                       f"generated", file=sys.stderr)
+            # the demo is a chat model too: a second session (the store decays the first one's counts once, by
+            # DECAY) asks about held-out functions in its chat template, one question per conversation
+            asked = questions(args.questions)
+            if asked:
+                with session.submit(lambda s: open_model(s, str(model), chat_template=True, profile=opts)) as job:
+                    job.result()
+                for i, q in enumerate(asked):
+                    session.call(reset)
+                    with session.submit(lambda s: reply(s, q, sampling)) as job:
+                        job.result()
+                    if (i + 1) % 16 == 0:
+                        print(f"[{i + 1}/{len(asked)}] questions", file=sys.stderr)
         finally:
             session.close()  # the learner's last save
         store = ProfileStore(store_dir)
@@ -94,16 +126,18 @@ def main() -> None:
     doc = p.to_dict()
     doc["made_by"] = {
         "command": f"python scripts/make_demo_profile.py --recipe {args.recipe} --tokens {args.tokens} "
-                   f"--lines {args.lines} --chars {args.chars}",
+                   f"--lines {args.lines} --chars {args.chars} --questions {args.questions}",
         "model": f"{demo_path().name} converted with {args.recipe}",
         "text": f"the first {args.lines} lines (at most {args.chars} characters) of the {len(texts)} held-out files "
                 f"of the demo corpus (Python {platform.python_version()}'s standard library), as plain-text "
-                f"prompts; {args.tokens} greedy tokens each",
+                f"prompts; then, in a second session, {len(asked)} chat questions 'What does NAME do?' about "
+                f"held-out functions and methods; {args.tokens} greedy tokens each",
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, dumps(doc).encode())
     shown = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
-    print(f"wrote {shown}: fingerprint {fp}, {p.routings:,.0f} routings over {len(texts)} prompts "
+    print(f"wrote {shown}: fingerprint {fp}, {p.routings:,.0f} routings over {len(texts)} code prompts and "
+          f"{len(asked)} questions "
           f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
 
