@@ -336,11 +336,9 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_output(demo_src, tmp_path):
     dst = tmp_path / "out"
     cmd = [sys.executable, "-m", "tqbench", "convert", "--hf-path", str(demo_src), "--mlx-path", str(dst),
            "--recipe", "tq3a-tqTe-down4-g64", "--shard-size", str(SHARD), "--json"]
-    # units slowed down so the rest of the conversion outlasts a loaded machine's delay in sending the signal
-    env = {**os.environ, "TQBENCH_TEST_UNIT_DELAY": "0.05"}
     # the child takes SIGINT as a terminal's Ctrl-C would, even when this test runs in a background job (which
     # starts with SIGINT ignored, and ignored signals are inherited)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:
         if json.loads(line)["event"] == "ShardWritten":

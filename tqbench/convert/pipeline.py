@@ -379,10 +379,7 @@ def _combined_errors(journal: Journal, files: list[str]) -> dict[str, list[float
 
 
 def _test_kill(stage: str) -> None:
-    """Test hooks: TQBENCH_TEST_KILL=unit:N (or final:N) SIGKILLs this process at the N-th such point;
-    TQBENCH_TEST_UNIT_DELAY=S sleeps S seconds after each unit (a test's signal then lands mid-conversion)."""
-    if stage == "unit" and os.environ.get("TQBENCH_TEST_UNIT_DELAY"):
-        time.sleep(float(os.environ["TQBENCH_TEST_UNIT_DELAY"]))
+    """Test hook: TQBENCH_TEST_KILL=unit:N (or final:N) SIGKILLs this process at the N-th such point."""
     spec = os.environ.get("TQBENCH_TEST_KILL")
     if not spec or not spec.startswith(stage + ":"):
         return
