@@ -439,6 +439,9 @@ def test_precedence_file_then_mature_learned_then_shipped_then_none(model, tmp_p
     line, st = chat("--no-learn", "--cold")  # a mature learned and a shipped profile exist: --cold uses neither
     assert st["profile"]["source"] == "none" and st["pinned"] == 0 and st["preload_bytes"] == 0
     assert line == "hot-expert profile: none (--cold); not learning (--no-learn)"
+    r = tqbench(capsys, monkeypatch, "chat", "--model", other, "--prompt", "x", "--cold", "--profile",
+                other / "tqbench-profile.json")
+    assert r.code == 2 and r.err == "tqbench: error: --cold starts from no profile: leave out --profile\n"
 
 
 SHIPPED = shipped_profiles() / "demo-tq4.json"

@@ -80,7 +80,8 @@ def chat(
     generation_config.json.
     """
     if cold and profile:
-        raise typer.BadParameter("--cold starts from no profile: leave out --profile", param_hint="--cold")
+        print("tqbench: error: --cold starts from no profile: leave out --profile", file=sys.stderr)
+        raise typer.Exit(ExitCode.USAGE)
     from tqbench.runtime.session import open_model
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)  # piped lines never wrap
