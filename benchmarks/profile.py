@@ -36,11 +36,11 @@ import os
 import platform
 import sys
 
-_OPENBLAS = f"/usr/lib/{platform.machine()}-linux-gnu/openblas-pthread/libopenblas.so.0"
-if (__name__ == "__main__" and sys.platform.startswith("linux") and "LD_PRELOAD" not in os.environ
-        and os.path.exists(_OPENBLAS) and "--no-openblas" not in sys.argv):
-    os.environ["LD_PRELOAD"] = _OPENBLAS
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
+from measure import with_openblas  # noqa: E402
+
+if __name__ == "__main__":
+    with_openblas()
 
 import argparse  # noqa: E402
 import json  # noqa: E402

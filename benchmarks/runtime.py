@@ -37,11 +37,11 @@ import os
 import platform
 import sys
 
-_OPENBLAS = f"/usr/lib/{platform.machine()}-linux-gnu/openblas-pthread/libopenblas.so.0"
-if (__name__ == "__main__" and sys.platform.startswith("linux") and "LD_PRELOAD" not in os.environ
-        and os.path.exists(_OPENBLAS) and "--no-openblas" not in sys.argv):
-    os.environ["LD_PRELOAD"] = _OPENBLAS
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
+from measure import with_openblas  # noqa: E402
+
+if __name__ == "__main__":
+    with_openblas()
 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
@@ -55,7 +55,6 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers next to this script
 from measure import current_rss_bytes, openblas_mapped, peak_rss_bytes  # noqa: E402
 
 SCHEMA = "tqbench.bench.runtime/1"

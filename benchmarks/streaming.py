@@ -56,11 +56,11 @@ import os
 import platform
 import sys
 
-_OPENBLAS = f"/usr/lib/{platform.machine()}-linux-gnu/openblas-pthread/libopenblas.so.0"
-if (__name__ == "__main__" and sys.platform.startswith("linux") and "LD_PRELOAD" not in os.environ
-        and os.path.exists(_OPENBLAS) and "--no-openblas" not in sys.argv):
-    os.environ["LD_PRELOAD"] = _OPENBLAS
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
+from measure import with_openblas  # noqa: E402
+
+if __name__ == "__main__":
+    with_openblas()
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
@@ -78,7 +78,6 @@ from collections import deque  # noqa: E402
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers next to this script
 from measure import drop_cache, peak_rss_bytes, resident_fraction  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -485,7 +484,8 @@ def child_trace(a: dict) -> None:
 
 def _stats(streamer) -> dict:
     s = streamer.stats
-    return dict(hits=s.hits, hits_cache=s.hits_cache, hits_prefetched=s.hits_prefetched, misses=s.misses,
+    return dict(hits=s.hits, hits_pinned=s.hits_pinned, hits_cache=s.hits_cache, hits_prefetched=s.hits_prefetched,
+                misses=s.misses,
                 reads=s.reads, critical_bytes=s.critical_bytes, speculative_bytes=s.speculative_bytes,
                 stall_s=s.stall_s, tokens=s.tokens, evictions=s.evictions, lookahead_reads=s.lookahead_reads,
                 lookahead_used=s.lookahead_used, cache_bytes_max=s.cache_bytes_max)
