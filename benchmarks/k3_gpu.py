@@ -237,6 +237,7 @@ def child_decode(a: dict) -> None:
                      cache_bytes_max=st.stats.cache_bytes_max, page_cache=st.stats.page_cache,
                      per_layer={str(k): v for k, v in sorted(per_layer.items())},
                      hit_rate_all=st.stats.hit_rate(),  # the whole run: prefill, warm-up and measured tokens
+                     gpu_prefetch=dict(active=st.prefetch.active, calls=st.prefetch.calls, error=st.prefetch.error),
                      trace=[[e.token, e.layer, list(e.experts)] for e in st.events])
             st.close()
         out.append(r)
@@ -347,7 +348,8 @@ def summarize(run: dict, resident_token_s: float | None, layers: int) -> dict:
                    read_s_per_miss=d["stall_s"] / d["misses"] if d["misses"] else None,
                    disk_gbps_on_misses=d["critical_bytes"] / d["stall_s"] / 1e9 if d["stall_s"] else None,
                    pinned=run.get("pinned"), preload_s=run.get("preload_s"), preload_bytes=run.get("preload_bytes"),
-                   slots=run["slots"], budget_bytes=run["budget_bytes"], cache_bytes_max=run["cache_bytes_max"])
+                   slots=run["slots"], budget_bytes=run["budget_bytes"], cache_bytes_max=run["cache_bytes_max"],
+                   gpu_prefetch=run.get("gpu_prefetch"))
         if resident_token_s is not None:  # the token's time: compute (as resident), waiting on reads, the rest
             t = row["token_s_median"]
             row["split_per_token_s"] = dict(compute=resident_token_s, waiting_on_reads=stall,

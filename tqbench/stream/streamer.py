@@ -3,7 +3,7 @@
 Each MoE layer's SwitchGLU keeps its own code: its projections' per-expert arrays (weight, scales, biases) are
 replaced by slot pools shared by every layer of the same shapes, and the layer is called with slot numbers instead of
 expert numbers. So a streamed layer computes exactly what the resident one does, expert for expert. Page-ins write
-in place into a pool slot (`pool[slot] = expert`); nothing is stacked or copied per token.
+straight into a pool slot's memory (hostwrite.py); nothing is stacked or copied per token.
 
 The budget covers the pools and the staging buffers reads land in (one per worker): nothing is held outside it.
 When a layer needs more distinct experts than the pool has slots (a small budget, a long prefill), it runs in
@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from tqbench.stream.cache import SlotCache
+from tqbench.stream.hostwrite import GpuPrefetch, host_view
 from tqbench.stream.stats import LayerTotals, PageIn, StreamStats
 from tqbench.stream.store import ExpertStore, LayerLayout, StoreError, aligned_buffer, part_array
 
@@ -43,12 +44,15 @@ class StreamConfig:
 class Pool:
     """Slot arrays for layers of one signature, and which (layer, expert) each slot holds."""
 
-    def __init__(self, layout: LayerLayout, slots: int, policy: str):
+    def __init__(self, layout: LayerLayout, slots: int, policy: str, prefetch: GpuPrefetch):
         self.parts = layout.parts
         self.nbytes = layout.nbytes
         self.arrays = {(p.projection, p.param): mx.zeros((slots, *p.shape), dtype=MLX_DTYPES[p.dtype])
                        for p in layout.parts}
         mx.eval(list(self.arrays.values()))
+        # the arrays' own memory: page-ins copy into it (the arrays are never replaced, so the views stay valid)
+        self.views = {k: host_view(a) for k, a in self.arrays.items()}
+        self.prefetch = prefetch
         self.cache = SlotCache(slots, policy)
 
     @property
@@ -56,11 +60,12 @@ class Pool:
         return self.cache.capacity
 
     def write(self, slot: int, buf: np.ndarray) -> None:
+        """Copy one expert from a staging buffer into `slot` of every part's array. The caller guarantees that no
+        pending computation reads the pool (see hostwrite)."""
         for p in self.parts:
-            a = mx.array(part_array(buf, p))  # copies out of the staging buffer (mx.array copies numpy data)
-            if p.dtype == "BF16":
-                a = a.view(mx.bfloat16)
-            self.arrays[(p.projection, p.param)][slot] = a
+            dst = self.views[(p.projection, p.param)][slot]
+            np.copyto(dst, part_array(buf, p), casting="no")
+            self.prefetch.to_gpu(dst)
 
 
 class Streamer:
@@ -88,6 +93,7 @@ class Streamer:
         total = sum(len(g) * g[0].nbytes * g[0].experts for g in groups.values())
         room = config.budget_bytes - staging
         self.pools: list[Pool] = []
+        self.prefetch = GpuPrefetch()  # CUDA: slot writes migrate to the GPU in bulk
         self.pool_of: dict[int, Pool] = {}
         for group in groups.values():
             group.sort(key=lambda lay: lay.layer)
@@ -108,7 +114,7 @@ class Streamer:
             alloc = [1 + (slots - n) * (bounds[i + 1] - bounds[i]) // len(group) for i in range(n)]
             alloc[-1] += slots - sum(alloc)
             for i in range(n):
-                pool = Pool(per, max(1, min(alloc[i], cap)), config.policy)
+                pool = Pool(per, max(1, min(alloc[i], cap)), config.policy, self.prefetch)
                 self.pools.append(pool)
                 for lay in group[bounds[i]:bounds[i + 1]]:
                     self.pool_of[lay.layer] = pool
@@ -318,7 +324,6 @@ class Streamer:
                     slots[e] = slot
                     total += n
                     free.append(buf)
-        mx.eval(list(pool.arrays.values()))
         return total
 
     def _submit(self, layer: int, expert: int, buf: np.ndarray) -> list[Future]:
