@@ -294,7 +294,8 @@ def shard_metadata(recipe: Recipe) -> dict[str, str]:
 
 def _open_writer(path: Path, specs: Iterable[TensorSpec], recipe: Recipe, head: int) -> ShardWriter:
     try:
-        return ShardWriter(path, specs, shard_metadata(recipe), head)
+        # hashing and writing run on the writer's thread while MLX produces the next tensors
+        return ShardWriter(path, specs, shard_metadata(recipe), head, background=True)
     except OSError as e:
         _raise_if_no_room(e, path.parent, path.name)
         raise

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from tqbench.managed import default_prefetch
 from tqbench.quant import turboquant as tq
 from tqbench.layout.units import Piece, Unit
 from tqbench.recipe.plan import ModulePlan
@@ -31,10 +32,13 @@ class Produced:
 
 
 def to_numpy(a: mx.array) -> np.ndarray:
-    """An evaluated MLX array as numpy, bf16 as its uint16 bit pattern."""
+    """An evaluated MLX array as numpy (a view of its memory), bf16 as its uint16 bit pattern. On CUDA its pages start
+    moving to the host now, in bulk, ahead of the writer reading them."""
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    return np.array(a, copy=False)
+    v = np.array(a, copy=False)
+    default_prefetch().to_host(v)
+    return v
 
 
 class Producer:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import struct
+import threading
 from array import array
+from collections import deque
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -57,8 +60,9 @@ class ShardWriter:
     tensor's size and a running checksum of the names, and checks every write against them."""
 
     def __init__(self, path: Path, specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None,
-                 header_length: int | None = None):
+                 header_length: int | None = None, background: bool = False):
         self.path = Path(path)
+        self._worker: _Worker | None = None
         self.tmp = self.path.with_name(self.path.name + ".partial")
         self._sizes = array("Q")
         self._names = hashlib.sha256()  # the header's names in order
@@ -84,10 +88,15 @@ class ShardWriter:
         if self.nbytes != header_length:
             self.abort()
             raise ValueError(f"{self.path}: the header takes {self.nbytes} bytes, {header_length} were planned")
+        if background:
+            self._worker = _Worker(self._file, self._hash)
 
     def _put(self, buf: bytes | memoryview) -> None:
-        self._file.write(buf)
-        self._hash.update(buf)
+        if self._worker is not None:
+            self._worker.put(buf)
+        else:
+            self._file.write(buf)
+            self._hash.update(buf)
         self.nbytes += len(buf) if isinstance(buf, bytes) else buf.nbytes
 
     @property
@@ -113,6 +122,9 @@ class ShardWriter:
         if self._written.digest() != self._names.digest():
             raise ValueError(f"{self.path}: tensors were written under other names or in another order than the "
                              "header's")
+        if self._worker is not None:
+            self._worker, worker = None, self._worker
+            worker.finish()  # re-raises the writing thread's error
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
@@ -120,6 +132,12 @@ class ShardWriter:
         return self.path
 
     def abort(self) -> None:
+        if self._worker is not None:
+            self._worker, worker = None, self._worker
+            try:
+                worker.finish()
+            except Exception:  # noqa: BLE001 - the shard is dropped anyway; the caller's error is the one to report
+                pass
         self._file.close()
         self.tmp.unlink(missing_ok=True)
 
@@ -131,6 +149,62 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+class _Worker:
+    """One thread that hashes and writes a shard's tensors in order while the caller produces the next ones; it
+    flushes written data to disk every FLUSH_EVERY bytes, so the final fsync has little left to do. The caller keeps
+    every buffer alive until the thread is done with it and drops it on its own thread (a buffer may be a view of an
+    MLX array's memory, which the MLX thread alone should free). At most MAX_QUEUED buffers wait."""
+
+    MAX_QUEUED = 8
+    FLUSH_EVERY = 256 << 20
+
+    def __init__(self, file, digest):
+        self.file, self.digest = file, digest
+        self.queue: queue.Queue = queue.Queue(self.MAX_QUEUED)
+        self.held: deque = deque()  # buffers given to the thread, oldest first, until it reports them done
+        self.done = 0  # buffers the thread has written (only it increments)
+        self.released = 0  # buffers dropped from `held` (only the caller increments)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="tqbench-shard-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, buf) -> None:
+        if self.error is not None:
+            raise self.error
+        self.held.append(buf)
+        self.queue.put(buf)  # blocks while MAX_QUEUED wait
+        while self.released < self.done:  # the thread is done with the oldest ones: drop them here
+            self.held.popleft()
+            self.released += 1
+
+    def _run(self) -> None:
+        unflushed = 0
+        while True:
+            buf = self.queue.get()
+            if buf is None:
+                return
+            try:
+                if self.error is None:
+                    self.file.write(buf)
+                    self.digest.update(buf)
+                    unflushed += len(buf) if isinstance(buf, bytes) else buf.nbytes
+                    if unflushed >= self.FLUSH_EVERY:
+                        self.file.flush()
+                        getattr(os, "fdatasync", os.fsync)(self.file.fileno())
+                        unflushed = 0
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                self.error = e
+            del buf
+            self.done += 1
+
+    def finish(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        self.held.clear()
+        if self.error is not None:
+            raise self.error
 
 
 def save_shard(path: Path, tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str] | None = None) -> Path:

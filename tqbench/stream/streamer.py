@@ -3,7 +3,7 @@
 Each MoE layer's SwitchGLU keeps its own code: its projections' per-expert arrays (weight, scales, biases) are
 replaced by slot pools shared by every layer of the same shapes, and the layer is called with slot numbers instead of
 expert numbers. So a streamed layer computes exactly what the resident one does, expert for expert. Page-ins write
-straight into a pool slot's memory (hostwrite.py); nothing is stacked or copied per token.
+straight into a pool slot's memory (tqbench/managed.py); nothing is stacked or copied per token.
 
 The budget covers the pools and the staging buffers reads land in (one per worker): nothing is held outside it.
 When a layer needs more distinct experts than the pool has slots (a small budget, a long prefill), it runs in
@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from tqbench.stream.cache import SlotCache
-from tqbench.stream.hostwrite import GpuPrefetch, host_view
+from tqbench.managed import GpuPrefetch, host_view
 from tqbench.stream.stats import LayerTotals, PageIn, StreamStats
 from tqbench.stream.store import ExpertStore, LayerLayout, StoreError, aligned_buffer, part_array
 
@@ -61,7 +61,7 @@ class Pool:
 
     def write(self, slot: int, buf: np.ndarray) -> None:
         """Copy one expert from a staging buffer into `slot` of every part's array. The caller guarantees that no
-        pending computation reads the pool (see hostwrite)."""
+        pending computation reads the pool (see tqbench.managed)."""
         for p in self.parts:
             dst = self.views[(p.projection, p.param)][slot]
             np.copyto(dst, part_array(buf, p), casting="no")

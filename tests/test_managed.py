@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tqbench.stream.hostwrite import GpuPrefetch, host_view
+from tqbench.managed import GpuPrefetch, host_view
 
 
 @pytest.mark.parametrize("dtype, np_dtype", [(mx.uint32, np.uint32), (mx.uint8, np.uint8),
