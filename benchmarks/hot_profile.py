@@ -2,8 +2,8 @@
 """Hot-expert profiles at a fixed cache budget (issue 12): cold, shipped, learned, exported-and-imported, and the
 seed system's rule, on sessions about one kind of text and then another.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python benchmarks/profile.py
-    python benchmarks/profile.py --quick            # a smoke run
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python benchmarks/hot_profile.py
+    python benchmarks/hot_profile.py --quick            # a smoke run
 
 (On Linux the script re-executes itself with that LD_PRELOAD when the library exists and LD_PRELOAD is unset.)
 
