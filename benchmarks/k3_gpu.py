@@ -420,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a CPU smoke run at tiny shapes")
     for k, v in DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), type=type(v), help=f"default {v} (--quick: {QUICK[k]})")
-    p.add_argument("--parts", default="convert,stream,resident", help="any of convert, stream, resident")
+    p.add_argument("--parts", default="convert,stream,resident",
+                   help="any of convert, build (the streaming model only), stream, resident")
+    p.add_argument("--runs", default="A,B,W,8,L", help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead")
     p.add_argument("--work", type=Path, help="work directory on the disk to measure (kept)")
     p.add_argument("--out", type=Path, default=Path("bench-results/k3_gpu.json"))
     p.add_argument("--timeout", type=float, default=900)
@@ -459,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"convert: {c['source_bytes'] / 1e6:.0f} MB of source at {c['source_mb_per_s']:.1f} MB/s, "
             f"{c['vs_raw']:.1f}x raw read+write; first run +{c['first_run_extra_s']:.1f} s")
         save()
-    if not parts & {"stream", "resident"}:
+    if not parts & {"build", "stream", "resident"}:
         return 0
     model = doc["model"] = build_model(work, spec_kw, cfg, a.timeout)
     log(f"model: {model['moe_layers']} MoE layers x {model['experts_per_layer']} experts x "
@@ -504,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                      pin_share=cfg["pin_share"]),
                 dict(label=f"B cold, top-{half}", prompt="B", stream=stream, top_k=half),
                 dict(label="B cold, look-ahead", prompt="B", stream=dict(stream, lookahead=True))]
+        chosen = set(a.runs.split(","))
+        runs = [r for r, key in zip(runs, "ABW8L") if key in chosen]
         drop_cache(files)
         res = run_child("decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
                                        tokens=cfg["tokens"], runs=runs), a.timeout)

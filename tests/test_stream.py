@@ -5,6 +5,7 @@ clear error."""
 from __future__ import annotations
 
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -218,10 +219,26 @@ def test_a_model_that_changes_under_the_session_gives_one_clear_error(models, ex
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
     with pytest.raises(StoreError, match=r"model-00001-of-00001.safetensors: expert \d+ of layer \d+: read \d+ of "
-                                         rf"{expert} bytes .* it changed under the session"):
+                                         rf"{expert} bytes .* it changed under the session") as err:
         for _ in range(40):  # until a page-in reaches past the cut
             mx.eval(loaded.model(mx.array([PROMPT[:3]])))
+    # the expert whose read failed is not left resident with whatever its slot held, and no slot is lost
+    e, layer = map(int, re.search(r"expert (\d+) of layer (\d+)", str(err.value)).groups())
+    st = loaded.streamer
+    assert (layer, e) not in st.pool_of[layer].cache
+    assert sum(len(p.cache.free) + len(p.cache) for p in st.pools) == st.stats.slots
     loaded.streamer.close()
+
+
+def test_a_dropped_placement_frees_its_slot_and_history():
+    c = SlotCache(2, "lru")
+    c.place("a", 1, set())
+    s, _ = c.place("b", 2, set())
+    c.drop("b")
+    assert "b" not in c and s in c.free and len(c) == 1
+    assert c.place("c", 3, set()) == (s, None)  # the freed slot, nothing evicted
+    c.drop("zzz")  # unknown: nothing happens
+    assert len(c) == 2
 
 
 def test_max_active_experts_routes_to_k_and_native_is_unchanged(models, resident):

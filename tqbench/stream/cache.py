@@ -166,6 +166,13 @@ class SlotCache:
             self.policy.touch(key, now)
         return slot, evicted
 
+    def drop(self, key: Hashable) -> None:
+        """Forget a resident key and free its slot (a placement whose data never arrived)."""
+        slot = self.slots.pop(key, None)
+        if slot is not None:
+            self.policy.remove(key)
+            self.free.append(slot)
+
     def pin(self, keys: Iterable[Hashable]) -> None:
         self.pinned.update(keys)
 

@@ -59,6 +59,11 @@ class Pool:
     def slots(self) -> int:
         return self.cache.capacity
 
+    def to_host(self, slot: int) -> None:
+        """Start moving a slot's pages to host memory ahead of a write into it (CUDA; a no-op elsewhere)."""
+        for v in self.views.values():
+            self.prefetch.to_host(v[slot])
+
     def write(self, slot: int, buf: np.ndarray) -> None:
         """Copy one expert from a staging buffer into `slot` of every part's array. The caller guarantees that no
         pending computation reads the pool (see tqbench.managed)."""
@@ -287,10 +292,28 @@ class Streamer:
         return y
 
     def _page_in(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int], locked: set) -> int:
-        """Read `missing` experts (in parallel, into the staging buffers) and write each into a slot as it arrives.
-        Fills `slots`; returns the bytes read."""
+        """Read `missing` experts (in parallel, into the staging buffers) and write each into its slot as it arrives.
+        The slots are chosen first, in expert order (so evictions do not depend on which read finishes first), and on
+        CUDA their pages start moving to the host while the reads run, so the copies land in host memory. Fills
+        `slots`; returns the bytes read."""
         if not missing:
             return 0
+        placed = []
+        for e in sorted(missing):
+            slot, _ = pool.cache.place((layer, e), self._tick, locked, cold=self._prefill)
+            locked.add((layer, e))
+            placed.append(e)
+            slots[e] = slot
+            pool.to_host(slot)
+        try:
+            return self._read_into(layer, pool, missing, slots)
+        except BaseException:
+            for e in placed:  # their data never arrived (or only partly): not resident
+                pool.cache.drop((layer, e))
+                slots.pop(e, None)
+            raise
+
+    def _read_into(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int]) -> int:
         pending = deque(sorted(missing))
         free = list(self._buffers)
         # Stacked layouts (several ranges per expert, buffered reads): adjacent experts are read as runs, one scatter
@@ -318,10 +341,7 @@ class Streamer:
                 bufs, fs = inflight.pop(run)
                 self.stats.reads += sum(f.result() for f in fs)  # re-raises a StoreError from the worker
                 for e, buf in zip(run, bufs):
-                    slot, _ = pool.cache.place((layer, e), self._tick, locked, cold=self._prefill)
-                    locked.add((layer, e))
-                    pool.write(slot, buf[self.store.shift(layer, e):])
-                    slots[e] = slot
+                    pool.write(slots[e], buf[self.store.shift(layer, e):])
                     total += n
                     free.append(buf)
         return total
