@@ -1,0 +1,47 @@
+"""benchmarks/k3_gpu.py --quick runs every part end to end on the CPU at tiny shapes and writes figures that agree
+with each other (the GPU run uses the same code at K3's shapes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # converts two tiny K3-shaped models and decodes them in five processes (~10 s)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_run_writes_consistent_figures(tmp_path):
+    out = tmp_path / "k3.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "k3_gpu.py"), "--quick", "--work",
+                        str(tmp_path / "work"), "--out", str(out), "--runs", "A,B,W"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    rows = {r["label"]: r for r in d["stream"]["rows"]}
+    assert list(rows) == ["A cold (learns the profile)", "B cold", "B warm from A's profile"]
+    cold, warm = rows["B cold"], rows["B warm from A's profile"]
+    # disk on misses: the cold run's bytes over its wait, and that over the best raw bandwidth
+    assert cold["disk_gbps_on_misses"] == pytest.approx(cold["bytes_per_token"] / cold["stall_s_per_token"] / 1e9)
+    assert d["disk_on_misses_vs_raw"] == pytest.approx(cold["disk_gbps_on_misses"] / d["raw"]["best_gbps"])
+    # a token's split adds up to its mean time: compute (the resident token) + waiting + the rest
+    split = cold["split_per_token_s"]
+    assert split["compute"] == d["resident"]["token_s_median"]
+    if split["overhead"] > 0:
+        assert sum(split.values()) == pytest.approx(1 / cold["decode_tps"])
+    # the warm run pinned experts and served hits from them; the cold ones pinned nothing
+    assert warm["pinned"] > 0 and warm["hits_pinned"] > 0 and cold["hits_pinned"] == 0
+    # no CUDA here: the streamer's GPU prefetch stayed off
+    assert cold["gpu_prefetch"] == {"active": False, "calls": 0, "error": None}
+    # the resident model ran in two fresh processes, giving the same greedy tokens as the streamed B runs
+    assert len(d["startup"]["processes"]) == 2
+    assert cold["same_tokens_as_resident"] is True and warm["same_tokens_as_resident"] is True
+    # conversion: source bytes over the second run's seconds
+    c = d["convert"]
+    assert c["source_mb_per_s"] == pytest.approx(c["source_bytes"] / 1e6 / c["runs"][1]["seconds"], rel=0.05)
