@@ -129,6 +129,9 @@ def test_streaming_flags_write_stats_json(model, tmp_path, capsys, monkeypatch):
             "tokens", "layers"} <= set(doc)
     assert doc["budget_bytes"] == 200_000 and doc["cache_bytes_max"] + doc["staging_bytes"] <= 200_000
     assert doc["tokens"] >= 16 and doc["misses"] > 0 and doc["reads"] >= doc["misses"]
+    # the bandwidth the page-ins got, and this disk's (measured from the model's own shards: nothing cached yet)
+    assert doc["disk_bytes_per_s_on_misses"] == doc["critical_bytes"] / doc["stall_s"]
+    assert doc["disk_bytes_per_s"] > 0 and doc["disk_source"].startswith("measured")
     bad = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--cache-budget-gb", "lots")
     assert bad.code == 1 and bad.err.splitlines()[-1] == "tqbench: error: --cache-budget-gb 'lots': give a number of GB or auto"
     many = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--max-tokens", "2",

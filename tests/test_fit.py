@@ -160,3 +160,20 @@ def test_disk_speed_is_measured_once_per_disk(tmp_path, monkeypatch) -> None:
     # Not a writable directory (yet): the temp directory's disk is the one measured.
     assert measurement_directory(tmp_path / "missing") == Path(tempfile.gettempdir())
     assert measurement_directory(ckpt) == ckpt
+
+
+def test_file_read_speed_reads_whole_blocks_of_existing_files_and_writes_nothing(tmp_path):
+    from tqbench.recipe.fit import file_read_speed
+
+    block = 1 << 20
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    a.write_bytes(os.urandom(3 * block + 100))  # 3 whole blocks
+    b.write_bytes(os.urandom(block // 2))  # no whole block: skipped
+    before = sorted(p.name for p in tmp_path.iterdir())
+    s = file_read_speed([b, a], limit=8 * block, block=block)
+    assert s.size == 3 * block and s.bytes_per_s > 0 and s.directory == str(tmp_path)
+    assert s.method in ("O_DIRECT", "F_NOCACHE", "fadvise DONTNEED", "page cache (may be inflated)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert file_read_speed([a], limit=2 * block, block=block).size == 2 * block  # the limit holds
+    with pytest.raises(OSError):
+        file_read_speed([b], block=block)

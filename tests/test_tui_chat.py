@@ -416,7 +416,9 @@ async def test_the_expert_view_shows_what_the_engine_paged_in(model_dir, monkeyp
         assert m.token == events[-1].token and m.cache_bytes == stats["cache_bytes"]
         assert screen.stream["hit_rate"] == stats["hit_rate"]
         shown = screen_text(pilot)
-        assert f"hits {stats['hit_rate']:.1%}" in shown and "read per token" in shown and "of 1.00 MB" in shown
+        assert f"hits {stats['hit_rate']:.1%}" in shown and "read per token" in shown and "of 1.00 MB" in shown, shown
+        disk = screen.loaded.stream["disk_bytes_per_s"]  # this disk's measured bandwidth, next to the reply's rate
+        assert disk > 0 and f" of {disk / 1e6:,.0f} MB/s" in shown and screen.stream["disk_bytes_per_s"] == disk
         _, cols, per, _ = screen.query_one(ExpertMapView).geometry()
         assert all(f"L{n} " in shown for n in layout) and f"{m.widest} experts, {per}/cell" in shown
         assert per == fold(m.widest, cols) and cols >= 8  # folded to fit 80 columns

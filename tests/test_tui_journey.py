@@ -207,10 +207,13 @@ def converted(tmp_path_factory) -> Path:
 
 
 def freeze_clocks(monkeypatch) -> None:
-    """What the clock measures is fixed (load time, rates, stall times, peak memory); the rest is the engine's."""
+    """What the clock measures is fixed (load time, rates, stall times, peak memory, the disk's bandwidth); the rest
+    is the engine's."""
     def ready(original):
         def handler(self, message):
-            message.loaded = dataclasses.replace(message.loaded, seconds=1.0)
+            stream = message.loaded.stream  # and the disk's measured bandwidth
+            message.loaded = dataclasses.replace(message.loaded, seconds=1.0, stream=stream and
+                                                 {**stream, "disk_bytes_per_s": 1.5e9})
             original(self, message)
         return handler
 

@@ -34,13 +34,15 @@ class TqbenchApp(App[None]):
     DEFAULT_MODE = "source"
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        # Help before the screens' keys: a footer too narrow for every key (80 columns on Chat) drops the last ones,
+        # and the help screen lists them all
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("f1", "help", "Help", show=False),  # also in fields, where ? types
         Binding("s", "switch_mode('source')", "Source"),
         Binding("p", "switch_mode('recipe')", "Recipe"),
         Binding("c", "switch_mode('convert')", "Convert"),
         Binding("t", "switch_mode('chat')", "Chat"),
         Binding("h", "switch_mode('profile')", "Profile"),  # f: the Convert screen's Force
-        Binding("question_mark", "help", "Help", key_display="?"),
-        Binding("f1", "help", "Help", show=False),  # also in fields, where ? types
     ]
 
     # The tqbench.source.Checkpoint opened last, for every screen (the Source screen sets it; the Recipe screen

@@ -348,3 +348,9 @@ def _stats(session: Session, loaded, err: Console) -> None:
                   f"{st['evictions']} evictions; cache {units.size(st['cache_bytes'])} of "
                   f"{units.size(st['budget_bytes'])} (max {units.size(st['cache_bytes_max'])}); "
                   f"stalled {st['stall_s']:.2f} s over {st['tokens']} forward passes", markup=False)
+        if st.get("disk_bytes_per_s_on_misses") or st.get("disk_bytes_per_s"):
+            got = st.get("disk_bytes_per_s_on_misses")
+            disk = st.get("disk_bytes_per_s")
+            err.print("disk: " + (f"{units.gb(got)}/s while waiting on misses" if got else "no misses yet")
+                      + (f", this disk reads {units.gb(disk)}/s ({st['disk_source']})" if disk else ""),
+                      markup=False)

@@ -18,6 +18,7 @@ from tqbench.runtime.chat import Conversation, ReplyDone, ReplyStarted, Sampling
 
 KEY = "conversation"
 LEARNER = "profile-learner"
+DISK = "disk-speed"  # tqbench.recipe.fit.DiskSpeed of the streamed model's disk
 
 
 @dataclass(frozen=True)
@@ -124,9 +125,10 @@ def open_model(session: Session, path: str, trust_remote_code: bool = False, sys
     stream = None
     if loaded.streamer is not None:
         st, c = loaded.streamer.stats, loaded.streamer.config
+        disk = session.state[DISK] = _disk_speed(loaded.path)
         stream = {"budget_bytes": st.budget_bytes, "slots": st.slots, "slot_bytes": st.slot_bytes,
                   "staging_bytes": st.staging_bytes, "workers": c.workers, "policy": c.policy, "fanout": c.fanout,
-                  "page_cache": st.page_cache, "lookahead": c.lookahead}
+                  "page_cache": st.page_cache, "lookahead": c.lookahead, **_disk_fields(disk)}
     yield ModelLoaded(str(loaded.path), loaded.model_type, loaded.turboquant_modules, loaded.weight_bytes,
                       conv.chat_template, Sampling.defaults(loaded.generation_config, **sampling),
                       time.perf_counter() - t0, stream, native, active, prof)
@@ -147,10 +149,34 @@ def reply(session: Session, text: str, sampling: Sampling) -> Iterator[ReplyStar
 
 
 def stream_stats(session: Session) -> dict | None:
-    """Streaming totals and per-layer figures (StreamStats.to_dict()), or None for a resident model. Use with
-    session.call."""
+    """Streaming totals and per-layer figures (StreamStats.to_dict()), with this disk's measured read bandwidth
+    (`disk_bytes_per_s`, `disk_source`) and the bandwidth the page-ins got (`disk_bytes_per_s_on_misses`: bytes read
+    on the critical path over the time waited for them), or None for a resident model. Use with session.call."""
     streamer = conversation(session).loaded.streamer
-    return None if streamer is None else streamer.stats.to_dict()
+    if streamer is None:
+        return None
+    d = streamer.stats.to_dict()
+    d.update(_disk_fields(session.state.get(DISK)))
+    d["disk_bytes_per_s_on_misses"] = d["critical_bytes"] / d["stall_s"] if d["stall_s"] > 0 else None
+    return d
+
+
+def _disk_speed(path) -> Any:
+    """The read bandwidth of the disk holding the model: the measurement `tqbench plan` cached for that disk, else a
+    quick one reading the model's own shards (at most 128 MB, page cache bypassed; nothing written). None when
+    neither works."""
+    from pathlib import Path
+
+    from tqbench.recipe.fit import cached_disk_speed, file_read_speed
+
+    try:
+        return cached_disk_speed(path) or file_read_speed(list(Path(path).glob("*.safetensors")))
+    except (OSError, ValueError):
+        return None
+
+
+def _disk_fields(disk: Any) -> dict:
+    return {"disk_bytes_per_s": disk.bytes_per_s if disk else None, "disk_source": disk.source if disk else None}
 
 
 def export_profile(session: Session, file: str) -> dict:

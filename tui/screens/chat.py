@@ -104,10 +104,12 @@ def streaming_text(loaded) -> str:
             f"{extra}{active}; o: settings")
 
 
-def expert_summary(model: ExpertMap, budget: int, rates: ReplyRates | None, stats: dict | None) -> Content:
-    """The expert view's figures: hit rate split by tier, decode rate, expert bytes per token, disk reads per second,
-    the cache's fill against its budget. `stats` (tqbench.runtime.session.stream_stats, after a reply) overrides the
-    counts the view made from the page-ins (they agree; the engine's are authoritative)."""
+def expert_summary(model: ExpertMap, budget: int, rates: ReplyRates | None, stats: dict | None,
+                   disk_bps: float | None = None) -> Content:
+    """The expert view's figures: hit rate split by tier, decode rate, expert bytes per token, disk reads per second
+    against this disk's measured bandwidth (`disk_bps`), the cache's fill against its budget. `stats`
+    (tqbench.runtime.session.stream_stats, after a reply) overrides the counts the view made from the page-ins (they
+    agree; the engine's are authoritative)."""
     if stats is not None:
         seen = {k: stats[f"hits_{k}"] for k in ("pinned", "cache", "prefetched")} | {"miss": stats["misses"]}
         rate, cache = stats["hit_rate"], stats["cache_bytes"]
@@ -125,8 +127,9 @@ def expert_summary(model: ExpertMap, budget: int, rates: ReplyRates | None, stat
         per_token = humanize.naturalsize(rates.bytes_per_token, format="%.1f")
         lines.append(Content.assemble((f"{rates.tok_s:.1f} tok/s", "bold"), sep, (per_token, "bold"),
                                       " read per token"))
-        lines.append(Content.assemble("disk ", (f"{rates.read_bps / 1e6:.1f} MB/s", "bold"), sep, "cache ",
-                                      (f"{cache / budget:.0%}" if budget else "-", "bold"),
+        of = f" of {disk_bps / 1e6:,.0f}" if disk_bps else ""  # the disk's measured bandwidth
+        lines.append(Content.assemble("disk ", (f"{rates.read_bps / 1e6:.1f}", "bold"), f"{of} MB/s"))
+        lines.append(Content.assemble("cache ", (f"{cache / budget:.0%}" if budget else "-", "bold"),
                                       f" of {units.gb(budget)}"))
     else:
         lines.append(Content.assemble("cache ", (units.gb(cache), "bold"), f" of {units.gb(budget)}"))
@@ -153,7 +156,7 @@ class ChatScreen(Screen):
     #chat-body > Transcript { width: 1fr; }
     #expert-panel { display: none; width: 38; height: 1fr; border-left: vkey $foreground 20%; padding: 0 0 0 1; }
     #chat-body.narrow #expert-panel { width: 1fr; border-left: none; border-top: hkey $foreground 20%; padding: 0; }
-    #expert-summary { height: 4; }
+    #expert-summary { height: 5; }
     """
     AUTO_FOCUS = "#chat-input"
     BINDINGS = [
@@ -164,7 +167,7 @@ class ChatScreen(Screen):
         Binding("ctrl+r", "reset", "Reset"),
         Binding("v", "pause_view", "Pause"),
         Binding("o", "settings", "Settings"),
-        Binding("e", "export_profile", "Export"),
+        Binding("e", "export_profile", "Export", show=False),  # in the help screen and the palette: room in the footer
         Binding("ctrl+q", "quit_app", "Quit"),  # shown while the field hides the app's q
     ]
 
@@ -623,9 +626,9 @@ class ChatScreen(Screen):
             return
         self._summary_at = time.monotonic()
         if self.experts is not None and self.loaded is not None and self.loaded.stream is not None:
-            budget = self.loaded.stream["budget_bytes"]
-            self.summary.update(  # 4 lines, its height: no layout pass needed
-                expert_summary(self.experts, budget, self.rates, self.stream), layout=False)
+            budget, disk = self.loaded.stream["budget_bytes"], self.loaded.stream.get("disk_bytes_per_s")
+            self.summary.update(  # at most 5 lines, its height: no layout pass needed
+                expert_summary(self.experts, budget, self.rates, self.stream, disk), layout=False)
 
     def on_resize(self) -> None:
         self._layout()
