@@ -44,8 +44,8 @@ def chat(
              "the resident weights and a 3 GB reserve). Default: resident when the model fits, else auto.")] = None,
     prefetch_workers: Annotated[int, typer.Option("--prefetch-workers", min=1, max=256,
                                                   help="Threads reading experts from disk.")] = 4,
-    cache_policy: Annotated[str, typer.Option("--cache-policy", metavar="lrfu|lru",
-                                              help="Which cached expert to evict.")] = "lrfu",
+    cache_policy: Annotated[str, typer.Option("--cache-policy", metavar="lrfu-next|lrfu|lru",
+                                              help="Which cached expert to evict.")] = "lrfu-next",
     fanout: Annotated[bool, typer.Option("--fanout", help="Split each expert's read across the workers.")] = False,
     lookahead: Annotated[bool, typer.Option(
         "--lookahead", help="During decode, read the next layer's likely experts (its router applied to this "
@@ -130,8 +130,10 @@ def _streaming(path: str, budget: str | None, workers: int, policy: str, fanout:
     from tqbench.stream import StreamConfig
     from tqbench.stream.budget import auto_budget, needs_streaming
 
-    if policy not in ("lrfu", "lru"):
-        raise TqbenchError(f"--cache-policy {policy!r}: choose lrfu or lru")
+    from tqbench.stream.cache import POLICIES
+
+    if policy not in POLICIES:
+        raise TqbenchError(f"--cache-policy {policy!r}: choose {', '.join(POLICIES)}")
     if page_cache not in ("auto", "on", "off"):
         raise TqbenchError(f"--page-cache {page_cache!r}: choose auto, on or off")
     experts = _experts(path)  # read once for the decisions below
