@@ -45,7 +45,7 @@ def chat(
     prefetch_workers: Annotated[int, typer.Option("--prefetch-workers", min=1, max=256,
                                                   help="Threads reading experts from disk.")] = 4,
     cache_policy: Annotated[str, typer.Option("--cache-policy", metavar="lrfu-next|lrfu|lru",
-                                              help="Which cached expert to evict.")] = "lrfu-next",
+                                              help="Which cached expert to evict.")] = "lrfu",
     fanout: Annotated[bool, typer.Option("--fanout", help="Split each expert's read across the workers.")] = False,
     lookahead: Annotated[bool, typer.Option(
         "--lookahead", help="During decode, read the next layer's likely experts (its router applied to this "

@@ -7,7 +7,7 @@ Keys are (layer, expert). Policies:
   value C = sum over its past accesses of 2^(-lam * age); the victim has the smallest C. With lam -> 0 it is LFU, with
   large lam LRU. C decays for every key alike, so the order is kept by the time-invariant key
   log2(C) + lam * t_last, in a heap (lazy deletion): O(log n) per access and per eviction.
-- `lrfu-next` (the default): LRFU at lam 0.02, plus a slow LRFU value (lam 0.001: what the session routes often),
+- `lrfu-next` (opt-in, `--cache-policy lrfu-next`): LRFU at lam 0.02, plus a slow LRFU value (lam 0.001: what the session routes often),
   plus how likely each key is to be routed at its layer's next token, from counts (per layer, learned online from
   decode) of which experts followed which from one token to the next (NextLRFU). O(resident keys) numpy per eviction,
   2 bytes x experts^2 per layer of counts. On the shipped demo's code and chat routing it hits more than `lrfu` at
@@ -410,7 +410,7 @@ def _layer_key(key: Hashable) -> bool:
 
 
 POLICIES = {"lru": LRU, "lrfu": LRFU, "lrfu-next": NextLRFU}
-DEFAULT_POLICY = "lrfu-next"
+DEFAULT_POLICY = "lrfu"  # lrfu-next hits more but costs ~60 ms of bookkeeping per token at K3 scale: opt-in
 
 
 class SlotCache:
