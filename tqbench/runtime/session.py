@@ -18,7 +18,7 @@ from tqbench.runtime.chat import Conversation, ReplyDone, ReplyStarted, Sampling
 
 KEY = "conversation"
 LEARNER = "profile-learner"
-DISK = "disk-speed"  # tqbench.recipe.fit.DiskSpeed of the streamed model's disk
+DISK = "disk-speed"  # (model path, tqbench.recipe.fit.DiskSpeed of its disk) for the streamed model
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,9 @@ def open_model(session: Session, path: str, trust_remote_code: bool = False, sys
     stream = None
     if loaded.streamer is not None:
         st, c = loaded.streamer.stats, loaded.streamer.config
-        disk = session.state[DISK] = _disk_speed(loaded.path)
+        known = session.state.get(DISK)  # (model path, speed): a re-open of the same model measures nothing again
+        disk = known[1] if known and known[0] == str(loaded.path) else _disk_speed(loaded.path)
+        session.state[DISK] = (str(loaded.path), disk)
         stream = {"budget_bytes": st.budget_bytes, "slots": st.slots, "slot_bytes": st.slot_bytes,
                   "staging_bytes": st.staging_bytes, "workers": c.workers, "policy": c.policy, "fanout": c.fanout,
                   "page_cache": st.page_cache, "lookahead": c.lookahead, **_disk_fields(disk)}
@@ -156,7 +158,7 @@ def stream_stats(session: Session) -> dict | None:
     if streamer is None:
         return None
     d = streamer.stats.to_dict()
-    d.update(_disk_fields(session.state.get(DISK)))
+    d.update(_disk_fields((session.state.get(DISK) or (None, None))[1]))
     d["disk_bytes_per_s_on_misses"] = d["critical_bytes"] / d["stall_s"] if d["stall_s"] > 0 else None
     return d
 

@@ -27,6 +27,15 @@ import numpy as np
 Key = tuple[int, int]  # (layer, expert)
 
 
+def seed_values(weights: dict[Hashable, float], known) -> dict[Hashable, float]:
+    """log2 of a seeded combined value for each key with positive weight and no history in `known`: the heaviest
+    counts as 8 accesses, the others in proportion."""
+    if not weights:
+        return {}
+    top = max(weights.values())
+    return {k: math.log2(8 * w / top) for k, w in weights.items() if w > 0 and k not in known}
+
+
 class LRU:
     name = "lru"
 
@@ -101,11 +110,8 @@ class LRFU:
 
     def seed(self, weights: dict[Hashable, float]) -> None:
         """History for keys without one, from known use (`SlotCache.seed`): C = 8 accesses for the heaviest."""
-        if weights:
-            top = max(weights.values())
-            for key, w in weights.items():
-                if w > 0 and key not in self._state:
-                    self._state[key] = (math.log2(8 * w / top), 0)
+        for key, c in seed_values(weights, self._state).items():
+            self._state[key] = (c, 0)
 
     def _valid(self, item: tuple[float, int, Hashable]) -> bool:
         """A heap entry that is the key's current one (resident, and cold or at its current priority)."""
@@ -241,12 +247,9 @@ class NextLRFU:
 
     def seed(self, weights: dict[Hashable, float]) -> None:
         """History for keys without one, from known use (`SlotCache.seed`): C = C_slow = 8 accesses for the heaviest."""
-        if weights:
-            top = max(weights.values())
-            for key, w in weights.items():
-                if w > 0 and key not in self._state:
-                    self._state[key] = (math.log2(8 * w / top), 0)
-                    self._slow[key] = math.log2(8 * w / top)
+        for key, c in seed_values(weights, self._state).items():
+            self._state[key] = (c, 0)
+            self._slow[key] = c
 
     def _layer_of(self, layer: Hashable) -> _Layer:
         st = self._layers.get(layer)
