@@ -166,8 +166,9 @@ def prepare_chat(work: Path, root: Path, files: list[str], enc, code_docs: list[
     if template != CHAT_TEMPLATE:
         raise SystemExit("the tokenizer's chat template is not tqbench.tokenizer.CHAT_TEMPLATE")
     t0 = time.time()
-    items = mine_stdlib(root, files)
-    train_items, val_items = split_items(items)
+    items = mine_stdlib(root, files, wide=a.mine == "wide")
+    train_items = split_items(items)[0]
+    val_items = split_items(mine_stdlib(root, files))[1]  # always the public documented set, as demo_eval asks
     code_tokens = sum(len(d) for d in code_docs)
     want = a.chat_share / (1 - a.chat_share) * code_tokens
     one = build_conversations(train_items, a.seed, passes=1)
@@ -190,8 +191,12 @@ def prepare_chat(work: Path, root: Path, files: list[str], enc, code_docs: list[
     used = Counter(mixed.kinds)
     info = {
         "source": "ast-mined conversations about the standard library's public modules, functions, classes and "
-                  "methods with docstrings (tqbench.demo.conversations), rendered with the chat template",
+                  "methods with docstrings (tqbench.demo.conversations), rendered with the chat template"
+                  + ("; training also on private names and on signature-only items (no docstring: only how to "
+                     "call them is asked)" if a.mine == "wide" else ""),
+        "mine": a.mine,
         "items": {"train": len(train_items), "validation": len(val_items),
+                  "train_signature_only": sum(not i.doc for i in train_items),
                   "kinds": dict(Counter(i.kind for i in items).most_common())},
         "passes": passes, "greetings": a.greetings, "chat_share_target": a.chat_share,
         "train": {"conversations_built": len(convs), "conversations_used": used["chat"],
@@ -656,12 +661,12 @@ def write_docs_training(work: Path, exported: dict | None, docs: Path = DOCS_JSO
 CODE_DEFAULTS = {"work": ROOT / "build" / "demo-train", "dest": None, "docs": DOCS_V1_JSON, "steps": 583,
                  "save_experts": "float32",
                  "batch": 128, "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [1.0, 1.0], "bias_window": 1,
-                 "bias_freeze": 1.0, "chat_share": 0.0, "greetings": 0}
+                 "bias_freeze": 1.0, "chat_share": 0.0, "greetings": 0, "mine": "public"}
 CHAT_DEFAULTS = {"work": ROOT / "build" / "demo-train-chat", "dest": SHIPPED_DEMO, "docs": DOCS_JSON, "steps": 1000,
                  "batch": 64,
                  "save_experts": "bf16",
                  "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [0.5, 2.0], "bias_window": 1,
-                 "bias_freeze": 1.0, "chat_share": 0.4, "greetings": 400}
+                 "bias_freeze": 1.0, "chat_share": 0.5, "greetings": 400, "mine": "wide"}
 
 
 def main(argv=None) -> None:
@@ -707,8 +712,11 @@ def main(argv=None) -> None:
                    help="stop moving the biases from this fraction of the steps on (DeepSeek-V3 stops for its last "
                         "3%%): 1 (never, both recipes)")
     p.add_argument("--chat-share", type=float, default=None,
-                   help="prepare: the share of conversation tokens (chat: 0.4)")
+                   help="prepare: the share of conversation tokens (chat: 0.5)")
     p.add_argument("--greetings", type=int, default=None, help="prepare: small-talk conversations (chat: 400)")
+    p.add_argument("--mine", choices=["public", "wide"], default=None,
+                   help="prepare: the training conversations' items: public (documented public names, the v4 demo) "
+                        "or wide (also private names and signature-only items; chat since v5)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--eval-batch", type=int, default=32)

@@ -110,6 +110,25 @@ def test_miner_rules_on_a_known_source():
     assert mine_source(SOURCE, "_private_mod.py") == [] and mine_source("def broken(:\n", "x.py") == []
 
 
+def test_wide_mining_adds_private_names_and_signature_only_items():
+    items = {i.name: i for i in mine_source(SOURCE, "pkg/tool.py", wide=True)}
+    public = [i.name for i in mine_source(SOURCE, "pkg/tool.py")]
+    assert list(items) == ["pkg.tool", "pkg.tool.public", "pkg.tool._private", "pkg.tool.trivial", "pkg.tool.wait",
+                           "pkg.tool.Thing", "pkg.tool.Thing.get", "pkg.tool.Thing.make", "pkg.tool.Thing.parse",
+                           "pkg.tool.Thing.size"]
+    assert set(public) < set(items)  # the default set is a subset, the same items
+    assert all(items[n] == i for n, i in zip(public, mine_source(SOURCE, "pkg/tool.py")))
+    assert items["pkg.tool._private"].doc == "A private function is skipped even with a long docstring."
+    trivial = items["pkg.tool.trivial"]  # "Return self." is trivial: kept without a docstring, for its signature
+    assert (trivial.doc, trivial.signature) == ("", "pkg.tool.trivial()")
+    # Only how to call it is asked, and the answer is the signature alone, whatever the seed draws.
+    for seed in range(20):
+        q, a = turn(trivial, np.random.default_rng(seed))
+        assert a["content"] == "Call it as `pkg.tool.trivial()`." and "trivial" in q["content"]
+    assert mine_source(SOURCE, "_private_mod.py", wide=True)[0].name == "_private_mod"
+    assert mine_source(SOURCE, "__main__.py", wide=True) == []
+
+
 def test_clean_doc_bounds_and_joins():
     doc = inspect.cleandoc("""First line of a paragraph
         wrapped onto a second line.

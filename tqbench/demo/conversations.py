@@ -5,7 +5,10 @@ signature and its docstring (the first paragraph or two, bounded). Everything is
 
 - `mine_file` / `mine_stdlib`: one `DocItem` per public module, top-level function, top-level class and public method
   (or property) of a top-level class that has a non-trivial docstring; private names (a leading underscore, also in a
-  module path) and dunder methods are skipped, as are nested definitions and conditional ones (inside `if`/`try`);
+  module path) and dunder methods are skipped, as are nested definitions and conditional ones (inside `if`/`try`).
+  `wide=True` (the training data of the chat demo since v5) also takes private names (not dunders), and functions,
+  methods and classes without a docstring as signature-only items (`doc == ""`: only "how do I call it" is asked);
+  the evaluation keeps the default set, so its questions stay the same;
 - `build_conversations`: seeded sessions of one to three turns about one module (so a conversation keeps to one domain),
   each question in one of several phrasings; `passes` rebuilds the sessions with fresh groupings and phrasings;
 - `render` / `encode_conversation`: the messages through the model's chat template with jinja2, exactly as transformers'
@@ -186,11 +189,13 @@ def _class_signature(node: ast.ClassDef, qual: str, source: str) -> str:
     return f"class {qual}({bases})" if bases else f"class {qual}"
 
 
-def mine_source(source: str, rel: str) -> list[DocItem]:
+def mine_source(source: str, rel: str, wide: bool = False) -> list[DocItem]:
     """The documented public items of one module's source (the corpus-relative path `rel` names it). An unparsable
-    source, or one whose module path has a private part, gives none."""
+    source, or one whose module path has a private part, gives none. `wide`: private names too (dunders never), and
+    functions, methods and classes without a docstring as signature-only items (`doc == ""`)."""
     module = module_name(rel)
-    if any(is_private(part) for part in module.split(".")) or rel.endswith("__main__.py"):
+    private = (lambda name: name.startswith("__")) if wide else is_private
+    if any(private(part) for part in module.split(".")) or rel.endswith("__main__.py"):
         return []
     try:
         tree = ast.parse(source)
@@ -203,20 +208,21 @@ def mine_source(source: str, rel: str) -> list[DocItem]:
     def add(kind: str, qual: str, signature: str, node) -> None:
         doc = ast.get_docstring(node, clean=True)
         text = clean_doc(doc) if doc else ""
-        if text and qual not in seen and len(signature) <= MAX_SIGNATURE_CHARS:
+        keep = text or (wide and kind in CALL)
+        if keep and qual not in seen and len(signature) <= MAX_SIGNATURE_CHARS:
             seen.add(qual)
             items.append(DocItem(rel, module, domain, kind, qual, signature, text))
 
     add("module", module, "", tree)
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_private(node.name):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not private(node.name):
             qual = f"{module}.{node.name}"
             add("function", qual, _function_signature(node, qual, False, source), node)
-        elif isinstance(node, ast.ClassDef) and not is_private(node.name):
+        elif isinstance(node, ast.ClassDef) and not private(node.name):
             cls = f"{module}.{node.name}"
             add("class", cls, _class_signature(node, cls, source), node)
             for sub in node.body:
-                if not isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) or is_private(sub.name):
+                if not isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) or private(sub.name):
                     continue
                 decos, qual = _decorators(sub), f"{cls}.{sub.name}"
                 if decos & {"property", "functools.cached_property", "cached_property"}:
@@ -226,9 +232,9 @@ def mine_source(source: str, rel: str) -> list[DocItem]:
     return items
 
 
-def mine_file(root: Path, rel: str) -> list[DocItem]:
+def mine_file(root: Path, rel: str, wide: bool = False) -> list[DocItem]:
     """`mine_source` of the corpus file `rel` under the stdlib directory `root`."""
-    return mine_source((Path(root) / rel).read_text(encoding="utf-8"), rel)
+    return mine_source((Path(root) / rel).read_text(encoding="utf-8"), rel, wide)
 
 
 def public_names(tree: ast.Module) -> list[str]:
@@ -279,10 +285,10 @@ def _renamed(item: DocItem, aliases: dict[str, str]) -> DocItem:
                    signature=item.signature.replace(item.name, new, 1))
 
 
-def mine_stdlib(root: Path | None = None, files: Sequence[str] | None = None) -> list[DocItem]:
+def mine_stdlib(root: Path | None = None, files: Sequence[str] | None = None, wide: bool = False) -> list[DocItem]:
     """The items of every corpus file (default: `corpus_files(root)`), in file order, named as users know them: what a
     package's `__init__` re-exports from its submodules goes by the package's name (`asyncio.sleep`, not
-    `asyncio.tasks.sleep`; `json.JSONEncoder.encode`)."""
+    `asyncio.tasks.sleep`; `json.JSONEncoder.encode`). `wide`: as `mine_source`'s."""
     root = Path(root or stdlib_root())
     files = list(files if files is not None else corpus_files(root))
     sources = {rel: (root / rel).read_text(encoding="utf-8") for rel in files}
@@ -299,7 +305,7 @@ def mine_stdlib(root: Path | None = None, files: Sequence[str] | None = None) ->
             aliases.update(reexports(t, module_name(rel), public))
     items, seen = [], set()
     for rel in files:
-        for item in mine_source(sources[rel], rel):
+        for item in mine_source(sources[rel], rel, wide):
             item = _renamed(item, aliases)
             if item.name not in seen:
                 seen.add(item.name)
@@ -322,7 +328,7 @@ def answer(item: DocItem, style: str = "what") -> str:
     if item.kind == "module":
         return item.doc
     if style == "call" and item.kind in CALL_LEAD:
-        return f"{CALL_LEAD[item.kind]} `{item.signature}`.\n\n{item.doc}"
+        return f"{CALL_LEAD[item.kind]} `{item.signature}`." + (f"\n\n{item.doc}" if item.doc else "")
     return f"`{item.signature}`\n\n{item.doc}"
 
 
@@ -334,6 +340,8 @@ def turn(item: DocItem, rng: np.random.Generator, follow_up: bool = False) -> li
     """One seeded question about `item` and its answer, as two messages."""
     styles = ["what"] + (["call"] if item.kind in CALL else [])
     style = styles[rng.integers(len(styles))] if rng.random() < 0.7 or len(styles) == 1 else "call"
+    if not item.doc:  # a signature-only item: only how to call it can be answered
+        style = "call"
     if style == "call":
         template = CALL[item.kind][rng.integers(len(CALL[item.kind]))]
     elif follow_up and item.kind != "module" and rng.random() < FOLLOW_UP_SHARE:
