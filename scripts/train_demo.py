@@ -665,7 +665,7 @@ CODE_DEFAULTS = {"work": ROOT / "build" / "demo-train", "dest": None, "docs": DO
 CHAT_DEFAULTS = {"work": ROOT / "build" / "demo-train-chat", "dest": SHIPPED_DEMO, "docs": DOCS_JSON, "steps": 1000,
                  "batch": 64,
                  "save_experts": "bf16",
-                 "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [0.5, 2.0], "bias_window": 1,
+                 "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [0.25, 4.0], "bias_window": 1,
                  "bias_freeze": 1.0, "chat_share": 0.5, "greetings": 400, "mine": "wide"}
 
 
