@@ -31,7 +31,7 @@ Stages, each reading and writing files under --work (default build/demo-train):
 
 Seeded: the same stdlib, seed and step count give the same data order and initialisation. The defaults are the shipped
 run (583 steps of 128 x 128 tokens: about 7 minutes on one H200 with MLX CUDA, hours on a CPU); `--spec chat` changes
-the defaults to its own (`CHAT_DEFAULTS`: 1,000 steps of 64 x 128 tokens, 40% chat, the banded balancing); flags given
+the defaults to its own (`CHAT_DEFAULTS`: 1,000 steps of 64 x 128 tokens, 50% chat, the banded balancing); flags given
 on the command line win. `--steps 0 --time-budget S` instead times the first steps (inside the warmup, which does not
 depend on the total) and fixes the total from them; train.json records it, and `--steps` with that number repeats the
 run.
@@ -655,9 +655,11 @@ def write_docs_training(work: Path, exported: dict | None, docs: Path = DOCS_JSO
 # What --spec sets when the flag is not given. code: the shipped first demo's run. chat: the second demo; see
 # docs/demo-model.md for the choices (1,000 steps of 64 x 128 tokens: the routed rows per step, 64 x 128 x 8, equal the
 # first run's 128 x 128 x 4, the size MLX CUDA is known to run; about 0.8-1.0 s a step on an H200, launch-bound like the
-# first). Balancing: experts between half and twice their share of a step's routings are left alone (the sign rule
-# only outside [0.5, 2] x mean), so the router may skew without collapse; in 100-step CPU trials this kept every
-# expert in use where a window-averaged load left up to 2% idle (docs/demo-model.md).
+# first; 0.55 s measured). Balancing: experts between a quarter and four times their share of a step's routings are
+# left alone (the sign rule only outside [0.25, 4] x mean), so the router may skew without collapse; in 100-step CPU
+# trials this kept every expert in use where a window-averaged load left up to 2% idle (docs/demo-model.md). Data
+# (v5): the wide item set (private names, signature-only items) at 50% chat; v4 was --mine public --chat-share 0.4
+# --bias-band 0.5 2.
 CODE_DEFAULTS = {"work": ROOT / "build" / "demo-train", "dest": None, "docs": DOCS_V1_JSON, "steps": 583,
                  "save_experts": "float32",
                  "batch": 128, "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [1.0, 1.0], "bias_window": 1,
