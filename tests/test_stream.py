@@ -220,6 +220,37 @@ def test_page_in_events_account_for_every_routed_expert(models):
     loaded.streamer.close()
 
 
+def test_page_in_timing_totals_are_present_and_consistent(models, expert):
+    """The miss_* totals (where the demand page-ins' time went): a preload adds none, every miss of a run without
+    look-ahead is timed, each total is >= 0, the reads took time, and the parts fit in the windows they lie in."""
+    import time
+
+    from tqbench.stream.stats import MISS_TIMES
+
+    workers = 2
+    loaded = load(models[RECIPE], streaming=StreamConfig(workers * expert + 12 * expert, workers))
+    s = loaded.streamer
+    st = s.stats
+    assert s.preload([(1, e) for e in range(4)], 0.5) > 0 and st.preload_bytes > 0
+    assert all(getattr(st, k) == 0 for k in MISS_TIMES)  # a preload's page-ins are not misses
+    t0 = time.perf_counter()
+    _run(loaded.model)
+    wall = time.perf_counter() - t0
+    d = st.to_dict()
+    assert all(k in d and d[k] >= 0 for k in MISS_TIMES)
+    assert st.misses > 0 and st.miss_timed == st.misses and st.miss_read_s > 0
+    eps = 1e-6
+    # the page-ins' wall time (before the first read + reading + after the last) lies inside the stall
+    page_ins = st.miss_before_reads_s + st.miss_reading_s + st.miss_after_reads_s
+    assert page_ins <= st.stall_s + eps and st.stall_s <= wall
+    assert st.miss_to_host_s <= st.miss_before_reads_s + eps
+    assert st.miss_copy_s + st.miss_to_gpu_s <= st.miss_reading_s + st.miss_after_reads_s + eps
+    # at most `workers` reads in flight (no fan-out), each within its page-in's reading window
+    assert st.miss_queue_s + st.miss_read_s <= workers * st.miss_reading_s + eps
+    assert (st.miss_queue_s + st.miss_read_s) / workers + st.miss_copy_s + st.miss_to_gpu_s + st.miss_to_host_s <= wall
+    s.close()
+
+
 def test_a_budget_below_one_expert_is_refused(models, expert):
     with pytest.raises(StoreError, match=rf"cannot hold one expert \({expert:,} bytes\) plus 2 read buffer"):
         load(models[RECIPE], streaming=StreamConfig(3 * expert - 1, 2))

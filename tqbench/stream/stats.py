@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+MISS_TIMES = ("miss_timed", "miss_queue_s", "miss_read_s", "miss_buffer_wait_s", "miss_copy_s", "miss_to_gpu_s",
+              "miss_to_host_s", "miss_before_reads_s", "miss_reading_s", "miss_after_reads_s")
+
+
 @dataclass(frozen=True)
 class PageIn:
     """One MoE layer call: the distinct experts its router picked and how each was served."""
@@ -52,6 +56,21 @@ class StreamStats:
     preload_bytes: int = 0  # read at start for those pins (not misses)
     preload_reads: int = 0
     preload_s: float = 0.0
+    # Where the demand page-ins' time went (seconds summed over them; timing only, see streamer._MissClock):
+    # per read, queued before a worker started it, the read itself, and waiting for a free staging buffer before
+    # being submitted; per expert, the copy into its slot and the GPU / host prefetch calls; and each page-in's wall
+    # time cut in three: before the first read was submitted, from then to the last read's end, and after it until
+    # the page-in returned. `miss_timed`: the experts those page-ins read (look-ahead reads are not included).
+    miss_timed: int = 0
+    miss_queue_s: float = 0.0
+    miss_read_s: float = 0.0
+    miss_buffer_wait_s: float = 0.0
+    miss_copy_s: float = 0.0
+    miss_to_gpu_s: float = 0.0
+    miss_to_host_s: float = 0.0
+    miss_before_reads_s: float = 0.0
+    miss_reading_s: float = 0.0
+    miss_after_reads_s: float = 0.0
     layers: dict[int, LayerTotals] = field(default_factory=dict)
 
     @property
@@ -73,5 +92,6 @@ class StreamStats:
                 "stall_s": round(self.stall_s, 4), "pinned": self.pinned, "preload_bytes": self.preload_bytes,
                 "preload_reads": self.preload_reads,
                 "preload_s": round(self.preload_s, 4),
+                **{k: (getattr(self, k) if k == "miss_timed" else round(getattr(self, k), 6)) for k in MISS_TIMES},
                 "layers": {str(k): {"hits": v.hits, "misses": v.misses, "stall_s": round(v.stall_s, 4)}
                            for k, v in sorted(self.layers.items())}}

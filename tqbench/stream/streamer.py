@@ -64,13 +64,20 @@ class Pool:
         for v in self.views.values():
             self.prefetch.to_host(v[slot])
 
-    def write(self, slot: int, buf: np.ndarray) -> None:
+    def write(self, slot: int, buf: np.ndarray) -> tuple[float, float]:
         """Copy one expert from a staging buffer into `slot` of every part's array. The caller guarantees that no
-        pending computation reads the pool (see tqbench.managed)."""
+        pending computation reads the pool (see tqbench.managed). Returns the seconds spent copying and the seconds
+        spent asking for the GPU prefetch (timing only)."""
+        copy = gpu = 0.0
         for p in self.parts:
             dst = self.views[(p.projection, p.param)][slot]
+            t0 = time.perf_counter()
             np.copyto(dst, part_array(buf, p), casting="no")
+            t1 = time.perf_counter()
             self.prefetch.to_gpu(dst)
+            copy += t1 - t0
+            gpu += time.perf_counter() - t1
+        return copy, gpu
 
 
 class Streamer:
@@ -162,7 +169,7 @@ class Streamer:
             missing = [e for e in experts if (layer, e) not in pool.cache]
             slots: dict[int, int] = {}
             locked = {(layer, e) for e in experts if (layer, e) in pool.cache} | set(pool.cache.pinned)
-            self.stats.preload_bytes += self._page_in(layer, pool, missing, slots, locked)
+            self.stats.preload_bytes += self._page_in(layer, pool, missing, slots, locked, timed=False)
             pool.cache.pin((layer, e) for e in experts)
             pinned += len(experts)
         self.stats.pinned = pinned
@@ -291,29 +298,41 @@ class Streamer:
         self._count(layer, experts, served, read_bytes, stall)
         return y
 
-    def _page_in(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int], locked: set) -> int:
+    def _page_in(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int], locked: set,
+                 timed: bool = True) -> int:
         """Read `missing` experts (in parallel, into the staging buffers) and write each into its slot as it arrives.
         The slots are chosen first, in expert order (so evictions do not depend on which read finishes first), and on
         CUDA their pages start moving to the host while the reads run, so the copies land in host memory. Fills
-        `slots`; returns the bytes read."""
+        `slots`; returns the bytes read. `timed`: add where the time went to the stats' `miss_*` totals (a
+        preload's page-ins are not misses)."""
         if not missing:
             return 0
+        clock = _MissClock(time.perf_counter()) if timed else None
         placed = []
         for e in sorted(missing):
             slot, _ = pool.cache.place((layer, e), self._tick, locked, cold=self._prefill)
             locked.add((layer, e))
             placed.append(e)
             slots[e] = slot
-            pool.to_host(slot)
+            if clock is None:
+                pool.to_host(slot)
+            else:
+                t = time.perf_counter()
+                pool.to_host(slot)
+                clock.to_host += time.perf_counter() - t
         try:
-            return self._read_into(layer, pool, missing, slots)
+            total = self._read_into(layer, pool, missing, slots, clock)
+            if clock is not None:
+                clock.add_to(self.stats, len(missing), time.perf_counter())
+            return total
         except BaseException:
             for e in placed:  # their data never arrived (or only partly): not resident
                 pool.cache.drop((layer, e))
                 slots.pop(e, None)
             raise
 
-    def _read_into(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int]) -> int:
+    def _read_into(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int],
+                   clock: _MissClock | None = None) -> int:
         pending = deque(sorted(missing))
         free = list(self._buffers)
         # Stacked layouts (several ranges per expert, buffered reads): adjacent experts are read as runs, one scatter
@@ -329,32 +348,47 @@ class Streamer:
                 while pending and len(run) < min(longest, len(free)) and pending[0] == run[-1] + 1:
                     run.append(pending.popleft())
                 bufs = [free.pop() for _ in run]
+                times = None if clock is None else clock.submitted(len(run))
                 if len(run) > 1:
-                    futures = [self._executor.submit(self.store.read_run, layer, run, bufs)]
+                    futures = [self._go(times, self.store.read_run, layer, run, bufs)]
                 else:
-                    futures = self._submit(layer, run[0], bufs[0])
-                inflight[tuple(run)] = (bufs, futures)
-            running = [f for _, fs in inflight.values() for f in fs if not f.done()]
+                    futures = self._submit(layer, run[0], bufs[0], times)
+                inflight[tuple(run)] = (bufs, futures, times)
+            running = [f for _, fs, _ in inflight.values() for f in fs if not f.done()]
             if running:  # only reads still running: a finished piece of a fanned-out expert must not make this spin
                 wait(running, return_when=FIRST_COMPLETED)
-            for run in [r for r, (_, fs) in inflight.items() if all(f.done() for f in fs)]:
-                bufs, fs = inflight.pop(run)
+            for run in [r for r, (_, fs, _) in inflight.items() if all(f.done() for f in fs)]:
+                bufs, fs, times = inflight.pop(run)
                 self.stats.reads += sum(f.result() for f in fs)  # re-raises a StoreError from the worker
+                if clock is not None:
+                    clock.finished(times)
                 for e, buf in zip(run, bufs):
-                    pool.write(slots[e], buf[self.store.shift(layer, e):])
+                    copied = pool.write(slots[e], buf[self.store.shift(layer, e):])
+                    if clock is not None:
+                        clock.copy += copied[0]
+                        clock.to_gpu += copied[1]
                     total += n
                     free.append(buf)
         return total
 
-    def _submit(self, layer: int, expert: int, buf: np.ndarray) -> list[Future]:
+    def _submit(self, layer: int, expert: int, buf: np.ndarray, times: list | None = None) -> list[Future]:
+        """The reads of one expert, on the workers; `times` (timing only): each read's [submitted, started,
+        finished] perf_counter times are appended to it (see _MissClock)."""
         store = self.store
         if store.direct:
             pieces = store.direct_pieces(layer, expert, len(self._buffers) if self.config.fanout else 1)
-            return [self._executor.submit(store.read_direct, layer, expert, buf, [piece]) for piece in pieces]
+            return [self._go(times, store.read_direct, layer, expert, buf, [piece]) for piece in pieces]
         if not self.config.fanout:
-            return [self._executor.submit(store.read, layer, expert, buf)]
+            return [self._go(times, store.read, layer, expert, buf)]
         pieces = store.split(layer, expert, len(self._buffers))
-        return [self._executor.submit(_read_pieces, store, piece, buf) for piece in pieces]
+        return [self._go(times, _read_pieces, store, piece, buf) for piece in pieces]
+
+    def _go(self, times: list | None, fn, *args) -> Future:
+        if times is None:
+            return self._executor.submit(fn, *args)
+        t = [time.perf_counter()]
+        times.append(t)
+        return self._executor.submit(_timed, t, fn, *args)
 
     def _count(self, layer: int, experts: list[int], served: dict[int, str], read_bytes: int, stall: float) -> None:
         s = self.stats
@@ -391,6 +425,58 @@ def _much_larger_than_ram(store: ExpertStore) -> bool:
 
     total = sum((store.root / f).stat().st_size for f in store.files)
     return total > 0.6 * physical_memory()
+
+
+def _timed(t: list[float], fn, *args):
+    """A worker's read, timed: appends its start and end to `t` (the engine thread reads them once the future is
+    done; only bytes and clocks here)."""
+    t.append(time.perf_counter())
+    out = fn(*args)
+    t.append(time.perf_counter())
+    return out
+
+
+class _MissClock:
+    """Where one demand page-in's time went (engine thread only; the workers only fill their reads' time lists).
+    Per read: `queue` (submitted to started on a worker), `read` (the read itself), `buffer_wait` (the page-in's
+    first submission to this one: an expert waits for a free staging buffer). Per expert: `copy` (into its slot),
+    `to_gpu` and `to_host` (the prefetch calls). The page-in's wall time: `before` (entry to the first submission:
+    slot choice and to_host), `reading` (first submission to the last read's end), `after` (the last read's end to
+    the return: picking up, copying, to_gpu)."""
+
+    __slots__ = ("start", "first", "last_end", "queue", "read", "buffer_wait", "copy", "to_gpu", "to_host")
+
+    def __init__(self, start: float):
+        self.start = start
+        self.first = self.last_end = None
+        self.queue = self.read = self.buffer_wait = self.copy = self.to_gpu = self.to_host = 0.0
+
+    def submitted(self, experts: int) -> list:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.buffer_wait += (now - self.first) * experts
+        return []
+
+    def finished(self, times: list) -> None:
+        for submitted, started, ended in times:
+            self.queue += started - submitted
+            self.read += ended - started
+            self.last_end = ended if self.last_end is None else max(self.last_end, ended)
+
+    def add_to(self, s: StreamStats, experts: int, end: float) -> None:
+        first = self.first if self.first is not None else end
+        last = self.last_end if self.last_end is not None else first
+        s.miss_timed += experts
+        s.miss_queue_s += self.queue
+        s.miss_read_s += self.read
+        s.miss_buffer_wait_s += self.buffer_wait
+        s.miss_copy_s += self.copy
+        s.miss_to_gpu_s += self.to_gpu
+        s.miss_to_host_s += self.to_host
+        s.miss_before_reads_s += first - self.start
+        s.miss_reading_s += last - first
+        s.miss_after_reads_s += end - last
 
 
 def _read_pieces(store: ExpertStore, piece: list[tuple[int, int, int, int]], buf: np.ndarray) -> int:
