@@ -17,14 +17,18 @@ What it does, in one run on one disk (the work directory):
    routed projection's codes and scales are computed once from random weights and written for every expert. So the
    expert bytes on disk are real converter output of the real size, their values are the same for every expert (the
    speed does not depend on them), and every other tensor is converted from its random source as usual.
-3. This disk's raw O_DIRECT bandwidth at the expert size (`benchmarks/streaming.py`'s `raw_round`).
+3. This disk's raw O_DIRECT bandwidth at the expert size (`benchmarks/streaming.py`'s `raw_round`: consecutive
+   expert-sized chunks of the shard files), and the same number of reads of whole experts (their aligned ranges, as
+   the streamer reads them) picked at random over the model's experts, seeded (`raw["random"]`: what misses read).
 4. Decode, each run in this order in one fresh process, greedy, the same random-token prompts: A) prompt A cold at
    native top-16, whose routings make a profile (counts per expert); B) prompt B cold; C) prompt B warm-started from
    A's profile (pinned share `--pin-share` of the budget, preloaded before the prompt, the counts seeding the cache);
    D) prompt B cold at `--max-active-experts 8`; E) prompt B cold with look-ahead. Budget `--budget-gb`, page cache
    off, `--workers` read threads. Per run: prefill and decode tok/s, expert bytes read per token, hit rate by tier,
    stall (waiting on reads and slot writes) per token and per layer, and for B the LRU / LRFU / Belady / best fixed
-   set hit rates of its whole trace (prefill included) at the same slot count, next to the streamer's own.
+   set hit rates of its whole trace (prefill included) at the same slot count, next to the streamer's own; and where
+   each miss's wait went (`per_miss_ms`, from the streamer's `miss_*` totals: queued, read, waiting for a buffer,
+   copied into the slot, prefetch calls, and the page-in's wall time before / during / after the reads).
 5. Resident: the same model with every expert in GPU memory (an upper bound for a model that fits), fresh process.
 6. The projection for full K3 (92 MoE layers, 10.96 MB experts) at top-16 and top-8 on this disk, from the measured
    per-expert read cost on misses and the resident per-layer compute, at the hit rates measured here.
@@ -178,8 +182,12 @@ def child_decode(a: dict) -> None:
 
     from tqbench.runtime.load import load
     from tqbench.runtime.routing import set_active_experts
+    from tqbench.stream.stats import MISS_TIMES
     from tqbench.stream.streamer import StreamConfig
-    from streaming import _stats as _counters  # the streamer's counters, as the streaming benchmark takes them
+    from streaming import _stats  # the streamer's counters, as the streaming benchmark takes them
+
+    def _counters(st) -> dict:  # and where the misses' time went
+        return dict(_stats(st), **{k: getattr(st.stats, k) for k in MISS_TIMES})
 
     prompts = {k: mx.array(np.array(v, dtype=np.uint32))[None] for k, v in a["prompts"].items()}
     profile: dict[tuple[int, int], int] = {}
@@ -321,6 +329,57 @@ def build_model(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
     return info
 
 
+def raw_random(model: Path, files: list[Path], chunk: int, total: int, workers: list[int], seed: int = 0) -> dict:
+    """`raw_round`'s reads at random experts: as many reads as it makes (`total` // `chunk`, the first `workers` of
+    each row warming the threads), each one expert's aligned range as the streamer's O_DIRECT read takes it, the
+    experts drawn (seeded, without repeats while there are experts left) over every MoE layer of the model."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqbench.stream.store import ALIGN, ExpertStore, aligned_buffer
+
+    store = ExpertStore.open(model)
+    ranges = []
+    for _, lay in sorted(store.layers.items()):
+        for ext in lay.extents:
+            (x,) = ext  # tqbench's layout: one range per expert
+            start = x.offset // ALIGN * ALIGN
+            ranges.append((store.root / store.files[x.file], start, -(-(x.offset + x.length) // ALIGN) * ALIGN - start))
+    store.close()
+    count = max(1, total // chunk)
+    order = np.random.default_rng(seed).permutation(len(ranges))
+    direct = getattr(os, "O_DIRECT", 0)
+    rows, used = [], 0
+    for w in workers:
+        picks = [ranges[order[(used + i) % len(order)]] for i in range(count)]
+        used += count
+        drop_cache(files)
+        fds = {f: os.open(f, os.O_RDONLY | direct) for f in {r[0] for r in picks}}
+        local = threading.local()
+        biggest = max(n for _, _, n in picks)
+
+        def read(item) -> int:
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = aligned_buffer(biggest)
+            f, off, n = item
+            return os.preadv(fds[f], [memoryview(buf)[:n]], off)
+
+        try:
+            with ThreadPoolExecutor(w) as ex:
+                list(ex.map(read, picks[:w]))  # warm the threads and their buffers
+                t0 = time.perf_counter()
+                got = sum(ex.map(read, picks[w:]))
+                seconds = time.perf_counter() - t0
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        rows.append(dict(workers=w, reads=len(picks) - w, bytes=got, seconds=seconds,
+                         gbps=got / seconds / 1e9 if seconds else None, direct=bool(direct)))
+    best = max(rows, key=lambda r: r["gbps"] or 0)
+    return dict(rows=rows, best_gbps=best["gbps"], best_workers=best["workers"], seed=seed, experts=len(ranges))
+
+
 def trace_bounds(trace: list, slots: int) -> dict:
     """Hit rates of a run's whole trace (prefill included, from an empty cache) at its slot count: LRU, LRFU, Belady
     and the best fixed set; compare with the run's own `hit_rate_all`."""
@@ -350,6 +409,12 @@ def summarize(run: dict) -> dict:
                    pinned=run.get("pinned"), preload_s=run.get("preload_s"), preload_bytes=run.get("preload_bytes"),
                    slots=run["slots"], budget_bytes=run["budget_bytes"], cache_bytes_max=run["cache_bytes_max"],
                    gpu_prefetch=run.get("gpu_prefetch"))
+        timed = d.get("miss_timed")
+        if timed:  # where a miss's wait went, ms per timed miss (look-ahead's reads are not timed)
+            ms = {k[5:-2]: d[k] / timed * 1e3 for k in d if k.startswith("miss_") and k.endswith("_s")}
+            ms["stall"] = d["stall_s"] / d["misses"] * 1e3
+            ms["outside_page_in"] = ms["stall"] - ms["before_reads"] - ms["reading"] - ms["after_reads"]
+            row["per_miss_ms"] = dict(ms, timed=timed)
     return row
 
 
@@ -374,6 +439,13 @@ def finish(doc: dict) -> None:
     raw_gbps = doc["raw"]["best_gbps"]
     cold = next(r for r in doc["stream"]["rows"] if r["label"] == "B cold")
     doc["disk_on_misses_vs_raw"] = (cold["disk_gbps_on_misses"] or 0) / raw_gbps
+    random_gbps = doc["raw"].get("best_gbps_random")
+    if random_gbps:
+        doc["disk_on_misses_vs_raw_random"] = (cold["disk_gbps_on_misses"] or 0) / random_gbps
+        eb = doc.get("model", {}).get("expert_bytes")
+        for row in doc["stream"]["rows"]:
+            if eb and "per_miss_ms" in row:  # one expert read alone at the random-read rate
+                row["per_miss_ms"]["raw_random_read"] = eb / random_gbps / 1e6
     if "resident" in doc:  # each token's time: compute (as resident), waiting on reads and slot writes, the rest
         compute, layers = doc["resident"]["token_s_median"], doc["model"]["moe_layers"]
         for row in doc["stream"]["rows"]:
@@ -471,9 +543,15 @@ def main(argv: list[str] | None = None) -> int:
     from streaming import raw_round
     files = [Path(f) for f in model["files"]]
     eb = model["expert_bytes"]
-    raw = doc["raw"] = raw_round(files, eb, cfg["raw_bytes"], sorted({1, cfg["workers"], 4, 16}), 0)
+    thread_counts = sorted({1, cfg["workers"], 4, 16})
+    raw = doc["raw"] = raw_round(files, eb, cfg["raw_bytes"], thread_counts, 0)
+    raw["offsets"] = "consecutive chunks of the shard files"
+    raw["random"] = raw_random(Path(model["path"]), files, eb, cfg["raw_bytes"], thread_counts)
+    raw["best_gbps_random"] = raw["random"]["best_gbps"]
     raw_gbps = raw["best_gbps"]
-    log(f"raw O_DIRECT: {raw_gbps:.2f} GB/s at {raw['best_workers']} workers")
+    log(f"raw O_DIRECT: {raw_gbps:.2f} GB/s at {raw['best_workers']} workers (consecutive chunks), "
+        + ", ".join(f"{r['gbps'] or 0:.2f}" for r in raw["random"]["rows"])
+        + f" GB/s at {'/'.join(str(w) for w in thread_counts)} workers (random experts)")
     save()
     rng = np.random.default_rng
     vocab = 256 + spec_kw["bpe_merges"]
@@ -524,8 +602,19 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{row['label']:<28} decode {row['decode_tps']:.3f} tok/s, hit {row['hit_rate']:.1%}, "
                 f"{row['bytes_per_token'] / 1e9:.2f} GB/token, stall {row['stall_share']:.0%}, "
                 f"disk on misses {row['disk_gbps_on_misses'] or 0:.2f} GB/s")
+            m = row.get("per_miss_ms")
+            if m:
+                log(f"{'':<28} per miss ms: stall {m['stall']:.2f} = before reads {m['before_reads']:.2f} + reading "
+                    f"{m['reading']:.2f} + after {m['after_reads']:.2f} + outside {m['outside_page_in']:.2f}; "
+                    f"read {m['read']:.2f}, queued {m['queue']:.2f}, buffer wait {m['buffer_wait']:.2f}, copy "
+                    f"{m['copy']:.2f}, to_gpu {m['to_gpu']:.2f}, to_host {m['to_host']:.2f} ({m['timed']} timed)")
         doc["stream"] = dict(rows=rows, mlx_peak=res["mlx_peak"], device=res["device"])
         finish(doc)
+        if "disk_on_misses_vs_raw_random" in doc:
+            m = next(r for r in rows if r["label"] == "B cold").get("per_miss_ms") or {}
+            log(f"disk on misses (B cold) vs raw: {doc['disk_on_misses_vs_raw']:.2f}x consecutive, "
+                f"{doc['disk_on_misses_vs_raw_random']:.2f}x random experts; waited {m.get('stall', 0):.2f} ms per "
+                f"miss, one expert at the random-read rate {m.get('raw_random_read', 0):.2f} ms")
         for row in doc.get("projection_k3", []):
             log(f"K3 top-{row['top_k']} at hit rate {row['hit_rate']:.1%} ({row['hit_rate_from']}): "
                 f"{row['tps']:.3f} tok/s (disk ceiling {row['disk_ceiling_tps'] or 0:.3f})")

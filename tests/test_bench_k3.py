@@ -30,6 +30,15 @@ def test_quick_run_writes_consistent_figures(tmp_path):
     # disk on misses: the cold run's bytes over its wait, and that over the best raw bandwidth
     assert cold["disk_gbps_on_misses"] == pytest.approx(cold["bytes_per_token"] / cold["stall_s_per_token"] / 1e9)
     assert d["disk_on_misses_vs_raw"] == pytest.approx(cold["disk_gbps_on_misses"] / d["raw"]["best_gbps"])
+    # the same raw reads at random experts, and where a miss's wait went (every B cold miss timed: no look-ahead)
+    assert [r["workers"] for r in d["raw"]["random"]["rows"]] == [r["workers"] for r in d["raw"]["rows"]]
+    assert d["raw"]["best_gbps_random"] == max(r["gbps"] for r in d["raw"]["random"]["rows"])
+    random_gbps = d["raw"]["best_gbps_random"]
+    assert d["disk_on_misses_vs_raw_random"] == pytest.approx(cold["disk_gbps_on_misses"] / random_gbps)
+    m = cold["per_miss_ms"]
+    assert m["timed"] > 0 and m["read"] > 0 and min(m.values()) >= -1e-9
+    assert m["stall"] == pytest.approx(cold["read_s_per_miss"] * 1e3)
+    assert m["before_reads"] + m["reading"] + m["after_reads"] <= m["stall"] + 1e-6
     # a token's split adds up to its mean time: compute (the resident token) + waiting + the rest
     split = cold["split_per_token_s"]
     assert split["compute"] == d["resident"]["token_s_median"]
