@@ -248,23 +248,26 @@ def derangement(n: int, seed: int) -> list[int]:
             return p.tolist()
 
 
-def docstring_test(model, tok, picked: list[DocItem], seed: int = 0, max_tokens: int = 96) -> dict:
+def docstring_test(model, tok, picked: list[DocItem], seed: int = 0, max_tokens: int = 96,
+                   question: str = QUESTION) -> dict:
     from mlx_lm import generate
 
     others = derangement(len(picked), seed)
     rows = []
     for item, j in zip(picked, others):
-        q = QUESTION.format(name=item.name)
+        q = question.format(name=item.name)
         prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         ids = tok.encode(prompt, add_special_tokens=False)
         reply = generate(model, tok, ids, max_tokens=max_tokens)
         win, t, o = docstring_win(reply, item.doc, picked[j].doc)
         win_strict, ts, os_ = docstring_win(reply, item.doc, picked[j].doc, exclude=words(q))
-        rows.append({"name": item.name, "other": picked[j].name, "answer": reply, "true_overlap": t,
+        rows.append({"name": item.name, "other": picked[j].name, "answer": reply, "named": item.name in reply,
+                     "true_overlap": t,
                      "other_overlap": o, "win": win, "win_without_question_words": win_strict,
                      "true_overlap_without_question_words": ts, "other_overlap_without_question_words": os_})
     n = max(len(rows), 1)
-    return {"functions": len(rows), "question": QUESTION, "max_tokens": max_tokens,
+    return {"functions": len(rows), "question": question, "max_tokens": max_tokens,
+            "answers_naming_the_function": sum(r["named"] for r in rows),
             "win_rate": round(sum(r["win"] for r in rows) / n, 4),
             "win_rate_without_question_words": round(sum(r["win_without_question_words"] for r in rows) / n, 4),
             "ties": sum(r["true_overlap"] == r["other_overlap"] for r in rows), "rows": rows}
@@ -433,9 +436,10 @@ def evaluate_model(path: Path, a: argparse.Namespace, items: list[DocItem], pick
         a.trace_dir.mkdir(parents=True, exist_ok=True)
         np.save(a.trace_dir / f"{path.name}-routing-trace.npy", trace)
     t0 = time.time()
-    out["docstring_test"] = docstring_test(model, tok, picked, a.seed, a.max_tokens)
+    out["docstring_test"] = docstring_test(model, tok, picked, a.seed, a.max_tokens, a.question)
     log(f"  docstring test: {out['docstring_test']['win_rate']:.0%} wins "
-        f"({out['docstring_test']['win_rate_without_question_words']:.0%} without the question's words) "
+        f"({out['docstring_test']['win_rate_without_question_words']:.0%} without the question's words), "
+        f"{out['docstring_test']['answers_naming_the_function']} answers name the function, "
         f"in {time.time() - t0:.0f} s")
     return out
 
@@ -478,6 +482,9 @@ def main(argv=None) -> None:
     p.add_argument("--experts", choices=["auto", "float", "quantized"], default="auto",
                    help="auto: float32 experts on a CPU (the same values; MLX's CPU gather_mm is float32-only)")
     p.add_argument("--trace-dir", type=Path, default=None, help="also save each model's routing trace here")
+    p.add_argument("--question", default=QUESTION, help="the docstring test's question ({name}: the function)")
+    p.add_argument("--docstring-items", choices=["heldout", "train"], default="heldout",
+                   help="ask about held-out functions (the test) or training ones (a probe of recall)")
     a = p.parse_args(argv)
 
     root = stdlib_root()
@@ -485,8 +492,11 @@ def main(argv=None) -> None:
     t0 = time.time()
     items = mine_stdlib(root, files)
     train_text = "".join((root / f).read_text(encoding="utf-8") for f in files if not is_heldout(f))
-    _, val_items = split_items(items)
-    picked = pick_functions(val_items, train_text, a.functions, a.seed)
+    train_items, val_items = split_items(items)
+    if a.docstring_items == "train":  # a recall probe: functions the model was trained on
+        picked = pick_functions(train_items, "", a.functions, a.seed)
+    else:
+        picked = pick_functions(val_items, train_text, a.functions, a.seed)
     log(f"{len(items)} documented items, {len(val_items)} held out; {len(picked)} functions for the docstring test "
         f"({time.time() - t0:.0f} s)")
     results = {}

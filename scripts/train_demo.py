@@ -564,7 +564,7 @@ def train(work: Path, a: argparse.Namespace) -> dict:
                   "vocab_size": SPEC.vocab_size, "mla_layers": SPEC.full_attn_layers},
         "setup": {
             "seed": a.seed, "steps": total, "kept_step": best["step"], "batch": B, "seq_len": T, "tokens_seen": total * B * T,
-            "epochs": round(total * B * T / corpus["train"]["tokens"], 2),
+            "epochs": round(total * B * T / len(train_ids), 2),  # passes over the training stream (code + chat)
             "optimizer": f"AdamW(betas 0.9/0.95, weight decay {a.weight_decay} on matrices)",
             "router_lr": f"{a.router_lr_mult} x lr (no weight decay)",
             "kept": "the weights of the evaluation with the lowest validation-subset loss",
