@@ -333,10 +333,9 @@ def raw_random(model: Path, files: list[Path], chunk: int, total: int, workers: 
     """`raw_round`'s reads at random experts: as many reads as it makes (`total` // `chunk`, the first `workers` of
     each row warming the threads), each one expert's aligned range as the streamer's O_DIRECT read takes it, the
     experts drawn (seeded, without repeats while there are experts left) over every MoE layer of the model."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
+    from streaming import timed_reads
 
-    from tqbench.stream.store import ALIGN, ExpertStore, aligned_buffer
+    from tqbench.stream.store import ALIGN, ExpertStore
 
     store = ExpertStore.open(model)
     ranges = []
@@ -348,34 +347,14 @@ def raw_random(model: Path, files: list[Path], chunk: int, total: int, workers: 
     store.close()
     count = max(1, total // chunk)
     order = np.random.default_rng(seed).permutation(len(ranges))
-    direct = getattr(os, "O_DIRECT", 0)
     rows, used = [], 0
     for w in workers:
         picks = [ranges[order[(used + i) % len(order)]] for i in range(count)]
         used += count
         drop_cache(files)
-        fds = {f: os.open(f, os.O_RDONLY | direct) for f in {r[0] for r in picks}}
-        local = threading.local()
-        biggest = max(n for _, _, n in picks)
-
-        def read(item) -> int:
-            buf = getattr(local, "buf", None)
-            if buf is None:
-                buf = local.buf = aligned_buffer(biggest)
-            f, off, n = item
-            return os.preadv(fds[f], [memoryview(buf)[:n]], off)
-
-        try:
-            with ThreadPoolExecutor(w) as ex:
-                list(ex.map(read, picks[:w]))  # warm the threads and their buffers
-                t0 = time.perf_counter()
-                got = sum(ex.map(read, picks[w:]))
-                seconds = time.perf_counter() - t0
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        got, seconds, direct = timed_reads(picks, w)
         rows.append(dict(workers=w, reads=len(picks) - w, bytes=got, seconds=seconds,
-                         gbps=got / seconds / 1e9 if seconds else None, direct=bool(direct)))
+                         gbps=got / seconds / 1e9 if seconds else None, direct=direct))
     best = max(rows, key=lambda r: r["gbps"] or 0)
     return dict(rows=rows, best_gbps=best["gbps"], best_workers=best["workers"], seed=seed, experts=len(ranges))
 

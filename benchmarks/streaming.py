@@ -279,37 +279,46 @@ def build_store(root: Path, layer_ids: list[int], experts: int, expert_bytes: in
                 build_seconds=time.perf_counter() - t0 if built else None)
 
 
+def timed_reads(items: list[tuple[Path, int, int]], workers: int) -> tuple[int, float, bool]:
+    """Read (file, offset, length) `items` with O_DIRECT where the OS has it (offsets and lengths page-aligned),
+    `workers` threads, each into its own aligned buffer; the first `workers` items warm the threads and are not
+    timed. Returns (bytes timed, seconds, whether O_DIRECT was used)."""
+    from tqbench.stream.store import aligned_buffer
+
+    direct = getattr(os, "O_DIRECT", 0)
+    fds = {f: os.open(f, os.O_RDONLY | direct) for f in {f for f, _, _ in items}}
+    local = threading.local()
+    biggest = max(n for _, _, n in items)
+
+    def read(item) -> int:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = aligned_buffer(biggest)
+        f, off, n = item
+        return os.preadv(fds[f], [memoryview(buf)[:n]], off)
+
+    try:
+        with ThreadPoolExecutor(workers) as ex:
+            list(ex.map(read, items[:workers]))  # warm the threads and their buffers
+            t0 = time.perf_counter()
+            got = sum(ex.map(read, items[workers:]))
+            seconds = time.perf_counter() - t0
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return got, seconds, bool(direct)
+
+
 def raw_direct(files: list[Path], chunk: int, total: int, workers: int, start: int = 0) -> dict:
     """This disk's raw bandwidth: `total` bytes of sequential O_DIRECT reads of `chunk` bytes (rounded up to pages),
     `workers` in flight, from chunk index `start` on (wrapping) over the files' aligned chunks."""
-    from tqbench.stream.store import aligned_buffer
-
     chunk = -(-chunk // ALIGN) * ALIGN
     slots = [(f, i * chunk) for f in files for i in range(f.stat().st_size // chunk)]
     if not slots:
         raise SystemExit(f"no file has room for one {chunk}-byte chunk")
     count = max(1, total // chunk)
     order = [slots[(start + i) % len(slots)] for i in range(count)]
-    direct = getattr(os, "O_DIRECT", 0)
-    fds = {f: os.open(f, os.O_RDONLY | direct) for f in files}
-    local = threading.local()
-
-    def read(item) -> int:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = aligned_buffer(chunk)
-        f, off = item
-        return os.preadv(fds[f], [memoryview(buf)], off)
-
-    try:
-        with ThreadPoolExecutor(workers) as ex:
-            list(ex.map(read, order[:workers]))  # warm the threads and their buffers
-            t0 = time.perf_counter()
-            got = sum(ex.map(read, order[workers:]))
-            seconds = time.perf_counter() - t0
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+    got, seconds, direct = timed_reads([(f, off, chunk) for f, off in order], workers)
     return dict(workers=workers, chunk=chunk, bytes=got, seconds=seconds, gbps=got / seconds / 1e9 if seconds else None,
                 direct=bool(direct))
 
