@@ -136,9 +136,18 @@ def prepare(work: Path, stdlib: Path | None, a: argparse.Namespace | None = None
         "tokenizer": {"merges": SPEC.bpe_merges, "vocab": SPEC.vocab_size, "trained_on": "the whole training split"},
     }
     if spec_name == "chat":
+        code_files = list(train_files)
+        if getattr(a, "code_tests", False):  # the test suites as more training code (not held out; BPE unchanged)
+            from tqbench.demo.corpus import test_files
+
+            tests = [f for f in test_files(root) if not is_heldout(f)]
+            code_files += tests
+            corpus["code_tests"] = {"files": len(tests), "bytes": sum((root / f).stat().st_size for f in tests)}
         code_docs = [np.array(enc.encode_ordinary((root / f).read_text(encoding="utf-8")) + [eos], np.uint32)
-                     for f in train_files]
-        corpus["chat"], train = prepare_chat(work, root, files, enc, code_docs, train_files, a)
+                     for f in code_files]
+        if getattr(a, "code_tests", False):
+            corpus["code_tests"]["tokens"] = int(sum(len(d) for d in code_docs[len(train_files):]))
+        corpus["chat"], train = prepare_chat(work, root, files, enc, code_docs, code_files, a)
     np.save(work / "train.npy", train.astype(np.uint16))
     (work / "corpus.json").write_text(json.dumps(corpus, indent=2) + "\n")
     log(f"corpus: {len(train_files)} train files ({corpus['train']['tokens']:,} tokens), {len(val_files)} held out "
@@ -716,6 +725,9 @@ def main(argv=None) -> None:
     p.add_argument("--chat-share", type=float, default=None,
                    help="prepare: the share of conversation tokens (chat: 0.5)")
     p.add_argument("--greetings", type=int, default=None, help="prepare: small-talk conversations (chat: 400)")
+    p.add_argument("--code-tests", action="store_true",
+                   help="prepare (chat): also train on the standard library's test suites (about 5 M more code "
+                        "tokens; never held out, the BPE and the held-out split unchanged)")
     p.add_argument("--mine", choices=["public", "wide"], default=None,
                    help="prepare: the training conversations' items: public (documented public names, the v4 demo) "
                         "or wide (also private names and signature-only items; chat since v5)")
@@ -725,8 +737,8 @@ def main(argv=None) -> None:
     p.add_argument("--final-windows", type=int, default=0,
                    help="windows of the final held-out evaluation (0: the whole split; fewer for a smoke run)")
     p.add_argument("--kda", choices=["loop", "chunked"], default="loop",
-                   help="train: KDA's recurrence as mlx-lm's per-time-step loop (the shipped runs) or tqbench's chunked "
-                        "form (tqbench.demo.delta: the same values; 3.7x faster steps on the H200)")
+                   help="train: KDA's recurrence as mlx-lm's per-time-step loop (the shipped runs) or tqbench's "
+                        "chunked form (tqbench.demo.delta: the same values; 3.7x faster steps on the H200)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="mx.compile the training step (slow to trace: kimi_k3's KDA loops over time in training)")
     p.add_argument("--save-experts", choices=["float32", "bf16"], default=None,

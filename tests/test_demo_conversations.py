@@ -276,3 +276,17 @@ def test_chat_spec_has_k3s_active_share_and_fits_a_wheel():
 def test_docitem_owner_and_short():
     item = DocItem("json/encoder.py", "json", "json", "method", "json.JSONEncoder.encode", "", "Encode it now.")
     assert (item.short, item.owner) == ("encode", "JSONEncoder")
+
+
+def test_test_files_are_the_test_suites_only(tmp_path):
+    from tqbench.demo.corpus import test_files
+
+    for rel, data in {"json/__init__.py": b"x = 1\n", "test/test_json.py": b"def test(): pass\n",
+                      "ctypes/tests/t.py": b"y = 2\n", "idlelib/idle_test/h.py": b"z = 3\n",
+                      "site-packages/pkg/tests/t.py": b"no = 1\n", "test/bad_coding.py": b"# coding: latin-1\n\xe9\n",
+                      "test/data.txt": b"not python\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    got = test_files(tmp_path)
+    assert got == ["ctypes/tests/t.py", "idlelib/idle_test/h.py", "test/test_json.py"]
+    assert not set(got) & set(corpus_files(tmp_path)) and corpus_files(tmp_path) == ["json/__init__.py"]

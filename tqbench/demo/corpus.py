@@ -36,6 +36,28 @@ def corpus_files(root: Path | None = None) -> list[str]:
     return sorted(out)
 
 
+TEST_DIRS = frozenset({"test", "tests", "idle_test"})
+
+
+def test_files(root: Path | None = None) -> list[str]:
+    """The standard library's own test suites (`.py` files under a `test`, `tests` or `idle_test` directory outside
+    site-packages), sorted, skipping files that are not UTF-8 text (some tests carry deliberately broken encodings):
+    more code to train on (`scripts/train_demo.py --code-tests`), never part of the held-out evaluation."""
+    root = Path(root or stdlib_root())
+    out = []
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root).as_posix()
+        dirs = rel.split("/")[:-1]
+        if not TEST_DIRS & set(dirs) or {"site-packages", "dist-packages"} & set(dirs) or not f.is_file():
+            continue
+        try:
+            f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        out.append(rel)
+    return sorted(out)
+
+
 def is_heldout(rel: str) -> bool:
     """Whether a corpus file belongs to the validation split: decided by its relative path alone."""
     return int.from_bytes(hashlib.sha256(rel.encode()).digest()[:4], "big") % HELDOUT_EVERY == 0

@@ -15,7 +15,8 @@ Within a chunk, with c_t the cumulative log decay from the chunk's start (so dia
 
 where the pseudo-values u solve the unit lower-triangular system
 
-    u_t + beta_t sum_{s<t} A[t, s] u_s = beta_t (v_t - S_0 (k_t * exp(c_t))),  A[t, s] = sum_d k_t[d] exp(c_t[d] - c_s[d]) k_s[d].
+    u_t + beta_t sum_{s<t} A[t, s] u_s = beta_t (v_t - S_0 (k_t * exp(c_t))),
+    A[t, s] = sum_d k_t[d] exp(c_t[d] - c_s[d]) k_s[d].
 
 (I + diag(beta) A)^-1 = sum_{j<C} N^j with N = -diag(beta) A strictly lower (nilpotent), computed as the product
 (I + N)(I + N^2)(I + N^4)... in log2(C) matrix products. Exponents are differences c_t - c_s with s <= t (never
