@@ -37,7 +37,7 @@ import platform
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import with_openblas  # noqa: E402
+from measure import add_size_options, sizes, with_openblas  # noqa: E402
 
 if __name__ == "__main__":
     with_openblas()
@@ -130,15 +130,12 @@ def summarize(rows: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
-    for k, v in DEFAULTS.items():
-        p.add_argument("--" + k.replace("_", "-"), type=type(v), help=f"default {v} (--quick: {QUICK[k]})")
+    add_size_options(p, DEFAULTS, QUICK)
     p.add_argument("--variants", default=None, help="a comma-separated subset of the variants (default: all)")
     p.add_argument("--out", type=Path, default=Path("bench-results/profile.json"))
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
     a = p.parse_args(argv)
-    cfg = dict(QUICK if a.quick else DEFAULTS)
-    cfg.update({k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None})
+    cfg = sizes(a, DEFAULTS, QUICK)
 
     from tqbench.convert import convert
     from tqbench.demo import SHIPPED_SPEC, ensure_demo

@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers next to this script
-from measure import drop_cache  # noqa: E402
+from measure import add_size_options, drop_cache, sizes  # noqa: E402
 
 SCHEMA = "tqbench.bench.k3gpu/1"
 RECIPE = "tq3a-tqTe-down4-g64"
@@ -468,9 +468,7 @@ def machine_info() -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a CPU smoke run at tiny shapes")
-    for k, v in DEFAULTS.items():
-        p.add_argument("--" + k.replace("_", "-"), type=type(v), help=f"default {v} (--quick: {QUICK[k]})")
+    add_size_options(p, DEFAULTS, QUICK, "a CPU smoke run at tiny shapes")
     p.add_argument("--parts", default="convert,stream,resident",
                    help="any of convert, build (the streaming model only), stream, resident")
     p.add_argument("--runs", default="A,B,W,8,L", help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead")
@@ -491,8 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.work is None:
         p.error("--work is required (a directory on the disk to measure)")
-    cfg = dict(QUICK if a.quick else DEFAULTS)
-    cfg.update({k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None})
+    cfg = sizes(a, DEFAULTS, QUICK)
     spec_kw = QUICK_SPEC if a.quick else SPEC
     parts = set(a.parts.split(","))
     work = a.work

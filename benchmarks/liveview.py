@@ -38,7 +38,7 @@ import platform
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import with_openblas  # noqa: E402
+from measure import add_size_options, sizes, with_openblas  # noqa: E402
 
 if __name__ == "__main__":
     with_openblas()
@@ -272,16 +272,13 @@ def summarize(runs: list[dict], repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK['repeats']} repeats")
-    for k, v in DEFAULTS.items():
-        p.add_argument("--" + k.replace("_", "-"), type=type(v), help=f"default {v}")
+    add_size_options(p, DEFAULTS, QUICK, f"smoke run: {QUICK['repeats']} repeats")
     p.add_argument("--work", type=Path, help="work directory (default: a temporary one, removed afterwards; a given "
                                              "one keeps the converted model for reuse)")
     p.add_argument("--out", type=Path, default=Path("bench-results/liveview.json"), help="JSON result file")
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
     a = p.parse_args(argv)
-    cfg = dict(QUICK if a.quick else DEFAULTS)
-    cfg.update({k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None})
+    cfg = sizes(a, DEFAULTS, QUICK)
 
     tmp = a.work is None
     work = Path(tempfile.mkdtemp(prefix="tqbench-bench-liveview-")) if tmp else a.work.resolve()

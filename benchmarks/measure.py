@@ -1,5 +1,6 @@
-"""Measurement helpers the benchmarks share: a process's memory (peak and current RSS), whether OpenBLAS is loaded, and
-the page cache (how much of some files it holds, and dropping them from it) so a read measures the disk, not memory."""
+"""Measurement helpers the benchmarks share: their size options (--quick and one option per size), a process's memory
+(peak and current RSS), whether OpenBLAS is loaded, and the page cache (how much of some files it holds, and dropping
+them from it) so a read measures the disk, not memory."""
 
 from __future__ import annotations
 
@@ -95,3 +96,16 @@ def drop_cache(files: list[Path]) -> bool:
         finally:
             os.close(fd)
     return True
+
+
+def add_size_options(p, defaults: dict, quick: dict, quick_help: str | None = None) -> None:
+    """A benchmark's size options: --quick (the `quick` sizes) and one --NAME per entry of `defaults` (None unless
+    given, so `sizes` can tell)."""
+    p.add_argument("--quick", action="store_true", help=quick_help or f"smoke run: {quick}")
+    for k, v in defaults.items():
+        p.add_argument("--" + k.replace("_", "-"), type=type(v), help=f"default {v} (--quick: {quick[k]})")
+
+
+def sizes(a, defaults: dict, quick: dict) -> dict:
+    """The sizes a run uses: `quick` or `defaults`, and each size given on the command line instead."""
+    return {**(quick if a.quick else defaults), **{k: getattr(a, k) for k in defaults if getattr(a, k) is not None}}

@@ -36,7 +36,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import with_openblas  # noqa: E402
+from measure import add_size_options, sizes, with_openblas  # noqa: E402
 
 if __name__ == "__main__":
     with_openblas()
@@ -225,9 +225,7 @@ def print_tables(doc: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
-    for k, v in DEFAULTS.items():
-        p.add_argument("--" + k, type=type(v), help=f"default {v} (--quick: {QUICK[k]})")
+    add_size_options(p, DEFAULTS, QUICK)
     p.add_argument("--trace", type=Path, action="append", default=[],
                    help="a routing trace .npy [moe layers, tokens, k] instead of the demo's workloads (repeatable); "
                         "layers count 0.. and experts 0..max+1")
@@ -237,10 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed for the code trace's child process")
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
     a = p.parse_args(argv)
-    cfg = dict(QUICK if a.quick else DEFAULTS)
-    for k in DEFAULTS:
-        if getattr(a, k) is not None:
-            cfg[k] = getattr(a, k)
+    cfg = sizes(a, DEFAULTS, QUICK)
     t_start = time.perf_counter()
     work = a.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ import platform
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import with_openblas  # noqa: E402
+from measure import add_size_options, sizes, with_openblas  # noqa: E402
 
 if __name__ == "__main__":
     with_openblas()
@@ -664,9 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default=DEFAULT_RECIPES, help=f"comma-separated recipe names (default "
                                                               f"{DEFAULT_RECIPES}); '{BASELINE}' is always measured")
-    p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
-    for k, v in DEFAULTS.items():
-        p.add_argument("--" + k.replace("_", "-"), type=int, help=f"default {v} (--quick: {QUICK[k]})")
+    add_size_options(p, DEFAULTS, QUICK)
     p.add_argument("--profile", action="store_true", help="also time a decode step per module class for every model")
     p.add_argument("--work", type=Path, help="work directory (default: a temporary directory, removed afterwards)")
     p.add_argument("--out", type=Path, default=Path("bench-results/runtime.json"), help="JSON result file")
@@ -674,10 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
     a = p.parse_args(argv)
 
-    cfg = dict(QUICK if a.quick else DEFAULTS)
-    for k in DEFAULTS:
-        if getattr(a, k) is not None:
-            cfg[k] = getattr(a, k)
+    cfg = sizes(a, DEFAULTS, QUICK)
     recipes = [r.strip() for r in a.recipes.split(",") if r.strip()]
     tmp = a.work is None
     work = Path(tempfile.mkdtemp(prefix="tqbench-bench-runtime-")) if tmp else a.work.resolve()

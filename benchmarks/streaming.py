@@ -57,7 +57,7 @@ import platform
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import with_openblas  # noqa: E402
+from measure import add_size_options, sizes, with_openblas  # noqa: E402
 
 if __name__ == "__main__":
     with_openblas()
@@ -1012,9 +1012,7 @@ def print_tables(doc: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
-    for k, v in DEFAULTS.items():
-        p.add_argument("--" + k.replace("_", "-"), type=type(v), help=f"default {v} (--quick: {QUICK[k]})")
+    add_size_options(p, DEFAULTS, QUICK)
     p.add_argument("--parts", default="replay,e2e", help="replay, e2e or both (default)")
     p.add_argument("--work", type=Path, help="work directory (default: a temporary directory, removed afterwards; a "
                                              "given one keeps the expert file, the trace and the model for reuse)")
@@ -1022,10 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per child process")
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
     a = p.parse_args(argv)
-    cfg = dict(QUICK if a.quick else DEFAULTS)
-    for k in DEFAULTS:
-        if getattr(a, k) is not None:
-            cfg[k] = getattr(a, k)
+    cfg = sizes(a, DEFAULTS, QUICK)
     parts = {x.strip() for x in a.parts.split(",") if x.strip()}
     if not parts <= {"replay", "e2e"}:
         raise SystemExit(f"--parts: unknown {sorted(parts - {'replay', 'e2e'})}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 from pathlib import Path
 
@@ -51,3 +52,11 @@ def k3_skeleton(tmp_path_factory) -> Path:
     from tqbench.skeleton import write_k3_skeleton
 
     return write_k3_skeleton(tmp_path_factory.mktemp("k3") / "Kimi-K3")
+
+
+def load_script(path: Path):
+    """A script that is not a package module (benchmarks/, scripts/) imported from its file."""
+    spec = importlib.util.spec_from_file_location(f"script_{Path(path).stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

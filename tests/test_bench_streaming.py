@@ -3,7 +3,6 @@ complete JSON; its offline bounds are checked on hand-made traces."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import load_script
 from tqbench.demo import SHIPPED_SPEC
 
 pytestmark = pytest.mark.slow  # traces the demo, writes a 470 MB expert file, converts and decodes a model (~45 s)
@@ -23,10 +23,7 @@ E, K = SHIPPED_SPEC.num_experts, SHIPPED_SPEC.num_experts_per_token
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_streaming", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 def test_best_fixed_set_and_belady_on_hand_made_traces():

@@ -4,7 +4,6 @@ its uint16 counts from overflowing; and benchmarks/policies.py's budgets and gap
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import load_script
 from tqbench.stream.cache import DEFAULT_POLICY, LRFU, POLICIES, NextLRFU, SlotCache
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "policies.py"
@@ -205,10 +205,7 @@ def test_seed_gives_lrfu_next_its_history_and_policies_validate():
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_policies", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 def test_policies_script_budgets_and_gap_on_a_small_trace():
