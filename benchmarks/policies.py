@@ -51,8 +51,8 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from streaming import (_demo_digest, batches_of, belady_hit_rate, best_fixed_hit_rate, machine_info,  # noqa: E402
-                       prepare_trace, simulate)
+from streaming import (_demo_digest, batches_of, belady_hit_rate, best_fixed_hit_rate, lookup,  # noqa: E402
+                       machine_info, prepare_trace, simulate)
 
 SCHEMA = "tqbench.bench.policies/1"
 GOAL = 1 / 3
@@ -87,12 +87,7 @@ def oracle_hit_rate(batches, budget: int, h: int, lam: float = 0.02) -> float:
         ahead = {(layer, e) for later in batches[t + 1:t + 1 + h] for layer, es in later for e in es}
         this = [(layer, set(es)) for layer, es in token]
         for i, (layer, experts) in enumerate(token):
-            locked, missing = set(), []
-            for e in experts:
-                if cache.lookup((layer, e), now) is not None:
-                    locked.add((layer, e))
-                else:
-                    missing.append(e)
+            locked, missing = lookup(cache, layer, experts, now)
             hits += len(experts) - len(missing)
             total += len(experts)
             rest = {(lay, e) for lay, es in this[i + 1:] for e in es}

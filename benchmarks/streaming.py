@@ -143,6 +143,18 @@ def make_cache(budget: int, policy: str, lam: float | None = None):
     return cache
 
 
+def lookup(cache, layer: int, experts, now: int) -> tuple[set, list]:
+    """The streamer's first step for one layer: look each routed expert up (a hit counts as a use at `now`); returns
+    the cached ones, locked for this layer, and the missing ones, in routing order."""
+    locked, missing = set(), []
+    for e in experts:
+        if cache.lookup((layer, e), now) is not None:
+            locked.add((layer, e))
+        else:
+            missing.append(e)
+    return locked, missing
+
+
 def simulate(batches, cache, start: int = 0, stop: int | None = None, snapshot_at: int | None = None) -> dict:
     """Drive `cache` over tokens [start, stop) as the streamer does (ticks count tokens from 1): per layer call, look up
     every distinct routed expert (a hit touches it), then place the misses, in order, with the layer's experts locked.
@@ -155,13 +167,7 @@ def simulate(batches, cache, start: int = 0, stop: int | None = None, snapshot_a
             snap = copy.deepcopy(cache)
         now = t + 1
         for layer, experts in batches[t]:
-            locked = set()
-            missing = []
-            for e in experts:
-                if cache.lookup((layer, e), now) is not None:
-                    locked.add((layer, e))
-                else:
-                    missing.append(e)
+            locked, missing = lookup(cache, layer, experts, now)
             hits += len(experts) - len(missing)
             misses += len(missing)
             for e in missing:
@@ -438,12 +444,7 @@ def replay(batches, cache, reader: Reader, start: int, misses: int) -> dict:
     while t < len(batches) and reader.misses < misses:
         now = t + 1
         for layer, experts in batches[t]:
-            locked, missing = set(), []
-            for e in experts:
-                if cache.lookup((layer, e), now) is not None:
-                    locked.add((layer, e))
-                else:
-                    missing.append(e)
+            locked, missing = lookup(cache, layer, experts, now)
             hits += len(experts) - len(missing)
             if missing:
                 calls += 1
