@@ -30,10 +30,11 @@ Part 1, routing-trace replay (no model runs during the replay):
 4. Disk replay: for each budget and policy the cache state is taken at the middle of the trace, and from there the
    trace is replayed with real reads until `--misses` misses were read, once per read mode (`--workers` x fan-out
    off/on, and fan-out whose loop waits only on pending reads, "fan*"): every miss is read with
-   `ExpertStore.read_direct` (O_DIRECT) by a thread pool into page-aligned staging buffers, one per worker, and placed
-   into the cache as its read completes: the loop of `Streamer._page_in` without the slot write (with fan-out each
-   expert's aligned range is cut into `workers` pieces by `ExpertStore.direct_pieces`). Before every replay the store
-   file's pages are dropped (posix_fadvise DONTNEED) and after it `mincore` measures how much of it is cached.
+   `ExpertStore.read_direct` (O_DIRECT) by a thread pool into page-aligned staging buffers, as many as the streamer
+   has (`read_buffers`: two per worker), and placed into the cache as its read completes: the loop of
+   `Streamer._page_in` without the slot copy, which the streamer's worker makes right after the read (with fan-out
+   each expert's aligned range is cut into `workers` pieces by `ExpertStore.direct_pieces`). Before every replay the
+   store file's pages are dropped (posix_fadvise DONTNEED) and after it `mincore` measures how much of it is cached.
    Throughput on misses = expert bytes read / seconds spent in page-ins, divided by this disk's raw O_DIRECT bandwidth
    measured right before that replay (`--pair-bytes` of sequential reads of one expert's size at the worker count that
    was best in the budget's round of raw reads at every worker count); goal >= 0.9.
@@ -330,9 +331,9 @@ def raw_direct(files: list[Path], chunk: int, total: int, workers: int, start: i
 
 
 class Reader:
-    """The streamer's page-in loop (Streamer._page_in + _submit, direct or buffered) without the slot write: misses
-    are read by `workers` threads into page-aligned staging buffers, one per worker, and placed into the cache as
-    their reads complete.
+    """The streamer's page-in loop (Streamer._page_in + _submit, direct or buffered) without the slot copy: misses
+    are read by `workers` threads into page-aligned staging buffers, as many as the streamer has
+    (`read_buffers(workers)`), and placed into the cache as their reads complete.
 
     `pending_only` False waits as the streamer does, on every in-flight read future (`FIRST_COMPLETED`); with fan-out
     an expert's finished pieces then make every wait return at once while its other pieces are still being read, and
@@ -340,13 +341,14 @@ class Reader:
 
     def __init__(self, store, workers: int, fanout: bool, pending_only: bool = False):
         from tqbench.stream.store import aligned_buffer
+        from tqbench.stream.streamer import read_buffers
 
         self.store = store
         self.workers = workers
         self.fanout = fanout
         self.pending_only = pending_only
         biggest = max(store.buffer_bytes(n) for n in store.layers)
-        self.buffers = [aligned_buffer(biggest) for _ in range(workers)]
+        self.buffers = [aligned_buffer(biggest) for _ in range(read_buffers(workers))]
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="bench-read")
         self.reset()
 
@@ -797,7 +799,9 @@ def run_e2e(work: Path, cfg: dict, quick: bool, timeout: float, notes: list[str]
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 256, cfg["e2e_prompt"]).tolist()  # byte tokens of the random model's vocabulary
     eb, total, w = model["expert_bytes"], model["expert_total_bytes"], cfg["e2e_workers"]
-    staging = w * (eb + 2 * ALIGN)
+    from tqbench.stream.streamer import staging_bytes
+
+    staging = staging_bytes(eb + 2 * ALIGN, w)  # the streamer's staging buffers (O_DIRECT: an aligned superset each)
     small = max(int(cfg["e2e_share"] * total // eb), 1) * eb + staging
     runs = [("resident", None),
             ("streamed, fits", dict(budget_bytes=total + staging + eb, workers=w, page_cache="off", prewarm=True)),

@@ -247,6 +247,7 @@ def test_streamed_generation_with_lrfu_next_is_bit_identical_with_a_seeded_and_p
     from tqbench.runtime.load import load
     from tqbench.stream import StreamConfig
     from tqbench.stream.budget import model_bytes
+    from tqbench.stream.streamer import staging_bytes
 
     path = tmp_path / "src"
     list(convert(ensure_demo(), path, Recipe.parse("src")))
@@ -259,7 +260,7 @@ def test_streamed_generation_with_lrfu_next_is_bit_identical_with_a_seeded_and_p
 
     want_logits, want_tokens = run(load(path).model)
     expert = model_bytes(path).one_expert
-    loaded = load(path, streaming=StreamConfig(2 * expert + 40 * expert, 2, "lrfu-next"))
+    loaded = load(path, streaming=StreamConfig(staging_bytes(expert, 2) + 40 * expert, 2, "lrfu-next"))
     st = loaded.streamer
     pool = st.pools[0]
     assert isinstance(pool.cache.policy, NextLRFU)

@@ -1,17 +1,19 @@
-"""Expert streaming on the engine thread: slot pools in MLX memory, a byte budget, reads by worker threads.
+"""Expert streaming on the engine thread: slot pools in MLX memory, a byte budget, reads and slot copies by worker
+threads (they only move bytes; every MLX call, and the GPU prefetch of a written slot, stays on the engine thread).
 
 Each MoE layer's SwitchGLU keeps its own code: its projections' per-expert arrays (weight, scales, biases) are
 replaced by slot pools shared by every layer of the same shapes, and the layer is called with slot numbers instead of
 expert numbers. So a streamed layer computes exactly what the resident one does, expert for expert. Page-ins write
 straight into a pool slot's memory (tqbench/managed.py); nothing is stacked or copied per token.
 
-The budget covers the pools and the staging buffers reads land in (one per worker): nothing is held outside it.
+The budget covers the pools and the staging buffers reads land in (two per worker): nothing is held outside it.
 When a layer needs more distinct experts than the pool has slots (a small budget, a long prefill), it runs in
 chunks of experts, each chunk's rows selected exactly.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -41,6 +43,19 @@ class StreamConfig:
     lookahead: bool = False  # during decode, read layer L+1's likely experts (its router on layer L's input)
 
 
+def read_buffers(workers: int) -> int:
+    """Staging buffers for `workers` read threads: two each, so a worker starts its next read while its last one is
+    still being copied into a slot (with one each, a layer's fifth miss on four workers waited for a read and a copy).
+    The budget counts them: `staging_bytes(...)`."""
+    return 2 * max(1, workers)
+
+
+def staging_bytes(buffer_bytes: int, workers: int) -> int:
+    """The budget's staging share: read_buffers(workers) buffers of `buffer_bytes` (ExpertStore.buffer_bytes of the
+    largest expert: its bytes, plus 2 * ALIGN for O_DIRECT reads)."""
+    return read_buffers(workers) * buffer_bytes
+
+
 class Pool:
     """Slot arrays for layers of one signature, and which (layer, expert) each slot holds."""
 
@@ -64,20 +79,22 @@ class Pool:
         for v in self.views.values():
             self.prefetch.to_host(v[slot])
 
-    def write(self, slot: int, buf: np.ndarray) -> tuple[float, float]:
-        """Copy one expert from a staging buffer into `slot` of every part's array. The caller guarantees that no
-        pending computation reads the pool (see tqbench.managed). Returns the seconds spent copying and the seconds
-        spent asking for the GPU prefetch (timing only)."""
-        copy = gpu = 0.0
+    def copy_in(self, slot: int, buf: np.ndarray) -> float:
+        """Copy one expert from a staging buffer into `slot` of every part's array. Numpy only (np.copyto releases the
+        GIL), so a read worker runs it. The caller guarantees that no pending computation reads the pool (see
+        tqbench.managed) and that nothing else writes this slot or `buf` meanwhile. Returns the seconds it took."""
+        t0 = time.perf_counter()
         for p in self.parts:
-            dst = self.views[(p.projection, p.param)][slot]
-            t0 = time.perf_counter()
-            np.copyto(dst, part_array(buf, p), casting="no")
-            t1 = time.perf_counter()
-            self.prefetch.to_gpu(dst)
-            copy += t1 - t0
-            gpu += time.perf_counter() - t1
-        return copy, gpu
+            np.copyto(self.views[(p.projection, p.param)][slot], part_array(buf, p), casting="no")
+        return time.perf_counter() - t0
+
+    def to_gpu(self, slot: int) -> float:
+        """Start moving a written slot's pages to the GPU (CUDA; a no-op elsewhere). Engine thread, after copy_in.
+        Returns the seconds spent asking (timing only)."""
+        t0 = time.perf_counter()
+        for v in self.views.values():
+            self.prefetch.to_gpu(v[slot])
+        return time.perf_counter() - t0
 
 
 class Streamer:
@@ -93,7 +110,7 @@ class Streamer:
                                                                        _much_larger_than_ram(store)))
         biggest = max(store.buffer_bytes(n) for n in layouts)
         workers = max(1, config.workers)
-        staging = workers * biggest
+        staging = staging_bytes(biggest, workers)
         self.stats = StreamStats(budget_bytes=config.budget_bytes, staging_bytes=staging,
                                  page_cache="off" if self.direct else "on")
         # Pools per signature; the budget left after staging is shared in proportion to the experts' bytes. No pool
@@ -114,8 +131,8 @@ class Streamer:
             slots = min(int(share // per.nbytes), len(group) * per.experts)
             if slots < 1:
                 raise StoreError(f"the cache budget ({config.budget_bytes:,} bytes) cannot hold one expert "
-                                 f"({per.nbytes:,} bytes) plus {workers} read buffer(s) ({staging:,} bytes)",
-                                 store.root)
+                                 f"({per.nbytes:,} bytes) plus {read_buffers(workers)} read buffers "
+                                 f"({staging:,} bytes)", store.root)
             widest = max(p.nbytes for p in per.parts)  # bytes per slot of the pool's largest array
             cap = config.max_array_bytes // widest  # slots one pool may have
             if cap < 1:
@@ -132,7 +149,8 @@ class Streamer:
                     self.pool_of[lay.layer] = pool
         self.stats.slots = sum(p.slots for p in self.pools)
         self.stats.slot_bytes = sum(p.slots * p.nbytes for p in self.pools)
-        self._buffers = [aligned_buffer(biggest) for _ in range(workers)]
+        self._workers = workers
+        self._buffers = [aligned_buffer(biggest) for _ in range(read_buffers(workers))]
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="tqbench-read")
         self.events: list[PageIn] = []
         self.token = 0  # forward passes so far (a decode step or a prefill chunk each)
@@ -207,28 +225,38 @@ class Streamer:
                       locked: set) -> tuple[int, int]:
         """Look-ahead reads for `layer`: routed experts among them go into slots ("prefetched" if the read was done
         before it was needed, else a miss that waited); the others are dropped (speculative bytes, wasted).
-        Returns (bytes read on the critical path, bytes read speculatively)."""
+        Returns (bytes read on the critical path, bytes read speculatively). The copies into slots run on the workers,
+        in parallel; this returns once they are done (also when a read failed: then the error is re-raised once nothing
+        writes a staging buffer or a slot anymore)."""
         critical = speculative = 0
         ahead, self._ahead = self._ahead, {}
         was, self._ahead_layer = self._ahead_layer, None
         n = self.store.layers[was].nbytes if was is not None else 0
-        for e, (buf, fs) in ahead.items():
-            in_time = all(f.done() for f in fs)
-            reads = sum(f.result() for f in fs)  # waits; re-raises a StoreError
-            self.stats.reads += reads
-            if was == layer and e in routed and e not in slots and len(locked | pool.cache.pinned) < pool.slots:
-                slot, _ = pool.cache.place((layer, e), self._tick, locked)
-                locked.add((layer, e))
-                pool.write(slot, buf[self.store.shift(layer, e):])
-                slots[e] = slot
-                self.stats.lookahead_used += 1
-                if in_time:
-                    served[e] = "prefetched"
-                    speculative += n
+        copies: list[tuple[int, Future]] = []
+        try:
+            for e, (buf, fs) in ahead.items():
+                in_time = all(f.done() for f in fs)
+                reads = sum(f.result()[0] for f in fs)  # waits; re-raises a StoreError
+                self.stats.reads += reads
+                if was == layer and e in routed and e not in slots and len(locked | pool.cache.pinned) < pool.slots:
+                    slot, _ = pool.cache.place((layer, e), self._tick, locked)
+                    locked.add((layer, e))
+                    copies.append((slot, self._executor.submit(pool.copy_in, slot, buf[self.store.shift(layer, e):])))
+                    slots[e] = slot
+                    self.stats.lookahead_used += 1
+                    if in_time:
+                        served[e] = "prefetched"
+                        speculative += n
+                    else:
+                        critical += n
                 else:
-                    critical += n
-            else:
-                speculative += n
+                    speculative += n
+            for slot, f in copies:
+                f.result()
+                pool.to_gpu(slot)
+        except BaseException:
+            wait([f for _, fs in ahead.values() for f in fs] + [f for _, f in copies])
+            raise
         return critical, speculative
 
     # ---- called by the streamed layers, on the engine thread ----
@@ -333,62 +361,81 @@ class Streamer:
 
     def _read_into(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int],
                    clock: _MissClock | None = None) -> int:
+        """Reads on the workers into free staging buffers; the worker that ends an expert's last read copies it into
+        its slot (so copies run in parallel and overlap the other reads, and no thread hand-off comes between a read
+        and its copy). Here, on the engine thread, once an expert's reads and copy are done: the slot's GPU prefetch,
+        and its buffer is free again. Returns once every copy is done, so no computation reads the pool while a slot
+        is written; when a read fails, the error is re-raised once every read and copy still running has ended
+        (nothing writes a buffer or a slot after it), and the expert is never copied."""
         pending = deque(sorted(missing))
         free = list(self._buffers)
         # Stacked layouts (several ranges per expert, buffered reads): adjacent experts are read as runs, one scatter
         # read per tensor; runs are kept short enough that every worker gets one.
         coalesce = (len(self.store.layers[layer].extents[0]) > 1 and not self.store.direct and not self.config.fanout)
-        longest = max(1, -(-len(missing) // len(self._buffers))) if coalesce else 1
-        inflight: dict[tuple[int, ...], tuple[list[np.ndarray], list[Future]]] = {}
+        longest = max(1, -(-len(missing) // self._workers)) if coalesce else 1
+        inflight: dict[tuple[int, ...], tuple[list[np.ndarray], list[Future], list | None]] = {}
         total = 0
         n = self.store.layers[layer].nbytes
-        while pending or inflight:
-            while pending and free:
-                run = [pending.popleft()]
-                while pending and len(run) < min(longest, len(free)) and pending[0] == run[-1] + 1:
-                    run.append(pending.popleft())
-                bufs = [free.pop() for _ in run]
-                times = None if clock is None else clock.submitted(len(run))
-                if len(run) > 1:
-                    futures = [self._go(times, self.store.read_run, layer, run, bufs)]
-                else:
-                    futures = self._submit(layer, run[0], bufs[0], times)
-                inflight[tuple(run)] = (bufs, futures, times)
-            running = [f for _, fs, _ in inflight.values() for f in fs if not f.done()]
-            if running:  # only reads still running: a finished piece of a fanned-out expert must not make this spin
-                wait(running, return_when=FIRST_COMPLETED)
-            for run in [r for r, (_, fs, _) in inflight.items() if all(f.done() for f in fs)]:
-                bufs, fs, times = inflight.pop(run)
-                self.stats.reads += sum(f.result() for f in fs)  # re-raises a StoreError from the worker
-                if clock is not None:
-                    clock.finished(times)
-                for e, buf in zip(run, bufs):
-                    copied = pool.write(slots[e], buf[self.store.shift(layer, e):])
+        try:
+            while pending or inflight:
+                while pending and free:
+                    run = [pending.popleft()]
+                    while pending and len(run) < min(longest, len(free)) and pending[0] == run[-1] + 1:
+                        run.append(pending.popleft())
+                    bufs = [free.pop() for _ in run]
+                    times = None if clock is None else clock.submitted(len(run))
+                    copy = _Copy(pool, [(slots[e], buf[self.store.shift(layer, e):]) for e, buf in zip(run, bufs)])
+                    if len(run) > 1:
+                        futures = self._go([(self.store.read_run, layer, run, bufs)], times, copy)
+                    else:
+                        futures = self._submit(layer, run[0], bufs[0], times, copy)
+                    inflight[tuple(run)] = (bufs, futures, times)
+                # only reads still running: a finished piece of a fanned-out expert must not make this spin
+                running = [f for _, fs, _ in inflight.values() for f in fs if not f.done()]
+                if running:
+                    wait(running, return_when=FIRST_COMPLETED)
+                for run in [r for r, (_, fs, _) in inflight.items() if all(f.done() for f in fs)]:
+                    bufs, fs, times = inflight.pop(run)
+                    done = [f.result() for f in fs]  # re-raises a StoreError from the worker
+                    self.stats.reads += sum(reads for reads, _ in done)
+                    gpu = sum(pool.to_gpu(slots[e]) for e in run)
                     if clock is not None:
-                        clock.copy += copied[0]
-                        clock.to_gpu += copied[1]
-                    total += n
-                    free.append(buf)
+                        clock.finished(times)
+                        clock.copy += sum(copied for _, copied in done)
+                        clock.to_gpu += gpu
+                    total += n * len(run)
+                    free.extend(bufs)
+        except BaseException:
+            wait([f for _, fs, _ in inflight.values() for f in fs])
+            raise
         return total
 
-    def _submit(self, layer: int, expert: int, buf: np.ndarray, times: list | None = None) -> list[Future]:
-        """The reads of one expert, on the workers; `times` (timing only): each read's [submitted, started,
-        finished] perf_counter times are appended to it (see _MissClock)."""
+    def _submit(self, layer: int, expert: int, buf: np.ndarray, times: list | None = None,
+                copy: _Copy | None = None) -> list[Future]:
+        """The reads of one expert, on the workers, then `copy` (by the worker that ends the last of them); `times`
+        (timing only): each read's [submitted, started, finished] perf_counter times are appended to it (see
+        _MissClock)."""
         store = self.store
         if store.direct:
-            pieces = store.direct_pieces(layer, expert, len(self._buffers) if self.config.fanout else 1)
-            return [self._go(times, store.read_direct, layer, expert, buf, [piece]) for piece in pieces]
+            pieces = store.direct_pieces(layer, expert, self._workers if self.config.fanout else 1)
+            return self._go([(store.read_direct, layer, expert, buf, [piece]) for piece in pieces], times, copy)
         if not self.config.fanout:
-            return [self._go(times, store.read, layer, expert, buf)]
-        pieces = store.split(layer, expert, len(self._buffers))
-        return [self._go(times, _read_pieces, store, piece, buf) for piece in pieces]
+            return self._go([(store.read, layer, expert, buf)], times, copy)
+        pieces = store.split(layer, expert, self._workers)
+        return self._go([(_read_pieces, store, piece, buf) for piece in pieces], times, copy)
 
-    def _go(self, times: list | None, fn, *args) -> Future:
-        if times is None:
-            return self._executor.submit(fn, *args)
-        t = [time.perf_counter()]
-        times.append(t)
-        return self._executor.submit(_timed, t, fn, *args)
+    def _go(self, reads: list[tuple], times: list | None, copy: _Copy | None = None) -> list[Future]:
+        """Submit `reads` ((fn, *args) each); each future gives (reads made, seconds spent copying)."""
+        if copy is not None:
+            copy.left = len(reads)
+        out = []
+        for fn, *args in reads:
+            t = None
+            if times is not None:
+                t = [time.perf_counter()]
+                times.append(t)
+            out.append(self._executor.submit(_work, t, copy, fn, *args))
+        return out
 
     def _count(self, layer: int, experts: list[int], served: dict[int, str], read_bytes: int, stall: float) -> None:
         s = self.stats
@@ -427,22 +474,47 @@ def _much_larger_than_ram(store: ExpertStore) -> bool:
     return total > 0.6 * physical_memory()
 
 
-def _timed(t: list[float], fn, *args):
-    """A worker's read, timed: appends its start and end to `t` (the engine thread reads them once the future is
-    done; only bytes and clocks here)."""
-    t.append(time.perf_counter())
-    out = fn(*args)
-    t.append(time.perf_counter())
-    return out
+class _Copy:
+    """The copy of a read expert (or of a run's experts) from its staging buffer(s) into its slot(s), made by the
+    worker that ends the last of its `left` reads (numpy only: Pool.copy_in). A read that fails does not count down,
+    so an expert with a failed read is never copied."""
+
+    __slots__ = ("pool", "into", "left", "lock")
+
+    def __init__(self, pool: Pool, into: list[tuple[int, np.ndarray]]):
+        self.pool = pool
+        self.into = into  # (slot, the expert's bytes in its staging buffer)
+        self.left = 0
+        self.lock = threading.Lock()
+
+    def after_read(self) -> float:
+        with self.lock:
+            self.left -= 1
+            if self.left:
+                return 0.0
+        return sum(self.pool.copy_in(slot, buf) for slot, buf in self.into)
+
+
+def _work(t: list | None, copy: _Copy | None, fn, *args) -> tuple[int, float]:
+    """A worker's read, then, if it ended the expert's last read, its copy into the slot. `t` (timing only): the read's
+    start and end are appended to it (the engine thread reads them once the future is done; only bytes and clocks
+    here). Returns (reads made, seconds spent copying)."""
+    if t is not None:
+        t.append(time.perf_counter())
+    reads = fn(*args)
+    if t is not None:
+        t.append(time.perf_counter())
+    return reads, (copy.after_read() if copy is not None else 0.0)
 
 
 class _MissClock:
-    """Where one demand page-in's time went (engine thread only; the workers only fill their reads' time lists).
-    Per read: `queue` (submitted to started on a worker), `read` (the read itself), `buffer_wait` (the page-in's
-    first submission to this one: an expert waits for a free staging buffer). Per expert: `copy` (into its slot),
-    `to_gpu` and `to_host` (the prefetch calls). The page-in's wall time: `before` (entry to the first submission:
-    slot choice and to_host), `reading` (first submission to the last read's end), `after` (the last read's end to
-    the return: picking up, copying, to_gpu)."""
+    """Where one demand page-in's time went (engine thread only; the workers only fill their reads' time lists and
+    return their copies' seconds). Per read: `queue` (submitted to started on a worker), `read` (the read itself),
+    `buffer_wait` (the page-in's first submission to this one: an expert waits for a free staging buffer). Per expert:
+    `copy` (into its slot, by the worker that ended its last read: copies run in parallel with each other and with
+    the other reads), `to_gpu` and `to_host` (the prefetch calls, on the engine thread). The page-in's wall time:
+    `before` (entry to the first submission: slot choice and to_host), `reading` (first submission to the last read's
+    end), `after` (the last read's end to the return: the copies still running, to_gpu)."""
 
     __slots__ = ("start", "first", "last_end", "queue", "read", "buffer_wait", "copy", "to_gpu", "to_host")
 
