@@ -260,6 +260,32 @@ def test_page_in_timing_totals_are_present_and_consistent(models, expert):
     s.close()
 
 
+@pytest.mark.parametrize("fanout, page_cache, lookahead", [(False, "on", False), (True, "off", True)])
+def test_slot_copies_run_on_the_workers_and_the_gpu_prefetch_on_the_engine_thread(models, resident, expert, monkeypatch,
+                                                                                   fanout, page_cache, lookahead):
+    """Each expert's copy into its slot is made by a read worker (after its last read, with fan-out after its last
+    piece); the slot's GPU prefetch (a CUDA call) stays on the engine thread; the result is still exact."""
+    import threading
+
+    from tqbench.stream.streamer import Pool
+
+    seen: dict[str, set] = {"copy_in": set(), "to_gpu": set()}
+    for name in seen:
+        def spy(self, slot, *args, _name=name, _f=getattr(Pool, name)):
+            seen[_name].add(threading.current_thread().name)
+            return _f(self, slot, *args)
+        monkeypatch.setattr(Pool, name, spy)
+    budget = staging_bytes(expert + 8192, 2) + 12 * expert
+    loaded = load(models[RECIPE], streaming=StreamConfig(budget, 2, "lrfu", fanout, page_cache, lookahead=lookahead))
+    logits, tokens = _run(loaded.model, 6)
+    np.testing.assert_array_equal(logits, resident[RECIPE][0])
+    assert tokens == resident[RECIPE][1][:6]
+    assert seen["copy_in"] and all(n.startswith("tqbench-read") for n in seen["copy_in"])
+    assert seen["to_gpu"] == {threading.current_thread().name}
+    assert not lookahead or loaded.streamer.stats.lookahead_used > 0
+    loaded.streamer.close()
+
+
 def test_a_budget_below_one_expert_is_refused(models, expert):
     assert read_buffers(2) == 4  # two staging buffers per read worker
     staging = staging_bytes(expert, 2)
