@@ -31,7 +31,8 @@ Stages, each reading and writing files under --work (default build/demo-train):
 
 Seeded: the same stdlib, seed and step count give the same data order and initialisation. The defaults are the shipped
 run (583 steps of 128 x 128 tokens: about 7 minutes on one H200 with MLX CUDA, hours on a CPU); `--spec chat` changes
-the defaults to its own (`CHAT_DEFAULTS`: 1,000 steps of 64 x 128 tokens, 50% chat, the banded balancing); flags given
+the defaults to its own (`CHAT_DEFAULTS`: 5,683 steps of 64 x 128 tokens, 50% chat with the stdlib's test suites as
+more code, the banded balancing, the chunked KDA recurrence); flags given
 on the command line win. `--steps 0 --time-budget S` instead times the first steps (inside the warmup, which does not
 depend on the total) and fixes the total from them; train.json records it, and `--steps` with that number repeats the
 run.
@@ -668,16 +669,20 @@ def write_docs_training(work: Path, exported: dict | None, docs: Path = DOCS_JSO
 # left alone (the sign rule only outside [0.25, 4] x mean), so the router may skew without collapse; in 100-step CPU
 # trials this kept every expert in use where a window-averaged load left up to 2% idle (docs/demo-model.md). Data
 # (v5): the wide item set (private names, signature-only items) at 50% chat; v4 was --mine public --chat-share 0.4
-# --bias-band 0.5 2.
+# --bias-band 0.5 2. v6: the stdlib's test suites as more code (--code-tests, a 16.5 M-token stream) and the chunked
+# KDA recurrence (0.15 s a step on the H200), 5,683 steps (what --steps 0 --time-budget 1050 fixed there); v5 was
+# --no-code-tests --kda loop --steps 1000.
 CODE_DEFAULTS = {"work": ROOT / "build" / "demo-train", "dest": None, "docs": DOCS_V1_JSON, "steps": 583,
                  "save_experts": "float32",
                  "batch": 128, "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [1.0, 1.0], "bias_window": 1,
-                 "bias_freeze": 1.0, "chat_share": 0.0, "greetings": 0, "mine": "public"}
-CHAT_DEFAULTS = {"work": ROOT / "build" / "demo-train-chat", "dest": SHIPPED_DEMO, "docs": DOCS_JSON, "steps": 1000,
+                 "bias_freeze": 1.0, "chat_share": 0.0, "greetings": 0, "mine": "public", "code_tests": False,
+                 "kda": "loop"}
+CHAT_DEFAULTS = {"work": ROOT / "build" / "demo-train-chat", "dest": SHIPPED_DEMO, "docs": DOCS_JSON, "steps": 5683,
                  "batch": 64,
                  "save_experts": "bf16",
                  "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [0.25, 4.0], "bias_window": 1,
-                 "bias_freeze": 1.0, "chat_share": 0.5, "greetings": 400, "mine": "wide"}
+                 "bias_freeze": 1.0, "chat_share": 0.5, "greetings": 400, "mine": "wide", "code_tests": True,
+                 "kda": "chunked"}
 
 
 def main(argv=None) -> None:
@@ -725,9 +730,9 @@ def main(argv=None) -> None:
     p.add_argument("--chat-share", type=float, default=None,
                    help="prepare: the share of conversation tokens (chat: 0.5)")
     p.add_argument("--greetings", type=int, default=None, help="prepare: small-talk conversations (chat: 400)")
-    p.add_argument("--code-tests", action="store_true",
+    p.add_argument("--code-tests", action=argparse.BooleanOptionalAction, default=None,
                    help="prepare (chat): also train on the standard library's test suites (about 5 M more code "
-                        "tokens; never held out, the BPE and the held-out split unchanged)")
+                        "tokens; never held out, the BPE and the held-out split unchanged; chat: on since v6)")
     p.add_argument("--mine", choices=["public", "wide"], default=None,
                    help="prepare: the training conversations' items: public (documented public names, the v4 demo) "
                         "or wide (also private names and signature-only items; chat since v5)")
@@ -736,9 +741,9 @@ def main(argv=None) -> None:
     p.add_argument("--eval-batch", type=int, default=32)
     p.add_argument("--final-windows", type=int, default=0,
                    help="windows of the final held-out evaluation (0: the whole split; fewer for a smoke run)")
-    p.add_argument("--kda", choices=["loop", "chunked"], default="loop",
-                   help="train: KDA's recurrence as mlx-lm's per-time-step loop (the shipped runs) or tqbench's "
-                        "chunked form (tqbench.demo.delta: the same values; 3.7x faster steps on the H200)")
+    p.add_argument("--kda", choices=["loop", "chunked"], default=None,
+                   help="train: KDA's recurrence as mlx-lm's per-time-step loop (code; chat up to v5) or tqbench's "
+                        "chunked form (tqbench.demo.delta: the same values; 3.7x faster steps on the H200; chat)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="mx.compile the training step (slow to trace: kimi_k3's KDA loops over time in training)")
     p.add_argument("--save-experts", choices=["float32", "bf16"], default=None,
