@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""The streamer's page-in path against the disk (issues 11 and 14): the real `Streamer` paging K3-sized experts in
+with the page cache bypassed, against raw O_DIRECT reads of the same experts in the same run.
+
+    python benchmarks/page_in.py --work /tmp/page-in          # 96 experts of 10.96 MB (1.05 GB on disk), 4 workers
+    git show REV:tqbench/stream/streamer.py > /tmp/old_streamer.py
+    python benchmarks/page_in.py --work /tmp/page-in --before /tmp/old_streamer.py   # an older streamer, alternated
+    python benchmarks/page_in.py --quick --work /tmp/page-in-q                        # a smoke run (seconds)
+
+(On Linux the script re-executes itself with Debian's OpenBLAS preloaded when it exists and LD_PRELOAD is unset;
+`--no-openblas` opts out.)
+
+The store is `streaming.py`'s: one file of seeded random bytes after a 1,000-byte prefix (offsets not page aligned, as
+in a real shard) and its `expert_map.json`, one MoE layer of `--experts` experts. Each round runs every variant in a
+fresh process (`after` = this checkout's streamer; `before` = the file given to --before, loaded in place of
+`tqbench/stream/streamer.py`), alternating which goes first. In each process:
+- raw: the experts' page-aligned ranges, in the order the page-ins will ask for them, read with O_DIRECT by
+  `--workers` threads into one aligned buffer each (`streaming.timed_reads`), right before and right after the
+  page-ins; their mean is that process's baseline (the disk varies by tens of percent between minutes);
+- page-in: `--calls` demand page-ins of `--per-call` distinct experts each (seeded random sets: one layer's misses),
+  through `Streamer._page_in` with `--workers` workers and a pool of `--slots` slots (LRU), so every read, staging
+  buffer, slot copy and (on CUDA) slot prefetch is the streamer's own; between page-ins a computation reads every
+  pool array, as a layer would (on CUDA the pages go back to the GPU), and is evaluated outside the timing;
+- results: GB/s on misses (expert bytes / seconds in page-ins), the ratio to raw (goal >= 0.9), ms per miss against
+  the raw ms per expert, and the streamer's own split of a miss (its `miss_*` totals per timed miss, where the
+  streamer has them).
+The JSON (`--out`) keeps every process's row and the medians per variant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
+from measure import with_openblas  # noqa: E402
+
+if __name__ == "__main__":
+    with_openblas()
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+SCHEMA = "tqbench.bench.page_in/1"
+RESULT_MARK = "BENCH-RESULT "
+LAYER = 1
+DEFAULTS = dict(experts=96, expert_bytes=10_960_896, workers=4, calls=30, per_call=8, slots=16, rounds=3)
+QUICK = dict(experts=12, expert_bytes=1 << 20, workers=2, calls=6, per_call=4, slots=6, rounds=1)
+
+
+def load_streamer(path: str | None):
+    """This checkout's streamer module, or the file at `path` loaded in its place (it imports the rest of tqbench)."""
+    if path is None:
+        import tqbench.stream.streamer as streamer
+
+        return streamer
+    spec = importlib.util.spec_from_file_location("tqbench.stream._page_in_streamer", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def child(a: dict) -> dict:
+    import mlx.core as mx
+
+    from streaming import timed_reads
+    from tqbench.stream.store import ALIGN, ExpertStore
+
+    S = load_streamer(a["streamer"])
+    root = Path(a["store"])
+    store = ExpertStore.open(root)
+    lay = store.layers[LAYER]
+    eb, workers = lay.nbytes, a["workers"]
+    buffers = S.read_buffers(workers) if hasattr(S, "read_buffers") else workers  # older streamers: one per worker
+    budget = buffers * store.buffer_bytes(LAYER) + a["slots"] * eb
+    st = S.Streamer(store, S.StreamConfig(budget, workers, "lru", False, "off"))
+    if not st.direct:
+        raise SystemExit("this file system refuses O_DIRECT: the page cache cannot be bypassed here")
+    pool = st.pool_of[LAYER]
+    rng = np.random.default_rng(a["seed"])
+    calls = [sorted(int(e) for e in rng.choice(lay.experts, a["per_call"], replace=False)) for _ in range(a["calls"])]
+    data = root / store.files[0]
+
+    def aligned(e: int) -> tuple[Path, int, int]:
+        (x,) = lay.extents[e]
+        lo = x.offset // ALIGN * ALIGN
+        return data, lo, -(-(x.offset + x.length) // ALIGN) * ALIGN - lo
+
+    # warm-up reads (not timed) then the same experts in the page-ins' order
+    order = [aligned(e) for e in calls[0][:workers]] + [aligned(e) for call in calls for e in call]
+    got1, raw1, _ = timed_reads(order, workers)
+    st._page_in(LAYER, pool, [e for e in range(a["per_call"]) if e not in calls[0]], {}, set(), timed=False)
+    seconds, misses = 0.0, 0
+    for i, call in enumerate(calls):
+        st._tick = i + 2
+        missing = [e for e in call if (LAYER, e) not in pool.cache]
+        locked = {(LAYER, e) for e in call if (LAYER, e) in pool.cache}
+        t0 = time.perf_counter()
+        st._page_in(LAYER, pool, missing, {}, locked)
+        seconds += time.perf_counter() - t0
+        misses += len(missing)
+        mx.eval(sum(mx.sum(arr.reshape(arr.shape[0], -1)[:, :1024].astype(mx.float32)) for arr in pool.arrays.values()))
+    got2, raw2, _ = timed_reads(order, workers)
+    raw_s_per_expert = (raw1 + raw2) / (len(order) - workers) / 2
+    raw_gbps = (got1 + got2) / (raw1 + raw2) / 1e9
+    gbps = misses * eb / seconds / 1e9
+    s = st.stats
+    split = {k[5:]: getattr(s, k) / s.miss_timed * 1e3 for k in type(s).__dataclass_fields__
+             if k.startswith("miss_") and k not in ("miss_timed",) and getattr(s, "miss_timed", 0)}
+    st.close()
+    return dict(workers=workers, buffers=buffers, expert_bytes=eb, misses=misses, page_in_s=seconds,
+                gbps_on_misses=gbps, raw_gbps=raw_gbps, ratio=gbps / raw_gbps, ms_per_miss=seconds / misses * 1e3,
+                raw_ms_per_expert=raw_s_per_expert * 1e3, miss_split_ms=split, device=str(mx.default_device()),
+                gpu_prefetch=bool(getattr(st, "prefetch", None) and st.prefetch.active))
+
+
+def run_child(args: dict, timeout: float) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_MARK)]
+    if p.returncode or not lines:
+        raise RuntimeError(f"page-in child failed (exit {p.returncode}):\n{p.stderr[-4000:]}{p.stdout[-2000:]}")
+    return json.loads(lines[-1][len(RESULT_MARK):])
+
+
+def summarize(rows: list[dict]) -> dict:
+    out = {}
+    for variant in sorted({r["variant"] for r in rows}):
+        mine = [r for r in rows if r["variant"] == variant]
+        out[variant] = {k: statistics.median(r[k] for r in mine)
+                        for k in ("ratio", "gbps_on_misses", "raw_gbps", "ms_per_miss", "raw_ms_per_expert")}
+        out[variant]["processes"] = len(mine)
+    if "before" in out and "after" in out:
+        # per round, after against the before of the same round (the disk drifts between rounds)
+        pairs = [(a["ratio"], b["ratio"]) for a in rows if a["variant"] == "after"
+                 for b in rows if b["variant"] == "before" and b["round"] == a["round"]]
+        out["after_over_before_ratio"] = statistics.median(x / y for x, y in pairs)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, required=False, help="a directory on the disk to measure (the store is kept)")
+    p.add_argument("--before", help="an older tqbench/stream/streamer.py to alternate with this checkout's")
+    p.add_argument("--quick", action="store_true", help="a smoke run: small experts, one round")
+    for k, v in DEFAULTS.items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {v} (--quick: {QUICK[k]})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench-results/page_in.json"))
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print(RESULT_MARK + json.dumps(child(json.loads(a.child))), flush=True)
+        return 0
+    if a.work is None:
+        p.error("--work is required (a directory on the disk to measure)")
+    cfg = {k: getattr(a, k) if getattr(a, k) is not None else (QUICK if a.quick else DEFAULTS)[k] for k in DEFAULTS}
+    if cfg["per_call"] > cfg["slots"] or cfg["per_call"] > cfg["experts"]:
+        p.error("--per-call must not exceed --slots or --experts")
+    from streaming import build_store
+
+    store = build_store(a.work / "store", [LAYER], cfg["experts"], cfg["expert_bytes"], seed=a.seed)
+    variants = [("after", None)] + ([("before", str(Path(a.before).resolve()))] if a.before else [])
+    rows = []
+    for rnd in range(cfg["rounds"]):
+        for variant, path in (variants if rnd % 2 == 0 else variants[::-1]):
+            args = dict(store=store["path"], streamer=path, workers=cfg["workers"], calls=cfg["calls"],
+                        per_call=cfg["per_call"], slots=cfg["slots"], seed=a.seed + rnd)
+            row = dict(variant=variant, round=rnd, **run_child(args, a.timeout))
+            rows.append(row)
+            print(f"round {rnd} {variant:6s}: {row['gbps_on_misses']:.2f} GB/s on misses, raw {row['raw_gbps']:.2f} "
+                  f"GB/s, ratio {row['ratio']:.2f}; {row['ms_per_miss']:.1f} ms per miss against "
+                  f"{row['raw_ms_per_expert']:.1f} ms raw", flush=True)
+    summary = summarize(rows)
+    doc = dict(schema=SCHEMA, config=cfg, quick=a.quick, before=a.before, store=store, rows=rows, summary=summary,
+               machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count()),
+               date=time.strftime("%Y-%m-%d"))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    for variant, s in summary.items():
+        if isinstance(s, dict):
+            print(f"{variant}: ratio {s['ratio']:.2f} (goal 0.9), {s['ms_per_miss']:.1f} ms per miss, raw "
+                  f"{s['raw_ms_per_expert']:.1f} ms per expert; {s['processes']} processes")
+    if "after_over_before_ratio" in summary:
+        print(f"after / before, paired by round: {summary['after_over_before_ratio']:.2f}x")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
