@@ -3,6 +3,7 @@ the mixed code + chat stream, and the rendering through the model's chat templat
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import textwrap
 
@@ -13,6 +14,7 @@ from tqbench.demo import CHAT_SPEC, TRAINED_SPEC, DemoSpec, corpus_files, demo_t
 from tqbench.demo import stdlib_root, tensor_plan
 from tqbench.demo.conversations import (
     CALL,
+    RICH,
     WHAT,
     DocItem,
     answer,
@@ -24,7 +26,10 @@ from tqbench.demo.conversations import (
     mine_stdlib,
     mix_stream,
     module_name,
+    question,
     render,
+    returns_sentence,
+    rich_items,
     split_items,
     turn,
 )
@@ -290,3 +295,144 @@ def test_test_files_are_the_test_suites_only(tmp_path):
     got = test_files(tmp_path)
     assert got == ["ctypes/tests/t.py", "idlelib/idle_test/h.py", "test/test_json.py"]
     assert not set(got) & set(corpus_files(tmp_path)) and corpus_files(tmp_path) == ["json/__init__.py"]
+
+
+# ---- rich mining (--mine rich: training-only questions with new answers) --------------------------------------------
+
+MINI = textwrap.dedent('''\
+    """Tiny tools for reading records."""
+
+    def parse(text, sep=","):
+        """Split text at sep into fields.
+
+        Returns a list of the fields found in the text.
+        """
+
+    def count(text):
+        return len(text)
+
+    def _hidden():
+        """A private helper that overviews never list."""
+
+    class Reader:
+        """Read records from a stream of lines. Each record is one line."""
+
+        def __init__(self, stream):
+            self.stream = stream
+
+        def read(self):
+            """Return the next record of the stream, or None at its end."""
+
+        def close(self):
+            pass
+
+        def _fill(self):
+            """Fill the internal buffer with more data."""
+    ''')
+
+MINI_RICH = [
+    ("contents", "mini", "The `mini` module provides:\n- `mini.parse`: Split text at sep into fields.\n"
+                         "- `mini.count(text)`\n- `mini.Reader`: Read records from a stream of lines."),
+    ("functions", "mini", "The functions of `mini`:\n- `mini.parse`: Split text at sep into fields.\n"
+                          "- `mini.count(text)`"),
+    ("methods", "mini.Reader", "`class mini.Reader(stream)` has these methods:\n"
+                               "- `read`: Return the next record of the stream, or None at its end.\n- `close()`"),
+    ("returns", "mini.parse", '`mini.parse(text, sep=",")`\n\nReturns a list of the fields found in the text.'),
+    ("returns", "mini.Reader.read", "`mini.Reader.read()`\n\nReturn the next record of the stream, or None at its end."),
+    ("where", "mini.parse", '`parse` is defined in the `mini` module: `mini.parse(text, sep=",")`'),
+    ("where", "mini.count", "`count` is defined in the `mini` module: `mini.count(text)`"),
+    ("where", "mini.Reader", "`Reader` is defined in the `mini` module: `class mini.Reader(stream)`"),
+]
+
+
+def test_rich_items_of_a_tiny_module():
+    wide = mine_source(MINI, "mini.py", wide=True)
+    assert [i.name for i in wide] == ["mini", "mini.parse", "mini.count", "mini._hidden", "mini.Reader",
+                                      "mini.Reader.read", "mini.Reader.close", "mini.Reader._fill"]
+    rich = rich_items(wide, {"mini": "mini.py"})
+    assert [(i.kind, i.name, answer(i)) for i in rich] == MINI_RICH  # no "classes": mini has one class only
+    assert {(i.file, i.module, i.domain) for i in rich} == {("mini.py", "mini", "mini")}
+    by = {(i.kind, i.name): i for i in rich}
+    assert question(by["contents", "mini"], RICH["contents"][0]) == "What does the mini module provide?"
+    assert question(by["functions", "mini"], RICH["functions"][0]) == "Which functions are in mini?"
+    assert question(by["methods", "mini.Reader"], RICH["methods"][0]) == "What methods does mini.Reader have?"
+    assert question(by["returns", "mini.parse"], RICH["returns"][0]) == "What does mini.parse return?"
+    assert question(by["where", "mini.Reader"], RICH["where"][0]) == "Which module defines Reader?"
+    # A turn about a rich item asks one of its kind's questions (never a bare "And mini?") and gives its answer.
+    for seed in range(30):
+        for item in rich:
+            q, a = turn(item, np.random.default_rng(seed), follow_up=True)
+            assert q["content"] in [question(item, t) for t in RICH[item.kind]] and a["content"] == answer(item)
+    # A name two modules define is not asked about; a module or class of a held-out file is never asked about.
+    other = mine_source("def parse(x):\n    \"\"\"Parse x into a value of some kind.\"\"\"\n", "other.py", wide=True)
+    names = [(i.kind, i.name) for i in rich_items(wide + other, {"mini": "mini.py", "other": "other.py"})]
+    assert ("where", "mini.count") in names and ("where", "mini.parse") not in names
+    assert ("where", "other.parse") not in names and ("returns", "mini.parse") in names
+    assert is_heldout("getopt.py") and rich_items(mine_source(MINI, "getopt.py", wide=True),
+                                                  {"getopt": "getopt.py"}) == []
+
+
+def test_returns_and_first_sentences():
+    assert returns_sentence("Do things. Returns the number of things done today.") == (
+        "Returns the number of things done today.")
+    assert returns_sentence("Return it.") == "" and returns_sentence("Returning is not a sentence start here.") == ""
+    assert returns_sentence("Compute x.\n\nReturn the value of x\nas an int, or None.") == (
+        "Return the value of x as an int, or None.")
+
+
+RICH_FILES = ["ast.py", "getopt.py", "shlex.py", "json/__init__.py", "json/decoder.py", "json/encoder.py",
+              "logging/__init__.py", "logging/handlers.py"]
+
+
+def test_rich_is_wide_plus_training_only_items():
+    root = stdlib_root()
+    wide = mine_stdlib(root, RICH_FILES, wide=True)
+    rich = mine_stdlib(root, RICH_FILES, rich=True)
+    assert rich[: len(wide)] == wide and rich == mine_stdlib(root, RICH_FILES, rich=True)  # a superset, deterministic
+    extra = rich[len(wide):]
+    assert {i.kind for i in extra} == {"contents", "functions", "classes", "methods", "returns", "where"}
+    assert not any(is_heldout(i.file) for i in extra) and split_items(extra) == (extra, [])
+    assert {i.module for i in extra if i.kind == "contents"} == {"shlex", "json", "json.decoder", "json.encoder",
+                                                                 "logging"}
+    # nothing of a held-out file (ast, getopt, logging.handlers) reaches a rich question or answer
+    held = [i for i in wide if is_heldout(i.file)]
+    assert held
+    text = "".join(render(c.messages) for c in build_conversations(extra, seed=0, passes=2))
+    for item in held:
+        if item.kind != "module":
+            assert f"{item.name}(" not in text and f"`{item.name}`" not in text, item.name
+        if item.doc:
+            assert item.doc not in text, item.name
+    # the json overview lists what json re-exports, by the names users know
+    contents = next(i for i in extra if (i.kind, i.name) == ("contents", "json"))
+    assert contents.doc.splitlines()[:3] == [
+        "The `json` module provides:",
+        "- `json.dump`: Serialize ``obj`` as a JSON formatted stream to ``fp`` (a ``.write()``-supporting file-like "
+        "object).",
+        "- `json.dumps`: Serialize ``obj`` to a JSON formatted ``str``."]
+    assert "- `json.JSONEncoder`: Extensible JSON <https://json.org> encoder for Python data structures." in (
+        contents.doc.splitlines())
+    # sessions mix the new kinds with the other questions about the same module; seeded
+    a = build_conversations(split_items(rich)[0], seed=2, passes=1)
+    assert a == build_conversations(split_items(rich)[0], seed=2, passes=1)
+    assert a != build_conversations(split_items(rich)[0], seed=3, passes=1)
+    rich_answers = {answer(i) for i in extra}
+    mixed = [c for c in a if {m["content"] in rich_answers for m in c.messages[1::2]} == {True, False}]
+    assert mixed and all(len({i.module for i in rich if i.name in c.names}) == 1 for c in mixed)
+
+
+def test_wide_conversations_unchanged_by_rich():
+    """The shipped recipe's data (--mine wide) as before the rich kinds: a digest of the items and the rendered
+    conversations of a small file set, pinned for the stdlib sources it was taken on (else skipped)."""
+    root = stdlib_root()
+    files = ["json/__init__.py", "json/decoder.py", "json/encoder.py", "shlex.py", "getopt.py", "logging/__init__.py"]
+    src = hashlib.sha256(b"".join((root / f).read_bytes() for f in files)).hexdigest()
+    if src != "f2d0d0eb6c215002dafb6c110cb8fb0105e92b22d7ab937c3141a55f83ed5028":
+        pytest.skip("another standard library than the digest was taken on")
+    items = mine_stdlib(root, files, wide=True)
+    convs = build_conversations(split_items(items)[0], seed=5, passes=2, greetings=3)
+    h = hashlib.sha256(repr(items).encode())
+    for c in convs:
+        h.update(render(c.messages).encode() + b"\0" + repr((c.domain, c.names)).encode())
+    assert (len(items), len(convs)) == (179, 213)
+    assert h.hexdigest() == "6551f61e6bfbfb6aeebf655db6c55b369d65111cead895c41c21224841b956ff"

@@ -9,6 +9,10 @@ signature and its docstring (the first paragraph or two, bounded). Everything is
   `wide=True` (the training data of the chat demo since v5) also takes private names (not dunders), and functions,
   methods and classes without a docstring as signature-only items (`doc == ""`: only "how do I call it" is asked);
   the evaluation keeps the default set, so its questions stay the same;
+- `rich=True` (training only; implies `wide`): the wide items, then items of new kinds derived from the training files'
+  items (`rich_items`), each a question with a new answer: what a module provides (`contents`; also its `functions` and
+  `classes` alone when it has both), what methods a class has (`methods`), what a function or method returns (`returns`:
+  a docstring sentence starting "Return"), and which module defines a public name (`where`, names defined once only);
 - `build_conversations`: seeded sessions of one to three turns about one module (so a conversation keeps to one domain),
   each question in one of several phrasings; `passes` rebuilds the sessions with fresh groupings and phrasings;
 - `render` / `encode_conversation`: the messages through the model's chat template with jinja2, exactly as transformers'
@@ -64,6 +68,25 @@ CALL = {
     "class": ["How do I create an instance of {name}?", "What arguments does {name} take?", "How do I use {name}?"],
 }
 CALL_LEAD = {"function": "Call it as", "method": "Call it as", "class": "Create one with"}
+# The rich kinds (`rich_items`): questions about a module's, a class's or a function's contents, each with its answer
+# precomputed as the item's `doc` (`returns`: the signature then the sentence, as the "what" answers).
+RICH = {
+    "contents": ["What does the {name} module provide?", "What is in the {name} module?", "What does {name} contain?",
+                 "What can I use from {name}?", "List the functions and classes of {name}.",
+                 "what is in {name}"],
+    "functions": ["Which functions are in {name}?", "What functions does the {name} module have?",
+                  "List the functions in {name}.", "which functions does {name} define"],
+    "classes": ["Which classes are in {name}?", "What classes does the {name} module define?",
+                "List the classes in {name}."],
+    "methods": ["What methods does {name} have?", "Which methods does the {short} class of {module} have?",
+                "List the methods of {name}.", "What can I do with a {name} object?", "what methods does {name} have"],
+    "returns": ["What does {name} return?", "What does `{name}` return?", "What is the return value of {name}?",
+                "What do I get back from {name}?", "what does {name} return"],
+    "where": ["Which module defines {short}?", "Where is {short} defined?", "Which module is {short} in?",
+              "Where does {short} come from?", "where is {short}"],
+}
+RICH_MAX_ENTRIES = 12  # the entries an overview lists (then "... and N more")
+MAX_SENTENCE_CHARS = 160  # an overview entry's first docstring sentence, longer ones cut at a word
 FOLLOW_UP = ["And {name}?", "What about {name}?", "And what does {short} do?"]
 GREETINGS = ["hello", "Hello!", "hi", "Hi there", "hey", "Good morning", "Who are you?", "What can you do?", "help",
              "Hello, what can I ask you?"]
@@ -285,10 +308,13 @@ def _renamed(item: DocItem, aliases: dict[str, str]) -> DocItem:
                    signature=item.signature.replace(item.name, new, 1))
 
 
-def mine_stdlib(root: Path | None = None, files: Sequence[str] | None = None, wide: bool = False) -> list[DocItem]:
+def mine_stdlib(root: Path | None = None, files: Sequence[str] | None = None, wide: bool = False,
+                rich: bool = False) -> list[DocItem]:
     """The items of every corpus file (default: `corpus_files(root)`), in file order, named as users know them: what a
     package's `__init__` re-exports from its submodules goes by the package's name (`asyncio.sleep`, not
-    `asyncio.tasks.sleep`; `json.JSONEncoder.encode`). `wide`: as `mine_source`'s."""
+    `asyncio.tasks.sleep`; `json.JSONEncoder.encode`). `wide`: as `mine_source`'s. `rich`: the `wide` items (the
+    same list, first) then `rich_items` of them, which come from training files only."""
+    wide = wide or rich
     root = Path(root or stdlib_root())
     files = list(files if files is not None else corpus_files(root))
     sources = {rel: (root / rel).read_text(encoding="utf-8") for rel in files}
@@ -310,7 +336,106 @@ def mine_stdlib(root: Path | None = None, files: Sequence[str] | None = None, wi
             if item.name not in seen:
                 seen.add(item.name)
                 items.append(item)
+    if rich:
+        items += rich_items(items, {module_name(rel): rel for rel in files})
     return items
+
+
+def first_sentence(doc: str, max_chars: int = MAX_SENTENCE_CHARS) -> str:
+    """The first sentence of a cleaned docstring's first paragraph, on one line; cut at its last word within
+    `max_chars` (" ...") when longer."""
+    para = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    m = re.match(r"(.+?[.!?])(?=\s|$)", para)
+    text = m.group(1) if m else para
+    if len(text) > max_chars:
+        text = text[:max_chars].rsplit(None, 1)[0] + " ..."
+    return text
+
+
+def sentences(doc: str) -> list[str]:
+    """A cleaned docstring's sentences: its paragraphs' lines joined, split after ".", "!" or "?" before a capital."""
+    out = []
+    for para in doc.split("\n\n"):
+        out += [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", " ".join(para.split())) if s]
+    return out
+
+
+def returns_sentence(doc: str) -> str:
+    """The first sentence of a cleaned docstring that starts "Return"/"Returns" and says something (at least
+    `MIN_DOC_WORDS` words, within `MAX_DOC_CHARS`); "" when there is none."""
+    for s in sentences(doc):
+        if (re.match(r"Returns?\b", s) and len(re.findall(r"[A-Za-z]{2,}", s)) >= MIN_DOC_WORDS
+                and len(s) <= MAX_DOC_CHARS):
+            return s
+    return ""
+
+
+def _entry(item: DocItem, short: bool = False) -> str:
+    """One line of an overview: the name and the first sentence of its docstring, or the signature when it has none."""
+    name = item.short if short else item.name
+    if item.doc:
+        return f"- `{name}`: {first_sentence(item.doc)}"
+    sig = item.signature.replace(item.name, item.short, 1) if short else item.signature
+    return f"- `{sig}`"
+
+
+def _listing(lead: str, entries: Sequence[str]) -> str:
+    more = len(entries) - RICH_MAX_ENTRIES
+    return "\n".join([lead, *entries[:RICH_MAX_ENTRIES]] + ([f"... and {more} more."] if more > 0 else []))
+
+
+def rich_items(items: Sequence[DocItem], module_files: dict[str, str]) -> list[DocItem]:
+    """The rich kinds derived from `items` (`mine_stdlib`'s, named as users know them), from training files only:
+    nothing of a held-out file (`is_heldout`) is used, and no module or class whose own file is held out is asked
+    about. `module_files`: each module's own file ({"json": "json/__init__.py"}). Each gets its module and domain, and
+    the file of its subject (the module's, the class's, the function's), so `split_items` keeps them all for training.
+
+    - `contents` (a module with two or more public functions and classes), `functions` / `classes` (two or more of
+      that kind when the module has the other kind too): their names in source order and the first sentence of
+      each docstring (`first_sentence`; the signature when undocumented), one per line, at most `RICH_MAX_ENTRIES`;
+    - `methods` (a class with two or more public methods): the methods the same way, by their short names;
+    - `returns` (a documented function or method with a `returns_sentence`): the signature, then that sentence;
+    - `where` (a public function or class whose short name no other function or class of `items` has): the module."""
+    train = [i for i in items if not is_heldout(i.file)]
+    public = [i for i in train if not any(is_private(p) for p in i.name.split("."))]
+    by_module: dict[str, list[DocItem]] = {}
+    by_class: dict[str, list[DocItem]] = {}
+    for i in train:
+        if i.kind in ("function", "class") and not is_private(i.short):
+            by_module.setdefault(i.module, []).append(i)
+        elif i.kind == "method" and not is_private(i.short):
+            by_class.setdefault(i.name.rsplit(".", 1)[0], []).append(i)
+    classes = {i.name: i for i in train if i.kind == "class"}
+    out: list[DocItem] = []
+    for module, group in by_module.items():
+        rel = module_files.get(module)
+        if rel is None or is_heldout(rel):
+            continue
+        derived = (DocItem(rel, module, domain_of(rel), "contents", module, "",
+                           _listing(f"The `{module}` module provides:", [_entry(i) for i in group])),)
+        funcs = [i for i in group if i.kind == "function"]
+        klass = [i for i in group if i.kind == "class"]
+        if funcs and klass:
+            derived += tuple(DocItem(rel, module, domain_of(rel), kind, module, "",
+                                     _listing(f"The {kind} of `{module}`:", [_entry(i) for i in these]))
+                             for kind, these in (("functions", funcs), ("classes", klass)) if len(these) >= 2)
+        out += derived if len(group) >= 2 else ()
+    for cls, group in by_class.items():
+        owner = classes.get(cls)
+        if owner is None or len(group) < 2:
+            continue
+        out.append(DocItem(owner.file, owner.module, owner.domain, "methods", cls, owner.signature,
+                           _listing(f"`{owner.signature}` has these methods:", [_entry(i, short=True) for i in group])))
+    for i in train:
+        sentence = returns_sentence(i.doc) if i.kind in ("function", "method") and i.doc else ""
+        if sentence:
+            out.append(DocItem(i.file, i.module, i.domain, "returns", i.name, i.signature, sentence))
+    names = Counter(i.short for i in items if i.kind in ("function", "class"))
+    for i in public:
+        if i.kind in ("function", "class") and names[i.short] == 1:
+            out.append(DocItem(i.file, i.module, i.domain, "where", i.name, i.signature,
+                               f"`{i.short}` is defined in the `{i.module}` module: `{i.signature}`"))
+    return out
 
 
 def split_items(items: Iterable[DocItem]) -> tuple[list[DocItem], list[DocItem]]:
@@ -324,8 +449,8 @@ def split_items(items: Iterable[DocItem]) -> tuple[list[DocItem], list[DocItem]]
 
 def answer(item: DocItem, style: str = "what") -> str:
     """The assistant's answer: the signature in backticks, then the docstring; for "call" questions a sentence
-    leads with it. A module's answer is its docstring."""
-    if item.kind == "module":
+    leads with it. A module's answer is its docstring; a rich item's is its `doc` (`returns`: the signature first)."""
+    if item.kind == "module" or item.kind in RICH and item.kind != "returns":
         return item.doc
     if style == "call" and item.kind in CALL_LEAD:
         return f"{CALL_LEAD[item.kind]} `{item.signature}`." + (f"\n\n{item.doc}" if item.doc else "")
@@ -344,10 +469,11 @@ def turn(item: DocItem, rng: np.random.Generator, follow_up: bool = False) -> li
         style = "call"
     if style == "call":
         template = CALL[item.kind][rng.integers(len(CALL[item.kind]))]
-    elif follow_up and item.kind != "module" and rng.random() < FOLLOW_UP_SHARE:
+    elif follow_up and item.kind not in ("module", *RICH) and rng.random() < FOLLOW_UP_SHARE:
         template = FOLLOW_UP[rng.integers(len(FOLLOW_UP))]
     else:
-        template = WHAT[item.kind][rng.integers(len(WHAT[item.kind]))]
+        templates = RICH.get(item.kind) or WHAT[item.kind]
+        template = templates[rng.integers(len(templates))]
     return [{"role": "user", "content": question(item, template)},
             {"role": "assistant", "content": answer(item, style)}]
 
