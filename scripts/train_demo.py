@@ -176,7 +176,7 @@ def prepare_chat(work: Path, root: Path, files: list[str], enc, code_docs: list[
     if template != CHAT_TEMPLATE:
         raise SystemExit("the tokenizer's chat template is not tqbench.tokenizer.CHAT_TEMPLATE")
     t0 = time.time()
-    items = mine_stdlib(root, files, wide=a.mine == "wide")
+    items = mine_stdlib(root, files, wide=a.mine == "wide", rich=a.mine == "rich")
     train_items = split_items(items)[0]
     val_items = split_items(mine_stdlib(root, files))[1]  # always the public documented set, as demo_eval asks
     code_tokens = sum(len(d) for d in code_docs)
@@ -203,7 +203,9 @@ def prepare_chat(work: Path, root: Path, files: list[str], enc, code_docs: list[
         "source": "ast-mined conversations about the standard library's public modules, functions, classes and "
                   "methods with docstrings (tqbench.demo.conversations), rendered with the chat template"
                   + ("; training also on private names and on signature-only items (no docstring: only how to "
-                     "call them is asked)" if a.mine == "wide" else ""),
+                     "call them is asked)" if a.mine in ("wide", "rich") else "")
+                  + ("; and on what modules provide, what methods classes have, what functions return and which "
+                     "module defines a name (rich)" if a.mine == "rich" else ""),
         "mine": a.mine,
         "items": {"train": len(train_items), "validation": len(val_items),
                   "train_signature_only": sum(not i.doc for i in train_items),
@@ -733,9 +735,11 @@ def main(argv=None) -> None:
     p.add_argument("--code-tests", action=argparse.BooleanOptionalAction, default=None,
                    help="prepare (chat): also train on the standard library's test suites (about 5 M more code "
                         "tokens; never held out, the BPE and the held-out split unchanged; chat: on since v6)")
-    p.add_argument("--mine", choices=["public", "wide"], default=None,
-                   help="prepare: the training conversations' items: public (documented public names, the v4 demo) "
-                        "or wide (also private names and signature-only items; chat since v5)")
+    p.add_argument("--mine", choices=["public", "wide", "rich"], default=None,
+                   help="prepare: the training conversations' items: public (documented public names, the v4 demo), "
+                        "wide (also private names and signature-only items; chat since v5) or rich (wide, plus "
+                        "training-only questions with new answers: what a module provides, what methods a class has, "
+                        "what a function returns, which module defines a name)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--eval-batch", type=int, default=32)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,6 +35,8 @@ from tqbench.demo.conversations import (
     turn,
 )
 from tqbench.tokenizer import CHAT_TEMPLATE, load_encoding, write_tokenizer
+
+ROOT_DIR = Path(__file__).resolve().parent.parent
 
 JSON_DUMPS = (
     "`json.dumps(obj, *, skipkeys=False, ensure_ascii=True, check_circular=True, allow_nan=True, cls=None, "
@@ -436,3 +439,38 @@ def test_wide_conversations_unchanged_by_rich():
         h.update(render(c.messages).encode() + b"\0" + repr((c.domain, c.names)).encode())
     assert (len(items), len(convs)) == (179, 213)
     assert h.hexdigest() == "6551f61e6bfbfb6aeebf655db6c55b369d65111cead895c41c21224841b956ff"
+
+
+def test_prepare_chat_records_rich_and_keeps_the_held_out_conversations(tok_dir, tmp_path):
+    """scripts/train_demo.py's chat stage on a small stdlib copy: --mine rich trains on more distinct conversation
+    tokens per pass than wide, records itself in corpus.json, and writes the same held-out conversations."""
+    import argparse
+    import importlib.util
+    import shutil
+
+    from tqbench.demo import special_ids
+
+    spec = importlib.util.spec_from_file_location("train_demo_rich", ROOT_DIR / "scripts" / "train_demo.py")
+    td = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(td)
+    files = ["getopt.py", "json/__init__.py", "json/decoder.py", "json/encoder.py", "shlex.py"]
+    root = tmp_path / "lib"
+    for f in files:
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(stdlib_root() / f, root / f)
+    enc = load_encoding(tok_dir)
+    eos = special_ids(CHAT_SPEC)["eos_token_id"]
+    train_files = [f for f in files if not is_heldout(f)]
+    code = [np.array(enc.encode_ordinary((root / f).read_text()) + [eos], np.uint32) for f in train_files]
+    info = {}
+    for mine in ("wide", "rich"):
+        work = tmp_path / mine
+        shutil.copytree(tok_dir, work / "tokenizer")
+        a = argparse.Namespace(mine=mine, seed=0, chat_share=0.5, greetings=2)
+        info[mine], stream = td.prepare_chat(work, root, files, enc, code, train_files, a)
+        assert info[mine]["mine"] == mine and len(stream) == info[mine]["train"]["tokens"]
+    assert (tmp_path / "wide" / "val_chat.npy").read_bytes() == (tmp_path / "rich" / "val_chat.npy").read_bytes()
+    assert info["rich"]["items"]["train"] > info["wide"]["items"]["train"]
+    assert info["rich"]["train"]["tokens_per_pass"] > info["wide"]["train"]["tokens_per_pass"]
+    assert info["rich"]["items"]["kinds"]["contents"] == 4  # json, json.decoder, json.encoder, shlex
+    assert "(rich)" in info["rich"]["source"] and "(rich)" not in info["wide"]["source"]
