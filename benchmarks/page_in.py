@@ -167,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.work is None:
         p.error("--work is required (a directory on the disk to measure)")
     cfg = {k: getattr(a, k) if getattr(a, k) is not None else (QUICK if a.quick else DEFAULTS)[k] for k in DEFAULTS}
+    if min(cfg.values()) < 1:
+        p.error("every size option must be at least 1")
     if cfg["per_call"] > cfg["slots"] or cfg["per_call"] > cfg["experts"]:
         p.error("--per-call must not exceed --slots or --experts")
+    if a.before and not Path(a.before).is_file():
+        p.error(f"--before {a.before}: no such file")
     from streaming import build_store
 
     store = build_store(a.work / "store", [LAYER], cfg["experts"], cfg["expert_bytes"], seed=a.seed)
