@@ -98,12 +98,14 @@ def test_seeds_are_stable_across_processes():
     assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["compiled", "prebuilt-ops"])
 @pytest.mark.parametrize("kind", ["2", "3", "4", "T"])
-def test_codes_count_the_published_boundaries(kind):
+def test_codes_count_the_published_boundaries(kind, fused):
+    # Both kernels (the compiled one of the CPU and Metal, the unfused one of CUDA) against the same numpy reference.
     rng = np.random.default_rng(2)
     w = (rng.standard_normal((8, 256)) * rng.uniform(0.01, 3, (8, 1))).astype(np.float32)
     g = 64
-    q = tq.quantize(mx.array(w), kind, g, None)
+    q = tq.quantize(mx.array(w), kind, g, None, fused=fused)
     book = tq.codebook(kind).astype(np.float32)
     # Independent: fp16 RMS scale per group, then the number of boundaries (midpoints of the published levels) <= v.
     groups = w.reshape(8, 256 // g, g)
@@ -118,6 +120,16 @@ def test_codes_count_the_published_boundaries(kind):
     recon = book[got].reshape(8, 256 // g, g) * scales.astype(np.float32)[..., None]
     rel = np.linalg.norm(recon - groups) / np.linalg.norm(groups)
     assert q.rel_error == pytest.approx(rel, rel=1e-4)
+
+
+def test_the_quantizer_is_fused_except_on_cuda():
+    default = mx.default_device()
+    try:
+        mx.set_default_device(mx.cpu)
+        assert tq.fuse_quantizer()
+    finally:
+        mx.set_default_device(default)
+    assert tq.fuse_quantizer() == (not (mx.cuda.is_available() and default.type == mx.gpu))
 
 
 @pytest.mark.parametrize("kind", ["2", "3", "4", "T"])

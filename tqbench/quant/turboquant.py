@@ -212,13 +212,13 @@ class Quantized:
     rel_error: float  # ||W - W_hat|| / ||W||, measured in the rotated domain (the rotation is orthogonal)
 
 
-@lru_cache(maxsize=16)
-def _quantizer(kind: str, group: int):
-    """A compiled (fused) kernel: rotated rows -> codes, fp16 group scales, squared error and squared norm.
+@lru_cache(maxsize=32)
+def _quantizer(kind: str, group: int, fused: bool = True):
+    """Rotated rows -> codes, fp16 group scales, squared error and squared norm; `fused`: one compiled kernel.
 
     The code of a value is the number of codebook boundaries at or below it (a tie takes the upper code), and its
-    reconstruction is the first stored level plus the steps it passed: elementwise work only, which MLX fuses into
-    one pass over the weights.
+    reconstruction is the first stored level plus the steps it passed: elementwise work only, which mx.compile fuses
+    into one pass over the weights. Unfused, the same graph runs as MLX's prebuilt kernels, one pass per operation.
     """
     book = [float(v) for v in codebook(kind).astype(np.float32)]
     bounds = [float(v) for v in boundaries(kind)]
@@ -238,18 +238,37 @@ def _quantizer(kind: str, group: int):
         err = mx.sum((recon * s32 - g) ** 2)
         return codes.reshape(x.shape), scales.squeeze(-1), err, mx.sum(g * g)
 
-    return mx.compile(run)
+    return mx.compile(run) if fused else run
 
 
-def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None) -> Quantized:
-    """Quantize w (..., out, in); `signs` None means no rotation, else the rotation of rotate()."""
+def fuse_quantizer() -> bool:
+    """Whether quantize runs the compiled kernel on the default device: not on CUDA.
+
+    On CUDA every fused graph is compiled at run time into a module of dozens of kernel variants (contiguous and
+    strided, every rank): a K3-shaped conversion's first run took 171 s against 3 s warm, ~154 s of it in the
+    quantizer's first calls (measured on an H200). Unfused, each operation is one of MLX's prebuilt kernels; the
+    extra passes over a weight cost microseconds at that GPU's bandwidth. On the CPU (compiling a shape costs
+    ~0.3 s, the fused pass saves ~1 s on each 3072 x 3584 matrix) and on Metal (fast compiles, bandwidth-bound) the
+    fused kernel stays.
+    """
+    try:
+        return not (mx.cuda.is_available() and mx.default_device().type == mx.gpu)
+    except AttributeError:  # an MLX build without the cuda module
+        return True
+
+
+def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, fused: bool | None = None) -> Quantized:
+    """Quantize w (..., out, in); `signs` None means no rotation, else the rotation of rotate().
+
+    `fused` None picks the kernel for the device (fuse_quantizer); both give the same codes and scales.
+    """
     n = w.shape[-1]
     if signs is not None:
         _block(n)
     if n % group:
         raise ValueError(f"in dimension {n} is not a multiple of the group size {group}")
     x = rotate(w, signs) if signs is not None else w.astype(mx.float32)
-    codes, scales, err, norm = _quantizer(kind, group)(x)
+    codes, scales, err, norm = _quantizer(kind, group, fuse_quantizer() if fused is None else fused)(x)
     packed = pack(codes, len(CODEBOOKS[kind]))
     rel = mx.sqrt(err / mx.maximum(norm, 1e-30))
     mx.eval(packed, scales, rel)
