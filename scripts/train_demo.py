@@ -380,15 +380,62 @@ def load_resume(d: Path, model, optimizer, rng, a: argparse.Namespace):
 
 
 
-def train(work: Path, a: argparse.Namespace) -> dict:
+def training_step(model, moes: list, a: argparse.Namespace):
+    """The demo's training step (also timed by benchmarks/train_step.py): step(x, y, u, ema) -> (loss, grad norm, each
+    MoE layer's top-k counts per expert, the loads the balancing rule saw); the optimizer (AdamW, the router at
+    --router-lr-mult) and each of its groups' learning-rate multipliers. `--compile` compiles it."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
+
+    from tqbench.modelstats import capture_routing
+
+    E = moes[0].e_score_correction_bias.shape[-1]
+    band = tuple(float(v) for v in a.bias_band)
+    ema_decay = 1.0 - 1.0 / a.bias_window if a.bias_window > 1 else 0.0
+    first_rule = band == (1.0, 1.0) and not ema_decay  # the first demo's balancing, as it ran
+
+    def loss_fn(model, x, y):
+        with capture_routing(model) as picks:
+            logits = model(x)
+        loss = nn.losses.cross_entropy(logits.astype(mx.float32), y, reduction="mean")
+        counts = mx.stack([mx.zeros(E, dtype=mx.int32).at[p.reshape(-1)].add(1) for p in picks])  # [moe layers, E]
+        return loss, counts
+
+    decay = lambda path, p: p.ndim >= 2 and "norm" not in path  # noqa: E731  (matrices only; not norms, A_log, biases)
+    adamw = lambda wd: optim.AdamW(learning_rate=0.0, betas=[0.9, 0.95], eps=1e-8, weight_decay=wd)  # noqa: E731
+    router = lambda path, p: path.endswith("mlp.gate.weight")  # noqa: E731
+    optimizer = optim.MultiOptimizer([adamw(0.0), adamw(a.weight_decay), adamw(0.0)], [router, decay])
+    lr_mults = [a.router_lr_mult, 1.0, 1.0]
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+
+    def step(x, y, u, ema):
+        (loss, counts), grads = loss_and_grad(model, x, y)
+        grads, gnorm = optim.clip_grad_norm(grads, a.clip)
+        optimizer.update(model, grads)
+        loads = counts.astype(mx.float32)
+        if ema_decay:  # the loads the rule sees: an average over about --bias-window steps (a larger balancing batch)
+            loads = ema_decay * ema + (1 - ema_decay) * loads
+        for moe, c in zip(moes, loads):  # auxiliary-loss-free balancing (DeepSeek-V3; K3's router bias)
+            if first_rule:  # every expert moves every step
+                moe.e_score_correction_bias = moe.e_score_correction_bias - u * mx.sign(c - c.mean())
+            else:  # only experts outside [lo, hi] x mean move: skew inside the band is left to the router
+                rel = c / c.mean()
+                push = mx.where(rel > band[1], -1.0, mx.where(rel < band[0], 1.0, 0.0))
+                moe.e_score_correction_bias = moe.e_score_correction_bias + u * push
+        return loss, gnorm, counts, loads
+
+    if a.compile:
+        state = [model.state, optimizer.state]
+        step = mx.compile(step, inputs=state, outputs=state)
+    return step, optimizer, lr_mults
+
+
+def train(work: Path, a: argparse.Namespace) -> dict:
+    import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from tqbench.modelstats import capture_routing, perplexity, windows
-
-    from tqbench.modelstats import experts_covering
+    from tqbench.modelstats import experts_covering, perplexity, windows
 
     train_ids = np.load(work / "train.npy").astype(np.int32)
     val_ids = np.load(work / "val.npy").astype(np.int32)
@@ -405,19 +452,7 @@ def train(work: Path, a: argparse.Namespace) -> dict:
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     log(f"device {mx.default_device()}, {n_params:,} parameters, {len(moes)} MoE layers, batch {B} x {T}")
 
-    def loss_fn(model, x, y):
-        with capture_routing(model) as picks:
-            logits = model(x)
-        loss = nn.losses.cross_entropy(logits.astype(mx.float32), y, reduction="mean")
-        experts = mx.arange(E)
-        counts = mx.stack([(p.reshape(-1, 1) == experts).sum(axis=0) for p in picks])  # [moe layers, E]
-        return loss, counts
-
-    decay = lambda path, p: p.ndim >= 2 and "norm" not in path  # noqa: E731  (matrices only; not norms, A_log, biases)
-    adamw = lambda wd: optim.AdamW(learning_rate=0.0, betas=[0.9, 0.95], eps=1e-8, weight_decay=wd)  # noqa: E731
-    router = lambda path, p: path.endswith("mlp.gate.weight")  # noqa: E731
-    optimizer = optim.MultiOptimizer([adamw(0.0), adamw(a.weight_decay), adamw(0.0)], [router, decay])
-    lr_mults = [a.router_lr_mult, 1.0, 1.0]
+    step, optimizer, lr_mults = training_step(model, moes, a)
 
     def lr_at(i: int, total: int | None) -> float:
         """Linear warmup, then cosine decay to final_lr_frac * lr (the warmup does not depend on the total)."""
@@ -448,28 +483,6 @@ def train(work: Path, a: argparse.Namespace) -> dict:
         r = perplexity(model, val_ids if tokens is None else tokens, window=T, batch=a.eval_batch)
         model.train()
         return r
-
-    loss_and_grad = nn.value_and_grad(model, loss_fn)
-
-    def step(x, y, u, ema):
-        (loss, counts), grads = loss_and_grad(model, x, y)
-        grads, gnorm = optim.clip_grad_norm(grads, a.clip)
-        optimizer.update(model, grads)
-        loads = counts.astype(mx.float32)
-        if ema_decay:  # the loads the rule sees: an average over about --bias-window steps (a larger balancing batch)
-            loads = ema_decay * ema + (1 - ema_decay) * loads
-        for moe, c in zip(moes, loads):  # auxiliary-loss-free balancing (DeepSeek-V3; K3's router bias)
-            if first_rule:  # every expert moves every step
-                moe.e_score_correction_bias = moe.e_score_correction_bias - u * mx.sign(c - c.mean())
-            else:  # only experts outside [lo, hi] x mean move: skew inside the band is left to the router
-                rel = c / c.mean()
-                push = mx.where(rel > band[1], -1.0, mx.where(rel < band[0], 1.0, 0.0))
-                moe.e_score_correction_bias = moe.e_score_correction_bias + u * push
-        return loss, gnorm, counts, loads
-
-    if a.compile:
-        state = [model.state, optimizer.state]
-        step = mx.compile(step, inputs=state, outputs=state)
 
     if a.steps is None and a.probe_steps + 5 >= a.warmup:
         raise SystemExit("--time-budget needs --probe-steps + 5 < --warmup (the total is fixed inside the warmup)")

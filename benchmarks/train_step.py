@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""What one training step of the chat demo costs at several batch sizes (issue 10: the demo's quality is bought with
+tokens, and the lent GPU gives 25 minutes): the real step of scripts/train_demo.py (`training_step`: loss, gradients,
+clipping, AdamW, the router-bias balancing), the chunked KDA recurrence, on whatever device MLX uses.
+
+    python benchmarks/train_step.py --out bench-results/train_step.json               # batches 64,128,256
+    python benchmarks/train_step.py --batches 64,128 --compile --out ...              # also the compiled step
+    python benchmarks/train_step.py --quick                                           # a CPU smoke run (seconds)
+
+Per batch size: the median seconds of --steps steps after --warmup steps (each step evaluated and its loss read, as
+training does), tokens per second, and tokens per second relative to the first batch size in the list (measured in
+the same run); the first step's seconds apart (on CUDA it compiles kernels); MLX's peak memory. The model is the chat
+spec from its seed; the tokens are random (speed does not depend on them). Peak RSS of the process at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+
+def measure(batch: int, seq_len: int, warmup: int, steps: int, compiled: bool) -> dict:
+    import mlx.core as mx
+
+    import train_demo
+    from tqbench.demo import CHAT_SPEC
+
+    train_demo.SPEC = CHAT_SPEC
+    a = argparse.Namespace(**{**train_demo.CHAT_DEFAULTS, "compile": compiled, "clip": 1.0, "weight_decay": 0.1,
+                              "router_lr_mult": 0.1})
+    model = train_demo.build_model(0, CHAT_SPEC)
+    model.train()
+    moes = train_demo.moe_layers(model)
+    step, optimizer, mults = train_demo.training_step(model, moes, a)
+    for o, m in zip(optimizer.optimizers, mults):
+        o.learning_rate = 1e-3 * m
+    E = CHAT_SPEC.num_experts
+    ema = mx.zeros((len(moes), E))
+    u = mx.array(1e-3)
+    rng = mx.random.key(batch)
+    tokens = mx.random.randint(0, CHAT_SPEC.vocab_size, (warmup + steps + 1, batch, seq_len + 1), key=rng)
+    mx.eval(tokens)
+    mx.reset_peak_memory()
+    times, losses = [], []
+    for i in range(warmup + steps + 1):
+        x, y = tokens[i, :, :-1], tokens[i, :, 1:]
+        t = time.perf_counter()
+        loss, gnorm, counts, ema = step(x, y, u, ema)
+        mx.eval(loss, gnorm, counts, ema, model.parameters(), optimizer.state)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t)
+    per_step = statistics.median(times[1 + warmup:])
+    return {"batch": batch, "seq_len": seq_len, "compiled": compiled, "first_step_s": times[0],
+            "seconds_per_step": per_step, "tokens_per_second": batch * seq_len / per_step,
+            "steps_timed": steps, "first_loss": losses[0], "mlx_peak_memory": mx.get_peak_memory()}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="64,128,256", help="sequences per step, comma-separated (first: the baseline)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--compile", action="store_true", help="also time the mx.compile'd step at each batch size")
+    p.add_argument("--quick", action="store_true", help="batches 2,4 of 32 tokens, 1 warm-up, 2 steps")
+    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "train_step.json")
+    a = p.parse_args(argv)
+    import mlx.core as mx
+
+    from tqbench.demo.delta import chunked_kda_training
+
+    if a.quick:
+        a.batches, a.seq_len, a.warmup, a.steps = "2,4", 32, 1, 2
+    try:
+        batches = [int(b) for b in a.batches.split(",")]
+    except ValueError:
+        raise SystemExit(f"--batches: comma-separated integers, not {a.batches!r}") from None
+    if not batches or min(batches) < 1 or a.steps < 1 or a.warmup < 0:
+        raise SystemExit("--batches, --steps must be >= 1 and --warmup >= 0")
+    started = time.time()
+    rows = []
+    with chunked_kda_training():
+        for compiled in (False, True) if a.compile else (False,):
+            for b in batches:
+                r = measure(b, a.seq_len, a.warmup, a.steps, compiled)
+                rows.append(r)
+                print(f"batch {b:4d}{' compiled' if compiled else ''}: {r['seconds_per_step'] * 1000:.1f} ms/step, "
+                      f"{r['tokens_per_second']:,.0f} tokens/s (first step {r['first_step_s']:.1f} s)", flush=True)
+    base = rows[0]["tokens_per_second"]
+    for r in rows:
+        r["tokens_per_second_vs_baseline"] = r["tokens_per_second"] / base
+    doc = {"schema": "tqbench.bench.train-step/1", "date": time.strftime("%Y-%m-%d"),
+           "machine": {"platform": platform.platform(), "device": str(mx.default_device()), "mlx": mx.__version__},
+           "quick": a.quick, "baseline": f"batch {batches[0]}", "rows": rows,
+           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "seconds": round(time.time() - started, 1)}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""benchmarks/train_step.py --quick times the demo's real training step (scripts/train_demo.py's `training_step`) at
+two batch sizes and writes figures that agree with each other; a bad --batches is a one-line usage error."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "train_step.py"
+
+
+def test_quick_run_times_the_real_step_at_each_batch(tmp_path):
+    out = tmp_path / "train_step.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["schema"] == "tqbench.bench.train-step/1" and d["baseline"] == "batch 2"
+    rows = d["rows"]
+    assert [(r["batch"], r["seq_len"], r["compiled"]) for r in rows] == [(2, 32, False), (4, 32, False)]
+    for r in rows:
+        assert r["seconds_per_step"] > 0 and r["steps_timed"] == 2
+        assert math.isclose(r["tokens_per_second"], r["batch"] * 32 / r["seconds_per_step"])
+        # a step of the freshly initialised model on random tokens: about the uniform loss, ln(vocabulary)
+        assert abs(r["first_loss"] - math.log(4608)) < 0.5
+    assert rows[0]["tokens_per_second_vs_baseline"] == 1.0
+    assert math.isclose(rows[1]["tokens_per_second_vs_baseline"],
+                        rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"])
+    assert d["peak_rss"] > 0 and all(r["mlx_peak_memory"] > 0 for r in rows)
+
+
+def test_bad_batches_are_a_usage_error(tmp_path):
+    p = subprocess.run([sys.executable, str(SCRIPT), "--batches", "64,x", "--out", str(tmp_path / "o.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "--batches: comma-separated integers, not '64,x'" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "o.json").exists()
