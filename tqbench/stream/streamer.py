@@ -520,8 +520,9 @@ class _MissClock:
     `buffer_wait` (the page-in's first submission to this one: an expert waits for a free staging buffer). Per expert:
     `copy` (into its slot, by the worker that ended its last read: copies run in parallel with each other and with
     the other reads), `to_gpu` and `to_host` (the prefetch calls, on the engine thread; to_host right after the first
-    submissions). The page-in's wall time: `before` (entry to the first submission: slot choice), `reading` (first submission to the last read's
-    end), `after` (the last read's end to the return: the copies still running, to_gpu)."""
+    submissions). The page-in's wall time: `before` (entry to the first submission: slot choice), `reading` (first
+    submission to the last read's end), `after` (the last read's end to the return: the copies still running,
+    to_gpu)."""
 
     __slots__ = ("start", "first", "last_end", "queue", "read", "buffer_wait", "copy", "to_gpu", "to_host")
 
