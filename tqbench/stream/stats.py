@@ -62,8 +62,9 @@ class StreamStats:
     # so these seconds can exceed the wall time they lie in) and the GPU / host prefetch calls (engine thread, the host
     # ones once the reads are submitted); and each page-in's wall time cut in three: before the first read was
     # submitted, from then to the last read's end, and after it until the page-in returned (the last copies, to_gpu).
-    # `miss_timed`: the experts those page-ins read (look-ahead reads are not included). At most `workers` reads and copies run at once, and every queued or running
-    # read and every running copy holds one of the streamer's read_buffers(workers) staging buffers.
+    # `miss_timed`: the experts those page-ins read (look-ahead reads are not included). At most `workers` reads and
+    # copies run at once, and every queued or running read and every running copy holds one of the streamer's
+    # read_buffers(workers) staging buffers.
     miss_timed: int = 0
     miss_queue_s: float = 0.0
     miss_read_s: float = 0.0
