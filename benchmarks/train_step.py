@@ -9,7 +9,8 @@ clipping, AdamW, the router-bias balancing), the chunked KDA recurrence, on what
 
 Per batch size: the median seconds of --steps steps after --warmup steps (each step evaluated and its loss read, as
 training does), tokens per second, and tokens per second relative to the first batch size in the list (measured in
-the same run); the first step's seconds apart (on CUDA it compiles kernels); MLX's peak memory. The model is the chat
+the same run); the first step's seconds apart (on CUDA it compiles kernels); the forward pass alone (median, same
+batches: the rest of a step is the backward pass and the update); MLX's peak memory. The model is the chat
 spec from its seed; the tokens are random (speed does not depend on them). Peak RSS of the process at the end.
 """
 
@@ -59,8 +60,14 @@ def measure(batch: int, seq_len: int, warmup: int, steps: int, compiled: bool) -
         losses.append(loss.item())
         times.append(time.perf_counter() - t)
     per_step = statistics.median(times[1 + warmup:])
+    forward = []  # the forward pass alone (training mode), on the timed steps' batches: how much of a step it is
+    for i in range(1 + warmup, 1 + warmup + steps):
+        t = time.perf_counter()
+        mx.eval(model(tokens[i, :, :-1]))
+        forward.append(time.perf_counter() - t)
     return {"batch": batch, "seq_len": seq_len, "compiled": compiled, "first_step_s": times[0],
-            "seconds_per_step": per_step, "tokens_per_second": batch * seq_len / per_step,
+            "seconds_per_step": per_step, "forward_s": statistics.median(forward),
+            "tokens_per_second": batch * seq_len / per_step,
             "steps_timed": steps, "first_loss": losses[0], "mlx_peak_memory": mx.get_peak_memory()}
 
 
@@ -94,7 +101,8 @@ def main(argv=None) -> None:
                 r = measure(b, a.seq_len, a.warmup, a.steps, compiled)
                 rows.append(r)
                 print(f"batch {b:4d}{' compiled' if compiled else ''}: {r['seconds_per_step'] * 1000:.1f} ms/step, "
-                      f"{r['tokens_per_second']:,.0f} tokens/s (first step {r['first_step_s']:.1f} s)", flush=True)
+                      f"{r['tokens_per_second']:,.0f} tokens/s, forward {r['forward_s'] * 1000:.1f} ms "
+                      f"(first step {r['first_step_s']:.1f} s)", flush=True)
     base = rows[0]["tokens_per_second"]
     for r in rows:
         r["tokens_per_second_vs_baseline"] = r["tokens_per_second"] / base
