@@ -14,7 +14,6 @@ import mlx.core as mx
 import numpy as np
 
 from tqbench.errors import CheckpointError
-from tqbench.managed import default_prefetch
 from tqbench.shards.header import TensorSpec
 
 _NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
@@ -76,13 +75,8 @@ class ShardReader:
         return np.frombuffer(self.read_bytes(t), dtype=_NUMPY[t.dtype]).reshape(t.shape)
 
     def read_mlx(self, t: TensorSpec) -> mx.array:
-        """The tensor as an MLX array of its own dtype (bf16 stays bf16). On CUDA its pages start moving to the GPU now,
-        in bulk, instead of the first kernel that reads them faulting them over page by page (tqbench.managed: about
-        2 GB/s that way on an H200, against tens of GB/s for the bulk move)."""
+        """The tensor as an MLX array of its own dtype (bf16 stays bf16)."""
         a = mx.array(self.read_numpy(t))
-        prefetch = default_prefetch()
-        if prefetch.active:
-            prefetch.to_gpu(np.array(a, copy=False))
         return a.view(mx.bfloat16) if t.dtype == "BF16" else a
 
     def close(self) -> None:
