@@ -9,8 +9,9 @@ K3-shaped routing: 60 MoE layers x 896 experts, top-16 a token, each layer's exp
 
 Per policy and slot count: milliseconds of bookkeeping per token (the median of --repeats runs over the same
 routing, each from an empty cache, after --warm tokens that fill it), hits and misses over the timed tokens, and
-microseconds per miss. The ratios are against `lrfu` measured in the same run. Only the bookkeeping is timed: no
-reads, no MLX. The hit rates are the synthetic routing's, not a real model's.
+microseconds per miss. The ratios are against `lrfu` measured in the same run; peak RSS at the end (lrfu-next keeps
+2 bytes x experts^2 of counts per layer). Only the bookkeeping is timed: no reads, no MLX. The hit rates are the
+synthetic routing's, not a real model's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from measure import peak_rss_bytes  # noqa: E402
 
 
 def k3_routing(tokens: int, layers: int = 60, experts: int = 896, k: int = 16, carry: float = 1 / 3,
@@ -116,7 +119,7 @@ def main(argv=None) -> None:
            "machine": {"platform": platform.platform(), "python": platform.python_version()}, "quick": a.quick,
            "routing": {"layers": layers, "experts": 896, "top_k": 16, "carry": 1 / 3, "zipf": 0.8,
                        "warm_tokens": a.warm, "timed_tokens": a.tokens},
-           "rows": rows, "seconds": round(time.time() - started, 1)}
+           "rows": rows, "peak_rss": peak_rss_bytes(), "seconds": round(time.time() - started, 1)}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {a.out}")

@@ -16,14 +16,21 @@ spec from its seed; the tokens are random (speed does not depend on them). Peak 
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import resource
-import statistics
+import os
 import sys
-import time
-from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
+from measure import openblas_mapped, peak_rss_bytes, with_openblas  # noqa: E402
+
+if __name__ == "__main__":
+    with_openblas()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
@@ -80,6 +87,7 @@ def main(argv=None) -> None:
     p.add_argument("--compile", action="store_true", help="also time the mx.compile'd step at each batch size")
     p.add_argument("--quick", action="store_true", help="batches 2,4 of 32 tokens, 1 warm-up, 2 steps")
     p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "train_step.json")
+    p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
     a = p.parse_args(argv)
     import mlx.core as mx
 
@@ -109,7 +117,7 @@ def main(argv=None) -> None:
     doc = {"schema": "tqbench.bench.train-step/1", "date": time.strftime("%Y-%m-%d"),
            "machine": {"platform": platform.platform(), "device": str(mx.default_device()), "mlx": mx.__version__},
            "quick": a.quick, "baseline": f"batch {batches[0]}", "rows": rows,
-           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "peak_rss": peak_rss_bytes(), "openblas_mapped": openblas_mapped(),
            "seconds": round(time.time() - started, 1)}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=1) + "\n")

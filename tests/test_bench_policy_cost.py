@@ -47,5 +47,6 @@ def test_quick_run_agrees_with_a_direct_replay(tmp_path):
         want = simulate(batches, cache, 10)
         assert (r["hits"], r["misses"]) == (want["hits"], want["misses"]) and r["hits"] + r["misses"] == 20 * 8 * 16
         assert r["ms_per_token"] > 0 and abs(r["us_per_miss"] * r["misses"] / 1000 - r["ms_per_token"] * 20) < 1e-6
+    assert d["peak_rss"] > 0
     lrfu = d["rows"][1]["ms_per_token"]
     assert all(abs(r["vs_lrfu"] - r["ms_per_token"] / lrfu) < 1e-12 for r in d["rows"])

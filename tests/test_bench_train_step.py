@@ -31,7 +31,7 @@ def test_quick_run_times_the_real_step_at_each_batch(tmp_path):
     assert rows[0]["tokens_per_second_vs_baseline"] == 1.0
     assert math.isclose(rows[1]["tokens_per_second_vs_baseline"],
                         rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"])
-    assert d["peak_rss"] > 0 and all(r["mlx_peak_memory"] > 0 for r in rows)
+    assert d["peak_rss"] > 0 and all(r["mlx_peak_memory"] > 0 for r in rows) and "openblas_mapped" in d
 
 
 def test_bad_batches_are_a_usage_error(tmp_path):
