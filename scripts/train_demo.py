@@ -569,6 +569,10 @@ def train(work: Path, a: argparse.Namespace) -> dict:
                 best.update(val_loss=selection_loss(val, chat), step=i, params=dict(tree_flatten(model.parameters())))
             run_loss, run_n, loads_acc = 0.0, 0, np.zeros((len(moes), E))
     train_s = time.time() - t_start
+    if a.save_final and best["step"] != total:  # the last step's weights too, to compare with the kept ones
+        (work / "final").mkdir(exist_ok=True)
+        save_float(model, work / "final", a.save_experts)
+        log(f"saved step {total}'s weights in {work / 'final'}")
     if best["step"] != total:
         log(f"keeping step {best['step']} (best validation subset loss {best['val_loss']:.4f})")
         model.load_weights(list(best["params"].items()))
@@ -754,6 +758,8 @@ def main(argv=None) -> None:
                         "training-only questions with new answers: what a module provides, what methods a class has, "
                         "what a function returns, which module defines a name)")
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-final", action="store_true",
+                   help="also save the last step's weights in <work>/final when an earlier step is kept")
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--eval-batch", type=int, default=32)
     p.add_argument("--final-windows", type=int, default=0,
