@@ -5,12 +5,15 @@ clipping, AdamW, the router-bias balancing), the chunked KDA recurrence, on what
 
     python benchmarks/train_step.py --out bench-results/train_step.json               # batches 64,128,256
     python benchmarks/train_step.py --batches 64,128 --compile --out ...              # also the compiled step
+    python benchmarks/train_step.py --batches 64 --optimizers mlx,flat --count-ops    # MLX's AdamW vs the flat one
     python benchmarks/train_step.py --quick                                           # a CPU smoke run (seconds)
 
 Per batch size: the median seconds of --steps steps after --warmup steps (each step evaluated and its loss read, as
 training does), tokens per second, and tokens per second relative to the first batch size in the list (measured in
 the same run); the first step's seconds apart (on CUDA it compiles kernels); the forward pass alone (median, same
-batches: the rest of a step is the backward pass and the update); MLX's peak memory. The model is the chat
+batches: the rest of a step is the backward pass and the update); MLX's peak memory; with --optimizers, each
+optimizer at each batch size in turn and its step time relative to the first one's; with --count-ops, the operations
+of one step's graph by name (those that are not mere views are what a backend launches). The model is the chat
 spec from its seed; the tokens are random (speed does not depend on them). Peak RSS of the process at the end.
 """
 
@@ -28,6 +31,7 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -36,27 +40,57 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 
-def measure(batch: int, seq_len: int, warmup: int, steps: int, compiled: bool) -> dict:
+def count_primitives(*outputs) -> dict[str, int]:
+    """The operations of the graph that computes `outputs` (MLX's dot export, counted by name): what a backend must
+    launch, before any fusion, and so a device-independent view of a step's overhead."""
+    import tempfile
+    from collections import Counter
+
     import mlx.core as mx
+
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        names = re.findall(r'\[label ="([A-Za-z]+)"', Path(f.name).read_text())
+    return dict(Counter(names).most_common())
+
+
+# Operations that only describe a view of their input (no kernel on any backend MLX has).
+VIEWS = {"Broadcast", "Squeeze", "ExpandDims", "Reshape", "Flatten", "Unflatten", "Transpose", "Slice", "AsStrided"}
+
+
+def measure(batch: int, seq_len: int, warmup: int, steps: int, compiled: bool, kind: str = "mlx",
+            count_ops: bool = False) -> dict:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     import train_demo
     from tqbench.demo import CHAT_SPEC
 
     train_demo.SPEC = CHAT_SPEC
     a = argparse.Namespace(**{**train_demo.CHAT_DEFAULTS, "compile": compiled, "clip": 1.0, "weight_decay": 0.1,
-                              "router_lr_mult": 0.1})
+                              "router_lr_mult": 0.1, "optimizer": kind})
     model = train_demo.build_model(0, CHAT_SPEC)
     model.train()
     moes = train_demo.moe_layers(model)
-    step, optimizer, mults = train_demo.training_step(model, moes, a)
-    for o, m in zip(optimizer.optimizers, mults):
-        o.learning_rate = 1e-3 * m
+    step, optimizer, set_lr = train_demo.training_step(model, moes, a)
+    set_lr(1e-3)
     E = CHAT_SPEC.num_experts
     ema = mx.zeros((len(moes), E))
     u = mx.array(1e-3)
     rng = mx.random.key(batch)
     tokens = mx.random.randint(0, CHAT_SPEC.vocab_size, (warmup + steps + 1, batch, seq_len + 1), key=rng)
     mx.eval(tokens)
+    ops = None
+    if count_ops and not compiled:  # one step's graph, built and counted (then dropped: the timed steps start over)
+        mx.eval(model.parameters())  # the initial values' own graph is not the step's
+        out = step(tokens[0, :, :-1], tokens[0, :, 1:], u, ema)
+        ops = count_primitives(*out, *[v for _, v in tree_flatten(model.parameters())],
+                               *[v for _, v in tree_flatten(optimizer.state)])
+        model = train_demo.build_model(0, CHAT_SPEC)
+        model.train()
+        moes = train_demo.moe_layers(model)
+        step, optimizer, set_lr = train_demo.training_step(model, moes, a)
+        set_lr(1e-3)
     mx.reset_peak_memory()
     times, losses = [], []
     for i in range(warmup + steps + 1):
@@ -72,7 +106,11 @@ def measure(batch: int, seq_len: int, warmup: int, steps: int, compiled: bool) -
         t = time.perf_counter()
         mx.eval(model(tokens[i, :, :-1]))
         forward.append(time.perf_counter() - t)
-    return {"batch": batch, "seq_len": seq_len, "compiled": compiled, "first_step_s": times[0],
+    counted = {} if ops is None else {"primitives": sum(ops.values()),
+                                      "kernel_primitives": sum(v for k, v in ops.items() if k not in VIEWS),
+                                      "primitives_by_name": ops}
+    return {"batch": batch, "seq_len": seq_len, "compiled": compiled, "optimizer": kind, **counted,
+            "first_step_s": times[0],
             "seconds_per_step": per_step, "forward_s": statistics.median(forward),
             "tokens_per_second": batch * seq_len / per_step,
             "steps_timed": steps, "first_loss": losses[0], "mlx_peak_memory": mx.get_peak_memory()}
@@ -85,6 +123,11 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="also time the mx.compile'd step at each batch size")
+    p.add_argument("--optimizers", default="mlx",
+                   help="comma-separated: mlx (MLX's AdamW per parameter), flat (tqbench.demo.flat_adamw); each batch "
+                        "size is timed with each, in turn")
+    p.add_argument("--count-ops", action="store_true",
+                   help="also count the operations of one uncompiled step's graph (what a backend launches)")
     p.add_argument("--quick", action="store_true", help="batches 2,4 of 32 tokens, 1 warm-up, 2 steps")
     p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "train_step.json")
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
@@ -101,19 +144,27 @@ def main(argv=None) -> None:
         raise SystemExit(f"--batches: comma-separated integers, not {a.batches!r}") from None
     if not batches or min(batches) < 1 or a.steps < 1 or a.warmup < 0:
         raise SystemExit("--batches, --steps must be >= 1 and --warmup >= 0")
+    optimizers = a.optimizers.split(",")
+    if not optimizers or any(o not in ("mlx", "flat") for o in optimizers):
+        raise SystemExit(f"--optimizers: a comma-separated list of mlx and flat, not {a.optimizers!r}")
     started = time.time()
     rows = []
     with chunked_kda_training():
         for compiled in (False, True) if a.compile else (False,):
             for b in batches:
-                r = measure(b, a.seq_len, a.warmup, a.steps, compiled)
-                rows.append(r)
-                print(f"batch {b:4d}{' compiled' if compiled else ''}: {r['seconds_per_step'] * 1000:.1f} ms/step, "
-                      f"{r['tokens_per_second']:,.0f} tokens/s, forward {r['forward_s'] * 1000:.1f} ms "
-                      f"(first step {r['first_step_s']:.1f} s)", flush=True)
+                for opt in optimizers:
+                    r = measure(b, a.seq_len, a.warmup, a.steps, compiled, opt, a.count_ops)
+                    rows.append(r)
+                    ops = f", {r['kernel_primitives']:,} kernel operations" if "primitives" in r else ""
+                    print(f"batch {b:4d}{' compiled' if compiled else ''} {opt}: {r['seconds_per_step'] * 1000:.1f} "
+                          f"ms/step, {r['tokens_per_second']:,.0f} tokens/s, forward {r['forward_s'] * 1000:.1f} ms "
+                          f"(first step {r['first_step_s']:.1f} s){ops}", flush=True)
     base = rows[0]["tokens_per_second"]
     for r in rows:
         r["tokens_per_second_vs_baseline"] = r["tokens_per_second"] / base
+        same = [q for q in rows if q["optimizer"] == optimizers[0] and q["batch"] == r["batch"]
+                and q["compiled"] == r["compiled"]]
+        r["step_time_vs_first_optimizer"] = r["seconds_per_step"] / same[0]["seconds_per_step"]
     doc = {"schema": "tqbench.bench.train-step/1", "date": time.strftime("%Y-%m-%d"),
            "machine": {"platform": platform.platform(), "device": str(mx.default_device()), "mlx": mx.__version__},
            "quick": a.quick, "baseline": f"batch {batches[0]}", "rows": rows,

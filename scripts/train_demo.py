@@ -326,7 +326,8 @@ def load_packed(work: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
 # ---- train ----------------------------------------------------------------------------------------------------------
 
 RESUME_KEYS = ("spec", "seed", "batch", "seq_len", "lr", "warmup", "final_lr_frac", "bias_lr", "bias_schedule",
-               "bias_band", "bias_window", "bias_freeze", "router_lr_mult", "weight_decay", "clip", "eval_every", "kda")
+               "bias_band", "bias_window", "bias_freeze", "router_lr_mult", "weight_decay", "clip", "eval_every", "kda",
+               "optimizer")
 
 
 def save_resume(d: Path, model, optimizer, rng, ema, i: int, total: int, curve: list, best: dict, run_loss: float,
@@ -383,11 +384,13 @@ def load_resume(d: Path, model, optimizer, rng, a: argparse.Namespace):
 def training_step(model, moes: list, a: argparse.Namespace):
     """The demo's training step (also timed by benchmarks/train_step.py): step(x, y, u, ema) -> (loss, grad norm, each
     MoE layer's top-k counts per expert, the loads the balancing rule saw); the optimizer (AdamW, the router at
-    --router-lr-mult) and each of its groups' learning-rate multipliers. `--compile` compiles it."""
+    --router-lr-mult; --optimizer flat: the same on one vector) and set_lr(lr), which sets every group's learning
+    rate. `--compile` compiles the step."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
 
+    from tqbench.demo.flat_adamw import FlatAdamW
     from tqbench.modelstats import capture_routing
 
     E = moes[0].e_score_correction_bias.shape[-1]
@@ -403,16 +406,32 @@ def training_step(model, moes: list, a: argparse.Namespace):
         return loss, counts
 
     decay = lambda path, p: p.ndim >= 2 and "norm" not in path  # noqa: E731  (matrices only; not norms, A_log, biases)
-    adamw = lambda wd: optim.AdamW(learning_rate=0.0, betas=[0.9, 0.95], eps=1e-8, weight_decay=wd)  # noqa: E731
     router = lambda path, p: path.endswith("mlp.gate.weight")  # noqa: E731
-    optimizer = optim.MultiOptimizer([adamw(0.0), adamw(a.weight_decay), adamw(0.0)], [router, decay])
-    lr_mults = [a.router_lr_mult, 1.0, 1.0]
+    flat = getattr(a, "optimizer", "mlx") == "flat"
+    if flat:  # the same AdamW on one vector: a few kernels a step instead of ~20 per parameter
+        optimizer = FlatAdamW(0.0, [(router, a.router_lr_mult, 0.0), (decay, 1.0, a.weight_decay)],
+                              default=(1.0, 0.0), betas=(0.9, 0.95), eps=1e-8)
+        lr_mults = [1.0]
+        groups = [optimizer]
+    else:
+        adamw = lambda wd: optim.AdamW(learning_rate=0.0, betas=[0.9, 0.95], eps=1e-8, weight_decay=wd)  # noqa: E731
+        optimizer = optim.MultiOptimizer([adamw(0.0), adamw(a.weight_decay), adamw(0.0)], [router, decay])
+        lr_mults = [a.router_lr_mult, 1.0, 1.0]
+        groups = optimizer.optimizers
+
+    def set_lr(lr: float) -> None:
+        for o, mult in zip(groups, lr_mults):
+            o.learning_rate = lr * mult
+
     loss_and_grad = nn.value_and_grad(model, loss_fn)
 
     def step(x, y, u, ema):
         (loss, counts), grads = loss_and_grad(model, x, y)
-        grads, gnorm = optim.clip_grad_norm(grads, a.clip)
-        optimizer.update(model, grads)
+        if flat:
+            gnorm = optimizer.clip_and_update(model, grads, a.clip)
+        else:
+            grads, gnorm = optim.clip_grad_norm(grads, a.clip)
+            optimizer.update(model, grads)
         loads = counts.astype(mx.float32)
         if ema_decay:  # the loads the rule sees: an average over about --bias-window steps (a larger balancing batch)
             loads = ema_decay * ema + (1 - ema_decay) * loads
@@ -428,7 +447,7 @@ def training_step(model, moes: list, a: argparse.Namespace):
     if a.compile:
         state = [model.state, optimizer.state]
         step = mx.compile(step, inputs=state, outputs=state)
-    return step, optimizer, lr_mults
+    return step, optimizer, set_lr
 
 
 def train(work: Path, a: argparse.Namespace) -> dict:
@@ -452,7 +471,7 @@ def train(work: Path, a: argparse.Namespace) -> dict:
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     log(f"device {mx.default_device()}, {n_params:,} parameters, {len(moes)} MoE layers, batch {B} x {T}")
 
-    step, optimizer, lr_mults = training_step(model, moes, a)
+    step, optimizer, set_lr = training_step(model, moes, a)
 
     def lr_at(i: int, total: int | None) -> float:
         """Linear warmup, then cosine decay to final_lr_frac * lr (the warmup does not depend on the total)."""
@@ -529,8 +548,7 @@ def train(work: Path, a: argparse.Namespace) -> dict:
             t_probe = time.time()
         x, y = batch()
         lr = lr_at(i, total)
-        for o, mult in zip(optimizer.optimizers, lr_mults):
-            o.learning_rate = lr * mult
+        set_lr(lr)
         # The bias speed follows the learning rate (--bias-schedule lr): the router's scores drift as fast as the lr
         # lets them; constant: always --bias-lr; no move at all from --bias-freeze x the steps on.
         u = a.bias_lr * lr / a.lr if a.bias_schedule == "lr" else a.bias_lr
@@ -594,7 +612,8 @@ def train(work: Path, a: argparse.Namespace) -> dict:
         "setup": {
             "seed": a.seed, "steps": total, "kept_step": best["step"], "batch": B, "seq_len": T, "tokens_seen": total * B * T,
             "epochs": round(total * B * T / len(train_ids), 2),  # passes over the training stream (code + chat)
-            "optimizer": f"AdamW(betas 0.9/0.95, weight decay {a.weight_decay} on matrices)",
+            "optimizer": f"AdamW(betas 0.9/0.95, weight decay {a.weight_decay} on matrices)"
+                         + (", on one flat vector (--optimizer flat)" if a.optimizer == "flat" else ""),
             "router_lr": f"{a.router_lr_mult} x lr (no weight decay)",
             "kept": "the weights of the evaluation with the lowest validation-subset loss",
             "lr": {"peak": a.lr, "warmup_steps": a.warmup, "schedule": "linear warmup, cosine decay",
@@ -767,6 +786,10 @@ def main(argv=None) -> None:
     p.add_argument("--kda", choices=["loop", "chunked"], default=None,
                    help="train: KDA's recurrence as mlx-lm's per-time-step loop (code; chat up to v5) or tqbench's "
                         "chunked form (tqbench.demo.delta: the same values; 3.7x faster steps on the H200; chat)")
+    p.add_argument("--optimizer", choices=["mlx", "flat"], default="mlx",
+                   help="mlx: MLX's AdamW per parameter (every shipped demo); flat: the same AdamW and clipping on "
+                        "all parameters as one vector (tqbench.demo.flat_adamw: the same values up to rounding, a "
+                        "few kernels a step instead of ~3,900)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="mx.compile the training step (slow to trace: kimi_k3's KDA loops over time in training)")
     p.add_argument("--save-experts", choices=["float32", "bf16"], default=None,

@@ -1,5 +1,6 @@
 """benchmarks/train_step.py --quick times the demo's real training step (scripts/train_demo.py's `training_step`) at
-two batch sizes and writes figures that agree with each other; a bad --batches is a one-line usage error."""
+two batch sizes, with MLX's optimizer and the flat one, counts each step's operations, and writes figures that agree
+with each other; a bad --batches or --optimizers is a one-line usage error."""
 
 from __future__ import annotations
 
@@ -14,23 +15,32 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "train_step.py"
 
 
-def test_quick_run_times_the_real_step_at_each_batch(tmp_path):
+def test_quick_run_times_the_real_step_at_each_batch_and_optimizer(tmp_path):
     out = tmp_path / "train_step.json"
-    p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], capture_output=True, text=True,
-                       env=dict(os.environ), timeout=600)
+    p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--optimizers", "mlx,flat", "--count-ops",
+                        "--out", str(out)], capture_output=True, text=True, env=dict(os.environ), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(out.read_text())
     assert d["schema"] == "tqbench.bench.train-step/1" and d["baseline"] == "batch 2"
     rows = d["rows"]
-    assert [(r["batch"], r["seq_len"], r["compiled"]) for r in rows] == [(2, 32, False), (4, 32, False)]
+    assert [(r["batch"], r["seq_len"], r["compiled"], r["optimizer"]) for r in rows] == [
+        (2, 32, False, "mlx"), (2, 32, False, "flat"), (4, 32, False, "mlx"), (4, 32, False, "flat")]
     for r in rows:
         assert r["seconds_per_step"] > 0 and r["steps_timed"] == 2 and 0 < r["forward_s"]
         assert math.isclose(r["tokens_per_second"], r["batch"] * 32 / r["seconds_per_step"])
         # a step of the freshly initialised model on random tokens: about the uniform loss, ln(vocabulary)
         assert abs(r["first_loss"] - math.log(4608)) < 0.5
+        assert r["primitives"] == sum(r["primitives_by_name"].values()) > r["kernel_primitives"] > 1000
     assert rows[0]["tokens_per_second_vs_baseline"] == 1.0
-    assert math.isclose(rows[1]["tokens_per_second_vs_baseline"],
-                        rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"])
+    assert math.isclose(rows[2]["tokens_per_second_vs_baseline"],
+                        rows[2]["tokens_per_second"] / rows[0]["tokens_per_second"])
+    for mlx, flat in (rows[0:2], rows[2:4]):
+        assert mlx["first_loss"] == flat["first_loss"]  # the same model and tokens: only the update differs
+        assert mlx["step_time_vs_first_optimizer"] == 1.0
+        assert math.isclose(flat["step_time_vs_first_optimizer"], flat["seconds_per_step"] / mlx["seconds_per_step"])
+        # clipping and AdamW per parameter cost ~20 operations for each of the 204 trainable tensors; on one vector
+        # a few dozen in all
+        assert mlx["kernel_primitives"] - flat["kernel_primitives"] > 15 * 204
     assert d["peak_rss"] > 0 and all(r["mlx_peak_memory"] > 0 for r in rows) and "openblas_mapped" in d
 
 
@@ -39,3 +49,7 @@ def test_bad_batches_are_a_usage_error(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "--batches: comma-separated integers, not '64,x'" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "o.json").exists()
+    p = subprocess.run([sys.executable, str(SCRIPT), "--optimizers", "mlx,sgd", "--out", str(tmp_path / "o.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "--optimizers: a comma-separated list of mlx and flat, not 'mlx,sgd'" in p.stderr
+    assert not (tmp_path / "o.json").exists()
