@@ -126,6 +126,7 @@ def main(argv=None) -> None:
     p.add_argument("--optimizers", default="mlx",
                    help="comma-separated: mlx (MLX's AdamW per parameter), flat (tqbench.demo.flat_adamw); each batch "
                         "size is timed with each, in turn")
+    p.add_argument("--kda-chunk", type=int, default=16, help="time steps per chunk of the chunked KDA recurrence")
     p.add_argument("--count-ops", action="store_true",
                    help="also count the operations of one uncompiled step's graph (what a backend launches)")
     p.add_argument("--quick", action="store_true", help="batches 2,4 of 32 tokens, 1 warm-up, 2 steps")
@@ -144,12 +145,14 @@ def main(argv=None) -> None:
         raise SystemExit(f"--batches: comma-separated integers, not {a.batches!r}") from None
     if not batches or min(batches) < 1 or a.steps < 1 or a.warmup < 0:
         raise SystemExit("--batches, --steps must be >= 1 and --warmup >= 0")
+    if a.kda_chunk < 1 or a.kda_chunk & (a.kda_chunk - 1):
+        raise SystemExit(f"--kda-chunk: a power of two, not {a.kda_chunk}")
     optimizers = a.optimizers.split(",")
     if not optimizers or any(o not in ("mlx", "flat") for o in optimizers):
         raise SystemExit(f"--optimizers: a comma-separated list of mlx and flat, not {a.optimizers!r}")
     started = time.time()
     rows = []
-    with chunked_kda_training():
+    with chunked_kda_training(a.kda_chunk):
         for compiled in (False, True) if a.compile else (False,):
             for b in batches:
                 for opt in optimizers:
@@ -167,7 +170,7 @@ def main(argv=None) -> None:
         r["step_time_vs_first_optimizer"] = r["seconds_per_step"] / same[0]["seconds_per_step"]
     doc = {"schema": "tqbench.bench.train-step/1", "date": time.strftime("%Y-%m-%d"),
            "machine": {"platform": platform.platform(), "device": str(mx.default_device()), "mlx": mx.__version__},
-           "quick": a.quick, "baseline": f"batch {batches[0]}", "rows": rows,
+           "quick": a.quick, "baseline": f"batch {batches[0]}", "kda_chunk": a.kda_chunk, "rows": rows,
            "peak_rss": peak_rss_bytes(), "openblas_mapped": openblas_mapped(),
            "seconds": round(time.time() - started, 1)}
     a.out.parent.mkdir(parents=True, exist_ok=True)

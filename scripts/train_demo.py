@@ -327,7 +327,7 @@ def load_packed(work: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
 
 RESUME_KEYS = ("spec", "seed", "batch", "seq_len", "lr", "warmup", "final_lr_frac", "bias_lr", "bias_schedule",
                "bias_band", "bias_window", "bias_freeze", "router_lr_mult", "weight_decay", "clip", "eval_every", "kda",
-               "optimizer")
+               "kda_chunk", "optimizer")
 
 
 def save_resume(d: Path, model, optimizer, rng, ema, i: int, total: int, curve: list, best: dict, run_loss: float,
@@ -628,7 +628,8 @@ def train(work: Path, a: argparse.Namespace) -> dict:
                           "u_schedule": "u = u_peak * lr / peak lr" if a.bias_schedule == "lr" else "constant",
                           "band": list(band), "window_steps": a.bias_window,
                           "frozen_from_step": math.ceil(a.bias_freeze * total) if a.bias_freeze < 1 else None},
-            "compiled": a.compile, "kda": a.kda, "time_budget_s": a.time_budget if a.steps is None else None,
+            "compiled": a.compile, "kda": a.kda, "kda_chunk": a.kda_chunk if a.kda == "chunked" else None,
+            "time_budget_s": a.time_budget if a.steps is None else None,
             "device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
             "train_seconds": round(train_s, 1), "tokens_per_second": round(total * B * T / train_s),
         },
@@ -786,6 +787,9 @@ def main(argv=None) -> None:
     p.add_argument("--kda", choices=["loop", "chunked"], default=None,
                    help="train: KDA's recurrence as mlx-lm's per-time-step loop (code; chat up to v5) or tqbench's "
                         "chunked form (tqbench.demo.delta: the same values; 3.7x faster steps on the H200; chat)")
+    p.add_argument("--kda-chunk", type=int, default=16,
+                   help="time steps per chunk of the chunked KDA recurrence (a power of two; the same values up to "
+                        "rounding: larger chunks mean fewer, larger operations, 16 for every shipped demo)")
     p.add_argument("--optimizer", choices=["mlx", "flat"], default="mlx",
                    help="mlx: MLX's AdamW per parameter (every shipped demo); flat: the same AdamW and clipping on "
                         "all parameters as one vector (tqbench.demo.flat_adamw: the same values up to rounding, a "
@@ -827,7 +831,9 @@ def main(argv=None) -> None:
 
         from tqbench.demo.delta import chunked_kda_training
 
-        with chunked_kda_training() if a.kda == "chunked" else nullcontext():
+        if a.kda_chunk < 1 or a.kda_chunk & (a.kda_chunk - 1):
+            raise SystemExit(f"--kda-chunk: a power of two, not {a.kda_chunk}")
+        with chunked_kda_training(a.kda_chunk) if a.kda == "chunked" else nullcontext():
             done = train(a.work, a)
         if done is None:
             return  # stopped early: the state waits for --resume
