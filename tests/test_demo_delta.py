@@ -28,7 +28,7 @@ def inputs(B=2, T=37, H=2, Dk=8, Dv=6, seed=0, lower=-5.0):
     return q, k, v, g, beta, state
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 16, 64])
+@pytest.mark.parametrize("chunk", [1, 4, 16, 32, 64, 128])
 def test_values_and_state_match_the_loop(chunk):
     args = inputs()
     y0, s0 = gated_delta_ops(*args)
