@@ -237,13 +237,68 @@ def freeze_clocks(monkeypatch) -> None:
         monkeypatch.setattr(ChatScreen, name, wrap(getattr(ChatScreen, name)))
 
 
+# The reply the snapshot shows: the tq4 demo's greedy reply to PROMPT where the snapshot was taken. Greedy decoding of
+# this small model meets exact ties between bf16 logits (the second token's two best are equal), so CPUs whose
+# arithmetic differs in the last bit decode other replies; the snapshot test chooses these tokens (the model still
+# computes every step, routes and pages in its experts for them) so that the picture does not depend on the CPU.
+SNAPSHOT_REPLY = "`_pydecimal.Decimal._parse_args(args)`\n\nSend a value into the number of bytes; defaults to 0.0."
+
+
+def force_reply(monkeypatch, text: str) -> None:
+    """Replies choose `text`'s tokens, then the end of the turn, whatever the logits say (mlx-lm's sampler is the
+    one seam: the engine builds it with make_sampler for every reply)."""
+    import mlx.core as mx
+    import mlx_lm.sample_utils as sample_utils
+
+    from tqbench.demo import ensure_demo
+    from tqbench.runtime.load import load
+
+    tok = load(ensure_demo()).tokenizer
+    ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+
+    def make_sampler(*args, **kwargs):
+        chosen = iter(ids)
+        return lambda logprobs: mx.array([next(chosen, tok.eos_token_id)], dtype=mx.uint32)
+
+    monkeypatch.setattr(sample_utils, "make_sampler", make_sampler)
+
+
+def force_routing(monkeypatch) -> None:
+    """Each streamed MoE layer pages in experts chosen by position, not by the router's scores: those differ in the
+    last bit between CPUs too and pick other experts at near ties. A layer's k experts for its n-th routed position are
+    k distinct members of a per-layer pool of 48 spread over the layer, so the cache both hits and misses as in a real
+    reply; the streamer, its cache and the live view do the rest as usual."""
+    import mlx.core as mx
+    import numpy as np
+
+    from tqbench.stream.streamer import Streamer
+
+    original, positions = Streamer.run, {}
+
+    def run(self, layer, inner, x, indices):
+        *lead, k = indices.shape
+        n = int(np.prod(lead))
+        start = positions.get(layer, 0)
+        positions[layer] = start + n
+        t = np.arange(start, start + n)[:, None]
+        member = (5 * t + 6 * np.arange(k)[None, :]) % 48  # k <= 8 distinct members per position
+        experts = (37 * layer + 9 * member) % self.store.layers[layer].experts
+        return original(self, layer, inner, x, mx.array(experts.reshape(*lead, k), dtype=indices.dtype))
+
+    monkeypatch.setattr(Streamer, "run", run)
+
+
 def test_snapshot_chat_screen_after_a_reply(converted, monkeypatch, snap_compare):
     """The Chat screen at 80x24 streaming the tq4 demo from a 1 MB cache (one read worker: the same hits every run),
-    after one greedy reply: the transcript, the expert map beside it, the summary and the reply's figures. The clock's
-    figures are frozen (freeze_clocks); paths are relative to the working directory."""
+    after one reply: the transcript, the expert map beside it, the summary and the reply's figures. The clock's
+    figures are frozen (freeze_clocks), the reply's tokens and the experts paged in chosen (force_reply,
+    force_routing: the real engine's figures on the real model are the journey test's); paths are relative to the
+    working directory."""
     remember_model(converted)
     monkeypatch.chdir(converted.parent)
     freeze_clocks(monkeypatch)
+    force_reply(monkeypatch, SNAPSHOT_REPLY)
+    force_routing(monkeypatch)
 
     async def run_before(pilot) -> None:
         await settle(pilot)
