@@ -266,11 +266,29 @@ def docstring_test(model, tok, picked: list[DocItem], seed: int = 0, max_tokens:
                      "other_overlap": o, "win": win, "win_without_question_words": win_strict,
                      "true_overlap_without_question_words": ts, "other_overlap_without_question_words": os_})
     n = max(len(rows), 1)
+    rate = sum(r["win"] for r in rows) / n
     return {"functions": len(rows), "question": question, "max_tokens": max_tokens,
             "answers_naming_the_function": sum(r["named"] for r in rows),
-            "win_rate": round(sum(r["win"] for r in rows) / n, 4),
+            "win_rate": round(rate, 4),
+            "win_rate_standard_error": round(math.sqrt(rate * (1 - rate) / n), 4),
             "win_rate_without_question_words": round(sum(r["win_without_question_words"] for r in rows) / n, 4),
             "ties": sum(r["true_overlap"] == r["other_overlap"] for r in rows), "rows": rows}
+
+
+def paired_docstring(base: dict, other: dict) -> dict:
+    """Two models' docstring tests on the same functions (and the same other docstrings): how many each wins that the
+    other does not, and the two-sided exact sign test on those (the chance of a split at least this uneven if
+    neither model were better). Different numbers of wins on 30 functions are often within chance."""
+    a = {r["name"]: r["win"] for r in base["rows"]}
+    b = {r["name"]: r["win"] for r in other["rows"]}
+    if a.keys() != b.keys():
+        raise ValueError("paired_docstring: the two tests asked about different functions")
+    only_base = sum(a[k] and not b[k] for k in a)
+    only_other = sum(b[k] and not a[k] for k in a)
+    n, low = only_base + only_other, min(only_base, only_other)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(low + 1)) / 2 ** n) if n else 1.0
+    return {"functions": len(a), "both": sum(a[k] and b[k] for k in a), "neither": sum(not a[k] and not b[k] for k in a),
+            "only_base": only_base, "only_other": only_other, "sign_test_p": round(p, 4)}
 
 
 # ---- routing --------------------------------------------------------------------------------------------------------
@@ -449,8 +467,8 @@ def summary_lines(name: str, r: dict) -> list[str]:
     ro = r["routing"]
     lines = [f"{name}: perplexity held-out code {p['heldout_code']['perplexity']}, third-party "
              f"{p['third_party']['perplexity']}, held-out chat {p['heldout_chat']['perplexity']}; docstring test "
-             f"{r['docstring_test']['win_rate']:.0%} ({r['docstring_test']['win_rate_without_question_words']:.0%} "
-             "without the question's words)"]
+             f"{r['docstring_test']['win_rate']:.0%} +- {r['docstring_test'].get('win_rate_standard_error', 0):.0%} "
+             f"({r['docstring_test']['win_rate_without_question_words']:.0%} without the question's words)"]
     lines.append(f"  experts for 50/80/90% per layer (uniform {ro['uniform']}): " + "; ".join(
         f"{x['experts_for_50pct']}/{x['experts_for_80pct']}/{x['experts_for_90pct']}" for x in ro["overall"]))
     if ro["per_domain_mean"]:
@@ -504,14 +522,20 @@ def main(argv=None) -> None:
         name, _, path = spec.rpartition("=")
         path = Path(path)
         results[name or path.name] = evaluate_model(path, a, items, picked)
+    names = list(results)
+    paired = {f"{names[0]} vs {n}": paired_docstring(results[names[0]]["docstring_test"], results[n]["docstring_test"])
+              for n in names[1:]}
     doc = {"schema": "tqbench.demo-eval/1", "python": sys.version.split()[0], "limit_windows": a.limit or None,
            "third_party": {pkg: importlib.util.find_spec(pkg) and _version(pkg) for pkg in THIRD_PARTY},
-           "docstring_functions": [i.name for i in picked], "models": results}
+           "docstring_functions": [i.name for i in picked], "models": results, "docstring_paired": paired}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(dump_json(doc))
     for name, r in results.items():
         for line in summary_lines(name, r):
             print(line)
+    for pair, d in paired.items():
+        print(f"docstring test, {pair}: {d['only_base']} won by the first only, {d['only_other']} by the second only "
+              f"({d['both']} both, {d['neither']} neither); sign test p = {d['sign_test_p']}")
     log(f"wrote {a.out}")
 
 

@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 from demo_eval import (  # noqa: E402
+    paired_docstring,
     Stream,
     derangement,
     docstring_win,
@@ -92,3 +94,23 @@ def test_third_party_sources_are_installed():
     files = third_party_files()
     pkgs = {p for p, _ in files}
     assert pkgs == {"click", "diskcache"} and all(f.suffix == ".py" for _, f in files)
+
+
+def test_paired_docstring_counts_and_exact_sign_test():
+    """Counts over the same functions, and the two-sided sign test by hand: 5 discordant wins against 1 is
+    2 * (C(6,0) + C(6,1)) / 2**6 = 14/64; an even split or no discordance is p = 1."""
+    def test(wins):
+        return {"rows": [{"name": f"f{i}", "win": w} for i, w in enumerate(wins)]}
+
+    a = test([1, 1, 1, 1, 1, 1, 0, 0, 1, 0])
+    b = test([0, 0, 0, 0, 0, 1, 1, 0, 1, 0])
+    d = paired_docstring(a, b)
+    assert (d["only_base"], d["only_other"], d["both"], d["neither"], d["functions"]) == (5, 1, 2, 2, 10)
+    assert d["sign_test_p"] == round(14 / 64, 4)
+    assert paired_docstring(b, a)["sign_test_p"] == d["sign_test_p"]
+    assert paired_docstring(a, a)["sign_test_p"] == 1.0
+    assert paired_docstring(test([1, 0]), test([0, 1]))["sign_test_p"] == 1.0
+    # 9 against 0: 2 / 2**9
+    assert paired_docstring(test([1] * 9), test([0] * 9))["sign_test_p"] == round(2 / 512, 4)
+    with pytest.raises(ValueError, match="different functions"):
+        paired_docstring(a, test([1, 0]))
