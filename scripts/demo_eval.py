@@ -249,8 +249,11 @@ def derangement(n: int, seed: int) -> list[int]:
 
 
 def docstring_test(model, tok, picked: list[DocItem], seed: int = 0, max_tokens: int = 96,
-                   question: str = QUESTION) -> dict:
+                   question: str = QUESTION, repetition_penalty: float | None = None) -> dict:
     from mlx_lm import generate
+    from mlx_lm.sample_utils import make_logits_processors
+
+    processors = make_logits_processors(repetition_penalty=repetition_penalty) if repetition_penalty else None
 
     others = derangement(len(picked), seed)
     rows = []
@@ -258,7 +261,7 @@ def docstring_test(model, tok, picked: list[DocItem], seed: int = 0, max_tokens:
         q = question.format(name=item.name)
         prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         ids = tok.encode(prompt, add_special_tokens=False)
-        reply = generate(model, tok, ids, max_tokens=max_tokens)
+        reply = generate(model, tok, ids, max_tokens=max_tokens, logits_processors=processors)
         win, t, o = docstring_win(reply, item.doc, picked[j].doc)
         win_strict, ts, os_ = docstring_win(reply, item.doc, picked[j].doc, exclude=words(q))
         rows.append({"name": item.name, "other": picked[j].name, "answer": reply, "named": item.name in reply,
@@ -268,6 +271,7 @@ def docstring_test(model, tok, picked: list[DocItem], seed: int = 0, max_tokens:
     n = max(len(rows), 1)
     rate = sum(r["win"] for r in rows) / n
     return {"functions": len(rows), "question": question, "max_tokens": max_tokens,
+            **({"repetition_penalty": repetition_penalty} if repetition_penalty else {}),
             "answers_naming_the_function": sum(r["named"] for r in rows),
             "win_rate": round(rate, 4),
             "win_rate_standard_error": round(math.sqrt(rate * (1 - rate) / n), 4),
@@ -454,7 +458,8 @@ def evaluate_model(path: Path, a: argparse.Namespace, items: list[DocItem], pick
         a.trace_dir.mkdir(parents=True, exist_ok=True)
         np.save(a.trace_dir / f"{path.name}-routing-trace.npy", trace)
     t0 = time.time()
-    out["docstring_test"] = docstring_test(model, tok, picked, a.seed, a.max_tokens, a.question)
+    out["docstring_test"] = docstring_test(model, tok, picked, a.seed, a.max_tokens, a.question,
+                                           a.repetition_penalty)
     log(f"  docstring test: {out['docstring_test']['win_rate']:.0%} wins "
         f"({out['docstring_test']['win_rate_without_question_words']:.0%} without the question's words), "
         f"{out['docstring_test']['answers_naming_the_function']} answers name the function, "
@@ -496,6 +501,9 @@ def main(argv=None) -> None:
     p.add_argument("--limit", type=int, default=0, help="windows per text (0: all); for a quick look")
     p.add_argument("--functions", type=int, default=30)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="the docstring test's answers with mlx-lm's repetition penalty (still the most likely token "
+                        "at each step, after the penalty); default: plain greedy, as the issue's test")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--experts", choices=["auto", "float", "quantized"], default="auto",
                    help="auto: float32 experts on a CPU (the same values; MLX's CPU gather_mm is float32-only)")
