@@ -583,6 +583,9 @@ def train(work: Path, a: argparse.Namespace) -> dict:
             }
             curve.append(entry)
             log(" ".join(f"{k}={v}" for k, v in entry.items()))
+            if a.keep_every and i % a.keep_every == 0 and i != total:  # candidates to choose from afterwards
+                (work / f"step-{i:05d}").mkdir(exist_ok=True)
+                save_float(model, work / f"step-{i:05d}", a.save_experts)
             if selection_loss(val, chat) < best["val_loss"]:  # arrays are immutable: the references keep this state
                 best.update(val_loss=selection_loss(val, chat), step=i, params=dict(tree_flatten(model.parameters())))
             run_loss, run_n, loads_acc = 0.0, 0, np.zeros((len(moes), E))
@@ -780,6 +783,10 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--save-final", action="store_true",
                    help="also save the last step's weights in <work>/final when an earlier step is kept")
+    p.add_argument("--keep-every", type=int, default=0,
+                   help="also save the weights every N steps (a multiple of --eval-every) in <work>/step-NNNNN, to "
+                        "choose between afterwards (scripts/demo_eval.py --docstring-items selection); each save "
+                        "takes seconds that --time-budget does not plan for")
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--eval-batch", type=int, default=32)
     p.add_argument("--final-windows", type=int, default=0,
@@ -833,6 +840,8 @@ def main(argv=None) -> None:
 
         if a.kda_chunk < 1 or a.kda_chunk & (a.kda_chunk - 1):
             raise SystemExit(f"--kda-chunk: a power of two, not {a.kda_chunk}")
+        if a.keep_every < 0 or (a.keep_every and a.keep_every % a.eval_every):
+            raise SystemExit(f"--keep-every: a multiple of --eval-every ({a.eval_every}), not {a.keep_every}")
         with chunked_kda_training(a.kda_chunk) if a.kda == "chunked" else nullcontext():
             done = train(a.work, a)
         if done is None:

@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 from demo_eval import (  # noqa: E402
     paired_docstring,
+    pick_functions,
+    selection_functions,
     Stream,
     derangement,
     docstring_win,
@@ -114,3 +116,24 @@ def test_paired_docstring_counts_and_exact_sign_test():
     assert paired_docstring(test([1] * 9), test([0] * 9))["sign_test_p"] == round(2 / 512, 4)
     with pytest.raises(ValueError, match="different functions"):
         paired_docstring(a, test([1, 0]))
+
+
+def test_selection_functions_never_meet_the_test():
+    """The selection set comes from the same eligible pool (held out, docstring in no training text) and never holds
+    a function the test would ask about, at any test size; it is seeded and in name order."""
+    from tqbench.demo.conversations import DocItem
+
+    items = [DocItem(f"m{f}.py", f"m{f}", f"m{f}", kind, f"m{f}.fn{j}", f"m{f}.fn{j}()", f"Doc of m{f} fn{j} here.")
+             for f in range(12) for j, kind in enumerate(["function"] * 7 + ["method"] * 2 + ["class"])]
+    train_text = "Doc of m0 fn0 here."  # in a training file: eligible for neither
+    chosen = selection_functions(items, train_text, 200, seed=0)
+    eligible = {i.name for i in items if i.kind in ("function", "method") and i.name != "m0.fn0"}
+    test_all = {i.name for i in pick_functions(items, train_text, 1000, seed=0)}
+    assert len(test_all) == 12 * 4 and "m0.fn0" not in test_all  # at most 4 a file
+    names = [i.name for i in chosen]
+    assert set(names) == eligible - test_all and names == sorted(names)
+    for n in (5, 30, 48):
+        assert not {i.name for i in pick_functions(items, train_text, n, seed=0)} & set(names)
+    assert [i.name for i in selection_functions(items, train_text, 10, seed=0)] == \
+        [i.name for i in selection_functions(items, train_text, 10, seed=0)]
+    assert len(selection_functions(items, train_text, 10, seed=0)) == 10
