@@ -5,7 +5,7 @@ clipping, AdamW, the router-bias balancing), the chunked KDA recurrence, on what
 
     python benchmarks/train_step.py --out bench-results/train_step.json               # batches 64,128,256
     python benchmarks/train_step.py --batches 64,128 --compile --out ...              # also the compiled step
-    python benchmarks/train_step.py --batches 64 --optimizers mlx,flat --count-ops    # MLX's AdamW vs the flat one
+    python benchmarks/train_step.py --batches 64 --optimizers mlx,flat --kda-chunks 16,64 --count-ops  # the step's overhead
     python benchmarks/train_step.py --quick                                           # a CPU smoke run (seconds)
 
 Per batch size: the median seconds of --steps steps after --warmup steps (each step evaluated and its loss read, as
@@ -126,7 +126,9 @@ def main(argv=None) -> None:
     p.add_argument("--optimizers", default="mlx",
                    help="comma-separated: mlx (MLX's AdamW per parameter), flat (tqbench.demo.flat_adamw); each batch "
                         "size is timed with each, in turn")
-    p.add_argument("--kda-chunk", type=int, default=16, help="time steps per chunk of the chunked KDA recurrence")
+    p.add_argument("--kda-chunks", default="16",
+                   help="comma-separated: time steps per chunk of the chunked KDA recurrence (powers of two); each "
+                        "batch size is timed with each, in turn")
     p.add_argument("--count-ops", action="store_true",
                    help="also count the operations of one uncompiled step's graph (what a backend launches)")
     p.add_argument("--quick", action="store_true", help="batches 2,4 of 32 tokens, 1 warm-up, 2 steps")
@@ -145,32 +147,43 @@ def main(argv=None) -> None:
         raise SystemExit(f"--batches: comma-separated integers, not {a.batches!r}") from None
     if not batches or min(batches) < 1 or a.steps < 1 or a.warmup < 0:
         raise SystemExit("--batches, --steps must be >= 1 and --warmup >= 0")
-    if a.kda_chunk < 1 or a.kda_chunk & (a.kda_chunk - 1):
-        raise SystemExit(f"--kda-chunk: a power of two, not {a.kda_chunk}")
+    try:
+        chunks = [int(c) for c in a.kda_chunks.split(",")]
+    except ValueError:
+        chunks = []
+    if not chunks or any(c < 1 or c & (c - 1) for c in chunks):
+        raise SystemExit(f"--kda-chunks: comma-separated powers of two, not {a.kda_chunks!r}")
     optimizers = a.optimizers.split(",")
     if not optimizers or any(o not in ("mlx", "flat") for o in optimizers):
         raise SystemExit(f"--optimizers: a comma-separated list of mlx and flat, not {a.optimizers!r}")
     started = time.time()
     rows = []
-    with chunked_kda_training(a.kda_chunk):
-        for compiled in (False, True) if a.compile else (False,):
-            for b in batches:
-                for opt in optimizers:
-                    r = measure(b, a.seq_len, a.warmup, a.steps, compiled, opt, a.count_ops)
-                    rows.append(r)
-                    ops = f", {r['kernel_primitives']:,} kernel operations" if "primitives" in r else ""
-                    print(f"batch {b:4d}{' compiled' if compiled else ''} {opt}: {r['seconds_per_step'] * 1000:.1f} "
-                          f"ms/step, {r['tokens_per_second']:,.0f} tokens/s, forward {r['forward_s'] * 1000:.1f} ms "
-                          f"(first step {r['first_step_s']:.1f} s){ops}", flush=True)
+    for compiled in (False, True) if a.compile else (False,):
+        for b in batches:
+            for chunk in chunks:
+                with chunked_kda_training(chunk):
+                    for opt in optimizers:
+                        r = {**measure(b, a.seq_len, a.warmup, a.steps, compiled, opt, a.count_ops),
+                             "kda_chunk": chunk}
+                        rows.append(r)
+                        ops = f", {r['kernel_primitives']:,} kernel operations" if "primitives" in r else ""
+                        print(f"batch {b:4d}{' compiled' if compiled else ''} {opt} chunk {chunk}: "
+                              f"{r['seconds_per_step'] * 1000:.1f} ms/step, {r['tokens_per_second']:,.0f} tokens/s, "
+                              f"forward {r['forward_s'] * 1000:.1f} ms (first step {r['first_step_s']:.1f} s){ops}",
+                              flush=True)
     base = rows[0]["tokens_per_second"]
-    for r in rows:
+    for r in rows:  # ratios within the run: to the first batch size, and at the same batch to the first optimizer/chunk
         r["tokens_per_second_vs_baseline"] = r["tokens_per_second"] / base
-        same = [q for q in rows if q["optimizer"] == optimizers[0] and q["batch"] == r["batch"]
-                and q["compiled"] == r["compiled"]]
-        r["step_time_vs_first_optimizer"] = r["seconds_per_step"] / same[0]["seconds_per_step"]
+        key = (r["batch"], r["compiled"])
+        first_opt = next(q for q in rows if (q["batch"], q["compiled"]) == key and q["kda_chunk"] == r["kda_chunk"]
+                         and q["optimizer"] == optimizers[0])
+        first_chunk = next(q for q in rows if (q["batch"], q["compiled"]) == key and q["kda_chunk"] == chunks[0]
+                           and q["optimizer"] == r["optimizer"])
+        r["step_time_vs_first_optimizer"] = r["seconds_per_step"] / first_opt["seconds_per_step"]
+        r["step_time_vs_first_chunk"] = r["seconds_per_step"] / first_chunk["seconds_per_step"]
     doc = {"schema": "tqbench.bench.train-step/1", "date": time.strftime("%Y-%m-%d"),
            "machine": {"platform": platform.platform(), "device": str(mx.default_device()), "mlx": mx.__version__},
-           "quick": a.quick, "baseline": f"batch {batches[0]}", "kda_chunk": a.kda_chunk, "rows": rows,
+           "quick": a.quick, "baseline": f"batch {batches[0]}", "kda_chunks": chunks, "rows": rows,
            "peak_rss": peak_rss_bytes(), "openblas_mapped": openblas_mapped(),
            "seconds": round(time.time() - started, 1)}
     a.out.parent.mkdir(parents=True, exist_ok=True)
