@@ -525,6 +525,8 @@ def main(argv=None) -> None:
                         "functions the test never asks about (selection: for choosing between checkpoints of one "
                         "run without looking at the test)")
     a = p.parse_args(argv)
+    if a.repetition_penalty is not None and a.repetition_penalty <= 0:
+        raise SystemExit(f"--repetition-penalty: a positive factor (1.0: none), not {a.repetition_penalty}")
 
     root = stdlib_root()
     files = corpus_files(root)

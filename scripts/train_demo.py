@@ -407,7 +407,7 @@ def training_step(model, moes: list, a: argparse.Namespace):
 
     decay = lambda path, p: p.ndim >= 2 and "norm" not in path  # noqa: E731  (matrices only; not norms, A_log, biases)
     router = lambda path, p: path.endswith("mlp.gate.weight")  # noqa: E731
-    flat = getattr(a, "optimizer", "mlx") == "flat"
+    flat = a.optimizer == "flat"
     if flat:  # the same AdamW on one vector: a few kernels a step instead of ~20 per parameter
         optimizer = FlatAdamW(0.0, [(router, a.router_lr_mult, 0.0), (decay, 1.0, a.weight_decay)],
                               default=(1.0, 0.0), betas=(0.9, 0.95), eps=1e-8)

@@ -253,7 +253,7 @@ def force_reply(monkeypatch, text: str) -> None:
     from tqbench.demo import ensure_demo
     from tqbench.runtime.load import load
 
-    tok = load(ensure_demo()).tokenizer
+    tok = load(ensure_demo(), lazy=True).tokenizer  # the tokenizer only: the weights are never evaluated
     ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
 
     def make_sampler(*args, **kwargs):
