@@ -110,7 +110,8 @@ def child_convert(a: dict) -> None:
     t1 = time.perf_counter()
     if profiler:
         profiler.enable()
-    for ev in convert(a["src"], a["dst"], recipe, a["shard_size"], True):
+    kw = {"read_ahead": a["read_ahead"]} if a.get("read_ahead") is not None else {}
+    for ev in convert(a["src"], a["dst"], recipe, a["shard_size"], True, **kw):
         if isinstance(ev, UnitConverted):
             units += 1
         elif isinstance(ev, ConvertStarted):

@@ -71,9 +71,9 @@ QUICK_SPEC = dict(SPEC, hidden_size=256, routed_expert_hidden_size=256, moe_inte
                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_num_heads=4,
                   kda_head_dim=32, num_shards=2)
 DEFAULTS = dict(layers=9, experts=384, budget_gb=6.0, workers=4, prompt=4, tokens=24, warmup=2, pin_share=0.5,
-                convert_layers=2, convert_experts=32, raw_bytes=1536 * 2**20)
+                convert_layers=2, convert_experts=32, convert_pairs=2, raw_bytes=1536 * 2**20)
 QUICK = dict(layers=3, experts=16, budget_gb=0.004, workers=2, prompt=3, tokens=4, warmup=1, pin_share=0.5,
-             convert_layers=2, convert_experts=4, raw_bytes=8 * 2**20)
+             convert_layers=2, convert_experts=4, convert_pairs=1, raw_bytes=8 * 2**20)
 
 
 def _emit(result: dict) -> None:
@@ -274,7 +274,9 @@ def run_child(mode: str, args: dict, timeout: float, script: Path | None = None)
 
 
 def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
-    """A real K3-shaped source converted twice (first: kernel compilation included), and the raw read+write."""
+    """A real K3-shaped source converted in fresh processes: first with kernel compilation included, then the
+    converter's read-ahead into MLX memory (`arena`, the default) against one unit ahead read as bytes (`bytes`,
+    `read_ahead=0`: the converter before it) in alternating order, and the raw read+write of the same bytes."""
     from tqbench.demo import DemoSpec, write_source
     convert_py = Path(__file__).resolve().parent / "convert.py"
     spec = DemoSpec(**dict(spec_kw, num_hidden_layers=cfg["convert_layers"], num_experts=cfg["convert_experts"]))
@@ -284,26 +286,33 @@ def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
     write_s = time.perf_counter() - t0
     files = sorted(src.glob("*.safetensors"))
     source_bytes = sum(f.stat().st_size for f in files)
+    order = ["arena"] + [m for i in range(cfg["convert_pairs"]) for m in (("bytes", "arena") if i % 2 == 0
+                                                                           else ("arena", "bytes"))]
     runs = []
-    for i in range(2):
+    for i, mode in enumerate(order):
         dst = work / f"convert-out-{i}"
         drop_cache(files)
         runs.append(run_child("convert", dict(src=str(src), dst=str(dst), recipe=RECIPE, shard_size=5 * 2**30,
-                                              stages=True), timeout, convert_py))
-        out_bytes = sum(f.stat().st_size for f in dst.iterdir() if f.is_file())
-        runs[-1]["output_bytes"] = out_bytes
-        if i == 0:
+                                              stages=True, read_ahead=0 if mode == "bytes" else None),
+                              timeout, convert_py))
+        runs[-1].update(mode=mode, first=i == 0, output_bytes=sum(f.stat().st_size for f in dst.iterdir()
+                                                                  if f.is_file()))
+        if i < len(order) - 1:
             for f in dst.iterdir():
                 f.unlink()
             dst.rmdir()
     drop_cache(files)
     raw = run_child("raw", dict(files=[str(f) for f in files], dst=str(work / "raw.bin"),
                                 write_bytes=runs[-1]["output_bytes"]), timeout, convert_py)
-    warm = runs[1]
+    warm = {m: statistics.median(r["seconds"] for r in runs[1:] if r["mode"] == m) for m in ("arena", "bytes")}
+    pairs = [runs[1 + 2 * i: 3 + 2 * i] for i in range(cfg["convert_pairs"])]
     return dict(spec=asdict(spec), write_source_s=write_s, source_bytes=source_bytes, runs=runs, raw=raw,
-                source_mb_per_s=source_bytes / warm["seconds"] / 1e6,
-                vs_raw=warm["seconds"] / raw["seconds"],
-                first_run_extra_s=runs[0]["seconds"] - warm["seconds"])
+                source_mb_per_s=source_bytes / warm["arena"] / 1e6,
+                bytes_mb_per_s=source_bytes / warm["bytes"] / 1e6,
+                arena_speedup_paired=[next(r["seconds"] for r in p if r["mode"] == "bytes")
+                                      / next(r["seconds"] for r in p if r["mode"] == "arena") for p in pairs],
+                vs_raw=warm["arena"] / raw["seconds"], bytes_vs_raw=warm["bytes"] / raw["seconds"],
+                first_run_extra_s=runs[0]["seconds"] - warm["arena"])
 
 
 def build_model(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
@@ -507,7 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     if "convert" in parts:
         c = doc["convert"] = part_convert(work, spec_kw, cfg, a.timeout)
         log(f"convert: {c['source_bytes'] / 1e6:.0f} MB of source at {c['source_mb_per_s']:.1f} MB/s, "
-            f"{c['vs_raw']:.1f}x raw read+write; first run +{c['first_run_extra_s']:.1f} s")
+            f"{c['vs_raw']:.1f}x raw read+write (read as bytes: {c['bytes_mb_per_s']:.1f} MB/s, "
+            f"{c['bytes_vs_raw']:.1f}x; paired speed-ups {', '.join(f'{x:.2f}' for x in c['arena_speedup_paired'])}); "
+            f"first run +{c['first_run_extra_s']:.1f} s")
         save()
     if not parts & {"build", "stream", "resident"}:
         return 0

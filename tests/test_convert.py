@@ -19,6 +19,7 @@ from tqbench.demo import DemoSpec, write_source
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
 from tqbench.quant import turboquant as tq
 from tqbench.recipe import Recipe, group_sources, make_plan
+from tqbench.recipe.recipe import Format
 from tqbench.layout.names import shard_file
 from tqbench.layout.units import assign_shards, file_units
 from tqbench.source import open_checkpoint
@@ -443,3 +444,34 @@ def test_bytes_out_is_what_the_files_hold(demo_src, tmp_path):
     plan = make_plan(group_sources(open_checkpoint(demo_src)), Recipe.parse("tq3a-tqTe-down4-g64"), SHARD)
     headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
     assert started.tensor_bytes == plan.total_bytes == started.bytes_out - headers
+
+
+@pytest.mark.parametrize("name", ["tq3a-tqTe-down4-g64", "affine4-g64", "tq3a-mxfp4e-g64"])
+def test_read_ahead_into_mlx_memory_writes_the_same_bytes(demo_src, tmp_path, name):
+    """Reading ahead into the MLX-owned arena (the default), into an arena too small for the window (reads fall back
+    to bytes and regions wrap), and one unit ahead as bytes (read_ahead=0) write identical outputs."""
+    from tqbench.convert.produce import Producer
+
+    readers = []
+
+    class Observed(Producer):  # the real producer; it only keeps its reader to read the counters afterwards
+        def __init__(self, ckpt, recipe, reader):
+            super().__init__(ckpt, recipe, reader)
+            readers.append(reader)
+
+    run(demo_src, tmp_path / "bytes", name, read_ahead=0, producer_class=Observed)
+    run(demo_src, tmp_path / "staged", name, producer_class=Observed)
+    run(demo_src, tmp_path / "small", name, read_ahead=24 * 2**10, producer_class=Observed)
+    assert file_bytes(tmp_path / "bytes") == file_bytes(tmp_path / "staged") == file_bytes(tmp_path / "small")
+    plain, staged, small = readers
+    recipe = Recipe.parse(name)
+    plan = make_plan(group_sources(open_checkpoint(demo_src)), recipe, SHARD, "streaming")
+    decoded = sum(1 for m in plan.modules if m.choice.format in (Format.TURBOQUANT, Format.AFFINE)
+                  for t in m.source.tensors if t.name.param != "bias")
+    assert decoded > 30
+    assert plain.staged_reads == 0 and plain._arena is None
+    assert (staged.staged_reads, staged.arena_full) == (decoded, 0)  # every decoded source tensor, through the arena
+    assert small.staged_reads + small.arena_full == decoded and small.arena_full > 0
+    for r in readers:
+        assert not r._staged and not r._pending  # every read started was collected or discarded
+        assert r._arena is None or r._arena.used == 0

@@ -15,11 +15,11 @@ import json
 import os
 import signal
 import time
-from collections import Counter
+from collections import Counter, deque
 from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator
 
 from tqbench.convert.journal import JOURNAL, Journal, write_atomic, write_json
 from tqbench.convert.produce import Producer, rotated, shared_expert_piece
@@ -39,8 +39,10 @@ from tqbench.shards.writer import header_length
 
 # Source files that are not weights and travel with the model (tokenizer, chat template, generation settings).
 _COPY_MAX_BYTES = 64 * 2**20
-T = TypeVar("T")
-PREFETCH_WORKERS = 2  # threads reading the next unit's source bytes (they never touch MLX)
+PREFETCH_WORKERS = 2  # threads reading the next units' source bytes (they never touch MLX)
+# Source bytes read ahead of the unit being converted, into an MLX-owned arena of this size (half of it ahead: the
+# unit being converted holds its regions meanwhile). 0: one unit ahead, read as bytes and copied into MLX memory.
+READ_AHEAD = 256 * 2**20
 
 
 class ConvertError(TqbenchError):
@@ -145,12 +147,12 @@ def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
 
 def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: Recipe,
             shard_size: int = SHARD_SIZE, force: bool = False,
-            producer_class: type[Producer] = Producer) -> Iterator[Any]:
+            producer_class: type[Producer] = Producer, read_ahead: int = READ_AHEAD) -> Iterator[Any]:
     """Convert, yielding ConvertStarted, UnitConverted per unit, ShardWritten per shard, ConvertFinished.
     `source` may be an opened Checkpoint or a Layout computed for this recipe and shard size (faces that checked
     the destination have one). `producer_class` computes each unit's tensors (a benchmark may substitute one that
-    writes synthetic expert codes). Closing the generator stops cleanly: the shard being written is dropped and the
-    output resumes later."""
+    writes synthetic expert codes). `read_ahead`: see READ_AHEAD (the output is the same for any value). Closing the
+    generator stops cleanly: the shard being written is dropped and the output resumes later."""
     t0 = time.monotonic()
     if isinstance(source, Layout):
         if source.plan.recipe != recipe or source.plan.shard_size != shard_size:
@@ -172,12 +174,14 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
 
     run_in, t_run = 0, time.monotonic()
     # Two passes over the units, neither holding a shard's: one gives each shard's header, the other the units to
-    # convert, each with its source bytes and the unit after it (read ahead while MLX works).
+    # convert, each with its source bytes, their reads started ahead while MLX works.
     headers = chunks(iter_units(plan.modules, "streaming"), lay.counts)
     shards = chunks(with_source_bytes(iter_units(plan.modules, "streaming")), lay.counts)
-    pending = _lookahead(x for shard, r in zip(shards, resumed) if not r for x in shard)
-    with ShardReader(ckpt.path, workers=PREFETCH_WORKERS) as reader:
+    stage = min(read_ahead, total_in - done_in)
+    with ShardReader(ckpt.path, workers=PREFETCH_WORKERS, stage_bytes=stage) as reader:
         producer = producer_class(ckpt, recipe, reader)
+        pending = _read_ahead((x for shard, r in zip(shards, resumed) if not r for x in shard),
+                              lambda unit, after: producer.prefetch(unit, after), stage // 2)
         for i, (file, header) in enumerate(zip(files, headers)):
             if resumed[i]:
                 continue
@@ -185,9 +189,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
             layer_errors: dict[str, list[float]] = {}  # layer -> [units, sum, max] of the units' worst errors
             writer = _open_writer(dst / file, (p.out for u in header for p in u.pieces), recipe, lay.header_lengths[i])
             try:
-                for (u, unit_in), nxt in islice(pending, lay.counts[i]):
-                    if nxt is not None:
-                        reader.prefetch(producer.unit_entries(nxt[0], after=u))  # read ahead while MLX works on this unit
+                for u, unit_in in islice(pending, lay.counts[i]):
                     worst = None
                     for r in producer.produce(u):
                         writer.write(r.piece.out.name, r.data)
@@ -336,17 +338,25 @@ def with_source_bytes(units: Iterable[Unit]) -> Iterator[tuple[Unit, int]]:
         yield u, n
 
 
-def _lookahead(items: Iterator[T]) -> Iterator[tuple[T, T | None]]:
-    """(item, the item after it or None)."""
-    prev = next(items, _END)
-    for item in items:
-        yield prev, item
-        prev = item
-    if prev is not _END:
-        yield prev, None
-
-
-_END = object()
+def _read_ahead(units: Iterator[tuple[Unit, int]], prefetch: Callable[[Unit, Unit | None], None],
+                budget: int) -> Iterator[tuple[Unit, int]]:
+    """The (unit, source bytes) in order; before one is handed out, the reads of the units after it are started:
+    at least the next unit's, more while the source bytes beyond the unit handed out stay within `budget`."""
+    window: deque[tuple[Unit, int]] = deque()  # units whose reads have started, not handed out yet
+    ahead, last = 0, None  # the window's source bytes; the unit prefetched last
+    peek = next(units, None)
+    while True:
+        while peek is not None and (len(window) < 2 or ahead - window[0][1] + peek[1] <= budget):
+            prefetch(peek[0], last)
+            last = peek[0]
+            window.append(peek)
+            ahead += peek[1]
+            peek = next(units, None)
+        if not window:
+            return
+        item = window.popleft()
+        ahead -= item[1]
+        yield item
 
 
 def _add(agg: list[float], error: float) -> None:

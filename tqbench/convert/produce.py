@@ -135,17 +135,31 @@ class Producer:
             return tq.codebook("T" if c.ternary else str(c.bits))
         return self.signs(p.module, p.module.source.shape[1])
 
-    def unit_entries(self, unit: Unit, after: Unit) -> list[TensorSpec]:
+    def unit_entries(self, unit: Unit, after: Unit | None) -> list[TensorSpec]:
         """The source tensors `unit` will read when produced right after `after` (for prefetching): a module that
         `after` ends with is still computed then, so its tensors are not read again."""
-        last = after.pieces[-1]
-        seen, out = {(id(last.module), last.expert)}, []
+        return [e for e, _ in self._unit_reads(unit, after)]
+
+    def _unit_reads(self, unit: Unit, after: Unit | None) -> list[tuple[TensorSpec, bool]]:
+        """`unit_entries`, each with whether `decode` reads it (the tensors quantized modules decode to float)."""
+        last = after.pieces[-1] if after is not None else None
+        seen, out = {(id(last.module), last.expert)} if last else set(), []
         for p in unit.pieces:
             key = (id(p.module), p.expert)
             if key not in seen and not shared_expert_piece(p):
                 seen.add(key)
-                out.extend(self.source_parts(p.module, p.expert).values())
+                decoded = p.module.choice.format in (Format.TURBOQUANT, Format.AFFINE)
+                out.extend((e, decoded and param != "bias")
+                           for param, e in self.source_parts(p.module, p.expert).items())
         return out
+
+    def prefetch(self, unit: Unit, after: Unit | None) -> None:
+        """Start reading `unit`'s source tensors (see `unit_entries`): those `decode` reads into MLX memory, the
+        rest as bytes."""
+        entries = {(e.shard, e.offset, e.nbytes) for e in self.unit_entries(unit, after)}
+        reads = [(e, d) for e, d in self._unit_reads(unit, after) if (e.shard, e.offset, e.nbytes) in entries]
+        self.reader.prefetch_mlx([e for e, d in reads if d])
+        self.reader.prefetch([e for e, d in reads if not d])
 
     def produce(self, unit: Unit) -> list[Produced]:
         """The unit's pieces. A module's outputs are computed once and kept until the next module: its tensors
@@ -159,9 +173,10 @@ class Producer:
             first = self._last_key != key
             if first:
                 self._last = None  # free the previous module's arrays first
-                self._last = self.module_outputs(p.module, p.expert)
+                self._last = self.module_outputs(p.module, p.expert)  # evaluated: nothing pending reads its inputs
                 self._last_key = key
                 self.reader.discard(list(self.source_parts(p.module, p.expert).values()))  # unread side tensors
+                self.reader.release()  # the arena regions it read may be filled again
             outputs, nbytes, err = self._last
             data = outputs[_output_key(p, outputs)]
             if data.nbytes != p.out.nbytes:

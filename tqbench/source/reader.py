@@ -1,6 +1,7 @@
 """Reading tensor data from shards: raw bytes with os.pread, and decoding source formats to float in MLX.
 
 Byte reads are safe on any thread (os.pread releases the GIL); decoding touches MLX and stays on the engine thread.
+Tensors that will be decoded can be read ahead straight into MLX-owned memory (`tqbench.source.staging`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from tqbench.errors import CheckpointError
 from tqbench.shards.header import TensorSpec
+from tqbench.source.staging import Arena, Region, mlx_dtype
 
 _NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
           "F8_E8M0": np.uint8, "U16": np.uint16, "I16": np.int16, "F16": np.float16, "BF16": np.uint16,
@@ -27,14 +29,21 @@ class ShardReader:
     """Reads tensors' bytes from a checkpoint's shards, keeping one file descriptor per shard.
 
     With `workers`, `prefetch` starts reads on helper threads (they only read bytes) and `read_bytes` collects them.
+    With `stage_bytes` too, `prefetch_mlx` reads into an MLX-owned arena of that size and `read_mlx` hands out views
+    of it; `release()` frees what was collected once the computations that read it are evaluated.
     """
 
-    def __init__(self, root: Path, workers: int = 0):
+    def __init__(self, root: Path, workers: int = 0, stage_bytes: int = 0):
         self.root = Path(root)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tqbench-read") if workers else None
         self._pending: dict[tuple[str, int, int], Future[bytes]] = {}
+        self._stage_bytes = stage_bytes if workers else 0
+        self._arena: Arena | None = None  # made on first use, on the MLX thread
+        self._staged: dict[tuple[str, int, int], tuple[Region, Future[None]]] = {}
+        self.staged_reads = 0  # tensors read into the arena
+        self.arena_full = 0  # tensors read as bytes instead because the arena had no room
 
     def _fd(self, shard: str) -> int:
         with self._lock:
@@ -48,16 +57,57 @@ class ShardReader:
             return
         for t in entries:
             key = (t.shard, t.offset, t.nbytes)
-            if key not in self._pending:
+            if key not in self._pending and key not in self._staged:
                 self._pending[key] = self._pool.submit(self._pread, t)
+
+    def prefetch_mlx(self, entries: list[TensorSpec]) -> None:
+        """Start reading these tensors into the arena, for `read_mlx` (MLX thread only). A tensor the arena has no
+        room for, or without a staging size, is prefetched as bytes instead."""
+        if self._pool is None:
+            return
+        rest = []
+        for t in entries:
+            key = (t.shard, t.offset, t.nbytes)
+            if key in self._pending or key in self._staged:
+                continue
+            region = None
+            if self._stage_bytes and mlx_dtype(t.dtype) is not None:
+                if self._arena is None:
+                    self._arena = Arena(self._stage_bytes)
+                region = self._arena.reserve(t.nbytes)
+                self.arena_full += region is None
+            if region is None:
+                rest.append(t)
+                continue
+            self._staged[key] = (region, self._pool.submit(self._pread_into, t, self._arena.target(region)))
+            self.staged_reads += 1
+        self.prefetch(rest)
 
     def discard(self, entries: list[TensorSpec]) -> None:
         """Drop prefetched reads that will not be collected."""
         for t in entries:
-            self._pending.pop((t.shard, t.offset, t.nbytes), None)
+            key = (t.shard, t.offset, t.nbytes)
+            self._pending.pop(key, None)
+            staged = self._staged.pop(key, None)
+            if staged is not None:  # its region is freed at the next release(), once the read has stopped writing
+                region, future = staged
+                future.exception()
+                region.collected = True
+
+    def release(self) -> None:
+        """Free the arena regions collected so far: call only once every computation that read them is evaluated."""
+        if self._arena is not None:
+            self._arena.release()
 
     def read_bytes(self, t: TensorSpec) -> bytes:
-        future = self._pending.pop((t.shard, t.offset, t.nbytes), None)
+        key = (t.shard, t.offset, t.nbytes)
+        staged = self._staged.pop(key, None)
+        if staged is not None:  # read into the arena after all: copied out, its region freed at the next release()
+            region, future = staged
+            future.result()
+            region.collected = True
+            return bytes(self._arena.target(region))
+        future = self._pending.pop(key, None)
         return future.result() if future is not None else self._pread(t)
 
     def _pread(self, t: TensorSpec) -> bytes:
@@ -70,21 +120,36 @@ class ShardReader:
             done += len(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def _pread_into(self, t: TensorSpec, target: memoryview) -> None:
+        fd, done = self._fd(t.shard), 0
+        while done < t.nbytes:
+            n = os.preadv(fd, [target[done:done + min(_CHUNK, t.nbytes - done)]], t.offset + done)
+            if n <= 0:
+                raise CheckpointError(f"tensor {t.name!r}: file ends before its data", self.root / t.shard)
+            done += n
+
     def read_numpy(self, t: TensorSpec) -> np.ndarray:
         """The tensor as stored (bf16 and fp8 as their raw integer bit patterns)."""
         return np.frombuffer(self.read_bytes(t), dtype=_NUMPY[t.dtype]).reshape(t.shape)
 
     def read_mlx(self, t: TensorSpec) -> mx.array:
-        """The tensor as an MLX array of its own dtype (bf16 stays bf16)."""
+        """The tensor as an MLX array of its own dtype (bf16 stays bf16; fp8 and E8M0 as uint8). One read into the
+        arena is a view of it: valid until `release()`."""
+        staged = self._staged.pop((t.shard, t.offset, t.nbytes), None)
+        if staged is not None:
+            region, future = staged
+            future.result()
+            return self._arena.collect(region, mlx_dtype(t.dtype), tuple(t.shape))
         a = mx.array(self.read_numpy(t))
         return a.view(mx.bfloat16) if t.dtype == "BF16" else a
 
     def close(self) -> None:
         if self._pool is not None:
-            for f in self._pending.values():
+            for f in [*self._pending.values(), *(f for _, f in self._staged.values())]:
                 f.cancel()
             self._pool.shutdown(wait=True)
             self._pending.clear()
+            self._staged.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
