@@ -8,8 +8,10 @@ What it does, in one run on one disk (the work directory):
 
 1. Conversion (`--convert-layers`, `--convert-experts`): a seeded random K3-shaped source (`tqbench.demo.write_source`:
    K3's expert shapes, mxfp4 experts) converted for real with `tq3a-tqTe-down4-g64` by `benchmarks/convert.py`'s child,
-   twice in fresh processes (the first pays MLX's kernel compilation, reported apart), with its per-stage timers, and
-   the raw read+write of the same bytes on the same disk, page cache dropped before each.
+   in fresh processes: once to pay MLX's kernel compilation (reported apart), then `--convert-pairs` pairs of the
+   converter as it is (reading ahead into MLX memory) and with `read_ahead=0` (one unit ahead, read as bytes: the
+   converter before that change), in alternating order, with its per-stage timers; and the raw read+write of the same
+   bytes on the same disk, page cache dropped before each.
 2. The streaming model: K3's expert shapes (hidden 7168, latent 3584, expert width 3072: 10.96 MB per expert at the
    recipe), `--layers` layers (the first dense) of `--experts` experts, top-16, smaller attention than K3 (see SPEC).
    Its source is written sparse for the routed experts (holes: a K3-shaped mxfp4 source of that size would not fit
