@@ -110,7 +110,8 @@ def child_convert(a: dict) -> None:
     t1 = time.perf_counter()
     if profiler:
         profiler.enable()
-    for ev in convert(a["src"], a["dst"], recipe, a["shard_size"], True, **a.get("convert_kw", {})):
+    kw = {"read_ahead": a["read_ahead"]} if a.get("read_ahead") is not None else {}
+    for ev in convert(a["src"], a["dst"], recipe, a["shard_size"], True, **kw):
         if isinstance(ev, UnitConverted):
             units += 1
         elif isinstance(ev, ConvertStarted):
@@ -159,9 +160,7 @@ def _short(file: str) -> str:
 def _install_stage_timers() -> dict[str, list]:
     """Wrap the conversion's stages with timers. MLX is lazy: a wrapped stage's MLX results are evaluated inside its
     timer, so the time lands on the stage that builds the graph, and for nested MLX stages their array inputs are
-    evaluated before the timer starts (this splits fused work; totals stay comparable). Evaluating inside the timers
-    also undoes the converter's overlap of one unit's evaluation with the next unit's graph: time a run without them
-    for its speed."""
+    evaluated before the timer starts (this splits fused work; totals stay comparable)."""
     import mlx.core as mx
     from tqbench.convert import pipeline, produce
     from tqbench.quant import turboquant as tq
@@ -185,7 +184,6 @@ def _install_stage_timers() -> dict[str, list]:
             r = orig(*args, **kw)
             if evaluate:
                 arrays = [x for x in (r if isinstance(r, (tuple, list)) else (r,)) if isinstance(x, mx.array)]
-                arrays += r.lazy() if hasattr(r, "lazy") else []  # a module's outputs (produce.Outputs)
                 if arrays:
                     mx.eval(*arrays)
             s = stats.setdefault(label, [0.0, 0])
@@ -198,14 +196,13 @@ def _install_stage_timers() -> dict[str, list]:
     wrap(reader.ShardReader, "read_bytes", "read source bytes (pread)")
     wrap(produce.Producer, "decode", "decode source to f32 (mxfp4/bf16)", evaluate=True)
     wrap(produce.Producer, "signs", "rotation signs")
-    wrap(tq, "quantize_lazy", "turboquant quantize (rotate, scales, codes, pack, error)", evaluate=True)
+    wrap(tq, "quantize", "turboquant quantize (rotate, scales, codes, pack, error)")
     wrap(tq, "rotate", "  within it: Hadamard rotate", evaluate=True, eval_args=True)
     wrap(tq, "pack", "  within it: pack codes", evaluate=True, eval_args=True)
     wrap(mx, "quantize", "mx.quantize (affine)", evaluate=True, eval_args=True)
     wrap(mx, "dequantize", "mx.dequantize (mxfp4 decode, affine error check)", evaluate=True, eval_args=True)
     wrap(produce, "to_numpy", "to_numpy (MLX -> numpy)")
-    wrap(produce.Producer, "module_outputs", "module_outputs (total per module)", evaluate=True)
-    wrap(produce.Producer, "finish", "finish (wait for a unit, to numpy)")
+    wrap(produce.Producer, "module_outputs", "module_outputs (total per module)")
     wrap(writer.ShardWriter, "write", "ShardWriter.write (copy + sha256 + write)")
     wrap(writer.ShardWriter, "close", "ShardWriter.close (flush + fsync)")
     wrap(pipeline, "make_plan", "make_plan")

@@ -147,7 +147,8 @@ def synthetic_experts_class():
             key = f"{m.name.rsplit('.', 1)[-1]}:{m.source.shape}:{m.choice}"
             if key not in self._outputs:
                 self._outputs[key] = super().module_outputs(m, expert)
-            return self._outputs[key]  # one Outputs for every expert: evaluated once, then its numpy arrays
+            out, nbytes, err = self._outputs[key]
+            return out, nbytes, err
 
     return SyntheticExperts
 
@@ -274,16 +275,10 @@ def run_child(mode: str, args: dict, timeout: float, script: Path | None = None)
 # --- parts ------------------------------------------------------------------------------------------------------------
 
 
-# The converter as it is, and with its two speed-ups taken back: `serial` evaluates each unit before building the
-# next (no overlap of the device's work with the host's), `bytes` also reads one unit ahead as bytes copied into MLX
-# memory (the converter before both).
-CONVERT_MODES = {"as-is": {}, "serial": {"overlap": False}, "bytes": {"read_ahead": 0, "overlap": False}}
-
-
 def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
-    """A real K3-shaped source converted in fresh processes: first with kernel compilation included, then
-    `--convert-pairs` rounds of every CONVERT_MODES entry in alternating order (no stage timers: they serialize the
-    work), then once more with the stage timers; and the raw read+write of the same bytes."""
+    """A real K3-shaped source converted in fresh processes: first with kernel compilation included, then the
+    converter's read-ahead into MLX memory (`arena`, the default) against one unit ahead read as bytes (`bytes`,
+    `read_ahead=0`: the converter before it) in alternating order, and the raw read+write of the same bytes."""
     from tqbench.demo import DemoSpec, write_source
     convert_py = Path(__file__).resolve().parent / "convert.py"
     spec = DemoSpec(**dict(spec_kw, num_hidden_layers=cfg["convert_layers"], num_experts=cfg["convert_experts"]))
@@ -293,18 +288,17 @@ def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
     write_s = time.perf_counter() - t0
     files = sorted(src.glob("*.safetensors"))
     source_bytes = sum(f.stat().st_size for f in files)
-    modes = list(CONVERT_MODES)
-    rounds = [modes[::-1] if i % 2 == 0 else modes for i in range(cfg["convert_pairs"])]
-    order = [("as-is", "first")] + [(m, f"round {i}") for i, r in enumerate(rounds) for m in r] + [("as-is", "stages")]
+    order = ["arena"] + [m for i in range(cfg["convert_pairs"]) for m in (("bytes", "arena") if i % 2 == 0
+                                                                           else ("arena", "bytes"))]
     runs = []
-    for i, (mode, role) in enumerate(order):
+    for i, mode in enumerate(order):
         dst = work / f"convert-out-{i}"
         drop_cache(files)
         runs.append(run_child("convert", dict(src=str(src), dst=str(dst), recipe=RECIPE, shard_size=5 * 2**30,
-                                              stages=role == "stages", convert_kw=CONVERT_MODES[mode]),
+                                              stages=True, read_ahead=0 if mode == "bytes" else None),
                               timeout, convert_py))
-        runs[-1].update(mode=mode, role=role, output_bytes=sum(f.stat().st_size for f in dst.iterdir()
-                                                               if f.is_file()))
+        runs[-1].update(mode=mode, first=i == 0, output_bytes=sum(f.stat().st_size for f in dst.iterdir()
+                                                                  if f.is_file()))
         if i < len(order) - 1:
             for f in dst.iterdir():
                 f.unlink()
@@ -312,15 +306,15 @@ def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
     drop_cache(files)
     raw = run_child("raw", dict(files=[str(f) for f in files], dst=str(work / "raw.bin"),
                                 write_bytes=runs[-1]["output_bytes"]), timeout, convert_py)
-    timed = [r for r in runs if r["role"].startswith("round")]
-    warm = {m: statistics.median(r["seconds"] for r in timed if r["mode"] == m) for m in modes}
-    by_round = [{r["mode"]: r["seconds"] for r in timed if r["role"] == f"round {i}"} for i in range(len(rounds))]
+    warm = {m: statistics.median(r["seconds"] for r in runs[1:] if r["mode"] == m) for m in ("arena", "bytes")}
+    pairs = [runs[1 + 2 * i: 3 + 2 * i] for i in range(cfg["convert_pairs"])]
     return dict(spec=asdict(spec), write_source_s=write_s, source_bytes=source_bytes, runs=runs, raw=raw,
-                mb_per_s={m: source_bytes / warm[m] / 1e6 for m in modes},
-                vs_raw={m: warm[m] / raw["seconds"] for m in modes},
-                speedup_over={m: [x[m] / x["as-is"] for x in by_round] for m in modes if m != "as-is"},  # paired
-                source_mb_per_s=source_bytes / warm["as-is"] / 1e6,
-                first_run_extra_s=runs[0]["seconds"] - warm["as-is"])
+                source_mb_per_s=source_bytes / warm["arena"] / 1e6,
+                bytes_mb_per_s=source_bytes / warm["bytes"] / 1e6,
+                arena_speedup_paired=[next(r["seconds"] for r in p if r["mode"] == "bytes")
+                                      / next(r["seconds"] for r in p if r["mode"] == "arena") for p in pairs],
+                vs_raw=warm["arena"] / raw["seconds"], bytes_vs_raw=warm["bytes"] / raw["seconds"],
+                first_run_extra_s=runs[0]["seconds"] - warm["arena"])
 
 
 def build_model(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
@@ -523,11 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     save()
     if "convert" in parts:
         c = doc["convert"] = part_convert(work, spec_kw, cfg, a.timeout)
-        log(f"convert: {c['source_bytes'] / 1e6:.0f} MB of source; " + "; ".join(
-            f"{m} {c['mb_per_s'][m]:.1f} MB/s ({c['vs_raw'][m]:.1f}x raw read+write)" for m in c["mb_per_s"])
-            + "; as-is paired speed-up over " + "; ".join(f"{m} {', '.join(f'{x:.2f}' for x in v)}"
-                                                          for m, v in c["speedup_over"].items())
-            + f"; first run +{c['first_run_extra_s']:.1f} s")
+        log(f"convert: {c['source_bytes'] / 1e6:.0f} MB of source at {c['source_mb_per_s']:.1f} MB/s, "
+            f"{c['vs_raw']:.1f}x raw read+write (read as bytes: {c['bytes_mb_per_s']:.1f} MB/s, "
+            f"{c['bytes_vs_raw']:.1f}x; paired speed-ups {', '.join(f'{x:.2f}' for x in c['arena_speedup_paired'])}); "
+            f"first run +{c['first_run_extra_s']:.1f} s")
         save()
     if not parts & {"build", "stream", "resident"}:
         return 0

@@ -97,16 +97,6 @@ def test_arena_hands_out_regions_in_order_and_wraps_only_into_freed_space():
     assert a.reserve(10 * ALIGN).start == 0  # empty again: the whole arena from 0
 
 
-def test_arena_frees_by_generation_what_the_finished_work_read():
-    a = Arena(8 * ALIGN)
-    regions = [a.reserve(ALIGN) for _ in range(4)]
-    for gen, r in zip((1, 1, 2, 3), regions):
-        a.collect(r, mx.uint8, (ALIGN,), gen)
-    assert a.release(upto=1) == 2  # unit 1 is finished; units 2 and 3 are still being evaluated
-    assert a.release(upto=1) == 0 and a.used == 2 * ALIGN
-    assert a.release(upto=3) == 2 and a.used == 0
-
-
 def test_staged_reads_are_views_of_the_arena_equal_to_direct_reads(tmp_path):
     rng = np.random.default_rng(3)
     w = rng.standard_normal((16, 64)).astype(np.float32)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from tqbench.convert.journal import JOURNAL, Journal, write_atomic, write_json
-from tqbench.convert.produce import Produced, Producer, rotated, shared_expert_piece
+from tqbench.convert.produce import Producer, rotated, shared_expert_piece
 from tqbench.errors import CheckpointError, TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, LayerErrors, ShardWritten, UnitConverted
 from tqbench.layout import expert_map
@@ -147,14 +147,12 @@ def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
 
 def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: Recipe,
             shard_size: int = SHARD_SIZE, force: bool = False,
-            producer_class: type[Producer] = Producer, read_ahead: int = READ_AHEAD,
-            overlap: bool = True) -> Iterator[Any]:
+            producer_class: type[Producer] = Producer, read_ahead: int = READ_AHEAD) -> Iterator[Any]:
     """Convert, yielding ConvertStarted, UnitConverted per unit, ShardWritten per shard, ConvertFinished.
     `source` may be an opened Checkpoint or a Layout computed for this recipe and shard size (faces that checked
     the destination have one). `producer_class` computes each unit's tensors (a benchmark may substitute one that
-    writes synthetic expert codes). `read_ahead`: see READ_AHEAD; `overlap`: start evaluating each unit before the one
-    before it is written (False: one after another). The output is the same either way. Closing the generator stops
-    cleanly: the shard being written is dropped and the output resumes later."""
+    writes synthetic expert codes). `read_ahead`: see READ_AHEAD (the output is the same for any value). Closing the
+    generator stops cleanly: the shard being written is dropped and the output resumes later."""
     t0 = time.monotonic()
     if isinstance(source, Layout):
         if source.plan.recipe != recipe or source.plan.shard_size != shard_size:
@@ -191,9 +189,9 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
             layer_errors: dict[str, list[float]] = {}  # layer -> [units, sum, max] of the units' worst errors
             writer = _open_writer(dst / file, (p.out for u in header for p in u.pieces), recipe, lay.header_lengths[i])
             try:
-                for u, unit_in, produced in _produced(islice(pending, lay.counts[i]), producer, overlap):
+                for u, unit_in in islice(pending, lay.counts[i]):
                     worst = None
-                    for r in produced:
+                    for r in producer.produce(u):
                         writer.write(r.piece.out.name, r.data)
                         if r.rel_error is not None and r.source_bytes:
                             _add(errors.setdefault(r.piece.module.name, [0, 0.0, 0.0]), r.rel_error)
@@ -359,23 +357,6 @@ def _read_ahead(units: Iterator[tuple[Unit, int]], prefetch: Callable[[Unit, Uni
         item = window.popleft()
         ahead -= item[1]
         yield item
-
-
-def _produced(units: Iterable[tuple[Unit, int]], producer: Producer,
-              overlap: bool) -> Iterator[tuple[Unit, int, list[Produced]]]:
-    """Each (unit, source bytes, its produced pieces) in order. With `overlap`, the next unit's graphs are built and
-    being evaluated before a unit's pieces are handed out, so the device computes while the caller writes."""
-    held = None
-    for u, n in units:
-        started = producer.start(u)
-        if held is not None:
-            yield held[0], held[1], producer.finish(held[2])
-        held = (u, n, started)
-        if not overlap:
-            yield u, n, producer.finish(started)
-            held = None
-    if held is not None:
-        yield held[0], held[1], producer.finish(held[2])
 
 
 def _add(agg: list[float], error: float) -> None:

@@ -1,9 +1,7 @@
 """Producing the bytes of planned output tensors from source tensors (on the one MLX thread).
 
 A unit is one tensor or one routed expert (gate, up, down). Each module is decoded to float once per unit (for an
-expert: only that expert's source bytes), quantized, and handed back as numpy arrays ready to write. `start` builds a
-unit's graphs and starts evaluating them; `finish` waits for them and hands the arrays out, so a caller can start the
-next unit before finishing this one, and the device computes while the host writes.
+expert: only that expert's source bytes), quantized, and handed back as numpy arrays ready to write.
 """
 
 from __future__ import annotations
@@ -31,38 +29,6 @@ class Produced:
     data: np.ndarray
     source_bytes: int  # source bytes this piece consumed (counted once per module)
     rel_error: float | None  # relative quantization error of the piece's module (None: copied exactly)
-
-
-class Outputs:
-    """One module's outputs (for one expert): the source bytes it read, its arrays and relative error as MLX arrays
-    until `materialize()`, numpy arrays and a float after."""
-
-    def __init__(self, arrays: dict[str, mx.array | np.ndarray], nbytes: int, error: mx.array | float | None):
-        self.arrays, self.nbytes, self.error = arrays, nbytes, error
-        self.done = False
-
-    def lazy(self) -> list[mx.array]:
-        """What is still to evaluate."""
-        if self.done:
-            return []
-        return [a for a in (*self.arrays.values(), self.error) if isinstance(a, mx.array)]
-
-    def materialize(self) -> tuple[dict[str, np.ndarray], int, float | None]:
-        """The arrays as numpy (waiting for their evaluation), the source bytes, the error as a float."""
-        if not self.done:
-            self.arrays = {k: to_numpy(v) if isinstance(v, mx.array) else v for k, v in self.arrays.items()}
-            self.error = self.error.item() if isinstance(self.error, mx.array) else self.error
-            self.done = True
-        return self.arrays, self.nbytes, self.error
-
-
-@dataclass(frozen=True)
-class Started:
-    """A unit whose graphs are built and being evaluated: per piece, its module's outputs (or a constant), whether
-    this unit computed them, and the reader's generation of the arena regions it read."""
-
-    pieces: list[tuple[Piece, Outputs | np.ndarray, bool]]
-    generation: int
 
 
 def to_numpy(a: mx.array) -> np.ndarray:
@@ -127,38 +93,40 @@ class Producer:
             return tq.rotation_signs(m.name, n, self.recipe.seed)
         return np.ones(n, np.float16)
 
-    def module_outputs(self, m: ModulePlan, expert: int | None) -> Outputs:
-        """All output params of a module (for one expert), the source bytes read, and the relative error; MLX's work
-        not evaluated yet (see `Outputs`)."""
+    def module_outputs(self, m: ModulePlan, expert: int | None) -> tuple[dict[str, np.ndarray], int, float | None]:
+        """All output params of a module (for one expert), the source bytes read, and the relative error."""
         c = m.choice
         parts = self.source_parts(m, expert)
         nbytes = sum(e.nbytes for e in parts.values())
         if c.format in (Format.TURBOQUANT, Format.AFFINE):
             w = self.decode(parts, m.source.format)
-            out: dict[str, mx.array | np.ndarray] = {}
+            out: dict[str, np.ndarray] = {}
             if c.format is Format.TURBOQUANT:
                 kind = "T" if c.ternary else str(c.bits)
                 signs = self.signs(m, w.shape[-1])
-                packed, scales, err = tq.quantize_lazy(w, kind, c.group_size,
-                                                       mx.array(signs) if signs.min() < 0 else None)
-                out = {"weight": packed, "scales": scales, "codebook": tq.codebook(kind), "signs": signs}
+                q = tq.quantize(w, kind, c.group_size, mx.array(signs) if signs.min() < 0 else None)
+                out = {"weight": to_numpy(q.weight), "scales": to_numpy(q.scales), "codebook": tq.codebook(kind),
+                       "signs": signs}
+                err = q.rel_error
             else:
                 wq, scales, biases = mx.quantize(w.astype(mx.float16), group_size=c.group_size, bits=c.bits)
                 w_hat = mx.dequantize(wq, scales, biases, group_size=c.group_size, bits=c.bits).astype(mx.float32)
-                err = mx.sqrt(mx.sum((w_hat - w) ** 2) / mx.maximum(mx.sum(w * w), 1e-30))
-                out = {"weight": wq, "scales": scales, "biases": biases}
+                err_a = mx.sqrt(mx.sum((w_hat - w) ** 2) / mx.maximum(mx.sum(w * w), 1e-30))
+                mx.eval(wq, scales, biases, err_a)
+                out = {"weight": to_numpy(wq), "scales": to_numpy(scales), "biases": to_numpy(biases)}
+                err = err_a.item()
             if "bias" in parts:
-                out["bias"] = self.reader.read_mlx(parts["bias"]).astype(mx.float16)
-            return Outputs(out, nbytes, err)
+                out["bias"] = to_numpy(self.reader.read_mlx(parts["bias"]).astype(mx.float16))
+            return out, nbytes, err
         # Copied exactly: kept tensors under their source names, mxfp4 experts as MLX uint32 codes + u8 scales.
-        copied = {}
+        out = {}
         for param, e in parts.items():
             raw = self.reader.read_numpy(e)
             if param == "weight_packed" and m.source.format == "mxfp4":
-                copied["weight"] = raw.reshape(*raw.shape[:-1], -1, 4).view(np.uint32).reshape(*raw.shape[:-1], -1)
+                out["weight"] = raw.reshape(*raw.shape[:-1], -1, 4).view(np.uint32).reshape(*raw.shape[:-1], -1)
             else:
-                copied[{"weight_scale": "scales"}.get(param, param) if m.source.format == "mxfp4" else param] = raw
-        return Outputs(copied, nbytes, None)
+                out[{"weight_scale": "scales"}.get(param, param) if m.source.format == "mxfp4" else param] = raw
+        return out, nbytes, None
 
     def shared(self, p: Piece) -> np.ndarray:
         """A routed-expert module's per-layer codebook or signs: constants of the recipe, no source bytes needed."""
@@ -193,48 +161,28 @@ class Producer:
         self.reader.prefetch_mlx([e for e, d in reads if d])
         self.reader.prefetch([e for e, d in reads if not d])
 
-    def start(self, unit: Unit) -> Started:
-        """Build the unit's graphs and start evaluating them. A module's outputs are computed once and kept until
-        the next module: its tensors may span consecutive units (a quantized Linear's weight, scales, codebook and
-        signs)."""
-        self.reader.generation += 1
-        pieces, lazy = [], []
+    def produce(self, unit: Unit) -> list[Produced]:
+        """The unit's pieces. A module's outputs are computed once and kept until the next module: its tensors
+        may span consecutive units (a quantized Linear's weight, scales, codebook and signs)."""
+        results = []
         for p in unit.pieces:
             if shared_expert_piece(p):
-                pieces.append((p, self.shared(p), False))
+                results.append(Produced(p, self.shared(p), 0, None))
                 continue
             key = (id(p.module), p.expert)
             first = self._last_key != key
             if first:
-                self._last = None  # the previous module's outputs stay with the units that hold them
-                self._last = self.module_outputs(p.module, p.expert)
+                self._last = None  # free the previous module's arrays first
+                self._last = self.module_outputs(p.module, p.expert)  # evaluated: nothing pending reads its inputs
                 self._last_key = key
                 self.reader.discard(list(self.source_parts(p.module, p.expert).values()))  # unread side tensors
-                lazy.extend(self._last.lazy())
-            pieces.append((p, self._last, first))
-        if lazy:
-            mx.async_eval(*lazy)
-        return Started(pieces, self.reader.generation)
-
-    def finish(self, started: Started) -> list[Produced]:
-        """The started unit's pieces as numpy arrays (waiting for their evaluation); the arena regions it read may
-        be filled again."""
-        results = []
-        for p, out, first in started.pieces:
-            if isinstance(out, np.ndarray):  # a shared codebook or signs
-                results.append(Produced(p, out, 0, None))
-                continue
-            outputs, nbytes, err = out.materialize()
+                self.reader.release()  # the arena regions it read may be filled again
+            outputs, nbytes, err = self._last
             data = outputs[_output_key(p, outputs)]
             if data.nbytes != p.out.nbytes:
                 raise AssertionError(f"{p.out.name}: produced {data.nbytes} bytes, planned {p.out.nbytes}")
             results.append(Produced(p, data, nbytes if first else 0, err))
-        self.reader.release(started.generation)
         return results
-
-    def produce(self, unit: Unit) -> list[Produced]:
-        """The unit's pieces, computed now."""
-        return self.finish(self.start(unit))
 
 
 def rotated(recipe: Recipe, n: int) -> bool:

@@ -262,15 +262,6 @@ def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, fused: 
 
     `fused` None picks the kernel for the device (fuse_quantizer); both give the same codes and scales.
     """
-    packed, scales, rel = quantize_lazy(w, kind, group, signs, fused)
-    mx.eval(packed, scales, rel)
-    return Quantized(packed, scales, rel.item())
-
-
-def quantize_lazy(w: mx.array, kind: str, group: int, signs: mx.array | None,
-                  fused: bool | None = None) -> tuple[mx.array, mx.array, mx.array]:
-    """`quantize`'s packed codes, scales and relative error (a scalar) as unevaluated arrays: a caller can start
-    evaluating them (mx.async_eval) and build the next graph meanwhile."""
     n = w.shape[-1]
     if signs is not None:
         _block(n)
@@ -278,7 +269,10 @@ def quantize_lazy(w: mx.array, kind: str, group: int, signs: mx.array | None,
         raise ValueError(f"in dimension {n} is not a multiple of the group size {group}")
     x = rotate(w, signs) if signs is not None else w.astype(mx.float32)
     codes, scales, err, norm = _quantizer(kind, group, fuse_quantizer() if fused is None else fused)(x)
-    return pack(codes, len(CODEBOOKS[kind])), scales, mx.sqrt(err / mx.maximum(norm, 1e-30))
+    packed = pack(codes, len(CODEBOOKS[kind]))
+    rel = mx.sqrt(err / mx.maximum(norm, 1e-30))
+    mx.eval(packed, scales, rel)
+    return Quantized(packed, scales, rel.item())
 
 
 def dequantize(weight: mx.array, scales: mx.array, book: mx.array, signs: mx.array | None, n: int) -> mx.array:

@@ -43,7 +43,6 @@ class ShardReader:
         self._arena: Arena | None = None  # made on first use, on the MLX thread
         self._staged: dict[tuple[str, int, int], tuple[Region, Future[None]]] = {}
         self.staged_reads = 0  # tensors read into the arena
-        self.generation = 0  # stamped on the regions collected meanwhile; `release(upto)` frees by it
         self.arena_full = 0  # tensors read as bytes instead because the arena had no room
 
     def _fd(self, shard: str) -> int:
@@ -90,16 +89,15 @@ class ShardReader:
             key = (t.shard, t.offset, t.nbytes)
             self._pending.pop(key, None)
             staged = self._staged.pop(key, None)
-            if staged is not None:  # its region is freed at a later release(), once the read has stopped writing
+            if staged is not None:  # its region is freed at the next release(), once the read has stopped writing
                 region, future = staged
                 future.exception()
-                region.collected, region.generation = True, self.generation
+                region.collected = True
 
-    def release(self, upto: int | None = None) -> None:
-        """Free the arena regions collected so far (in generations up to `upto`): call only once every computation
-        that read them is evaluated."""
+    def release(self) -> None:
+        """Free the arena regions collected so far: call only once every computation that read them is evaluated."""
         if self._arena is not None:
-            self._arena.release(upto)
+            self._arena.release()
 
     def read_bytes(self, t: TensorSpec) -> bytes:
         key = (t.shard, t.offset, t.nbytes)
@@ -107,7 +105,7 @@ class ShardReader:
         if staged is not None:  # read into the arena after all: copied out, its region freed at the next release()
             region, future = staged
             future.result()
-            region.collected, region.generation = True, self.generation
+            region.collected = True
             return bytes(self._arena.target(region))
         future = self._pending.pop(key, None)
         return future.result() if future is not None else self._pread(t)
@@ -141,7 +139,7 @@ class ShardReader:
         if staged is not None:
             region, future = staged
             future.result()
-            return self._arena.collect(region, mlx_dtype(t.dtype), tuple(t.shape), self.generation)
+            return self._arena.collect(region, mlx_dtype(t.dtype), tuple(t.shape))
         a = mx.array(self.read_numpy(t))
         return a.view(mx.bfloat16) if t.dtype == "BF16" else a
 

@@ -27,8 +27,7 @@ ALIGN = 4096  # regions start on page boundaries (a dtype view of any region is 
 class Region:
     start: int
     end: int
-    collected: bool = False  # the MLX thread took its view (or it was discarded): free once its work is evaluated
-    generation: int = 0  # the caller's count when it was collected (see `release`)
+    collected: bool = False  # the MLX thread took its view (or it was discarded): freed at the next release()
 
 
 class Arena:
@@ -78,18 +77,18 @@ class Arena:
         """The region's host memory, for a helper thread's read."""
         return memoryview(self.view[r.start:r.end])
 
-    def collect(self, r: Region, dtype: mx.Dtype, shape: tuple[int, ...], generation: int = 0) -> mx.array:
+    def collect(self, r: Region, dtype: mx.Dtype, shape: tuple[int, ...]) -> mx.array:
         """The region's bytes as an MLX array (a view of the arena); on CUDA its pages start moving to the GPU."""
-        r.collected, r.generation = True, generation
+        r.collected = True
         self.prefetch.to_gpu(self.view[r.start:r.end])
         a = self.array[r.start:r.end]
         return (a.view(dtype) if dtype != mx.uint8 else a).reshape(shape)
 
-    def release(self, upto: int | None = None) -> int:
-        """Free the oldest regions collected in generations up to `upto` (all collected ones by default): call
-        only once every computation that reads them is evaluated. Returns how many were freed."""
+    def release(self) -> int:
+        """Free the oldest regions whose tensors were collected: only call once nothing pending reads them.
+        Returns how many were freed."""
         n = 0
-        while self._live and self._live[0].collected and (upto is None or self._live[0].generation <= upto):
+        while self._live and self._live[0].collected:
             self._live.popleft()
             n += 1
         return n
