@@ -279,6 +279,7 @@ def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
     """A real K3-shaped source converted in fresh processes: first with kernel compilation included, then the
     converter's read-ahead into MLX memory (`arena`, the default) against one unit ahead read as bytes (`bytes`,
     `read_ahead=0`: the converter before it) in alternating order, and the raw read+write of the same bytes."""
+    from tqbench.convert.pipeline import READ_AHEAD
     from tqbench.demo import DemoSpec, write_source
     convert_py = Path(__file__).resolve().parent / "convert.py"
     spec = DemoSpec(**dict(spec_kw, num_hidden_layers=cfg["convert_layers"], num_experts=cfg["convert_experts"]))
@@ -295,7 +296,7 @@ def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
         dst = work / f"convert-out-{i}"
         drop_cache(files)
         runs.append(run_child("convert", dict(src=str(src), dst=str(dst), recipe=RECIPE, shard_size=5 * 2**30,
-                                              stages=True, read_ahead=0 if mode == "bytes" else None),
+                                              stages=True, read_ahead=0 if mode == "bytes" else READ_AHEAD),
                               timeout, convert_py))
         runs[-1].update(mode=mode, first=i == 0, output_bytes=sum(f.stat().st_size for f in dst.iterdir()
                                                                   if f.is_file()))

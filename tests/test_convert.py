@@ -448,8 +448,10 @@ def test_bytes_out_is_what_the_files_hold(demo_src, tmp_path):
 
 @pytest.mark.parametrize("name", ["tq3a-tqTe-down4-g64", "affine4-g64", "tq3a-mxfp4e-g64"])
 def test_read_ahead_into_mlx_memory_writes_the_same_bytes(demo_src, tmp_path, name):
-    """Reading ahead into the MLX-owned arena (the default), into an arena too small for the window (reads fall back
-    to bytes and regions wrap), and one unit ahead as bytes (read_ahead=0) write identical outputs."""
+    """Reading ahead into the MLX-owned arena (the default on a GPU), into an arena too small for the window (reads
+    fall back to bytes and regions wrap), and one unit ahead as bytes (read_ahead=0, the default on a CPU) write
+    identical outputs."""
+    from tqbench.convert.pipeline import READ_AHEAD, default_read_ahead
     from tqbench.convert.produce import Producer
 
     readers = []
@@ -459,8 +461,9 @@ def test_read_ahead_into_mlx_memory_writes_the_same_bytes(demo_src, tmp_path, na
             super().__init__(ckpt, recipe, reader)
             readers.append(reader)
 
+    assert default_read_ahead() == (READ_AHEAD if mx.default_device().type == mx.gpu else 0)
     run(demo_src, tmp_path / "bytes", name, read_ahead=0, producer_class=Observed)
-    run(demo_src, tmp_path / "staged", name, producer_class=Observed)
+    run(demo_src, tmp_path / "staged", name, read_ahead=READ_AHEAD, producer_class=Observed)
     run(demo_src, tmp_path / "small", name, read_ahead=24 * 2**10, producer_class=Observed)
     assert file_bytes(tmp_path / "bytes") == file_bytes(tmp_path / "staged") == file_bytes(tmp_path / "small")
     plain, staged, small = readers

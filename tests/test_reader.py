@@ -121,7 +121,8 @@ def test_staged_reads_are_views_of_the_arena_equal_to_direct_reads(tmp_path):
         # a view: the arena's bytes, where the region starts
         start = r._arena._live[0].start
         assert bytes(r._arena.view[start:start + packed.nbytes]) == packed.tobytes()
-        np.testing.assert_array_equal(np.array(decode_mxfp4(got["packed"], got["scales"])), unpack_mxfp4(packed, scales))
+        decoded = np.array(decode_mxfp4(got["packed"], got["scales"]))
+        np.testing.assert_array_equal(decoded, unpack_mxfp4(packed, scales))
         r.release()
         assert r._arena.used == 0
 

@@ -6,6 +6,7 @@ expert: only that expert's source bytes), quantized, and handed back as numpy ar
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
@@ -21,6 +22,7 @@ from tqbench.shards.header import TensorSpec
 
 # Output param -> source param of copied per-expert mxfp4 tensors (the packed bytes are the MLX uint32 codes).
 _MXFP4_SOURCE = {"weight": "weight_packed", "scales": "weight_scale"}
+_INDEXED_MODULES = 16  # per-expert source modules whose tensor index is kept (a few layers' gate, up and down)
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,8 @@ class Producer:
     def __init__(self, ckpt: Checkpoint, recipe: Recipe, reader: ShardReader):
         self.recipe = recipe
         self.reader = reader
-        self._names: dict[int, dict[str, TensorSpec]] = {}  # per-expert source modules of the current layer
-        self._names_layer: int | None = None
+        # per-expert source modules' tensors by name, for the few modules being read ahead and converted
+        self._names: OrderedDict[int, dict[str, TensorSpec]] = OrderedDict()
         block = (ckpt.config.quantization or {}).get("weight_block_size") or (128, 128)
         self.fp8_block = (int(block[0]), int(block[1]))
         self._last_key: tuple[int, int | None] | None = None
@@ -66,13 +68,16 @@ class Producer:
         return {t.name.param: _slice(t.entry, expert, s.experts) for t in s.tensors}
 
     def _by_name(self, m: ModulePlan) -> dict[str, TensorSpec]:
-        """A per-expert module's source tensors by name, indexed for the layer being converted only (an index of
-        every tensor would grow with the model)."""
-        if self._names_layer != m.layer:
-            self._names, self._names_layer = {}, m.layer
+        """A per-expert module's source tensors by name, indexed for the modules in use only (an index of every
+        tensor would grow with the model). Reading ahead asks for the next layers' modules while this one's are
+        converted, so the last few are kept: rebuilding an index at every switch cost more than the conversion."""
         names = self._names.get(id(m))
         if names is None:
             names = self._names[id(m)] = {t.entry.name: t.entry for t in m.source.tensors}
+            if len(self._names) > _INDEXED_MODULES:
+                self._names.popitem(last=False)
+        else:
+            self._names.move_to_end(id(m))
         return names
 
     def decode(self, parts: dict[str, TensorSpec], fmt: str) -> mx.array:
