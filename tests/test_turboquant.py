@@ -98,14 +98,14 @@ def test_seeds_are_stable_across_processes():
     assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["compiled", "prebuilt-ops"])
+@pytest.mark.parametrize("kernel", tq.QUANTIZER_KERNELS)
 @pytest.mark.parametrize("kind", ["2", "3", "4", "T"])
-def test_codes_count_the_published_boundaries(kind, fused):
-    # Both kernels (the compiled one of the CPU and Metal, the unfused one of CUDA) against the same numpy reference.
+def test_codes_count_the_published_boundaries(kind, kernel):
+    # Every kernel (the compiled one of the CPU and Metal, the unfused ones for CUDA) against the same numpy reference.
     rng = np.random.default_rng(2)
     w = (rng.standard_normal((8, 256)) * rng.uniform(0.01, 3, (8, 1))).astype(np.float32)
     g = 64
-    q = tq.quantize(mx.array(w), kind, g, None, fused=fused)
+    q = tq.quantize(mx.array(w), kind, g, None, kernel=kernel)
     book = tq.codebook(kind).astype(np.float32)
     # Independent: fp16 RMS scale per group, then the number of boundaries (midpoints of the published levels) <= v.
     groups = w.reshape(8, 256 // g, g)
@@ -122,14 +122,16 @@ def test_codes_count_the_published_boundaries(kind, fused):
     assert q.rel_error == pytest.approx(rel, rel=1e-4)
 
 
-def test_the_quantizer_is_fused_except_on_cuda():
+def test_the_quantizer_is_compiled_except_on_cuda():
     default = mx.default_device()
     try:
         mx.set_default_device(mx.cpu)
-        assert tq.fuse_quantizer()
+        assert tq.quantizer_kernel() == "compiled"
     finally:
         mx.set_default_device(default)
-    assert tq.fuse_quantizer() == (not (mx.cuda.is_available() and default.type == mx.gpu))
+    assert tq.quantizer_kernel() == ("passes" if mx.cuda.is_available() and default.type == mx.gpu else "compiled")
+    with pytest.raises(ValueError, match="unknown quantizer kernel 'fast'"):
+        tq.quantize(mx.zeros((2, 64)), "3", 64, None, kernel="fast")
 
 
 @pytest.mark.parametrize("kind", ["2", "3", "4", "T"])
@@ -167,9 +169,10 @@ def test_codebook_is_the_published_levels(kind):
         assert not np.array_equal(((b16[1:] + b16[:-1]) / 2).astype(np.float32), tq.boundaries(kind))
 
 
+@pytest.mark.parametrize("kernel", tq.QUANTIZER_KERNELS)
 @pytest.mark.parametrize("kind", ["2", "3", "4", "T"])
 @pytest.mark.parametrize("power", [1.0, 4.0, 0.125])
-def test_values_exactly_on_a_boundary_take_the_upper_code(kind, power):
+def test_values_exactly_on_a_boundary_take_the_upper_code(kind, power, kernel):
     """Group RMS = a power of two (exact in fp16), so v = w / scale is exactly the boundary, or its float32 neighbour."""
     bounds = published_boundaries(kind)
     g = 64
@@ -183,7 +186,7 @@ def test_values_exactly_on_a_boundary_take_the_upper_code(kind, power):
     w = (np.stack(rows) * np.float32(power)).astype(np.float32)
     scales = np.sqrt((w.astype(np.float64) ** 2).mean(-1)).astype(np.float16)
     assert np.all(scales == power)  # precondition: the division below is exact
-    q = tq.quantize(mx.array(w), kind, g, None)
+    q = tq.quantize(mx.array(w), kind, g, None, kernel=kernel)
     np.testing.assert_array_equal(np.array(q.scales)[:, 0], scales)
     got = np.array(tq.unpack(q.weight, len(tq.CODEBOOKS[kind]), g))
     v = w / scales.astype(np.float32)[:, None]

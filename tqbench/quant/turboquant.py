@@ -212,22 +212,33 @@ class Quantized:
     rel_error: float  # ||W - W_hat|| / ||W||, measured in the rotated domain (the rotation is orthogonal)
 
 
-@lru_cache(maxsize=32)
-def _quantizer(kind: str, group: int, fused: bool = True):
-    """Rotated rows -> codes, fp16 group scales, squared error and squared norm; `fused`: one compiled kernel.
+QUANTIZER_KERNELS = ("compiled", "passes", "compare")
 
-    The code of a value is the number of codebook boundaries at or below it (a tie takes the upper code), and its
-    reconstruction is the first stored level plus the steps it passed: elementwise work only, which mx.compile fuses
-    into one pass over the weights. Unfused, the same graph runs as MLX's prebuilt kernels, one pass per operation.
+
+@lru_cache(maxsize=32)
+def _quantizer(kind: str, group: int, kernel: str = "compiled"):
+    """Rotated rows -> codes, fp16 group scales, squared error and squared norm, by one of QUANTIZER_KERNELS.
+
+    The code of a value is the number of codebook boundaries at or below it (a tie takes the upper code). `compiled`
+    and `passes` reconstruct it as the first stored level plus the steps it passed: elementwise work only, which
+    mx.compile fuses into one pass over the weights (`compiled`); unfused (`passes`), the same graph runs as MLX's
+    prebuilt kernels, five passes per boundary. `compare` counts the boundaries with one broadcast comparison and a
+    sum, and looks the level up: a handful of prebuilt kernels whatever the codebook, nothing compiled at run time.
+    All three give the same codes and scales; the error differs in the last bits (summed in another order).
     """
+    if kernel not in QUANTIZER_KERNELS:
+        raise ValueError(f"unknown quantizer kernel {kernel!r} (one of {', '.join(QUANTIZER_KERNELS)})")
     book = [float(v) for v in codebook(kind).astype(np.float32)]
     bounds = [float(v) for v in boundaries(kind)]
     steps = [b - a for a, b in zip(book, book[1:])]
 
-    def run(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    def scaled(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
         scales = mx.maximum(mx.sqrt(mx.mean(g * g, axis=-1, keepdims=True)), MIN_SCALE).astype(mx.float16)
-        s32 = scales.astype(mx.float32)
+        return g, scales, scales.astype(mx.float32)
+
+    def run(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        g, scales, s32 = scaled(x)
         v = g / s32
         codes = mx.zeros(v.shape, dtype=mx.uint32)
         recon = mx.full(v.shape, book[0], dtype=mx.float32)
@@ -238,29 +249,37 @@ def _quantizer(kind: str, group: int, fused: bool = True):
         err = mx.sum((recon * s32 - g) ** 2)
         return codes.reshape(x.shape), scales.squeeze(-1), err, mx.sum(g * g)
 
-    return mx.compile(run) if fused else run
+    def run_compare(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        g, scales, s32 = scaled(x)
+        codes = (mx.expand_dims(g / s32, -1) >= mx.array(bounds, dtype=mx.float32)).sum(-1).astype(mx.uint32)
+        recon = mx.array(book, dtype=mx.float32)[codes]
+        err = mx.sum((recon * s32 - g) ** 2)
+        return codes.reshape(x.shape), scales.squeeze(-1), err, mx.sum(g * g)
+
+    return {"compiled": lambda: mx.compile(run), "passes": lambda: run, "compare": lambda: run_compare}[kernel]()
 
 
-def fuse_quantizer() -> bool:
-    """Whether quantize runs the compiled kernel on the default device: not on CUDA.
+def quantizer_kernel() -> str:
+    """The quantizer kernel for the default device: `compiled`, except `passes` on CUDA.
 
     On CUDA every fused graph is compiled at run time into a module of dozens of kernel variants (contiguous and
     strided, every rank): a K3-shaped conversion's first run took 171 s against 3 s warm, ~154 s of it in the
-    quantizer's first calls (measured on an H200). Unfused, each operation is one of MLX's prebuilt kernels; the
-    extra passes over a weight cost microseconds at that GPU's bandwidth. On the CPU (compiling a shape costs
-    ~0.3 s, the fused pass saves ~1 s on each 3072 x 3584 matrix) and on Metal (fast compiles, bandwidth-bound) the
-    fused kernel stays.
+    quantizer's first calls (measured on an H200). Unfused, each operation is one of MLX's prebuilt kernels. On the CPU
+    (compiling a shape costs ~0.3 s, the fused pass saves ~1 s on each 3072 x 3584 matrix) and on Metal (fast
+    compiles, bandwidth-bound) the fused kernel stays. (`compare` is measured against `passes` by
+    benchmarks/quantizer.py before it could replace it on CUDA.)
     """
     try:
-        return not (mx.cuda.is_available() and mx.default_device().type == mx.gpu)
+        on_cuda = mx.cuda.is_available() and mx.default_device().type == mx.gpu
     except AttributeError:  # an MLX build without the cuda module
-        return True
+        on_cuda = False
+    return "passes" if on_cuda else "compiled"
 
 
-def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, fused: bool | None = None) -> Quantized:
+def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, kernel: str | None = None) -> Quantized:
     """Quantize w (..., out, in); `signs` None means no rotation, else the rotation of rotate().
 
-    `fused` None picks the kernel for the device (fuse_quantizer); both give the same codes and scales.
+    `kernel` None picks one for the device (quantizer_kernel); all give the same codes and scales.
     """
     n = w.shape[-1]
     if signs is not None:
@@ -268,7 +287,7 @@ def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, fused: 
     if n % group:
         raise ValueError(f"in dimension {n} is not a multiple of the group size {group}")
     x = rotate(w, signs) if signs is not None else w.astype(mx.float32)
-    codes, scales, err, norm = _quantizer(kind, group, fuse_quantizer() if fused is None else fused)(x)
+    codes, scales, err, norm = _quantizer(kind, group, kernel or quantizer_kernel())(x)
     packed = pack(codes, len(CODEBOOKS[kind]))
     rel = mx.sqrt(err / mx.maximum(norm, 1e-30))
     mx.eval(packed, scales, rel)

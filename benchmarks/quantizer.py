@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""TurboQuant's quantizer kernels on K3's expert matrices, on whatever device MLX uses (issue 14).
+
+    PYTHONPATH=. python3 benchmarks/quantizer.py --out bench-results/quantizer.json     # on the GPU machine
+    python benchmarks/quantizer.py --quick                                              # a CPU smoke run (seconds)
+
+`tqbench.quant.turboquant.quantize` with each of QUANTIZER_KERNELS (`passes`: CUDA's default today, MLX's prebuilt
+kernels five passes per boundary; `compare`: one broadcast comparison, a sum and a lookup; `compiled`: one
+mx.compile'd kernel, the CPU's and Metal's default) on the converter's work for one K3 expert at the
+`tq3a-tqTe-down4-g64` recipe: gate and up (3072 x 3584, ternary, group 64) and down (3584 x 3072, 4-bit), rotated,
+from float32 weights already in device memory. Each call is what the converter does per matrix: build the graph,
+evaluate codes, scales and the error, read the error. Per kernel: the first call apart (kernel compilation), then
+the median of `--repeats` calls of the three matrices, GB/s of float32 weights, and its time relative to `passes`
+measured in the same run (kernels alternate per repeat); MLX's peak memory for one matrix; the codes and scales of
+every kernel compared with `passes` (they must be equal). Peak RSS of the process at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import peak_rss_bytes, with_openblas  # noqa: E402
+
+SCHEMA = "tqbench.bench.quantizer/1"
+# (name, out, in, codebook): one K3 expert at tq3a-tqTe-down4-g64
+K3_EXPERT = [("gate", 3072, 3584, "T"), ("up", 3072, 3584, "T"), ("down", 3584, 3072, "4")]
+QUICK_EXPERT = [("gate", 64, 256, "T"), ("up", 64, 256, "T"), ("down", 256, 64, "4")]
+GROUP = 64
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="small matrices, 2 repeats")
+    p.add_argument("--out", type=Path, default=Path("bench-results/quantizer.json"))
+    p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
+    a = p.parse_args(argv)
+    with_openblas()
+    from tqbench.quant import turboquant as tq
+
+    mats = QUICK_EXPERT if a.quick else K3_EXPERT
+    repeats = 2 if a.quick else a.repeats
+    rng = np.random.default_rng(0)
+    weights = []
+    for name, out, inp, kind in mats:
+        w = mx.array(rng.standard_normal((out, inp)).astype(np.float32) * inp ** -0.5)
+        signs = mx.array(tq.rotation_signs(f"bench.{name}", inp, 0)) if tq.rotation_block(inp) else None
+        mx.eval(w)
+        weights.append((name, w, kind, signs))
+    nbytes = sum(w.nbytes for _, w, _, _ in weights)
+    kernels = list(tq.QUANTIZER_KERNELS)
+
+    def one_expert(kernel: str) -> list:
+        return [tq.quantize(w, kind, GROUP, signs, kernel=kernel) for _, w, kind, signs in weights]
+
+    first, reference, same, peak = {}, one_expert("passes"), {}, {}
+    for k in kernels:
+        t = time.perf_counter()
+        got = one_expert(k)
+        first[k] = time.perf_counter() - t
+        same[k] = all(np.array_equal(np.array(g.weight), np.array(r.weight))
+                      and np.array_equal(np.array(g.scales), np.array(r.scales)) for g, r in zip(got, reference))
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        name, w, kind, signs = weights[-1]
+        tq.quantize(w, kind, GROUP, signs, kernel=k)
+        peak[k] = mx.get_peak_memory() - base
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    for r in range(repeats):
+        for k in (kernels if r % 2 == 0 else kernels[::-1]):
+            t = time.perf_counter()
+            one_expert(k)
+            times[k].append(time.perf_counter() - t)
+    rows = []
+    for k in kernels:
+        med = statistics.median(times[k])
+        rows.append(dict(kernel=k, first_s=first[k], median_s=med, gb_per_s=nbytes / med / 1e9,
+                         vs_passes=med / statistics.median(times["passes"]),
+                         paired_vs_passes=[x / y for x, y in zip(times[k], times["passes"])],
+                         peak_memory_one_matrix=peak[k], same_codes_and_scales_as_passes=same[k], times_s=times[k]))
+        print(f"{k:<9} first {first[k]:7.3f} s   median {med * 1e3:8.2f} ms per expert ({nbytes / med / 1e9:6.2f} GB/s "
+              f"of float32)   x{rows[-1]['vs_passes']:.2f} of passes   peak {peak[k] / 2**20:7.1f} MiB   "
+              f"same output: {same[k]}", flush=True)
+    doc = dict(schema=SCHEMA, date=time.strftime("%Y-%m-%d"), device=str(mx.default_device()), mlx=mx.__version__,
+               platform=platform.platform(), default_kernel=tq.quantizer_kernel(), quick=a.quick,
+               matrices=[dict(name=n, shape=list(w.shape), codebook=kind, rotated=s is not None)
+                         for n, w, kind, s in weights], float32_bytes=nbytes, repeats=repeats, rows=rows,
+               peak_rss=peak_rss_bytes())
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
