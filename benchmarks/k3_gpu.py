@@ -8,10 +8,11 @@ What it does, in one run on one disk (the work directory):
 
 1. Conversion (`--convert-layers`, `--convert-experts`): a seeded random K3-shaped source (`tqbench.demo.write_source`:
    K3's expert shapes, mxfp4 experts) converted for real with `tq3a-tqTe-down4-g64` by `benchmarks/convert.py`'s child,
-   in fresh processes: once to pay MLX's kernel compilation (reported apart), then `--convert-pairs` pairs of the
-   converter as it is (reading ahead into MLX memory) and with `read_ahead=0` (one unit ahead, read as bytes: the
-   converter before that change), in alternating order, with its per-stage timers; and the raw read+write of the same
-   bytes on the same disk, page cache dropped before each.
+   in fresh processes: once to pay MLX's kernel compilation (reported apart), then `--convert-pairs` rounds of each of
+   `--convert-modes` (`arena`: the converter as it runs on a GPU, reading ahead into MLX memory; `bytes`: one unit
+   ahead read as bytes, the converter before that; `compare`: the arena with the `compare` quantizer kernel), the order
+   rotating per round, with its per-stage timers; and the raw read+write of the same bytes on the same disk, page
+   cache dropped before each.
 2. The streaming model: K3's expert shapes (hidden 7168, latent 3584, expert width 3072: 10.96 MB per expert at the
    recipe), `--layers` layers (the first dense) of `--experts` experts, top-16, smaller attention than K3 (see SPEC).
    Its source is written sparse for the routed experts (holes: a K3-shaped mxfp4 source of that size would not fit
@@ -73,9 +74,11 @@ QUICK_SPEC = dict(SPEC, hidden_size=256, routed_expert_hidden_size=256, moe_inte
                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_num_heads=4,
                   kda_head_dim=32, num_shards=2)
 DEFAULTS = dict(layers=9, experts=384, budget_gb=6.0, workers=4, prompt=4, tokens=24, warmup=2, pin_share=0.5,
-                convert_layers=2, convert_experts=32, convert_pairs=2, raw_bytes=1536 * 2**20)
+                convert_layers=2, convert_experts=32, convert_pairs=2, convert_modes="arena,bytes,compare",
+                raw_bytes=1536 * 2**20)
 QUICK = dict(layers=3, experts=16, budget_gb=0.004, workers=2, prompt=3, tokens=4, warmup=1, pin_share=0.5,
-             convert_layers=2, convert_experts=4, convert_pairs=1, raw_bytes=8 * 2**20)
+             convert_layers=2, convert_experts=4, convert_pairs=1, convert_modes="arena,bytes,compare",
+             raw_bytes=8 * 2**20)
 
 
 def _emit(result: dict) -> None:
@@ -260,10 +263,10 @@ def child_decode(a: dict) -> None:
 CHILDREN = {"build": child_build, "decode": child_decode}
 
 
-def run_child(mode: str, args: dict, timeout: float, script: Path | None = None) -> dict:
+def run_child(mode: str, args: dict, timeout: float, script: Path | None = None, env: dict | None = None) -> dict:
     cmd = [sys.executable, str(script or Path(__file__).resolve()), "--child", mode, json.dumps(args)]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_MARK)]
     if p.returncode or not lines:
         raise RuntimeError(f"{mode} child failed (exit {p.returncode}):\n{p.stderr[-4000:]}{p.stdout[-2000:]}")
@@ -275,31 +278,45 @@ def run_child(mode: str, args: dict, timeout: float, script: Path | None = None)
 # --- parts ------------------------------------------------------------------------------------------------------------
 
 
-def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
-    """A real K3-shaped source converted in fresh processes: first with kernel compilation included, then the
-    converter's read-ahead into MLX memory (`arena`, the default) against one unit ahead read as bytes (`bytes`,
-    `read_ahead=0`: the converter before it) in alternating order, and the raw read+write of the same bytes."""
+def convert_modes(names: str) -> dict[str, tuple[dict, dict]]:
+    """The conversion variants `--convert-modes` names: converter arguments and environment of each. `arena`: the
+    converter as on a GPU (reading ahead into MLX memory); `bytes`: one unit ahead read as bytes (`read_ahead=0`, the
+    converter before the arena); `compare`: the arena with the `compare` quantizer kernel (TQBENCH_QUANTIZER)."""
     from tqbench.convert.pipeline import READ_AHEAD
+    known = {"arena": (dict(read_ahead=READ_AHEAD), {}), "bytes": (dict(read_ahead=0), {}),
+             "compare": (dict(read_ahead=READ_AHEAD), {"TQBENCH_QUANTIZER": "compare"})}
+    modes = names.split(",")
+    if modes[0] != "arena" or any(m not in known for m in modes):
+        raise SystemExit(f"--convert-modes: arena first, then any of {', '.join(known)}; not {names!r}")
+    return {m: known[m] for m in modes}
+
+
+def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
+    """A real K3-shaped source converted in fresh processes: first `arena` with kernel compilation included, then
+    `convert_pairs` rounds of every mode of `convert_modes` (see there; the order rotates from round to round), and
+    the raw read+write of the same bytes."""
     from tqbench.demo import DemoSpec, write_source
     convert_py = Path(__file__).resolve().parent / "convert.py"
     spec = DemoSpec(**dict(spec_kw, num_hidden_layers=cfg["convert_layers"], num_experts=cfg["convert_experts"]))
+    modes = convert_modes(cfg["convert_modes"])
     src = work / "convert-source"
     t0 = time.perf_counter()
     write_source(src, spec, 0)
     write_s = time.perf_counter() - t0
     files = sorted(src.glob("*.safetensors"))
     source_bytes = sum(f.stat().st_size for f in files)
-    order = ["arena"] + [m for i in range(cfg["convert_pairs"]) for m in (("bytes", "arena") if i % 2 == 0
-                                                                           else ("arena", "bytes"))]
+    names = list(modes)
+    rounds = [names[i % len(names):] + names[:i % len(names)] for i in range(1, cfg["convert_pairs"] + 1)]
+    order = [("arena", None)] + [(m, i) for i, r in enumerate(rounds) for m in r]
     runs = []
-    for i, mode in enumerate(order):
+    for i, (mode, rnd) in enumerate(order):
         dst = work / f"convert-out-{i}"
         drop_cache(files)
+        kw, env = modes[mode]
         runs.append(run_child("convert", dict(src=str(src), dst=str(dst), recipe=RECIPE, shard_size=5 * 2**30,
-                                              stages=True, read_ahead=0 if mode == "bytes" else READ_AHEAD),
-                              timeout, convert_py))
-        runs[-1].update(mode=mode, first=i == 0, output_bytes=sum(f.stat().st_size for f in dst.iterdir()
-                                                                  if f.is_file()))
+                                              stages=True, **kw), timeout, convert_py, env))
+        runs[-1].update(mode=mode, first=i == 0, round=rnd, output_bytes=sum(f.stat().st_size for f in dst.iterdir()
+                                                                              if f.is_file()))
         if i < len(order) - 1:
             for f in dst.iterdir():
                 f.unlink()
@@ -307,15 +324,19 @@ def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
     drop_cache(files)
     raw = run_child("raw", dict(files=[str(f) for f in files], dst=str(work / "raw.bin"),
                                 write_bytes=runs[-1]["output_bytes"]), timeout, convert_py)
-    warm = {m: statistics.median(r["seconds"] for r in runs[1:] if r["mode"] == m) for m in ("arena", "bytes")}
-    pairs = [runs[1 + 2 * i: 3 + 2 * i] for i in range(cfg["convert_pairs"])]
-    return dict(spec=asdict(spec), write_source_s=write_s, source_bytes=source_bytes, runs=runs, raw=raw,
-                source_mb_per_s=source_bytes / warm["arena"] / 1e6,
-                bytes_mb_per_s=source_bytes / warm["bytes"] / 1e6,
-                arena_speedup_paired=[next(r["seconds"] for r in p if r["mode"] == "bytes")
-                                      / next(r["seconds"] for r in p if r["mode"] == "arena") for p in pairs],
-                vs_raw=warm["arena"] / raw["seconds"], bytes_vs_raw=warm["bytes"] / raw["seconds"],
-                first_run_extra_s=runs[0]["seconds"] - warm["arena"])
+    timed = runs[1:]
+    warm = {m: statistics.median(r["seconds"] for r in timed if r["mode"] == m) for m in names}
+    by_round = [{r["mode"]: r["seconds"] for r in timed if r["round"] == i} for i in range(len(rounds))]
+    out = dict(spec=asdict(spec), write_source_s=write_s, source_bytes=source_bytes, modes=names, runs=runs, raw=raw,
+               mb_per_s={m: source_bytes / warm[m] / 1e6 for m in names},
+               vs_raw_by_mode={m: warm[m] / raw["seconds"] for m in names},
+               speedup_over_arena={m: [x["arena"] / x[m] for x in by_round] for m in names[1:]},  # paired by round
+               source_mb_per_s=source_bytes / warm["arena"] / 1e6, vs_raw=warm["arena"] / raw["seconds"],
+               first_run_extra_s=runs[0]["seconds"] - warm["arena"])
+    if "bytes" in modes:  # the keys of the first arena measurement (2026-12-02)
+        out.update(bytes_mb_per_s=out["mb_per_s"]["bytes"], bytes_vs_raw=out["vs_raw_by_mode"]["bytes"],
+                   arena_speedup_paired=[x["bytes"] / x["arena"] for x in by_round])
+    return out
 
 
 def build_model(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
@@ -518,10 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     save()
     if "convert" in parts:
         c = doc["convert"] = part_convert(work, spec_kw, cfg, a.timeout)
-        log(f"convert: {c['source_bytes'] / 1e6:.0f} MB of source at {c['source_mb_per_s']:.1f} MB/s, "
-            f"{c['vs_raw']:.1f}x raw read+write (read as bytes: {c['bytes_mb_per_s']:.1f} MB/s, "
-            f"{c['bytes_vs_raw']:.1f}x; paired speed-ups {', '.join(f'{x:.2f}' for x in c['arena_speedup_paired'])}); "
-            f"first run +{c['first_run_extra_s']:.1f} s")
+        log(f"convert: {c['source_bytes'] / 1e6:.0f} MB of source; " + "; ".join(
+            f"{m} {c['mb_per_s'][m]:.1f} MB/s ({c['vs_raw_by_mode'][m]:.1f}x raw read+write)" for m in c["modes"])
+            + "".join(f"; {m} / arena per round {', '.join(f'{x:.2f}' for x in v)}"
+                      for m, v in c["speedup_over_arena"].items())
+            + f"; first run +{c['first_run_extra_s']:.1f} s")
         save()
     if not parts & {"build", "stream", "resident"}:
         return 0

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tqbench.errors import TqbenchError
 from tqbench.quant import turboquant as tq
 
 
@@ -132,6 +133,14 @@ def test_the_quantizer_is_compiled_except_on_cuda():
     assert tq.quantizer_kernel() == ("passes" if mx.cuda.is_available() and default.type == mx.gpu else "compiled")
     with pytest.raises(ValueError, match="unknown quantizer kernel 'fast'"):
         tq.quantize(mx.zeros((2, 64)), "3", 64, None, kernel="fast")
+
+
+def test_the_environment_chooses_the_quantizer_kernel(monkeypatch):
+    monkeypatch.setenv("TQBENCH_QUANTIZER", "compare")
+    assert tq.quantizer_kernel() == "compare"
+    monkeypatch.setenv("TQBENCH_QUANTIZER", "fast")
+    with pytest.raises(TqbenchError, match="TQBENCH_QUANTIZER='fast': choose one of compiled, passes, compare"):
+        tq.quantizer_kernel()
 
 
 @pytest.mark.parametrize("kind", ["2", "3", "4", "T"])

@@ -21,6 +21,7 @@ The format is described in docs/turboquant.md.
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,6 +29,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from tqbench.errors import TqbenchError
 from tqbench.quant import packing
 
 # Lloyd-Max reconstruction levels for N(0, 1), ascending, as TurboQuant-MLX publishes them (they are up to 8e-4 away
@@ -260,7 +262,8 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled"):
 
 
 def quantizer_kernel() -> str:
-    """The quantizer kernel for the default device: `compiled`, except `passes` on CUDA.
+    """The quantizer kernel for the default device: `compiled`, except `passes` on CUDA; the environment variable
+    TQBENCH_QUANTIZER (one of QUANTIZER_KERNELS) chooses another.
 
     On CUDA every fused graph is compiled at run time into a module of dozens of kernel variants (contiguous and
     strided, every rank): a K3-shaped conversion's first run took 171 s against 3 s warm, ~154 s of it in the
@@ -269,6 +272,11 @@ def quantizer_kernel() -> str:
     compiles, bandwidth-bound) the fused kernel stays. (`compare` is measured against `passes` by
     benchmarks/quantizer.py before it could replace it on CUDA.)
     """
+    chosen = os.environ.get("TQBENCH_QUANTIZER")
+    if chosen:
+        if chosen not in QUANTIZER_KERNELS:
+            raise TqbenchError(f"TQBENCH_QUANTIZER={chosen!r}: choose one of {', '.join(QUANTIZER_KERNELS)}")
+        return chosen
     try:
         on_cuda = mx.cuda.is_available() and mx.default_device().type == mx.gpu
     except AttributeError:  # an MLX build without the cuda module
