@@ -11,7 +11,9 @@
 - the docstring test: for 30 held-out functions and methods (seeded, at most 4 from one file; none whose docstring
   also appears in a training file), the greedy answer to "What does NAME do?" in the chat template; a win when it
   shares more words (three or more letters, not stopwords) with the true docstring than with the docstring of another
-  of the 30 (seeded); also counted without the words of the question (no credit for repeating the name);
+  of the 30 (seeded); also counted without the words of the question (no credit for repeating the name); with
+  several models, each paired with the first (wins only one has, exact sign test), and with `--functions` above 30
+  (more of the same draw) those pairs also on the test's 30 and on the others apart;
 - routing over the same tokens: per MoE layer, the experts covering 50/80/90% of the routings, overall, per source
   and per domain (and the hottest 4% of experts' share and the 80% cover as a share of the experts, the figures real
   models are reported in); consecutive tokens' Jaccard overlap within windows; hot sets (each text's hottest 20% of
@@ -55,6 +57,7 @@ from tqbench.tokenizer import load_encoding  # noqa: E402
 
 WINDOW = 128
 THIRD_PARTY = ("click", "diskcache")
+TEST_FUNCTIONS = 30  # the docstring test's size (issue 10); --functions asks more of the same draw
 SHARES = (0.5, 0.8, 0.9)
 HOT_FRACTION = 0.2  # a hot set: the hottest 20% of a layer's experts
 MIN_DOMAIN_TOKENS = 2048  # domains with fewer tokens get no per-domain figures (halves of 1,024 at least)
@@ -290,14 +293,17 @@ def docstring_test(model, tok, picked: list[DocItem], seed: int = 0, max_tokens:
             "ties": sum(r["true_overlap"] == r["other_overlap"] for r in rows), "rows": rows}
 
 
-def paired_docstring(base: dict, other: dict) -> dict:
+def paired_docstring(base: dict, other: dict, names: set[str] | None = None) -> dict:
     """Two models' docstring tests on the same functions (and the same other docstrings): how many each wins that the
     other does not, and the two-sided exact sign test on those (the chance of a split at least this uneven if
-    neither model were better). Different numbers of wins on 30 functions are often within chance."""
+    neither model were better). Different numbers of wins on 30 functions are often within chance. `names`: only
+    those functions."""
     a = {r["name"]: r["win"] for r in base["rows"]}
     b = {r["name"]: r["win"] for r in other["rows"]}
     if a.keys() != b.keys():
         raise ValueError("paired_docstring: the two tests asked about different functions")
+    if names is not None:
+        a, b = ({k: v for k, v in d.items() if k in names} for d in (a, b))
     only_base = sum(a[k] and not b[k] for k in a)
     only_other = sum(b[k] and not a[k] for k in a)
     n, low = only_base + only_other, min(only_base, only_other)
@@ -510,7 +516,7 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=int, default=WINDOW)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--limit", type=int, default=0, help="windows per text (0: all); for a quick look")
-    p.add_argument("--functions", type=int, default=30)
+    p.add_argument("--functions", type=int, default=TEST_FUNCTIONS)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="the docstring test's answers with mlx-lm's repetition penalty (still the most likely token "
@@ -550,9 +556,20 @@ def main(argv=None) -> None:
     names = list(results)
     paired = {f"{names[0]} vs {n}": paired_docstring(results[names[0]]["docstring_test"], results[n]["docstring_test"])
               for n in names[1:]}
+    split = {}
+    if a.docstring_items == "heldout" and len(picked) > TEST_FUNCTIONS:
+        # More than the test asks: the pairs also on the test's own functions (the first TEST_FUNCTIONS of the same
+        # draw) and on the others apart. Earlier choices were made on the test's functions, so a model kept for
+        # winning there is favoured there; the others show whether the lead holds where no choice looked.
+        test = {i.name for i in pick_functions(val_items, train_text, TEST_FUNCTIONS, a.seed)}
+        rest = {i.name for i in picked} - test
+        split = {pair: {part: paired_docstring(results[names[0]]["docstring_test"], results[n]["docstring_test"], s)
+                        for part, s in (("test", test), ("others", rest))}
+                 for pair, n in zip(paired, names[1:])}
     doc = {"schema": "tqbench.demo-eval/1", "python": sys.version.split()[0], "limit_windows": a.limit or None,
            "third_party": {pkg: importlib.util.find_spec(pkg) and _version(pkg) for pkg in THIRD_PARTY},
-           "docstring_functions": [i.name for i in picked], "models": results, "docstring_paired": paired}
+           "docstring_functions": [i.name for i in picked], "models": results, "docstring_paired": paired,
+           "docstring_paired_split": split}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(dump_json(doc))
     for name, r in results.items():
@@ -561,6 +578,9 @@ def main(argv=None) -> None:
     for pair, d in paired.items():
         print(f"docstring test, {pair}: {d['only_base']} won by the first only, {d['only_other']} by the second only "
               f"({d['both']} both, {d['neither']} neither); sign test p = {d['sign_test_p']}")
+        for part, x in split.get(pair, {}).items():
+            label = f"the test's {x['functions']}" if part == "test" else f"the other {x['functions']}"
+            print(f"  on {label}: {x['only_base']} to {x['only_other']}; sign test p = {x['sign_test_p']}")
     log(f"wrote {a.out}")
 
 

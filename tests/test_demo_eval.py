@@ -137,3 +137,22 @@ def test_selection_functions_never_meet_the_test():
     assert [i.name for i in selection_functions(items, train_text, 10, seed=0)] == \
         [i.name for i in selection_functions(items, train_text, 10, seed=0)]
     assert len(selection_functions(items, train_text, 10, seed=0)) == 10
+
+
+def test_the_test_is_the_first_draw_of_any_larger_one_and_pairs_split_on_it():
+    """`--functions N` above 30 asks the test's 30 functions and more of the same draw, so the pairs can be split into
+    the test's functions and the others; the split counts only the named functions."""
+    from tqbench.demo.conversations import DocItem
+
+    items = [DocItem(f"m{f}.py", f"m{f}", f"m{f}", "function", f"m{f}.fn{j}", f"m{f}.fn{j}()", f"Doc {f} {j} here.")
+             for f in range(30) for j in range(6)]
+    test = {i.name for i in pick_functions(items, "", 30, seed=0)}
+    for n in (31, 73, 120):
+        assert test <= {i.name for i in pick_functions(items, "", n, seed=0)}
+    rows = lambda wins: {"rows": [{"name": f"f{i}", "win": w} for i, w in enumerate(wins)]}  # noqa: E731
+    a, b = rows([1, 1, 1, 0, 0, 1]), rows([0, 0, 1, 1, 1, 1])
+    first = paired_docstring(a, b, {"f0", "f1", "f2"})
+    assert (first["functions"], first["only_base"], first["only_other"], first["both"]) == (3, 2, 0, 1)
+    rest = paired_docstring(a, b, {"f3", "f4", "f5"})
+    assert (rest["functions"], rest["only_base"], rest["only_other"], rest["both"]) == (3, 0, 2, 1)
+    assert paired_docstring(a, b)["only_base"] == first["only_base"] + rest["only_base"]
