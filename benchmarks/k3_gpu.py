@@ -504,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     add_size_options(p, DEFAULTS, QUICK, "a CPU smoke run at tiny shapes")
     p.add_argument("--parts", default="convert,stream,resident",
                    help="any of convert, build (the streaming model only), stream, resident")
-    p.add_argument("--runs", default="A,B,W,8,L", help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead")
+    p.add_argument("--runs", default="A,B,W,8,L", help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead, "
+                                                       "F fan-out, X 16 workers (B cold)")
     p.add_argument("--work", type=Path, help="work directory on the disk to measure (kept)")
     p.add_argument("--out", type=Path, default=Path("bench-results/k3_gpu.json"))
     p.add_argument("--timeout", type=float, default=900)
@@ -595,9 +596,13 @@ def main(argv: list[str] | None = None) -> int:
                 dict(label="B warm from A's profile", prompt="B", stream=stream, warm=True,
                      pin_share=cfg["pin_share"]),
                 dict(label=f"B cold, top-{half}", prompt="B", stream=stream, top_k=half),
-                dict(label="B cold, look-ahead", prompt="B", stream=dict(stream, lookahead=True))]
+                dict(label="B cold, look-ahead", prompt="B", stream=dict(stream, lookahead=True)),
+                # a layer misses about 5 experts: 4 threads read them in two waves; fan-out splits each read
+                # across the threads, 16 threads read them in one
+                dict(label="B cold, fan-out", prompt="B", stream=dict(stream, fanout=True)),
+                dict(label="B cold, 16 workers", prompt="B", stream=dict(stream, workers=16))]
         chosen = set(a.runs.split(","))
-        runs = [r for r, key in zip(runs, "ABW8L") if key in chosen]
+        runs = [r for r, key in zip(runs, "ABW8LFX") if key in chosen]
         drop_cache(files)
         res = run_child("decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
                                        tokens=cfg["tokens"], runs=runs), a.timeout)
