@@ -597,8 +597,9 @@ def main(argv: list[str] | None = None) -> int:
                      pin_share=cfg["pin_share"]),
                 dict(label=f"B cold, top-{half}", prompt="B", stream=stream, top_k=half),
                 dict(label="B cold, look-ahead", prompt="B", stream=dict(stream, lookahead=True)),
-                # a layer misses about 5 experts: 4 threads read them in two waves; fan-out splits each read
-                # across the threads, 16 threads read them in one
+                # a layer misses about 5 experts, read by 4 threads: does splitting each read across the threads
+                # (fan-out) or a thread per miss (16) change the wait per miss? (one thread alone nearly fills this
+                # disk, so it may not)
                 dict(label="B cold, fan-out", prompt="B", stream=dict(stream, fanout=True)),
                 dict(label="B cold, 16 workers", prompt="B", stream=dict(stream, workers=16))]
         chosen = set(a.runs.split(","))
