@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         c = doc["convert"] = part_convert(work, spec_kw, cfg, a.timeout)
         log(f"convert: {c['source_bytes'] / 1e6:.0f} MB of source; " + "; ".join(
             f"{m} {c['mb_per_s'][m]:.1f} MB/s ({c['vs_raw_by_mode'][m]:.1f}x raw read+write)" for m in c["modes"])
-            + "".join(f"; {m} / arena per round {', '.join(f'{x:.2f}' for x in v)}"
+            + "".join(f"; {m} speed-up over arena per round {', '.join(f'{x:.2f}' for x in v)}"
                       for m, v in c["speedup_over_arena"].items())
             + f"; first run +{c['first_run_extra_s']:.1f} s")
         save()
