@@ -102,7 +102,7 @@ def test_seeds_are_stable_across_processes():
 @pytest.mark.parametrize("kernel", tq.QUANTIZER_KERNELS)
 @pytest.mark.parametrize("kind", ["2", "3", "4", "T"])
 def test_codes_count_the_published_boundaries(kind, kernel):
-    # Every kernel (the compiled one of the CPU and Metal, the unfused ones for CUDA) against the same numpy reference.
+    # Every kernel (the compiled one of the CPU and Metal, the unfused ones for CUDA) against one numpy reference.
     rng = np.random.default_rng(2)
     w = (rng.standard_normal((8, 256)) * rng.uniform(0.01, 3, (8, 1))).astype(np.float32)
     g = 64
