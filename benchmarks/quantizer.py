@@ -12,7 +12,9 @@ from float32 weights already in device memory. Each call is what the converter d
 evaluate codes, scales and the error, read the error. Per kernel: the first call apart (kernel compilation), then
 the median of `--repeats` calls of the three matrices, GB/s of float32 weights, and its time relative to `passes`
 measured in the same run (kernels alternate per repeat); MLX's peak memory for one matrix; the codes and scales of
-every kernel compared with `passes` (they must be equal). Peak RSS of the process at the end.
+every kernel compared with `passes` (they must be equal). With `--batch B` (default 8) also the same work for B
+experts at once (each projection's B matrices stacked into one call), per expert, against one expert per call: what
+batching experts per MLX call would buy the converter. Peak RSS of the process at the end.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ GROUP = 64
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--batch", type=int, default=8, help="experts per call in the batched timing (1: none)")
     p.add_argument("--quick", action="store_true", help="small matrices, 2 repeats")
     p.add_argument("--out", type=Path, default=Path("bench-results/quantizer.json"))
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mats = QUICK_EXPERT if a.quick else K3_EXPERT
     repeats = 2 if a.quick else a.repeats
+    batch = 2 if a.quick else a.batch
     rng = np.random.default_rng(0)
     weights = []
     for name, out, inp, kind in mats:
@@ -75,12 +79,28 @@ def main(argv: list[str] | None = None) -> int:
         name, w, kind, signs = weights[-1]
         tq.quantize(w, kind, GROUP, signs, kernel=k)
         peak[k] = mx.get_peak_memory() - base
+    stacked = [(name, mx.stack([w] * batch), kind, signs) for name, w, kind, signs in weights] if batch > 1 else []
+    mx.eval(*[w for _, w, _, _ in stacked])
+
+    def batched(kernel: str) -> list:  # `batch` experts' work in one call per projection
+        return [tq.quantize(w, kind, GROUP, signs, kernel=kernel) for _, w, kind, signs in stacked]
+
+    same_batched = {}
+    for k in kernels if stacked else []:  # warm-up at the stacked shapes, and each stacked copy's output checked
+        same_batched[k] = all(np.array_equal(np.array(g.weight[i]), np.array(r.weight))
+                              and np.array_equal(np.array(g.scales[i]), np.array(r.scales))
+                              for g, r in zip(batched(k), reference) for i in range(batch))
     times: dict[str, list[float]] = {k: [] for k in kernels}
+    per_expert_batched: dict[str, list[float]] = {k: [] for k in kernels}
     for r in range(repeats):
         for k in (kernels if r % 2 == 0 else kernels[::-1]):
             t = time.perf_counter()
             one_expert(k)
             times[k].append(time.perf_counter() - t)
+            if stacked:
+                t = time.perf_counter()
+                batched(k)
+                per_expert_batched[k].append((time.perf_counter() - t) / batch)
     rows = []
     for k in kernels:
         med = statistics.median(times[k])
@@ -88,13 +108,19 @@ def main(argv: list[str] | None = None) -> int:
                          vs_passes=med / statistics.median(times["passes"]),
                          paired_vs_passes=[x / y for x, y in zip(times[k], times["passes"])],
                          peak_memory_one_matrix=peak[k], same_codes_and_scales_as_passes=same[k], times_s=times[k]))
+        if stacked:
+            b = statistics.median(per_expert_batched[k])
+            rows[-1].update(batched_median_s_per_expert=b, batched_vs_one=b / med,
+                            batched_times_s_per_expert=per_expert_batched[k], batched_same_output=same_batched[k])
         print(f"{k:<9} first {first[k]:7.3f} s   median {med * 1e3:8.2f} ms per expert ({nbytes / med / 1e9:6.2f} GB/s "
               f"of float32)   x{rows[-1]['vs_passes']:.2f} of passes   peak {peak[k] / 2**20:7.1f} MiB   "
-              f"same output: {same[k]}", flush=True)
+              f"same output: {same[k]}" + (f"   {batch} per call: {rows[-1]['batched_median_s_per_expert'] * 1e3:.2f} "
+                                           f"ms per expert (x{rows[-1]['batched_vs_one']:.2f})" if stacked else ""),
+              flush=True)
     doc = dict(schema=SCHEMA, date=time.strftime("%Y-%m-%d"), device=str(mx.default_device()), mlx=mx.__version__,
                platform=platform.platform(), default_kernel=tq.quantizer_kernel(), quick=a.quick,
                matrices=[dict(name=n, shape=list(w.shape), codebook=kind, rotated=s is not None)
-                         for n, w, kind, s in weights], float32_bytes=nbytes, repeats=repeats, rows=rows,
+                         for n, w, kind, s in weights], float32_bytes=nbytes, repeats=repeats, batch=batch, rows=rows,
                peak_rss=peak_rss_bytes())
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -31,5 +31,9 @@ def test_quick_run_times_every_kernel_against_passes(tmp_path):
         assert r["median_s"] == pytest.approx(statistics.median(r["times_s"]))
         assert r["vs_passes"] == pytest.approx(r["median_s"] / passes)
         assert r["gb_per_s"] == pytest.approx(d["float32_bytes"] / r["median_s"] / 1e9)
+        assert r["batched_same_output"]  # each of the stacked experts' codes and scales equal one expert's
+        assert r["batched_median_s_per_expert"] == pytest.approx(statistics.median(r["batched_times_s_per_expert"]))
+        assert r["batched_vs_one"] == pytest.approx(r["batched_median_s_per_expert"] / r["median_s"])
+    assert d["batch"] == 2
     assert d["float32_bytes"] == 4 * (2 * 64 * 256 + 256 * 64)
     assert [m["codebook"] for m in d["matrices"]] == ["T", "T", "4"] and all(m["rotated"] for m in d["matrices"])
