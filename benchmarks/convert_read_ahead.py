@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqbench.convert.pipeline import READ_AHEAD, default_read_ahead
     size, recipes, rounds = ("2x8", ["tq3a-tqTe-down4-g64"], 1) if a.quick else (a.size, a.recipes.split(","),
                                                                                    a.rounds)
+    if a.read_ahead is not None and a.read_ahead <= 0:
+        raise SystemExit(f"--read-ahead: the arena's bytes, a positive number, not {a.read_ahead}")
     arena = a.read_ahead or READ_AHEAD
     work = a.work or Path(tempfile.mkdtemp(prefix="tqbench-read-ahead-"))
     work.mkdir(parents=True, exist_ok=True)

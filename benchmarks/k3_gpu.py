@@ -135,8 +135,8 @@ def synthetic_experts_class():
             super().__init__(*a, **kw)
             self._outputs: dict[str, tuple] = {}
 
-        def unit_entries(self, unit, after):
-            return [e for e in super().unit_entries(unit, after) if not is_routed_expert(e.name)]
+        def unit_reads(self, unit, after):
+            return [(e, d) for e, d in super().unit_reads(unit, after) if not is_routed_expert(e.name)]
 
         def decode(self, parts, fmt):
             if "weight_packed" in parts and is_routed_expert(parts["weight_packed"].name):

@@ -69,11 +69,15 @@ def measure(batch: int, seq_len: int, warmup: int, steps: int, compiled: bool, k
     train_demo.SPEC = CHAT_SPEC
     a = argparse.Namespace(**{**train_demo.CHAT_DEFAULTS, "compile": compiled, "clip": 1.0, "weight_decay": 0.1,
                               "router_lr_mult": 0.1, "optimizer": kind})
-    model = train_demo.build_model(0, CHAT_SPEC)
-    model.train()
-    moes = train_demo.moe_layers(model)
-    step, optimizer, set_lr = train_demo.training_step(model, moes, a)
-    set_lr(1e-3)
+    def fresh():  # the model from its seed, its step and optimizer at lr 1e-3
+        model = train_demo.build_model(0, CHAT_SPEC)
+        model.train()
+        moes = train_demo.moe_layers(model)
+        step, optimizer, set_lr = train_demo.training_step(model, moes, a)
+        set_lr(1e-3)
+        return model, moes, step, optimizer
+
+    model, moes, step, optimizer = fresh()
     E = CHAT_SPEC.num_experts
     ema = mx.zeros((len(moes), E))
     u = mx.array(1e-3)
@@ -86,11 +90,7 @@ def measure(batch: int, seq_len: int, warmup: int, steps: int, compiled: bool, k
         out = step(tokens[0, :, :-1], tokens[0, :, 1:], u, ema)
         ops = count_primitives(*out, *[v for _, v in tree_flatten(model.parameters())],
                                *[v for _, v in tree_flatten(optimizer.state)])
-        model = train_demo.build_model(0, CHAT_SPEC)
-        model.train()
-        moes = train_demo.moe_layers(model)
-        step, optimizer, set_lr = train_demo.training_step(model, moes, a)
-        set_lr(1e-3)
+        model, moes, step, optimizer = fresh()
     mx.reset_peak_memory()
     times, losses = [], []
     for i in range(warmup + steps + 1):

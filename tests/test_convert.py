@@ -478,3 +478,14 @@ def test_read_ahead_into_mlx_memory_writes_the_same_bytes(demo_src, tmp_path, na
     for r in readers:
         assert not r._staged and not r._pending  # every read started was collected or discarded
         assert r._arena is None or r._arena.used == 0
+
+
+def test_a_bad_quantizer_kernel_is_refused_before_the_output_exists(demo_src, tmp_path, monkeypatch):
+    from tqbench.errors import TqbenchError
+
+    monkeypatch.setenv("TQBENCH_QUANTIZER", "fast")
+    with pytest.raises(TqbenchError, match="TQBENCH_QUANTIZER='fast': choose one of compiled, passes, compare"):
+        run(demo_src, tmp_path / "out", "tq3a-tqTe-down4-g64")
+    assert not (tmp_path / "out").exists()
+    run(demo_src, tmp_path / "affine", "affine4-g64")  # no TurboQuant module: the variable is not consulted
+    assert (tmp_path / "affine" / "model.safetensors.index.json").is_file()

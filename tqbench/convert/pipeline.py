@@ -173,6 +173,8 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     ckpt, plan, files = lay.ckpt, lay.plan, lay.files
     src, dst = ckpt.path, Path(dest)
     source_fp = lay.source_fp
+    if any(m.choice.format is Format.TURBOQUANT for m in plan.modules):
+        tq.quantizer_kernel()  # a bad TQBENCH_QUANTIZER fails here, before the destination is touched
     journal = _prepare_dest(src, dst, recipe, lay.source_fp, lay.plan_fp, force)
 
     total_in = sum(lay.shard_in)

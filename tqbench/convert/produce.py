@@ -140,13 +140,10 @@ class Producer:
             return tq.codebook("T" if c.ternary else str(c.bits))
         return self.signs(p.module, p.module.source.shape[1])
 
-    def unit_entries(self, unit: Unit, after: Unit | None) -> list[TensorSpec]:
-        """The source tensors `unit` will read when produced right after `after` (for prefetching): a module that
-        `after` ends with is still computed then, so its tensors are not read again."""
-        return [e for e, _ in self._unit_reads(unit, after)]
-
-    def _unit_reads(self, unit: Unit, after: Unit | None) -> list[tuple[TensorSpec, bool]]:
-        """`unit_entries`, each with whether `decode` reads it (the tensors quantized modules decode to float)."""
+    def unit_reads(self, unit: Unit, after: Unit | None) -> list[tuple[TensorSpec, bool]]:
+        """The source tensors `unit` will read when produced right after `after` (for prefetching), each with whether
+        `decode` reads it (what quantized modules decode to float). A module that `after` ends with is still computed
+        then, so its tensors are not read again."""
         last = after.pieces[-1] if after is not None else None
         seen, out = {(id(last.module), last.expert)} if last else set(), []
         for p in unit.pieces:
@@ -159,12 +156,10 @@ class Producer:
         return out
 
     def prefetch(self, unit: Unit, after: Unit | None) -> None:
-        """Start reading `unit`'s source tensors (see `unit_entries`): those `decode` reads into MLX memory, the
-        rest as bytes."""
-        entries = {(e.shard, e.offset, e.nbytes) for e in self.unit_entries(unit, after)}
-        reads = [(e, d) for e, d in self._unit_reads(unit, after) if (e.shard, e.offset, e.nbytes) in entries]
-        self.reader.prefetch_mlx([e for e, d in reads if d])
-        self.reader.prefetch([e for e, d in reads if not d])
+        """Start reading `unit_reads(unit, after)`: what `decode` reads into MLX memory, the rest as bytes."""
+        reads = self.unit_reads(unit, after)
+        self.reader.prefetch_mlx([e for e, decoded in reads if decoded])
+        self.reader.prefetch([e for e, decoded in reads if not decoded])
 
     def produce(self, unit: Unit) -> list[Produced]:
         """The unit's pieces. A module's outputs are computed once and kept until the next module: its tensors

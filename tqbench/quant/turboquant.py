@@ -258,7 +258,9 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled"):
         err = mx.sum((recon * s32 - g) ** 2)
         return codes.reshape(x.shape), scales.squeeze(-1), err, mx.sum(g * g)
 
-    return {"compiled": lambda: mx.compile(run), "passes": lambda: run, "compare": lambda: run_compare}[kernel]()
+    if kernel == "compare":
+        return run_compare
+    return mx.compile(run) if kernel == "compiled" else run
 
 
 def quantizer_kernel() -> str:
