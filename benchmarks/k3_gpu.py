@@ -10,7 +10,7 @@ What it does, in one run on one disk (the work directory):
    K3's expert shapes, mxfp4 experts) converted for real with `tq3a-tqTe-down4-g64` by `benchmarks/convert.py`'s child,
    in fresh processes: once to pay MLX's kernel compilation (reported apart), then `--convert-pairs` rounds of each of
    `--convert-modes` (`arena`: the converter as it runs on a GPU, reading ahead into MLX memory; `bytes`: one unit
-   ahead read as bytes, the converter before that; `compare`: the arena with the `compare` quantizer kernel), the order
+   ahead read as bytes, the converter before that; `passes`, `compare`, `cuda`: the arena with that quantizer kernel), the order
    rotating per round, with its per-stage timers; and the raw read+write of the same bytes on the same disk, page
    cache dropped before each.
 2. The streaming model: K3's expert shapes (hidden 7168, latent 3584, expert width 3072: 10.96 MB per expert at the
@@ -74,7 +74,7 @@ QUICK_SPEC = dict(SPEC, hidden_size=256, routed_expert_hidden_size=256, moe_inte
                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_num_heads=4,
                   kda_head_dim=32, num_shards=2)
 DEFAULTS = dict(layers=9, experts=384, budget_gb=6.0, workers=4, prompt=4, tokens=24, warmup=2, pin_share=0.5,
-                convert_layers=2, convert_experts=32, convert_pairs=2, convert_modes="arena,bytes,compare",
+                convert_layers=2, convert_experts=32, convert_pairs=2, convert_modes="arena,passes",
                 raw_bytes=1536 * 2**20)
 QUICK = dict(layers=3, experts=16, budget_gb=0.004, workers=2, prompt=3, tokens=4, warmup=1, pin_share=0.5,
              convert_layers=2, convert_experts=4, convert_pairs=1, convert_modes="arena,bytes,compare",
@@ -281,10 +281,13 @@ def run_child(mode: str, args: dict, timeout: float, script: Path | None = None,
 def convert_modes(names: str) -> dict[str, tuple[dict, dict]]:
     """The conversion variants `--convert-modes` names: converter arguments and environment of each. `arena`: the
     converter as on a GPU (reading ahead into MLX memory); `bytes`: one unit ahead read as bytes (`read_ahead=0`, the
-    converter before the arena); `compare`: the arena with the `compare` quantizer kernel (TQBENCH_QUANTIZER)."""
+    converter before the arena); `passes`, `compare`, `cuda`: the arena with that quantizer kernel (TQBENCH_QUANTIZER;
+    `arena` uses the device's default, `cuda` on a GPU since 2026-12-02, `passes` before)."""
     from tqbench.convert.pipeline import READ_AHEAD
     known = {"arena": (dict(read_ahead=READ_AHEAD), {}), "bytes": (dict(read_ahead=0), {}),
-             "compare": (dict(read_ahead=READ_AHEAD), {"TQBENCH_QUANTIZER": "compare"})}
+             "compare": (dict(read_ahead=READ_AHEAD), {"TQBENCH_QUANTIZER": "compare"}),
+             "cuda": (dict(read_ahead=READ_AHEAD), {"TQBENCH_QUANTIZER": "cuda"}),
+             "passes": (dict(read_ahead=READ_AHEAD), {"TQBENCH_QUANTIZER": "passes"})}
     modes = names.split(",")
     if modes[0] != "arena" or any(m not in known for m in modes):
         raise SystemExit(f"--convert-modes: arena first, then any of {', '.join(known)}; not {names!r}")
@@ -505,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="convert,stream,resident",
                    help="any of convert, build (the streaming model only), stream, resident")
     p.add_argument("--runs", default="A,B,W,8,L", help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead, "
-                                                       "F fan-out, X 16 workers (B cold)")
+                                                       "F fan-out, X 16 workers, 1 one worker (B cold)")
     p.add_argument("--work", type=Path, help="work directory on the disk to measure (kept)")
     p.add_argument("--out", type=Path, default=Path("bench-results/k3_gpu.json"))
     p.add_argument("--timeout", type=float, default=900)
@@ -598,12 +601,13 @@ def main(argv: list[str] | None = None) -> int:
                 dict(label=f"B cold, top-{half}", prompt="B", stream=stream, top_k=half),
                 dict(label="B cold, look-ahead", prompt="B", stream=dict(stream, lookahead=True)),
                 # a layer misses about 5 experts, read by 4 threads: does splitting each read across the threads
-                # (fan-out) or a thread per miss (16) change the wait per miss? (one thread alone nearly fills this
-                # disk, so it may not)
+                # (fan-out), a thread per miss (16) or one thread change the wait per miss? (On 2026-12-02 the
+                # lent disk read random experts at 2.35 GB/s with one thread and 1.62 with four.)
                 dict(label="B cold, fan-out", prompt="B", stream=dict(stream, fanout=True)),
-                dict(label="B cold, 16 workers", prompt="B", stream=dict(stream, workers=16))]
+                dict(label="B cold, 16 workers", prompt="B", stream=dict(stream, workers=16)),
+                dict(label="B cold, 1 worker", prompt="B", stream=dict(stream, workers=1))]
         chosen = set(a.runs.split(","))
-        runs = [r for r, key in zip(runs, "ABW8LFX") if key in chosen]
+        runs = [r for r, key in zip(runs, "ABW8LFX1") if key in chosen]
         drop_cache(files)
         res = run_child("decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
                                        tokens=cfg["tokens"], runs=runs), a.timeout)

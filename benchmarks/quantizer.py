@@ -4,9 +4,10 @@
     PYTHONPATH=. python3 benchmarks/quantizer.py --out bench-results/quantizer.json     # on the GPU machine
     python benchmarks/quantizer.py --quick                                              # a CPU smoke run (seconds)
 
-`tqbench.quant.turboquant.quantize` with each of QUANTIZER_KERNELS (`passes`: CUDA's default today, MLX's prebuilt
-kernels five passes per boundary; `compare`: one broadcast comparison, a sum and a lookup; `compiled`: one
-mx.compile'd kernel, the CPU's and Metal's default) on the converter's work for one K3 expert at the
+`tqbench.quant.turboquant.quantize` with each quantizer kernel the device runs (`passes`: MLX's prebuilt kernels, five
+passes per boundary, CUDA's default until 2026-12-02; `compare`: one broadcast comparison, a sum and a lookup;
+`compiled`: one mx.compile'd kernel, the CPU's and Metal's default; `cuda`: the hand-written CUDA kernel, CUDA's
+default; `--kernels` picks some, `passes` always among them) on the converter's work for one K3 expert at the
 `tq3a-tqTe-down4-g64` recipe: gate and up (3072 x 3584, ternary, group 64) and down (3584 x 3072, 4-bit), rotated,
 from float32 weights already in device memory. Each call is what the converter does per matrix: build the graph,
 evaluate codes, scales and the error, read the error. Per kernel: the first call apart (kernel compilation), then
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--batch", type=int, default=8, help="experts per call in the batched timing (1: none)")
+    p.add_argument("--kernels", help="comma-separated kernels to time (default: every one this device runs; passes "
+                   "is always timed, as the reference)")
     p.add_argument("--quick", action="store_true", help="small matrices, 2 repeats")
     p.add_argument("--out", type=Path, default=Path("bench-results/quantizer.json"))
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
@@ -62,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         mx.eval(w)
         weights.append((name, w, kind, signs))
     nbytes = sum(w.nbytes for _, w, _, _ in weights)
-    kernels = list(tq.QUANTIZER_KERNELS)
+    kernels = list(tq.available_quantizer_kernels())
+    if a.kernels:
+        unknown = set(a.kernels.split(",")) - set(kernels)
+        if unknown:
+            p.error(f"--kernels: {', '.join(sorted(unknown))} not among {', '.join(kernels)}")
+        kernels = [k for k in kernels if k in a.kernels.split(",") or k == "passes"]
 
     def one_expert(kernel: str) -> list:
         return [tq.quantize(w, kind, GROUP, signs, kernel=kernel) for _, w, kind, signs in weights]

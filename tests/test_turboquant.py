@@ -99,7 +99,7 @@ def test_seeds_are_stable_across_processes():
     assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 
-@pytest.mark.parametrize("kernel", tq.QUANTIZER_KERNELS)
+@pytest.mark.parametrize("kernel", tq.available_quantizer_kernels())
 @pytest.mark.parametrize("kind", ["2", "3", "4", "T"])
 def test_codes_count_the_published_boundaries(kind, kernel):
     # Every kernel (the compiled one of the CPU and Metal, the unfused ones for CUDA) against one numpy reference.
@@ -123,14 +123,14 @@ def test_codes_count_the_published_boundaries(kind, kernel):
     assert q.rel_error == pytest.approx(rel, rel=1e-4)
 
 
-def test_the_quantizer_is_compiled_except_on_cuda():
+def test_the_default_quantizer_is_compiled_on_the_cpu_and_cuda_on_cuda():
     default = mx.default_device()
     try:
         mx.set_default_device(mx.cpu)
         assert tq.quantizer_kernel() == "compiled"
     finally:
         mx.set_default_device(default)
-    assert tq.quantizer_kernel() == ("passes" if mx.cuda.is_available() and default.type == mx.gpu else "compiled")
+    assert tq.quantizer_kernel() == ("cuda" if mx.cuda.is_available() and default.type == mx.gpu else "compiled")
     with pytest.raises(ValueError, match="unknown quantizer kernel 'fast'"):
         tq.quantize(mx.zeros((2, 64)), "3", 64, None, kernel="fast")
 
@@ -139,8 +139,30 @@ def test_the_environment_chooses_the_quantizer_kernel(monkeypatch):
     monkeypatch.setenv("TQBENCH_QUANTIZER", "compare")
     assert tq.quantizer_kernel() == "compare"
     monkeypatch.setenv("TQBENCH_QUANTIZER", "fast")
-    with pytest.raises(TqbenchError, match="TQBENCH_QUANTIZER='fast': choose one of compiled, passes, compare"):
+    usable = ", ".join(tq.available_quantizer_kernels())
+    with pytest.raises(TqbenchError, match=f"TQBENCH_QUANTIZER='fast': choose one of {usable}$"):
         tq.quantizer_kernel()
+    if "cuda" not in tq.available_quantizer_kernels():
+        monkeypatch.setenv("TQBENCH_QUANTIZER", "cuda")
+        with pytest.raises(TqbenchError, match=r"choose one of compiled, passes, compare \(cuda needs MLX's CUDA"):
+            tq.quantizer_kernel()
+        with pytest.raises(ValueError, match="the cuda quantizer kernel needs MLX's CUDA build"):
+            tq.quantize(mx.zeros((2, 64)), "3", 64, None, kernel="cuda")
+
+
+@pytest.mark.parametrize("kind", ["2", "3", "4", "T"])
+def test_the_cuda_kernel_source_holds_the_exact_boundaries_and_levels(kind):
+    # The CUDA kernel runs only where MLX has a GPU (the tests above run it there); its constants are checked here.
+    import re
+
+    from tqbench.quant import cuda_quantizer
+
+    book = tuple(float(v) for v in tq.codebook(kind).astype(np.float32))
+    src = cuda_quantizer.kernel_source(book, tuple(float(b) for b in tq.boundaries(kind)), 64, 20)
+    consts = [np.uint32(int(h, 16)).view(np.float32) for h in re.findall(r"__int_as_float\(0x([0-9a-f]{8})\)", src)]
+    np.testing.assert_array_equal(consts[0], published_levels(kind).astype(np.float16).astype(np.float32)[0])
+    np.testing.assert_array_equal(consts[1::2], published_boundaries(kind))  # each boundary, then the level above it
+    np.testing.assert_array_equal(consts[2::2], published_levels(kind).astype(np.float16).astype(np.float32)[1:])
 
 
 @pytest.mark.parametrize("kind", ["2", "3", "4", "T"])
@@ -178,7 +200,7 @@ def test_codebook_is_the_published_levels(kind):
         assert not np.array_equal(((b16[1:] + b16[:-1]) / 2).astype(np.float32), tq.boundaries(kind))
 
 
-@pytest.mark.parametrize("kernel", tq.QUANTIZER_KERNELS)
+@pytest.mark.parametrize("kernel", tq.available_quantizer_kernels())
 @pytest.mark.parametrize("kind", ["2", "3", "4", "T"])
 @pytest.mark.parametrize("power", [1.0, 4.0, 0.125])
 def test_values_exactly_on_a_boundary_take_the_upper_code(kind, power, kernel):

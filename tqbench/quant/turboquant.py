@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from tqbench.errors import TqbenchError
-from tqbench.quant import packing
+from tqbench.quant import cuda_quantizer, packing
 
 # Lloyd-Max reconstruction levels for N(0, 1), ascending, as TurboQuant-MLX publishes them (they are up to 8e-4 away
 # from the exact optimum; matching them matters more). Stored as float16: the 4-decimal roundings give the very same
@@ -214,22 +214,37 @@ class Quantized:
     rel_error: float  # ||W - W_hat|| / ||W||, measured in the rotated domain (the rotation is orthogonal)
 
 
-QUANTIZER_KERNELS = ("compiled", "passes", "compare")
+QUANTIZER_KERNELS = ("compiled", "passes", "compare", "cuda")
+
+
+def available_quantizer_kernels() -> tuple[str, ...]:
+    """QUANTIZER_KERNELS that run on the default device (`cuda` needs MLX's CUDA build and a GPU)."""
+    return QUANTIZER_KERNELS if _on_cuda() else tuple(k for k in QUANTIZER_KERNELS if k != "cuda")
+
+
+def _on_cuda() -> bool:
+    try:
+        return bool(mx.cuda.is_available()) and mx.default_device().type == mx.gpu
+    except AttributeError:  # an MLX build without the cuda module
+        return False
 
 
 @lru_cache(maxsize=32)
 def _quantizer(kind: str, group: int, kernel: str = "compiled"):
-    """Rotated rows -> codes, fp16 group scales, squared error and squared norm, by one of QUANTIZER_KERNELS.
+    """Rotated rows -> packed codes, fp16 group scales, squared error and squared norm, by one of QUANTIZER_KERNELS.
 
     The code of a value is the number of codebook boundaries at or below it (a tie takes the upper code). `compiled`
     and `passes` reconstruct it as the first stored level plus the steps it passed: elementwise work only, which
     mx.compile fuses into one pass over the weights (`compiled`); unfused (`passes`), the same graph runs as MLX's
     prebuilt kernels, five passes per boundary. `compare` counts the boundaries with one broadcast comparison and a
     sum, and looks the level up: a handful of prebuilt kernels whatever the codebook, nothing compiled at run time.
-    All three give the same codes and scales; the error differs in the last bits (summed in another order).
+    `cuda` is one hand-written kernel that also packs (tqbench.quant.cuda_quantizer), after MLX's kernels compute
+    the scales. All give the same codes and scales; the error differs in the last bits (summed in another order).
     """
     if kernel not in QUANTIZER_KERNELS:
         raise ValueError(f"unknown quantizer kernel {kernel!r} (one of {', '.join(QUANTIZER_KERNELS)})")
+    if kernel == "cuda" and not _on_cuda():
+        raise ValueError("the cuda quantizer kernel needs MLX's CUDA build and a GPU as the default device")
     book = [float(v) for v in codebook(kind).astype(np.float32)]
     bounds = [float(v) for v in boundaries(kind)]
     steps = [b - a for a, b in zip(book, book[1:])]
@@ -258,32 +273,42 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled"):
         err = mx.sum((recon * s32 - g) ** 2)
         return codes.reshape(x.shape), scales.squeeze(-1), err, mx.sum(g * g)
 
-    if kernel == "compare":
-        return run_compare
-    return mx.compile(run) if kernel == "compiled" else run
+    def run_cuda(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        scales = scaled(x)[1].squeeze(-1)
+        words, err, norm = cuda_quantizer.quantize_rows(x, scales, tuple(book), tuple(bounds), group,
+                                                        codes_per_word(len(book)))
+        return words, scales, err, norm
+
+    if kernel == "cuda":
+        return run_cuda
+    codes_of = run_compare if kernel == "compare" else mx.compile(run) if kernel == "compiled" else run
+
+    def packed(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        codes, scales, err, norm = codes_of(x)
+        return pack(codes, len(book)), scales, err, norm
+
+    return packed
 
 
 def quantizer_kernel() -> str:
-    """The quantizer kernel for the default device: `compiled`, except `passes` on CUDA; the environment variable
-    TQBENCH_QUANTIZER (one of QUANTIZER_KERNELS) chooses another.
+    """The quantizer kernel for the default device: `cuda` on CUDA, `compiled` elsewhere; the environment variable
+    TQBENCH_QUANTIZER (one of available_quantizer_kernels()) chooses another.
 
-    On CUDA every fused graph is compiled at run time into a module of dozens of kernel variants (contiguous and
-    strided, every rank): a K3-shaped conversion's first run took 171 s against 3 s warm, ~154 s of it in the
-    quantizer's first calls (measured on an H200). Unfused, each operation is one of MLX's prebuilt kernels. On the CPU
-    (compiling a shape costs ~0.3 s, the fused pass saves ~1 s on each 3072 x 3584 matrix) and on Metal (fast
-    compiles, bandwidth-bound) the fused kernel stays. (`compare` is measured against `passes` by
-    benchmarks/quantizer.py before it could replace it on CUDA.)
+    On CUDA every mx.compile'd graph is compiled at run time into a module of dozens of kernel variants: a K3-shaped
+    conversion's first run took 171 s against 3 s warm, ~154 s of it in the quantizer (measured on an H200). The
+    `cuda` kernel is one small hand-written kernel per codebook, compiled in well under a second and cached
+    (cuda_quantizer). On the CPU (compiling a shape costs ~0.3 s, the fused pass saves ~1 s on each 3072 x 3584
+    matrix) and on Metal (fast compiles, bandwidth-bound) the fused `compiled` kernel serves. benchmarks/quantizer.py
+    times them all on one K3 expert.
     """
     chosen = os.environ.get("TQBENCH_QUANTIZER")
     if chosen:
-        if chosen not in QUANTIZER_KERNELS:
-            raise TqbenchError(f"TQBENCH_QUANTIZER={chosen!r}: choose one of {', '.join(QUANTIZER_KERNELS)}")
+        usable = available_quantizer_kernels()
+        if chosen not in usable:
+            why = " (cuda needs MLX's CUDA build and a GPU)" if chosen in QUANTIZER_KERNELS else ""
+            raise TqbenchError(f"TQBENCH_QUANTIZER={chosen!r}: choose one of {', '.join(usable)}{why}")
         return chosen
-    try:
-        on_cuda = mx.cuda.is_available() and mx.default_device().type == mx.gpu
-    except AttributeError:  # an MLX build without the cuda module
-        on_cuda = False
-    return "passes" if on_cuda else "compiled"
+    return "cuda" if _on_cuda() else "compiled"
 
 
 def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, kernel: str | None = None) -> Quantized:
@@ -297,8 +322,7 @@ def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, kernel:
     if n % group:
         raise ValueError(f"in dimension {n} is not a multiple of the group size {group}")
     x = rotate(w, signs) if signs is not None else w.astype(mx.float32)
-    codes, scales, err, norm = _quantizer(kind, group, kernel or quantizer_kernel())(x)
-    packed = pack(codes, len(CODEBOOKS[kind]))
+    packed, scales, err, norm = _quantizer(kind, group, kernel or quantizer_kernel())(x)
     rel = mx.sqrt(err / mx.maximum(norm, 1e-30))
     mx.eval(packed, scales, rel)
     return Quantized(packed, scales, rel.item())
