@@ -147,18 +147,16 @@ def make_cache(budget: int, policy: str, lam: float | None = None):
 def lookup(cache, layer: int, experts, now: int) -> tuple[set, list]:
     """The streamer's first step for one layer: look each routed expert up (a hit counts as a use at `now`); returns
     the cached ones, locked for this layer, and the missing ones, in routing order."""
-    locked, missing = set(), []
-    for e in experts:
-        if cache.lookup((layer, e), now) is not None:
-            locked.add((layer, e))
-        else:
-            missing.append(e)
-    return locked, missing
+    keys = [(layer, e) for e in experts]
+    slots = cache.lookup_many(keys, now)
+    locked = {k for k, s in zip(keys, slots) if s is not None}
+    return locked, [e for e, s in zip(experts, slots) if s is None]
 
 
 def simulate(batches, cache, start: int = 0, stop: int | None = None, snapshot_at: int | None = None) -> dict:
     """Drive `cache` over tokens [start, stop) as the streamer does (ticks count tokens from 1): per layer call, look up
-    every distinct routed expert (a hit touches it), then place the misses, in order, with the layer's experts locked.
+    every distinct routed expert (the hits touched together), then place the misses together, in order, with the
+    layer's hits locked.
     Returns hits, misses and (with `snapshot_at`) a deep copy of the cache as it was before that token."""
     hits = misses = 0
     snap = None
@@ -171,9 +169,7 @@ def simulate(batches, cache, start: int = 0, stop: int | None = None, snapshot_a
             locked, missing = lookup(cache, layer, experts, now)
             hits += len(experts) - len(missing)
             misses += len(missing)
-            for e in missing:
-                cache.place((layer, e), now, locked)
-                locked.add((layer, e))
+            cache.place_many([(layer, e) for e in missing], now, locked)
     if snapshot_at is not None and snap is None:
         snap = copy.deepcopy(cache)
     return dict(hits=hits, misses=misses, hit_rate=hits / max(1, hits + misses), snapshot=snap)

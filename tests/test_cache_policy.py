@@ -159,6 +159,101 @@ def test_lrfu_next_in_a_slot_cache_keeps_locked_and_pinned_keys_and_matches_a_br
     assert checked > 300
 
 
+def _trace(seed: int, layers: int = 4, experts: int = 40, k: int = 6, tokens: int = 200):
+    rng = random.Random(seed)
+    return [[(layer, sorted(set(rng.choices(range(experts), weights=[1 / (i + 1) for i in range(experts)], k=k))))
+             for layer in range(layers)] for _ in range(tokens)]
+
+
+def _drive(cache: SlotCache, trace, batched: bool) -> list:
+    """The streamer's use of a cache per layer call: look the routed experts up, then place the misses, one at a time
+    or together; returns the slots given, in order."""
+    given = []
+    for t, token in enumerate(trace, 1):
+        for layer, es in token:
+            keys = [(layer, e) for e in es]
+            if batched:
+                found = cache.lookup_many(keys, t)
+            else:
+                found = [cache.lookup(k, t) for k in keys]
+            locked = {k for k, s in zip(keys, found) if s is not None}
+            missing = [k for k, s in zip(keys, found) if s is None]
+            if batched:
+                given += cache.place_many(missing, t, locked)
+            else:
+                for key in missing:
+                    given.append(cache.place(key, t, locked)[0])
+                    locked.add(key)
+    return given
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+def test_placing_a_layers_misses_together_is_placing_them_one_by_one_for_lru_and_lrfu(policy):
+    trace = _trace(7)
+    one, many = SlotCache(30, policy), SlotCache(30, policy)
+    assert _drive(one, trace, False) == _drive(many, trace, True)
+    assert one.slots == many.slots and one.evictions == many.evictions > 1000
+
+
+def test_lrfu_next_chooses_a_layers_victims_in_one_pass_as_its_one_by_one_minimum_would():
+    """victims(count) = `count` calls of victim(), each removing its key, with nothing touched in between; brute force
+    over the policy's own values, including ties (lam = 0 and beta = 0: equal values, the least recently touched)."""
+    for beta, lam in ((3.0, 0.37), (0.0, 0.0)):
+        c = SlotCache(25, "lrfu-next")
+        c.policy = NextLRFU(lam=lam, beta=beta, lam_slow=0.05, mu=0.2)
+        trace = _trace(11, tokens=60)
+        _drive(c, trace, True)
+        p, t = c.policy, len(trace)
+        locked = set(list(c.slots)[:5])
+        got = p.victims(locked, 8, t)
+        values = {k: p.value(k, t) for k in c.slots if k not in locked}
+        order = sorted(values, key=lambda k: (values[k], p._last[p._row[k]]))
+        assert got == order[:8]
+        assert p.victims(set(c.slots), 3, t) == []  # everything locked: none
+
+
+def test_lrfu_next_touching_together_learns_and_values_as_touching_one_by_one():
+    one, many = NextLRFU(lam=0.37, beta=3.0, lam_slow=0.05, mu=0.2), NextLRFU(lam=0.37, beta=3.0, lam_slow=0.05, mu=0.2)
+    for t, token in enumerate(_trace(5, tokens=80), 1):
+        for layer, es in token:
+            keys = [(layer, e) for e in es]
+            for key in keys:
+                one.touch(key, t)
+            many.touch_many(keys, t)
+    assert one._state.keys() == many._state.keys()
+    for key in one._state:
+        assert many._state[key][1] == one._state[key][1]
+        assert many._state[key][0] == pytest.approx(one._state[key][0], rel=1e-12, abs=1e-12)
+        assert many._slow[key] == pytest.approx(one._slow[key], rel=1e-12, abs=1e-12)
+        assert many.predicted(key) == pytest.approx(one.predicted(key), rel=1e-12)
+    for layer in one._layers:
+        np.testing.assert_array_equal(one._layers[layer].counts, many._layers[layer].counts)
+        np.testing.assert_array_equal(one._layers[layer].uses, many._layers[layer].uses)
+
+
+def test_learning_together_keeps_the_order_of_a_halving(monkeypatch):
+    monkeypatch.setattr(NextLRFU, "HALVE_AT", 4)
+    one, many = NextLRFU(), NextLRFU()
+    for t in range(1, 7):  # layer 0 routes {1, 2, 3, 5} at every tick: rows halve in the middle of a tick
+        for e in (1, 2, 3, 5):
+            one.touch((0, e), t)
+        many.touch_many([(0, 1), (0, 2), (0, 3), (0, 5)], t)
+    np.testing.assert_array_equal(one._layers[0].counts, many._layers[0].counts)
+    np.testing.assert_array_equal(one._layers[0].uses, many._layers[0].uses)
+    assert one._layers[0].uses[1] < 4  # it did halve
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu", "lrfu-next"])
+def test_placing_more_misses_than_unlocked_slots_is_refused_before_anything_changes(policy):
+    c = SlotCache(3, policy)
+    c.place_many([(0, 1), (0, 2), (0, 3)], 1, set())
+    before = dict(c.slots)
+    with pytest.raises(RuntimeError, match="every slot is locked"):
+        c.place_many([(1, 1), (1, 2)], 2, {(0, 1), (0, 2)})
+    assert c.slots == before and c.evictions == 0
+    assert c.place_many([(1, 1)], 2, {(0, 1), (0, 2)}) == [before[(0, 3)]]
+
+
 def test_without_prediction_it_evicts_what_lrfu_evicts():
     rng = random.Random(5)
     trace = [[(layer, sorted(set(rng.choices(range(20), k=4)))) for layer in range(4)] for _ in range(300)]

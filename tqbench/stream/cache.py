@@ -36,7 +36,28 @@ def seed_values(weights: dict[Hashable, float], known) -> dict[Hashable, float]:
     return {k: math.log2(8 * w / top) for k, w in weights.items() if w > 0 and k not in known}
 
 
-class LRU:
+class _OneByOne:
+    """`touch_many` and `victims` for policies whose order of the other keys a touch does not change (LRU, LRFU): the
+    same as touching, and choosing victims, one key at a time."""
+
+    def touch_many(self, keys: list, now: int) -> None:
+        for key in keys:
+            self.touch(key, now)
+
+    def victims(self, locked: set, count: int, now: int | None = None) -> list:
+        """Up to `count` keys to evict, in order, none of them in `locked`."""
+        chosen: list = []
+        locked = set(locked)
+        for _ in range(count):
+            key = self.victim(locked, now)
+            if key is None:
+                break
+            chosen.append(key)
+            locked.add(key)
+        return chosen
+
+
+class LRU(_OneByOne):
     name = "lru"
 
     def __init__(self) -> None:
@@ -61,7 +82,7 @@ class LRU:
         return None
 
 
-class LRFU:
+class LRFU(_OneByOne):
     """Keeps the combined value of every key it has seen, resident or not (an expert evicted and needed again comes
     back with its history: without it a frequent expert evicted once competes as a newcomer and LRFU degrades to
     FIFO). History is one small entry per (layer, expert) of the model."""
@@ -180,6 +201,27 @@ class _Layer:
         if self.uses[e] >= halve_at:
             self.counts[e] //= 2
             self.uses[e] //= 2
+
+    def learn_many(self, experts: list[int], now: int, halve_at: int) -> None:
+        """learn() for each of `experts` at tick `now`, in one pass (counts[a, e] does not depend on e's order)."""
+        if self.tick != now:
+            self.prev_tick, self.prev = self.tick, np.array(self.cur, dtype=np.intp)
+            self.tick, self.cur, self.cur_set = now, [], set()
+        new = [e for e in dict.fromkeys(experts) if e not in self.cur_set]
+        if not new:
+            return
+        if max(new) >= len(self.uses):
+            self.grow(max(new))
+        cols = np.array(new, dtype=np.intp)
+        if (self.uses[cols] + 1 >= halve_at).any():  # a row is halved between two updates: keep learn()'s order
+            for e in new:
+                self.learn(e, now, halve_at)
+            return
+        self.uses[cols] += 1
+        if self.prev_tick == now - 1 and len(self.prev):
+            self.counts[self.prev[:, None], cols] += 1
+        self.cur.extend(new)
+        self.cur_set.update(new)
 
     def predicted(self) -> np.ndarray:
         """Per expert, the mean over the experts `a` of `cur` of counts[a, e] / uses[a]."""
@@ -327,6 +369,41 @@ class NextLRFU:
         if _layer_key(key):
             self._learn(key, now)
 
+    def touch_many(self, keys: list, now: int) -> None:
+        """touch() for each of `keys`, with the arithmetic and the learning done once for all of them."""
+        if len(keys) < 4 or len(set(keys)) != len(keys):
+            for key in keys:
+                self.touch(key, now)
+            return
+        if now > self._now:
+            self._now = now
+        olds = [self._state.get(k) for k in keys]
+        known = np.array([o is not None for o in olds])
+        age = now - np.array([o[1] if o else now for o in olds], dtype=np.float64)
+        log_c = _accumulate(np.array([o[0] if o else 0.0 for o in olds]) - self.lam * age, known)
+        log_s = _accumulate(np.array([self._slow[k] if o else 0.0 for k, o in zip(keys, olds)])
+                            - self.lam_slow * age, known)
+        rows = np.array([self._place(k) for k in keys], dtype=np.intp)
+        for key, c, c_slow in zip(keys, log_c.tolist(), log_s.tolist()):
+            self._state[key] = (c, now)
+            self._slow[key] = c_slow
+        self._log_c[rows], self._log_s[rows], self._t[rows] = log_c, log_s, now
+        self._last[rows] = self._seq + 1 + np.arange(len(keys))
+        self._seq += len(keys)
+        self._ncold -= int(self._cold[rows].sum())
+        self._cold[rows] = False
+        self._dirty.extend(rows.tolist())
+        by_layer: dict[Hashable, list[int]] = {}
+        for key in keys:
+            if _layer_key(key):
+                by_layer.setdefault(key[0], []).append(int(key[1]))
+        for layer, experts in by_layer.items():
+            st = self._layer_of(layer)
+            st.learn_many(experts, now, self.HALVE_AT)
+            self._width = max(self._width, len(st.uses))
+            self._stale.add(st)
+            self._moved.add(st.index)
+
     def touch_cold(self, key: Hashable, now: int) -> None:
         """Resident, but first in line for eviction; its history (if any) is kept for when decode needs it."""
         row = self._place(key)
@@ -359,15 +436,37 @@ class NextLRFU:
         v[~self._used[rows]] = np.inf
         return v
 
-    def victim(self, locked: set, now: int | None = None) -> Hashable | None:
+    def victims(self, locked: set, count: int, now: int | None = None) -> list:
+        """Up to `count` keys to evict, in order, none in `locked`: cold keys first (oldest first), then the smallest V
+        (ties: the least recently touched). What `count` calls of victim(), each removing its key, would choose if
+        nothing were touched in between; one pass over the resident rows for all of them."""
         now = self._now if now is None else now
-        rows_locked = [r for r in (self._row.get(k) for k in locked) if r is not None]
-        if self._ncold:  # cold keys first, oldest first
+        rows_locked = np.array([r for r in (self._row.get(k) for k in locked) if r is not None], dtype=np.intp)
+        chosen: list[int] = []
+        if self._ncold:
             cold = self._cold.copy()
             cold[rows_locked] = False
-            if cold.any():
-                rows = np.flatnonzero(cold)
-                return self._keys[int(rows[np.argmin(self._last[rows])])]
+            rows = np.flatnonzero(cold)
+            chosen = rows[np.argsort(self._last[rows], kind="stable")][:count].tolist()
+        need = count - len(chosen)
+        if need > 0:
+            v = self._current_values(now).copy()
+            v[rows_locked] = np.inf
+            v[chosen] = np.inf
+            cand = np.flatnonzero(v < np.inf)
+            if len(cand) > need:  # the `need` smallest, and every row tied with the last of them
+                kth = np.partition(v[cand], need - 1)[need - 1]
+                cand = cand[v[cand] <= kth]
+            chosen += cand[np.lexsort((self._last[cand], v[cand]))][:need].tolist()
+        return [self._keys[r] for r in chosen]
+
+    def victim(self, locked: set, now: int | None = None) -> Hashable | None:
+        found = self.victims(locked, 1, now)
+        return found[0] if found else None
+
+    def _current_values(self, now: int) -> np.ndarray:
+        """V of every row at `now` (inf where no key): recomputed whole at a new tick, else only the rows touched since
+        and the rows of layers whose prediction moved."""
         if self.beta and self._layers:
             self._refresh()
         if self._v_now != now:
@@ -383,16 +482,7 @@ class NextLRFU:
                 self._v[rows] = self._values(rows, now)
         self._moved = set()
         self._dirty = []
-        v = self._v
-        held = v[rows_locked]
-        v[rows_locked] = np.inf
-        best = v.min()
-        found = None
-        if best < np.inf:
-            ties = np.flatnonzero(v == best)
-            found = self._keys[int(ties[np.argmin(self._last[ties])])]
-        v[rows_locked] = held
-        return found
+        return self._v
 
     def _refresh(self) -> None:
         """Bring `_p` up to date: one row per layer, a column per expert (as wide as the widest layer)."""
@@ -403,6 +493,15 @@ class NextLRFU:
         for st in self._stale:
             self._p[st.index, : len(st.uses)] = st.predicted()
         self._stale = set()
+
+
+def _accumulate(decayed: np.ndarray, known: np.ndarray) -> np.ndarray:
+    """log2(1 + 2^decayed): one more access on a decayed combined value; 0 (C = 1) for keys without history or whose
+    history has decayed below 2^-60, as touch() does."""
+    out = np.zeros(len(decayed))
+    keep = known & (decayed > -60)
+    out[keep] = np.log2(1.0 + np.exp2(decayed[keep]))
+    return out
 
 
 def _layer_key(key: Hashable) -> bool:
@@ -462,6 +561,36 @@ class SlotCache:
         else:
             self.policy.touch(key, now)
         return slot, evicted
+
+    def lookup_many(self, keys: list, now: int, touch: bool = True) -> list[int | None]:
+        """lookup() of distinct keys (one layer's routed experts), the hits touched together."""
+        slots = [self.slots.get(k) for k in keys]
+        if touch:
+            hits = [k for k, s in zip(keys, slots) if s is not None]
+            if hits:
+                self.policy.touch_many(hits, now)
+        return slots
+
+    def place_many(self, keys: list, now: int, locked: set, cold: bool = False) -> list[int]:
+        """Slots for distinct keys that are not resident (one layer's misses), as place() for each in turn gives them
+        (free slots first, then the policy's victims' slots in order), with the victims chosen in one pass before any
+        of the keys is touched. Refuses (RuntimeError) before changing anything when there is not room for all."""
+        need = len(keys) - len(self.free)
+        victims = self.policy.victims(locked | self.pinned, need, now) if need > 0 else []
+        if len(victims) < need:
+            raise RuntimeError("every slot is locked or pinned: no room for another expert")
+        slots = [self.free.pop() for _ in range(len(keys) - len(victims))]
+        for key in victims:
+            slots.append(self.slots.pop(key))
+            self.policy.remove(key)
+            self.evictions += 1
+        self.slots.update(zip(keys, slots))
+        if cold:
+            for key in keys:
+                self.policy.touch_cold(key, now)
+        else:
+            self.policy.touch_many(keys, now)
+        return slots
 
     def drop(self, key: Hashable) -> None:
         """Forget a resident key and free its slot (a placement whose data never arrived)."""

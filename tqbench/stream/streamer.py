@@ -276,8 +276,8 @@ class Streamer:
         # policy's view of what decode uses.
         self._prefill = ids.ndim >= 2 and ids.shape[-2] > 1
         slots, served = {}, {}
-        for e in experts:
-            s = pool.cache.lookup((layer, e), self._tick, touch=not self._prefill)
+        found = pool.cache.lookup_many([(layer, e) for e in experts], self._tick, touch=not self._prefill)
+        for e, s in zip(experts, found):
             if s is not None:
                 slots[e] = s
                 served[e] = "pinned" if (layer, e) in pool.cache.pinned else "cache"
@@ -337,12 +337,10 @@ class Streamer:
         if not missing:
             return 0
         clock = _MissClock(time.perf_counter()) if timed else None
-        placed = []
-        for e in sorted(missing):
-            slot, _ = pool.cache.place((layer, e), self._tick, locked, cold=self._prefill)
-            locked.add((layer, e))
-            placed.append(e)
-            slots[e] = slot
+        placed = sorted(missing)
+        keys = [(layer, e) for e in placed]
+        slots.update(zip(placed, pool.cache.place_many(keys, self._tick, locked, cold=self._prefill)))
+        locked.update(keys)
 
         def to_host() -> None:  # engine thread, before its first to_gpu: the two prefetches of a slot stay in order
             t = time.perf_counter()
