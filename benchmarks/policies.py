@@ -19,9 +19,9 @@ Budgets (cache slots = expert-layers; --budgets takes integers, fractions of the
 half of one token's routed experts over all layers, below one token's working set, where LRU hits nothing). For each,
 with the cache driven as the streamer drives it (benchmarks/streaming.py's `simulate`: per token and MoE layer, look up
 the distinct routed experts, then place the misses with that layer's experts locked):
-- `lru`, `lrfu` (lam 0.01: the default policy, `OLD_DEFAULT` here), `lrfu@0.02` (the same at lam 0.02), `lrfu-next`
-  (opt-in, `--cache-policy lrfu-next`: LRFU on two time scales plus a learned prediction of each layer's next
-  routing, NextLRFU in tqbench/stream/cache.py; it hits more but its bookkeeping costs 34-47 ms a token at K3 scale);
+- `lru`, `lrfu` (lam 0.01: the default policy until 2026-12-02, `OLD_DEFAULT` here), `lrfu@0.02` (the same at lam
+  0.02), `lrfu-next` (the default: LRFU on two time scales plus a learned prediction of each layer's next routing,
+  NextLRFU in tqbench/stream/cache.py; its bookkeeping costs 2-3x lrfu's, benchmarks/policy_cost.py);
 - `belady` (offline optimum with the layer's experts locked) and `best_fixed` (the budget's most-routed keys);
 - references, not policies: `oracle-next-h` is `lrfu@0.02` whose victim is never a key that the rest of this token or
   the next h tokens route, when another is unlocked: what perfect knowledge of the next h tokens would add to LRFU.
@@ -56,7 +56,7 @@ from streaming import (_demo_digest, batches_of, belady_hit_rate, best_fixed_hit
 
 SCHEMA = "tqbench.bench.policies/1"
 GOAL = 1 / 3
-OLD_DEFAULT = "lrfu"  # still the default (tqbench.stream.cache.DEFAULT_POLICY); the name is the JSON key's
+OLD_DEFAULT = "lrfu"  # the default until 2026-12-02 (now lrfu-next), the baseline of "not below"; the JSON key's name
 DEFAULTS = dict(tokens=20480, window=256, budgets="ws/2,1/16,1/8,1/4,1/2", workloads="code,chat",
                 policies="lru,lrfu,lrfu@0.02,lrfu-next", oracles="1,4")
 QUICK = dict(tokens=1024, window=256, budgets="ws/2,1/8,1/2", workloads="code", policies="lru,lrfu,lrfu-next",

@@ -290,8 +290,8 @@ def test_seed_gives_lrfu_next_its_history_and_policies_validate():
     # the default, in the cache and in the streamer's config
     from tqbench.stream import StreamConfig
 
-    assert isinstance(SlotCache(4).policy, LRFU) and not isinstance(SlotCache(4).policy, NextLRFU)
-    assert StreamConfig(1).policy == DEFAULT_POLICY == "lrfu"  # lrfu-next is opt-in (its bookkeeping costs)
+    assert isinstance(SlotCache(4).policy, NextLRFU)
+    assert StreamConfig(1).policy == DEFAULT_POLICY == "lrfu-next"
     with pytest.raises(ValueError, match="choose lru, lrfu, lrfu-next"):
         SlotCache(2, "arc")
 

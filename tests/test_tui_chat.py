@@ -395,7 +395,7 @@ async def test_the_expert_view_shows_what_the_engine_paged_in(model_dir, monkeyp
         await wait_for(pilot, lambda: screen.loaded is not None and screen.loaded.stream is not None, "re-opening")
         await pilot.pause()
         assert screen.options == OPTIONS and screen.query_one("#expert-panel").display
-        assert "streaming experts: cache 1.00 MB, 1 worker, lrfu" in screen_text(pilot)
+        assert "streaming experts: cache 1.00 MB, 1 worker, lrfu-next" in screen_text(pilot)
 
         await send(pilot, screen, PROMPTS[0])
         m = screen.experts

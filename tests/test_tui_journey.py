@@ -125,7 +125,7 @@ async def test_source_recipe_convert_chat_profile(tmp_path, monkeypatch):
         await wait_for(pilot, lambda: screen.loaded is not None and screen.loaded.stream is not None, "re-opening")
         await settle(pilot)
         assert screen.options == OPTIONS and screen.query_one("#expert-panel").display
-        assert "streaming experts: cache 1.00 MB, 1 worker, lrfu" in screen_text(pilot)
+        assert "streaming experts: cache 1.00 MB, 1 worker, lrfu-next" in screen_text(pilot)
         assert "no expert routed yet; cache 1.00 MB" in screen_text(pilot)
 
         await pilot.press("i", *PROMPT, "enter")

@@ -7,11 +7,13 @@ Keys are (layer, expert). Policies:
   value C = sum over its past accesses of 2^(-lam * age); the victim has the smallest C. With lam -> 0 it is LFU, with
   large lam LRU. C decays for every key alike, so the order is kept by the time-invariant key
   log2(C) + lam * t_last, in a heap (lazy deletion): O(log n) per access and per eviction.
-- `lrfu-next` (opt-in, `--cache-policy lrfu-next`): LRFU at lam 0.02, plus a slow LRFU value (lam 0.001: what the session routes often),
+- `lrfu-next` (the default): LRFU at lam 0.02, plus a slow LRFU value (lam 0.001: what the session routes often),
   plus how likely each key is to be routed at its layer's next token, from counts (per layer, learned online from
-  decode) of which experts followed which from one token to the next (NextLRFU). O(resident keys) numpy per eviction,
-  2 bytes x experts^2 per layer of counts. On the shipped demo's code and chat routing it hits more than `lrfu` at
-  every budget tried (benchmarks/policies.py, docs/bench-policies-cpu.json).
+  decode) of which experts followed which from one token to the next (NextLRFU). One O(resident keys) numpy pass per
+  layer call for all of its misses (`SlotCache.place_many`), 2 bytes x experts^2 per layer of counts. On the shipped
+  demo's code and chat routing it hits more than `lrfu` at every budget tried and beats the best fixed set at all of
+  them (benchmarks/policies.py); its bookkeeping costs 2-3x `lrfu`'s (benchmarks/policy_cost.py: 12-16 ms a token at
+  Kimi K3's scale on a 2-core CPU, against the ~8 ms one missed expert takes to read).
 Ages count forward passes (tokens), so lam = 0.01 halves an access's weight after 100 tokens.
 """
 
@@ -510,7 +512,7 @@ def _layer_key(key: Hashable) -> bool:
 
 
 POLICIES = {"lru": LRU, "lrfu": LRFU, "lrfu-next": NextLRFU}
-DEFAULT_POLICY = "lrfu"  # lrfu-next hits more but costs 34-47 ms of bookkeeping a token at K3 scale: opt-in
+DEFAULT_POLICY = "lrfu-next"  # hits more than lrfu at every budget measured, for 2-3x its bookkeeping
 
 
 class SlotCache:

@@ -16,7 +16,7 @@ from textual.widgets import Button, Input, Label, Select, Static
 
 from tqbench.errors import TqbenchError
 
-POLICIES = ("lrfu", "lru")
+POLICIES = ("lrfu-next", "lrfu", "lru")  # tqbench.stream.cache.POLICIES, the default first
 ON_OFF = [("off", False), ("on", True)]
 
 
@@ -27,7 +27,7 @@ class ChatOptions:
     workers: int = 4
     fanout: bool = False
     lookahead: bool = False
-    policy: str = "lrfu"
+    policy: str = "lrfu-next"
 
     def check(self) -> ChatOptions:
         """Raise TqbenchError for a value tqbench chat would refuse."""
