@@ -181,10 +181,11 @@ def prepare_chat(work: Path, root: Path, files: list[str], enc, code_docs: list[
     val_items = split_items(mine_stdlib(root, files))[1]  # always the public documented set, as demo_eval asks
     code_tokens = sum(len(d) for d in code_docs)
     want = a.chat_share / (1 - a.chat_share) * code_tokens
-    one = build_conversations(train_items, a.seed, passes=1)
+    one = build_conversations(train_items, a.seed, passes=1, copy_share=a.copy_share)
     per_pass = sum(len(encode_conversation(enc, c.messages, template)) for c in one)
     passes = max(1, math.ceil(want / per_pass)) if want else 0
-    convs = build_conversations(train_items, a.seed, passes=passes, greetings=a.greetings) if passes else []
+    convs = (build_conversations(train_items, a.seed, passes=passes, greetings=a.greetings, copy_share=a.copy_share)
+             if passes else [])
     chat_docs = [np.array(encode_conversation(enc, c.messages, template), np.uint32) for c in convs]
     mixed = mix_stream(code_docs, chat_docs, a.chat_share, a.seed, [domain_of(f) for f in train_files],
                        [c.domain for c in convs])
@@ -210,7 +211,7 @@ def prepare_chat(work: Path, root: Path, files: list[str], enc, code_docs: list[
         "items": {"train": len(train_items), "validation": len(val_items),
                   "train_signature_only": sum(not i.doc for i in train_items),
                   "kinds": dict(Counter(i.kind for i in items).most_common())},
-        "passes": passes, "greetings": a.greetings, "chat_share_target": a.chat_share,
+        "passes": passes, "greetings": a.greetings, "chat_share_target": a.chat_share, "copy_share": a.copy_share,
         "train": {"conversations_built": len(convs), "conversations_used": used["chat"],
                   "tokens_per_pass": int(per_pass), **mixed.summary()},
         "validation": {"conversations": len(val_convs), "tokens": int(len(val_chat)),
@@ -772,6 +773,10 @@ def main(argv=None) -> None:
     p.add_argument("--chat-share", type=float, default=None,
                    help="prepare: the share of conversation tokens (chat: 0.5)")
     p.add_argument("--greetings", type=int, default=None, help="prepare: small-talk conversations (chat: 400)")
+    p.add_argument("--copy-share", type=float, default=0.0,
+                   help="prepare (chat): the share of training sessions asked under a made-up module path, so the "
+                        "answer's name must be copied from the question (tqbench.demo.conversations.renamed; every "
+                        "shipped demo: 0)")
     p.add_argument("--code-tests", action=argparse.BooleanOptionalAction, default=None,
                    help="prepare (chat): also train on the standard library's test suites (about 5 M more code "
                         "tokens; never held out, the BPE and the held-out split unchanged; chat: on since v6)")

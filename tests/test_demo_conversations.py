@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 import textwrap
 from pathlib import Path
 
@@ -27,8 +28,10 @@ from tqbench.demo.conversations import (
     mine_stdlib,
     mix_stream,
     module_name,
+    pseudo_module,
     question,
     render,
+    renamed,
     returns_sentence,
     rich_items,
     split_items,
@@ -213,6 +216,54 @@ def test_conversations_are_seeded_and_keep_to_one_module():
     # every item is asked once per pass
     asked = [n for c in a for n in c.names]
     assert sorted(asked) == sorted([i.name for i in items] * 2)
+
+
+def test_renamed_sessions_ask_under_a_made_up_module_and_change_nothing_else():
+    items = mine_stdlib(stdlib_root(), ["json/__init__.py", "json/decoder.py", "json/encoder.py", "shlex.py"])
+    plain = build_conversations(items, seed=3, passes=2, greetings=4)
+    assert build_conversations(items, seed=3, passes=2, greetings=4, copy_share=0.0) == plain
+    half = build_conversations(items, seed=3, passes=2, greetings=4, copy_share=0.5)
+    assert half == build_conversations(items, seed=3, passes=2, greetings=4, copy_share=0.5)  # seeded
+    by_name = {i.name: i for i in items}
+    changed = 0
+    for p, h in zip(plain, half, strict=True):  # the same sessions, items, kinds of question, in the same order
+        assert (p.names, p.domain, len(p.messages)) == (h.names, h.domain, len(h.messages))
+        if p.messages == h.messages:
+            continue
+        changed += 1
+        real = {by_name[n].module for n in p.names}
+        assert len(real) == 1
+        module = real.pop()
+        fakes = set()
+        for mp, mh in zip(p.messages, h.messages):
+            text = mh["content"]
+            for n in p.names:
+                item = by_name[n]
+                fake = renamed(item, "FAKE")
+                if fake is item:  # a module's own docstring, or a name its signature does not hold: as it was
+                    continue
+                if item.doc and item.doc in mp["content"]:
+                    assert item.doc in text  # the docstring is the real one
+                if f"`{item.signature}`" in mp["content"]:  # the signature is shown under the made-up module
+                    found = re.search(r"`(?:class |classmethod |staticmethod )?([a-z.]+)\." +
+                                      re.escape(item.name[len(module) + 1:]), text)
+                    assert found, text
+                    fakes.add(found.group(1))
+        assert len(fakes) <= 1 and module not in fakes  # one made-up module per session
+    assert 0.3 < changed / len(plain) < 0.6
+
+
+def test_a_renamed_item_keeps_its_docstring_and_short_name():
+    item = DocItem("json/__init__.py", "json", "json", "function", "json.dumps", "json.dumps(obj, *, skipkeys=False)",
+                   "Serialize ``obj`` to a JSON formatted ``str``.")
+    r = renamed(item, "qzv.mlk")
+    assert (r.name, r.module, r.signature, r.doc, r.short) == (
+        "qzv.mlk.dumps", "qzv.mlk", "qzv.mlk.dumps(obj, *, skipkeys=False)", item.doc, "dumps")
+    module = DocItem("json/__init__.py", "json", "json", "module", "json", "", "JSON encoder and decoder.")
+    assert renamed(module, "qzv") is module
+    rng = np.random.default_rng(0)
+    names = [pseudo_module(rng) for _ in range(200)]
+    assert all(re.fullmatch(r"[a-z]{3,8}(\.[a-z]{3,8})?", n) for n in names) and len(set(names)) > 190
 
 
 def test_mix_meets_the_ratio_and_is_reproducible():
@@ -463,14 +514,19 @@ def test_prepare_chat_records_rich_and_keeps_the_held_out_conversations(tok_dir,
     train_files = [f for f in files if not is_heldout(f)]
     code = [np.array(enc.encode_ordinary((root / f).read_text()) + [eos], np.uint32) for f in train_files]
     info = {}
-    for mine in ("wide", "rich"):
+    for mine, copy_share in (("wide", 0.0), ("rich", 0.0), ("copy", 0.5)):
         work = tmp_path / mine
         shutil.copytree(tok_dir, work / "tokenizer")
-        a = argparse.Namespace(mine=mine, seed=0, chat_share=0.5, greetings=2)
+        a = argparse.Namespace(mine="wide" if mine == "copy" else mine, seed=0, chat_share=0.5, greetings=2,
+                               copy_share=copy_share)
         info[mine], stream = td.prepare_chat(work, root, files, enc, code, train_files, a)
-        assert info[mine]["mine"] == mine and len(stream) == info[mine]["train"]["tokens"]
+        assert info[mine]["copy_share"] == copy_share and len(stream) == info[mine]["train"]["tokens"]
     assert (tmp_path / "wide" / "val_chat.npy").read_bytes() == (tmp_path / "rich" / "val_chat.npy").read_bytes()
+    # renamed training sessions: the held-out conversations stay as they were, the training ones change
+    assert (tmp_path / "wide" / "val_chat.npy").read_bytes() == (tmp_path / "copy" / "val_chat.npy").read_bytes()
+    assert info["copy"]["items"] == info["wide"]["items"]
+    assert info["copy"]["train"]["tokens_per_pass"] != info["wide"]["train"]["tokens_per_pass"]
     assert info["rich"]["items"]["train"] > info["wide"]["items"]["train"]
     assert info["rich"]["train"]["tokens_per_pass"] > info["wide"]["train"]["tokens_per_pass"]
-    assert info["rich"]["items"]["kinds"]["contents"] == 4  # json, json.decoder, json.encoder, shlex
+    assert info["rich"]["mine"] == "rich" and info["rich"]["items"]["kinds"]["contents"] == 4  # json, json.decoder, json.encoder, shlex
     assert "(rich)" in info["rich"]["source"] and "(rich)" not in info["wide"]["source"]

@@ -485,12 +485,40 @@ class Conversation:
     names: tuple[str, ...]  # the items asked about
 
 
-def build_conversations(items: Sequence[DocItem], seed: int, passes: int = 1, greetings: int = 0) -> list[Conversation]:
+COPYABLE = ("function", "method", "class", "property")  # kinds whose name a renamed session may change
+
+
+def pseudo_module(rng: np.random.Generator) -> str:
+    """A made-up module path (one or two parts of 3-8 random letters): names the model cannot have memorised."""
+    parts = int(rng.integers(1, 3))
+    return ".".join("".join(chr(97 + int(c)) for c in rng.integers(0, 26, int(rng.integers(3, 9))))
+                    for _ in range(parts))
+
+
+def renamed(item: DocItem, module: str) -> DocItem:
+    """`item` as if its module were `module`: the qualified name and the signature change, the docstring does not.
+    Items whose signature does not hold their name come back unchanged."""
+    if item.kind not in COPYABLE or not item.name.startswith(item.module + ".") or item.name not in item.signature:
+        return item
+    name = module + item.name[len(item.module):]
+    return DocItem(item.file, module, item.domain, item.kind, name, item.signature.replace(item.name, name, 1),
+                   item.doc)
+
+
+def build_conversations(items: Sequence[DocItem], seed: int, passes: int = 1, greetings: int = 0,
+                        copy_share: float = 0.0) -> list[Conversation]:
     """Seeded sessions over `items`: per pass, each module's items in a random order cut into sessions of 1-3 turns
     (`SESSION_WEIGHTS`), every item asked once per pass; the sessions of all modules in a random order. Plus
     `greetings` small-talk exchanges whose answers point at random items. The same items and seed give the same
-    conversations."""
+    conversations.
+
+    `copy_share`: that share of the sessions ask about their items under a made-up module path (`pseudo_module`,
+    one per session: `renamed`), so the answer's signature can only be right by copying the name from the question,
+    not by recalling a memorised one (the demo answering about unseen functions named another function three times
+    in four). Drawn from a generator of its own: the sessions, their questions and answers are otherwise those of
+    copy_share 0."""
     rng = np.random.default_rng([seed, 0xC0DE])
+    copy_rng = np.random.default_rng([seed, 0xC0DE, 1])
     by_module: dict[str, list[DocItem]] = {}
     for item in items:
         by_module.setdefault(item.module, []).append(item)
@@ -502,7 +530,11 @@ def build_conversations(items: Sequence[DocItem], seed: int, passes: int = 1, gr
             while group:
                 n = int(rng.choice(SESSION_TURNS, p=SESSION_WEIGHTS))
                 chunk, group = group[:n], group[n:]
-                messages = [m for j, it in enumerate(chunk) for m in turn(it, rng, follow_up=j > 0)]
+                asked = chunk
+                if copy_share and copy_rng.random() < copy_share:
+                    fake = pseudo_module(copy_rng)
+                    asked = [renamed(it, fake) for it in chunk]
+                messages = [m for j, it in enumerate(asked) for m in turn(it, rng, follow_up=j > 0)]
                 sessions.append(Conversation(tuple(messages), chunk[0].domain, tuple(it.name for it in chunk)))
         out += [sessions[i] for i in rng.permutation(len(sessions))]
     named = [i for i in items if i.kind != "module"]
