@@ -15,6 +15,7 @@ seconds over the arena's (above 1: the arena is faster).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import statistics
@@ -28,6 +29,20 @@ from convert import build_source, machine_info, run_child, source_files  # noqa:
 from measure import drop_cache, with_openblas  # noqa: E402
 
 SCHEMA = "tqbench.bench.convert-read-ahead/1"
+
+
+def output_digest(dst: Path) -> str:
+    """sha256 over a converted model's files (names and bytes) except the conversion report, whose timings differ
+    from run to run (comparing whole-tree sizes made the check flaky: "seconds": 0.4 is shorter than 0.336)."""
+    from tqbench.layout.names import REPORT
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in dst.rglob("*") if p.is_file() and p.name != REPORT):
+        h.update(str(f.relative_to(dst)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
                     drop_cache(files)
                     r = run_child("convert", dict(src=m["path"], dst=str(dst), recipe=recipe, shard_size=5 * 2**30,
                                                   read_ahead=arena if mode == "arena" else 0), 1800)
+                    digest = output_digest(dst)
                     shutil.rmtree(dst, ignore_errors=True)
                     rows.append(dict(recipe=recipe, round=rnd, mode=mode, seconds=r["seconds"],
                                      mb_per_s=m["source_bytes"] / r["seconds"] / 1e6, peak_rss=r["peak_rss"],
-                                     mlx_peak_memory=r["mlx_peak_memory"], output_bytes=r["output_bytes"]))
+                                     mlx_peak_memory=r["mlx_peak_memory"], output_bytes=r["output_bytes"],
+                                     output_digest=digest))
                     print(f"{recipe:<22} round {rnd} {mode:<5} {r['seconds']:6.2f} s "
                           f"{rows[-1]['mb_per_s']:7.1f} MB/s  peak RSS {r['peak_rss'] / 2**20:.0f} MiB", flush=True)
         summary = []
@@ -79,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             summary.append(dict(recipe=recipe, arena_seconds=statistics.median(sec["arena"]),
                                 bytes_seconds=statistics.median(sec["bytes"]), bytes_over_arena_paired=paired,
                                 peak_rss_arena=rss["arena"], peak_rss_bytes=rss["bytes"],
-                                same_output_bytes=len({r["output_bytes"] for r in mine}) == 1))
+                                same_output_bytes=len({r["output_digest"] for r in mine}) == 1))
             print(f"{recipe}: bytes / arena seconds per round {', '.join(f'{x:.2f}' for x in paired)}; peak RSS "
                   f"{rss['arena'] / 2**20:.0f} MiB with the arena, {rss['bytes'] / 2**20:.0f} MiB without")
         doc = dict(schema=SCHEMA, date=time.strftime("%Y-%m-%d"), machine=machine_info(work), size=size,
