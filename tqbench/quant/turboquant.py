@@ -218,8 +218,10 @@ QUANTIZER_KERNELS = ("compiled", "passes", "compare", "cuda")
 
 
 def available_quantizer_kernels() -> tuple[str, ...]:
-    """QUANTIZER_KERNELS that run on the default device (`cuda` needs MLX's CUDA build and a GPU)."""
-    return QUANTIZER_KERNELS if _on_cuda() else tuple(k for k in QUANTIZER_KERNELS if k != "cuda")
+    """QUANTIZER_KERNELS that run on the default device (`cuda` needs MLX's CUDA build, a GPU, and an MLX that
+    launches precompiled CUDA kernels)."""
+    cuda = _on_cuda() and hasattr(mx.fast, "precompiled_cuda_kernel")
+    return QUANTIZER_KERNELS if cuda else tuple(k for k in QUANTIZER_KERNELS if k != "cuda")
 
 
 def _on_cuda() -> bool:
@@ -243,7 +245,7 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled"):
     """
     if kernel not in QUANTIZER_KERNELS:
         raise ValueError(f"unknown quantizer kernel {kernel!r} (one of {', '.join(QUANTIZER_KERNELS)})")
-    if kernel == "cuda" and not _on_cuda():
+    if kernel == "cuda" and "cuda" not in available_quantizer_kernels():
         raise ValueError("the cuda quantizer kernel needs MLX's CUDA build and a GPU as the default device")
     book = [float(v) for v in codebook(kind).astype(np.float32)]
     bounds = [float(v) for v in boundaries(kind)]
@@ -308,7 +310,9 @@ def quantizer_kernel() -> str:
             why = " (cuda needs MLX's CUDA build and a GPU)" if chosen in QUANTIZER_KERNELS else ""
             raise TqbenchError(f"TQBENCH_QUANTIZER={chosen!r}: choose one of {', '.join(usable)}{why}")
         return chosen
-    return "cuda" if _on_cuda() else "compiled"
+    if _on_cuda():
+        return "cuda" if "cuda" in available_quantizer_kernels() else "passes"
+    return "compiled"
 
 
 def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, kernel: str | None = None) -> Quantized:
