@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="convert,stream,resident",
                    help="any of convert, build (the streaming model only), stream, resident")
     p.add_argument("--runs", default="A,B,W,8,L", help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead, "
-                                                       "F fan-out, X 16 workers, 1 one worker, 2 two (B cold)")
+                                                       "F fan-out, X 16 workers, 1 one worker, 2 two, R one read in flight (B cold)")
     p.add_argument("--work", type=Path, help="work directory on the disk to measure (kept)")
     p.add_argument("--out", type=Path, default=Path("bench-results/k3_gpu.json"))
     p.add_argument("--timeout", type=float, default=900)
@@ -606,9 +606,11 @@ def main(argv: list[str] | None = None) -> int:
                 dict(label="B cold, fan-out", prompt="B", stream=dict(stream, fanout=True)),
                 dict(label="B cold, 16 workers", prompt="B", stream=dict(stream, workers=16)),
                 dict(label="B cold, 1 worker", prompt="B", stream=dict(stream, workers=1)),
-                dict(label="B cold, 2 workers", prompt="B", stream=dict(stream, workers=2))]
+                dict(label="B cold, 2 workers", prompt="B", stream=dict(stream, workers=2)),
+                # the workers' copies overlap the reads, but one read at a time reaches the disk
+                dict(label="B cold, 1 read in flight", prompt="B", stream=dict(stream, reads_in_flight=1))]
         chosen = set(a.runs.split(","))
-        runs = [r for r, key in zip(runs, "ABW8LFX12") if key in chosen]
+        runs = [r for r, key in zip(runs, "ABW8LFX12R") if key in chosen]
         drop_cache(files)
         res = run_child("decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
                                        tokens=cfg["tokens"], runs=runs), a.timeout)

@@ -205,6 +205,42 @@ def test_evictions_do_not_depend_on_which_read_finishes_first(models, expert):
     assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
+@pytest.mark.parametrize("page_cache", ["on", "off"])
+def test_reads_in_flight_caps_concurrent_reads_and_changes_no_output(models, resident, expert, page_cache):
+    """Four workers, one read at a time: the reads never overlap (counted around the store's own read functions),
+    the copies still run on the workers, and the tokens and logits are the resident model's."""
+    import threading
+
+    from tqbench.stream.store import ALIGN
+
+    workers = 4
+    budget = staging_bytes(expert + 2 * ALIGN, workers) + 12 * expert
+    loaded = load(models[RECIPE], streaming=StreamConfig(budget, workers, page_cache=page_cache, reads_in_flight=1))
+    store = loaded.streamer.store
+    lock, now, most, calls = threading.Lock(), [0], [0], [0]
+
+    def counted(fn):
+        def run(*args):
+            with lock:
+                now[0] += 1
+                most[0] = max(most[0], now[0])
+                calls[0] += 1
+            try:
+                return fn(*args)
+            finally:
+                with lock:
+                    now[0] -= 1
+        return run
+
+    for name in ("read", "read_direct", "read_run"):
+        setattr(store, name, counted(getattr(store, name)))
+    logits, tokens = _run(loaded.model)
+    np.testing.assert_array_equal(logits, resident[RECIPE][0])
+    assert tokens == resident[RECIPE][1]
+    assert calls[0] >= loaded.streamer.stats.misses > 0 and most[0] == 1
+    loaded.streamer.close()
+
+
 def test_page_in_events_account_for_every_routed_expert(models):
     loaded = load(models[RECIPE], streaming=StreamConfig(10**7, 2))
     loaded.model(mx.array([PROMPT[:1]]))

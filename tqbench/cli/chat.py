@@ -44,6 +44,10 @@ def chat(
              "the resident weights and a 3 GB reserve). Default: resident when the model fits, else auto.")] = None,
     prefetch_workers: Annotated[int, typer.Option("--prefetch-workers", min=1, max=256,
                                                   help="Threads reading experts from disk.")] = 4,
+    reads_in_flight: Annotated[int, typer.Option(
+        "--reads-in-flight", metavar="N", min=0, max=256,
+        help="At most N expert reads at once; the workers' copies into the cache still overlap them (0: one per "
+             "worker). Some disks read one request at a time fastest.")] = 0,
     cache_policy: Annotated[str, typer.Option("--cache-policy", metavar="lrfu-next|lrfu|lru",
                                               help="Which cached expert to evict. lrfu-next also predicts each "
                                                    "layer's next routing: more hits than lrfu for 2-3x its "
@@ -92,10 +96,10 @@ def chat(
     try:
         path = str(model) if model is not None else _default_model(err)
         streaming = _streaming(path, cache_budget_gb, prefetch_workers, cache_policy, fanout, page_cache, err, as_json)
-        if streaming is not None and lookahead:
+        if streaming is not None and (lookahead or reads_in_flight):
             from dataclasses import replace
 
-            streaming = replace(streaming, lookahead=True)
+            streaming = replace(streaming, lookahead=lookahead, reads_in_flight=reads_in_flight)
         if not as_json:
             err.print(f"loading {path} ...", markup=False)
         from tqbench.runtime.session import ProfileOptions
@@ -227,9 +231,11 @@ def _loaded_line(m) -> str:
     stream = ""
     if m.stream:
         st = m.stream
+        n = st.get("reads_in_flight") or 0
+        gate = f", {n} read{'s' if n > 1 else ''} in flight" if n else ""
         stream = (f"; streaming experts: cache {units.size(st['budget_bytes'])} ({st['slots']} slots, "
                   f"{st['workers']} read workers, {st['policy']}{', fan-out' if st['fanout'] else ''}"
-                  f"{', look-ahead' if st.get('lookahead') else ''}, page cache {st['page_cache']})")
+                  f"{', look-ahead' if st.get('lookahead') else ''}{gate}, page cache {st['page_cache']})")
     routed = (f"; {m.experts_active} of {m.experts_native} experts per token"
               if m.experts_active and m.experts_active != m.experts_native else "")
     return (f"loaded {m.model_type}{tq}: {units.size(m.weight_bytes)} of resident weights in {m.seconds:.1f} s; "

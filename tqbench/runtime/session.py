@@ -130,7 +130,8 @@ def open_model(session: Session, path: str, trust_remote_code: bool = False, sys
         session.state[DISK] = (str(loaded.path), disk)
         stream = {"budget_bytes": st.budget_bytes, "slots": st.slots, "slot_bytes": st.slot_bytes,
                   "staging_bytes": st.staging_bytes, "workers": c.workers, "policy": c.policy, "fanout": c.fanout,
-                  "page_cache": st.page_cache, "lookahead": c.lookahead, **_disk_fields(disk)}
+                  "page_cache": st.page_cache, "lookahead": c.lookahead, "reads_in_flight": c.reads_in_flight,
+                  **_disk_fields(disk)}
     yield ModelLoaded(str(loaded.path), loaded.model_type, loaded.turboquant_modules, loaded.weight_bytes,
                       conv.chat_template, Sampling.defaults(loaded.generation_config, **sampling),
                       time.perf_counter() - t0, stream, native, active, prof)
