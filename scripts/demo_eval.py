@@ -293,6 +293,37 @@ def docstring_test(model, tok, picked: list[DocItem], seed: int = 0, max_tokens:
             "ties": sum(r["true_overlap"] == r["other_overlap"] for r in rows), "rows": rows}
 
 
+def copy_probe(model, tok, items: list[DocItem], seed: int = 0, max_tokens: int = 32) -> dict:
+    """Whether the model copies a name from the question: each of `items` (training functions, whose real names it
+    has memorised) asked "What does {name} do?" under its real name and under a made-up module path
+    (tqbench.demo.conversations.renamed / pseudo_module, seeded); per answer, whether it writes the asked name, and
+    for the made-up ones whether it writes the real name instead (recall rather than copying)."""
+    from mlx_lm import generate
+
+    from tqbench.demo.conversations import pseudo_module, renamed
+
+    rng = np.random.default_rng([seed, 33])
+    rows = []
+    for item in items:
+        fake = renamed(item, pseudo_module(rng))
+        row = {"name": item.name, "renamed": fake.name}
+        for key, asked in (("real", item), ("made_up", fake)):
+            prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION.format(name=asked.name)}],
+                                             add_generation_prompt=True, tokenize=False)
+            reply = generate(model, tok, tok.encode(prompt, add_special_tokens=False), max_tokens=max_tokens)
+            row[f"{key}_answer"] = reply
+            row[f"{key}_named"] = asked.name in reply
+        row["made_up_answer_names_the_real_one"] = item.name in row["made_up_answer"]
+        rows.append(row)
+    n = max(len(rows), 1)
+    return {"functions": len(rows), "max_tokens": max_tokens,
+            "real_named": round(sum(r["real_named"] for r in rows) / n, 4),
+            "made_up_named": round(sum(r["made_up_named"] for r in rows) / n, 4),
+            "made_up_answered_with_the_real_name": round(sum(r["made_up_answer_names_the_real_one"] for r in rows) / n,
+                                                         4),
+            "rows": rows}
+
+
 def paired_docstring(base: dict, other: dict, names: set[str] | None = None) -> dict:
     """Two models' docstring tests on the same functions (and the same other docstrings): how many each wins that the
     other does not, and the two-sided exact sign test on those (the chance of a split at least this uneven if
@@ -481,6 +512,13 @@ def evaluate_model(path: Path, a: argparse.Namespace, items: list[DocItem], pick
         f"({out['docstring_test']['win_rate_without_question_words']:.0%} without the question's words), "
         f"{out['docstring_test']['answers_naming_the_function']} answers name the function, "
         f"in {time.time() - t0:.0f} s")
+    if a.copy_probe:
+        t0 = time.time()
+        probe = pick_functions(split_items(items)[0], "", a.copy_probe, a.seed)
+        c = out["copy_probe"] = copy_probe(model, tok, probe, a.seed)
+        log(f"  copy probe ({c['functions']} training functions): the asked name written {c['real_named']:.0%} under "
+            f"its real module, {c['made_up_named']:.0%} under a made-up one (the real name instead: "
+            f"{c['made_up_answered_with_the_real_name']:.0%}), in {time.time() - t0:.0f} s")
     return out
 
 
@@ -526,6 +564,9 @@ def main(argv=None) -> None:
                    help="auto: float32 experts on a CPU (the same values; MLX's CPU gather_mm is float32-only)")
     p.add_argument("--trace-dir", type=Path, default=None, help="also save each model's routing trace here")
     p.add_argument("--question", default=QUESTION, help="the docstring test's question ({name}: the function)")
+    p.add_argument("--copy-probe", type=int, default=0, metavar="N",
+                   help="also ask about N training functions under their real and a made-up module path: how often "
+                        "the answer copies the asked name (0: not run)")
     p.add_argument("--docstring-items", choices=["heldout", "train", "selection"], default="heldout",
                    help="ask about held-out functions (the test), training ones (a probe of recall), or held-out "
                         "functions the test never asks about (selection: for choosing between checkpoints of one "

@@ -12,6 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 from demo_eval import (  # noqa: E402
+    copy_probe,
+    load_model,
     paired_docstring,
     pick_functions,
     selection_functions,
@@ -156,3 +158,25 @@ def test_the_test_is_the_first_draw_of_any_larger_one_and_pairs_split_on_it():
     rest = paired_docstring(a, b, {"f3", "f4", "f5"})
     assert (rest["functions"], rest["only_base"], rest["only_other"], rest["both"]) == (3, 0, 2, 1)
     assert paired_docstring(a, b)["only_base"] == first["only_base"] + rest["only_base"]
+
+
+def test_copy_probe_asks_each_function_under_its_real_and_a_made_up_module():
+    """The shipped demo, two training functions: each asked twice, the counts are the rows' (the model's answers are
+    whatever they are; what the probe records about them is checked)."""
+    from tqbench.demo import stdlib_root
+    from tqbench.demo.conversations import mine_stdlib, split_items
+    from tqbench.demo.install import SHIPPED_DEMO
+
+    items = split_items(mine_stdlib(stdlib_root(), ["json/__init__.py", "shlex.py"]))[0]
+    picked = pick_functions(items, "", 2, 0)
+    model, tok = load_model(SHIPPED_DEMO)
+    a = copy_probe(model, tok, picked, seed=0, max_tokens=8)
+    assert a == copy_probe(model, tok, picked, seed=0, max_tokens=8)  # seeded names, greedy answers
+    assert a["functions"] == 2 and [r["name"] for r in a["rows"]] == [i.name for i in picked]
+    for r, item in zip(a["rows"], picked):
+        assert r["renamed"] != item.name and r["renamed"].endswith(item.name[len(item.module):])
+        assert r["real_named"] == (item.name in r["real_answer"])
+        assert r["made_up_named"] == (r["renamed"] in r["made_up_answer"])
+        assert r["made_up_answer_names_the_real_one"] == (item.name in r["made_up_answer"])
+    assert a["real_named"] == sum(r["real_named"] for r in a["rows"]) / 2
+    assert a["made_up_named"] == sum(r["made_up_named"] for r in a["rows"]) / 2
