@@ -42,7 +42,7 @@ from tui.screens.profile import ProfileScreen, number
 from tui.screens.recipe import RecipeScreen
 from tui.screens.source import SourceScreen
 from tui.widgets.heat_map import HeatMap
-from tui_helpers import screen_lines, settle
+from tui_helpers import settle
 
 pytestmark = pytest.mark.slow
 
