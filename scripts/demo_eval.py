@@ -262,9 +262,18 @@ def derangement(n: int, seed: int) -> list[int]:
             return p.tolist()
 
 
+def greedy_answer(model, tok, question: str, max_tokens: int, processors=None) -> str:
+    """The model's greedy reply to one user message, in its chat template."""
+    from mlx_lm import generate
+
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                     tokenize=False)
+    return generate(model, tok, tok.encode(prompt, add_special_tokens=False), max_tokens=max_tokens,
+                    logits_processors=processors)
+
+
 def docstring_test(model, tok, picked: list[DocItem], seed: int = 0, max_tokens: int = 96,
                    question: str = QUESTION, repetition_penalty: float | None = None) -> dict:
-    from mlx_lm import generate
     from mlx_lm.sample_utils import make_logits_processors
 
     processors = make_logits_processors(repetition_penalty=repetition_penalty) if repetition_penalty else None
@@ -273,9 +282,7 @@ def docstring_test(model, tok, picked: list[DocItem], seed: int = 0, max_tokens:
     rows = []
     for item, j in zip(picked, others):
         q = question.format(name=item.name)
-        prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-        ids = tok.encode(prompt, add_special_tokens=False)
-        reply = generate(model, tok, ids, max_tokens=max_tokens, logits_processors=processors)
+        reply = greedy_answer(model, tok, q, max_tokens, processors)
         win, t, o = docstring_win(reply, item.doc, picked[j].doc)
         win_strict, ts, os_ = docstring_win(reply, item.doc, picked[j].doc, exclude=words(q))
         rows.append({"name": item.name, "other": picked[j].name, "answer": reply, "named": item.name in reply,
@@ -298,8 +305,6 @@ def copy_probe(model, tok, items: list[DocItem], seed: int = 0, max_tokens: int 
     has memorised) asked "What does {name} do?" under its real name and under a made-up module path
     (tqbench.demo.conversations.renamed / pseudo_module, seeded); per answer, whether it writes the asked name, and
     for the made-up ones whether it writes the real name instead (recall rather than copying)."""
-    from mlx_lm import generate
-
     from tqbench.demo.conversations import pseudo_module, renamed
 
     rng = np.random.default_rng([seed, 33])
@@ -308,9 +313,7 @@ def copy_probe(model, tok, items: list[DocItem], seed: int = 0, max_tokens: int 
         fake = renamed(item, pseudo_module(rng))
         row = {"name": item.name, "renamed": fake.name}
         for key, asked in (("real", item), ("made_up", fake)):
-            prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION.format(name=asked.name)}],
-                                             add_generation_prompt=True, tokenize=False)
-            reply = generate(model, tok, tok.encode(prompt, add_special_tokens=False), max_tokens=max_tokens)
+            reply = greedy_answer(model, tok, QUESTION.format(name=asked.name), max_tokens)
             row[f"{key}_answer"] = reply
             row[f"{key}_named"] = asked.name in reply
         row["made_up_answer_names_the_real_one"] = item.name in row["made_up_answer"]
@@ -572,6 +575,8 @@ def main(argv=None) -> None:
                         "functions the test never asks about (selection: for choosing between checkpoints of one "
                         "run without looking at the test)")
     a = p.parse_args(argv)
+    if a.copy_probe < 0:
+        raise SystemExit(f"--copy-probe: a number of functions (0: none), not {a.copy_probe}")
     if a.repetition_penalty is not None and a.repetition_penalty <= 0:
         raise SystemExit(f"--repetition-penalty: a positive factor (1.0: none), not {a.repetition_penalty}")
 

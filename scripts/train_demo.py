@@ -826,6 +826,8 @@ def main(argv=None) -> None:
             setattr(a, k, v)
     a.dest = a.dest or a.work / "checkpoint"
     a.docs = a.docs or a.work / "demo-model.json"
+    if not 0.0 <= a.copy_share <= 1.0:
+        raise SystemExit(f"--copy-share: a share of the sessions between 0 and 1, not {a.copy_share}")
     if a.spec == "code" and a.chat_share:
         raise SystemExit("--chat-share needs --spec chat (the first demo trains on code alone)")
     global SPEC

@@ -41,7 +41,7 @@ class GpuPrefetch:
 
     def __init__(self, enabled: bool | None = None):
         if enabled is None:
-            enabled = _on_cuda()
+            enabled = on_cuda()
         self.lib = None
         self.error: str | None = None
         self.calls = 0
@@ -105,7 +105,8 @@ def default_prefetch() -> GpuPrefetch:
     return _default
 
 
-def _on_cuda() -> bool:
+def on_cuda() -> bool:
+    """Whether MLX's default device is a GPU of its CUDA build."""
     try:
         return bool(mx.cuda.is_available()) and mx.default_device().type == mx.gpu
     except AttributeError:

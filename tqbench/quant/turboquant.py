@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from tqbench.errors import TqbenchError
+from tqbench.managed import on_cuda
 from tqbench.quant import cuda_quantizer, packing
 
 # Lloyd-Max reconstruction levels for N(0, 1), ascending, as TurboQuant-MLX publishes them (they are up to 8e-4 away
@@ -220,15 +221,8 @@ QUANTIZER_KERNELS = ("compiled", "passes", "compare", "cuda")
 def available_quantizer_kernels() -> tuple[str, ...]:
     """QUANTIZER_KERNELS that run on the default device (`cuda` needs MLX's CUDA build, a GPU, and an MLX that
     launches precompiled CUDA kernels)."""
-    cuda = _on_cuda() and hasattr(mx.fast, "precompiled_cuda_kernel")
+    cuda = on_cuda() and hasattr(mx.fast, "precompiled_cuda_kernel")
     return QUANTIZER_KERNELS if cuda else tuple(k for k in QUANTIZER_KERNELS if k != "cuda")
-
-
-def _on_cuda() -> bool:
-    try:
-        return bool(mx.cuda.is_available()) and mx.default_device().type == mx.gpu
-    except AttributeError:  # an MLX build without the cuda module
-        return False
 
 
 @lru_cache(maxsize=32)
@@ -310,7 +304,7 @@ def quantizer_kernel() -> str:
             why = " (cuda needs MLX's CUDA build and a GPU)" if chosen in QUANTIZER_KERNELS else ""
             raise TqbenchError(f"TQBENCH_QUANTIZER={chosen!r}: choose one of {', '.join(usable)}{why}")
         return chosen
-    if _on_cuda():
+    if on_cuda():
         return "cuda" if "cuda" in available_quantizer_kernels() else "passes"
     return "compiled"
 

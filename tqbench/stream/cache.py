@@ -373,7 +373,7 @@ class NextLRFU:
 
     def touch_many(self, keys: list, now: int) -> None:
         """touch() for each of `keys`, with the arithmetic and the learning done once for all of them."""
-        if len(keys) < 4 or len(set(keys)) != len(keys):
+        if len(keys) < 4 or len(set(keys)) != len(keys):  # a few keys: numpy's per-call cost outweighs the loop
             for key in keys:
                 self.touch(key, now)
             return
