@@ -324,11 +324,42 @@ def load_packed(work: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
             for k, v in raw.items() if k.endswith(".packed")}
 
 
+def load_init(model, ckpt: Path, work: Path) -> int:
+    """Start training from an exported checkpoint's weights (`train --init`, a fine-tune): mlx-lm loads it, the routed
+    experts' mxfp4 codes are dequantized to float32 and the rest (bf16, a few float32) widened to float32. Refuses a
+    checkpoint of another tokenizer or shape. Returns the number of tensors loaded."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    tok = ckpt / "tiktoken.model"
+    if not tok.is_file():
+        raise SystemExit(f"--init {ckpt}: no tiktoken.model there (not an exported demo checkpoint)")
+    if tok.read_bytes() != (work / "tokenizer" / "tiktoken.model").read_bytes():
+        raise SystemExit(f"--init {ckpt}: its tokenizer is not the one {work} was prepared with")
+    loaded, _ = load_model(ckpt)
+    got = dict(tree_flatten(loaded.parameters()))
+    params = {}
+    for k, v in tree_flatten(model.parameters()):
+        w = got.get(k)
+        if w is None:
+            raise SystemExit(f"--init {ckpt}: no tensor {k}")
+        if w.dtype == mx.uint32:  # mxfp4 codes (the routed experts)
+            w = mx.dequantize(w, got[k.removesuffix("weight") + "scales"], None, group_size=32, bits=4, mode="mxfp4",
+                              dtype=mx.float32)
+        if w.shape != v.shape:
+            raise SystemExit(f"--init {ckpt}: {k} is {tuple(w.shape)}, the spec's {tuple(v.shape)}")
+        params[k] = w.astype(mx.float32)
+    model.load_weights(list(params.items()))
+    mx.eval(model.parameters())
+    return len(params)
+
+
 # ---- train ----------------------------------------------------------------------------------------------------------
 
 RESUME_KEYS = ("spec", "seed", "batch", "seq_len", "lr", "warmup", "final_lr_frac", "bias_lr", "bias_schedule",
                "bias_band", "bias_window", "bias_freeze", "router_lr_mult", "weight_decay", "clip", "eval_every", "kda",
-               "kda_chunk", "optimizer")
+               "kda_chunk", "optimizer", "init")
 
 
 def save_resume(d: Path, model, optimizer, rng, ema, i: int, total: int, curve: list, best: dict, run_loss: float,
@@ -468,6 +499,8 @@ def train(work: Path, a: argparse.Namespace) -> dict:
     ema_decay = 1.0 - 1.0 / a.bias_window if a.bias_window > 1 else 0.0
     first_rule = band == (1.0, 1.0) and not ema_decay  # the first demo's balancing, as it ran
     model = build_model(a.seed)
+    if a.init and not a.resume:  # (a resumed run's weights come from its state)
+        log(f"starting from {a.init}'s weights ({load_init(model, Path(a.init), work)} tensors)")
     moes = moe_layers(model)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     log(f"device {mx.default_device()}, {n_params:,} parameters, {len(moes)} MoE layers, batch {B} x {T}")
@@ -614,7 +647,7 @@ def train(work: Path, a: argparse.Namespace) -> dict:
         "model": {**{k: v for k, v in asdict(SPEC).items()}, "parameters": int(n_params),
                   "vocab_size": SPEC.vocab_size, "mla_layers": SPEC.full_attn_layers},
         "setup": {
-            "seed": a.seed, "steps": total, "kept_step": best["step"], "batch": B, "seq_len": T, "tokens_seen": total * B * T,
+            "seed": a.seed, "init": a.init, "steps": total, "kept_step": best["step"], "batch": B, "seq_len": T, "tokens_seen": total * B * T,
             "epochs": round(total * B * T / len(train_ids), 2),  # passes over the training stream (code + chat)
             "optimizer": f"AdamW(betas 0.9/0.95, weight decay {a.weight_decay} on matrices)"
                          + (", on one flat vector (--optimizer flat)" if a.optimizer == "flat" else ""),
@@ -815,6 +848,9 @@ def main(argv=None) -> None:
                    help="train: stop after this many seconds of this call and keep the state for --resume (a device "
                         "call is limited to 10 minutes)")
     p.add_argument("--stop-at", type=int, default=0, help="train: stop at this step, keeping the state for --resume")
+    p.add_argument("--init", default=None,
+                   help="train: start from this exported checkpoint's weights instead of the seed's random ones (a "
+                        "fine-tune, e.g. of the shipped demo on data prepared with --copy-share; same tokenizer)")
     p.add_argument("--resume", action="store_true", help="train: go on from the state a stopped call kept")
     p.add_argument("--resume-dir", type=Path, default=None,
                    help="where a stopped call keeps its state (default <work>/resume); on the lent GPU an ignored "

@@ -1,0 +1,77 @@
+"""scripts/train_demo.py's `train --init`: a run starts from an exported checkpoint's weights (the fine-tune of a shipped
+demo). The weights it starts from are the checkpoint's exactly (bf16-rounded, the experts' mxfp4 values), checked
+against the float weights the checkpoint was exported from; a checkpoint of another tokenizer is refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from tqbench.demo import DEMO_SPECS, SHIPPED_DEMO
+from tqbench.quant.mxfp4 import unpack_mxfp4
+from tqbench.shards.writer import from_bf16, to_bf16
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow  # builds, exports and reloads the chat demo's 22 M-parameter model
+
+
+@pytest.fixture(scope="module")
+def td():
+    spec = importlib.util.spec_from_file_location("train_demo_init", ROOT / "scripts" / "train_demo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.SPEC = DEMO_SPECS["chat"]  # what main() sets for --spec chat
+    return mod
+
+
+@pytest.fixture(scope="module")
+def exported(td, tmp_path_factory):
+    """A randomly initialised chat demo saved as training leaves it (fp32, experts bf16 + their mxfp4 bytes) and
+    exported as a checkpoint; its work directory carries the shipped tokenizer."""
+    work = tmp_path_factory.mktemp("work")
+    (work / "tokenizer").mkdir()
+    shutil.copy(SHIPPED_DEMO / "tiktoken.model", work / "tokenizer" / "tiktoken.model")
+    model = td.build_model(7)
+    for moe in td.moe_layers(model):  # a router bias that is not all zeros
+        moe.e_score_correction_bias = mx.random.uniform(-0.1, 0.1, moe.e_score_correction_bias.shape)
+    td.save_float(model, work, "bf16")
+    td.export(work, work / "checkpoint", check=False)
+    return work
+
+
+def test_init_starts_from_the_checkpoints_exact_values(td, exported):
+    float_params = {k: np.array(v.astype(mx.float32)) for k, v in td.load_float(exported).items()}
+    packed = td.load_packed(exported)
+    model = td.build_model(0)  # another seed: every value must come from the checkpoint
+    n = td.load_init(model, exported / "checkpoint", exported)
+    got = dict(tree_flatten(model.parameters()))
+    assert n == len(got) == len(float_params)
+    changed = 0
+    for k, v in float_params.items():
+        if ".switch_mlp." in k:
+            want = unpack_mxfp4(*packed[k])  # the exact mxfp4 bytes export wrote, through our own unpacker
+        elif k.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
+            want = v  # kept in float32 by the checkpoint
+        else:
+            want = from_bf16(to_bf16(v))
+        assert got[k].dtype == mx.float32, k
+        np.testing.assert_array_equal(np.array(got[k]), want, err_msg=k)
+        changed += not np.array_equal(want, v)
+    assert changed > 100  # rounding really happened on most tensors: the comparison is not float against itself
+
+
+def test_init_refuses_another_tokenizer(td, exported, tmp_path):
+    (tmp_path / "tokenizer").mkdir()
+    other = (exported / "tokenizer" / "tiktoken.model").read_bytes().replace(b"\n", b"\n\n", 1)
+    (tmp_path / "tokenizer" / "tiktoken.model").write_bytes(other)
+    with pytest.raises(SystemExit, match="tokenizer is not the one"):
+        td.load_init(td.build_model(0), exported / "checkpoint", tmp_path)
+    with pytest.raises(SystemExit, match="no tiktoken.model there"):
+        td.load_init(td.build_model(0), tmp_path, tmp_path)
