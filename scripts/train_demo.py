@@ -25,7 +25,10 @@ Stages, each reading and writing files under --work (default build/demo-train):
            --bias-freeze; validation loss every --eval-every steps (also on held-out conversations for `chat`); float
            weights (fp32; for `chat` the routed experts in bf16 plus their exact mxfp4 bytes) and train.json (setup,
            curve, final perplexity). --stop-after S / --stop-at N end a call early and keep the whole training state
-           in <work>/resume; `train --resume` goes on exactly where it stopped (same batches, same result)
+           in <work>/resume; `train --resume` goes on exactly where it stopped (same batches, same result).
+           `train --init CHECKPOINT` starts from an exported checkpoint's weights (its mxfp4 experts dequantized, the
+           bf16 rest widened to fp32) instead of random ones: a fine-tune, e.g. of the shipped demo on data
+           prepared with --copy-share (the tokenizer must be the checkpoint's)
   export   the K3-layout source checkpoint through tqbench.demo's writer (routed experts mxfp4 via our packer, the rest
            bf16), checked against the float model; train.json copied into the docs JSON ("training")
 
