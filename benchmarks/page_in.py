@@ -5,6 +5,7 @@ with the page cache bypassed, against raw O_DIRECT reads of the same experts in 
     python benchmarks/page_in.py --work /tmp/page-in          # 96 experts of 10.96 MB (1.05 GB on disk), 4 workers
     git show REV:tqbench/stream/streamer.py > /tmp/old_streamer.py
     python benchmarks/page_in.py --work /tmp/page-in --before /tmp/old_streamer.py   # an older streamer, alternated
+    python benchmarks/page_in.py --work /tmp/page-in --reads-in-flight 0,1,2 --rounds 4   # the read gate, alternated
     python benchmarks/page_in.py --quick --work /tmp/page-in-q                        # a smoke run (seconds)
 
 (On Linux the script re-executes itself with Debian's OpenBLAS preloaded when it exists and LD_PRELOAD is unset;
@@ -13,10 +14,13 @@ with the page cache bypassed, against raw O_DIRECT reads of the same experts in 
 The store is `streaming.py`'s: one file of seeded random bytes after a 1,000-byte prefix (offsets not page aligned, as
 in a real shard) and its `expert_map.json`, one MoE layer of `--experts` experts. Each round runs every variant in a
 fresh process (`after` = this checkout's streamer; `before` = the file given to --before, loaded in place of
-`tqbench/stream/streamer.py`), alternating which goes first. In each process:
+`tqbench/stream/streamer.py`; `in-flight-N` = this checkout's with `StreamConfig.reads_in_flight` N, from
+`--reads-in-flight`, 0 being `after`), alternating which goes first. In each process:
 - raw: the experts' page-aligned ranges, in the order the page-ins will ask for them, read with O_DIRECT by
   `--workers` threads into one aligned buffer each (`streaming.timed_reads`), right before and right after the
-  page-ins; their mean is that process's baseline (the disk varies by tens of percent between minutes);
+  page-ins; their mean is that process's baseline (the disk varies by tens of percent between minutes); and the same
+  with one thread (`raw1_gbps`): some disks read faster with one read in flight than with several, so the ratio to
+  the better of the two (`ratio_best_raw`) is the one against the disk's bandwidth;
 - page-in: `--calls` demand page-ins of `--per-call` distinct experts each (seeded random sets: one layer's misses),
   through `Streamer._page_in` with `--workers` workers and a pool of `--slots` slots (LRU), so every read, staging
   buffer, slot copy and (on CUDA) slot prefetch is the streamer's own; between page-ins a computation reads every
@@ -82,7 +86,8 @@ def child(a: dict) -> dict:
     eb, workers = lay.nbytes, a["workers"]
     buffers = S.read_buffers(workers) if hasattr(S, "read_buffers") else workers  # older streamers: one per worker
     budget = buffers * store.buffer_bytes(LAYER) + a["slots"] * eb
-    st = S.Streamer(store, S.StreamConfig(budget, workers, "lru", False, "off"))
+    extra = {"reads_in_flight": a["reads_in_flight"]} if a.get("reads_in_flight") else {}
+    st = S.Streamer(store, S.StreamConfig(budget, workers, "lru", False, "off", **extra))
     if not st.direct:
         raise SystemExit("this file system refuses O_DIRECT: the page cache cannot be bypassed here")
     pool = st.pool_of[LAYER]
@@ -98,6 +103,7 @@ def child(a: dict) -> dict:
     # warm-up reads (not timed) then the same experts in the page-ins' order
     order = [aligned(e) for e in calls[0][:workers]] + [aligned(e) for call in calls for e in call]
     got1, raw1, _ = timed_reads(order, workers)
+    one1, one_s1, _ = timed_reads(order[workers - 1:], 1)
     st._page_in(LAYER, pool, [e for e in range(a["per_call"]) if e not in calls[0]], {}, set(), timed=False)
     seconds, misses = 0.0, 0
     for i, call in enumerate(calls):
@@ -109,16 +115,19 @@ def child(a: dict) -> dict:
         seconds += time.perf_counter() - t0
         misses += len(missing)
         mx.eval(sum(mx.sum(arr.reshape(arr.shape[0], -1)[:, :1024].astype(mx.float32)) for arr in pool.arrays.values()))
+    one2, one_s2, _ = timed_reads(order[workers - 1:], 1)
     got2, raw2, _ = timed_reads(order, workers)
     raw_s_per_expert = (raw1 + raw2) / (len(order) - workers) / 2
     raw_gbps = (got1 + got2) / (raw1 + raw2) / 1e9
     gbps = misses * eb / seconds / 1e9
+    raw1_gbps = (one1 + one2) / (one_s1 + one_s2) / 1e9
     s = st.stats
     split = {k[5:]: getattr(s, k) / s.miss_timed * 1e3 for k in type(s).__dataclass_fields__
              if k.startswith("miss_") and k not in ("miss_timed",) and getattr(s, "miss_timed", 0)}
     st.close()
     return dict(workers=workers, buffers=buffers, expert_bytes=eb, misses=misses, page_in_s=seconds,
-                gbps_on_misses=gbps, raw_gbps=raw_gbps, ratio=gbps / raw_gbps, ms_per_miss=seconds / misses * 1e3,
+                gbps_on_misses=gbps, raw_gbps=raw_gbps, ratio=gbps / raw_gbps, raw1_gbps=raw1_gbps,
+                ratio_best_raw=gbps / max(raw_gbps, raw1_gbps), reads_in_flight=a.get("reads_in_flight", 0), ms_per_miss=seconds / misses * 1e3,
                 raw_ms_per_expert=raw_s_per_expert * 1e3, miss_split_ms=split, device=str(mx.default_device()),
                 gpu_prefetch=bool(getattr(st, "prefetch", None) and st.prefetch.active))
 
@@ -137,7 +146,11 @@ def summarize(rows: list[dict]) -> dict:
     for variant in sorted({r["variant"] for r in rows}):
         mine = [r for r in rows if r["variant"] == variant]
         out[variant] = {k: statistics.median(r[k] for r in mine)
-                        for k in ("ratio", "gbps_on_misses", "raw_gbps", "ms_per_miss", "raw_ms_per_expert")}
+                        for k in ("ratio", "gbps_on_misses", "raw_gbps", "ms_per_miss", "raw_ms_per_expert")
+                        if all(k in r for r in mine)}
+        for k in ("raw1_gbps", "ratio_best_raw"):  # (not in rows of older JSON)
+            if all(k in r for r in mine):
+                out[variant][k] = statistics.median(r[k] for r in mine)
         out[variant]["processes"] = len(mine)
     if "before" in out and "after" in out:
         # per round, after against the before of the same round (the disk drifts between rounds)
@@ -155,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a smoke run: small experts, one round")
     for k, v in DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {v} (--quick: {QUICK[k]})")
+    p.add_argument("--reads-in-flight", default="0", metavar="N,N,...",
+                   help="this checkout's streamer with each of these StreamConfig.reads_in_flight (0: one per worker)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-results/page_in.json"))
     p.add_argument("--timeout", type=float, default=600)
@@ -176,17 +191,25 @@ def main(argv: list[str] | None = None) -> int:
     from streaming import build_store
 
     store = build_store(a.work / "store", [LAYER], cfg["experts"], cfg["expert_bytes"], seed=a.seed)
-    variants = [("after", None)] + ([("before", str(Path(a.before).resolve()))] if a.before else [])
+    try:
+        gates = sorted({int(v) for v in a.reads_in_flight.split(",")})
+    except ValueError:
+        p.error(f"--reads-in-flight: whole numbers separated by commas, not {a.reads_in_flight!r}")
+    if gates[0] < 0:
+        p.error("--reads-in-flight: 0 or more")
+    variants = [("after" if g == 0 else f"in-flight-{g}", None, g) for g in gates]
+    variants += [("before", str(Path(a.before).resolve()), 0)] if a.before else []
     rows = []
     for rnd in range(cfg["rounds"]):
-        for variant, path in (variants if rnd % 2 == 0 else variants[::-1]):
+        for variant, path, gate in (variants if rnd % 2 == 0 else variants[::-1]):
             args = dict(store=store["path"], streamer=path, workers=cfg["workers"], calls=cfg["calls"],
-                        per_call=cfg["per_call"], slots=cfg["slots"], seed=a.seed + rnd)
+                        per_call=cfg["per_call"], slots=cfg["slots"], seed=a.seed + rnd, reads_in_flight=gate)
             row = dict(variant=variant, round=rnd, **run_child(args, a.timeout))
             rows.append(row)
-            print(f"round {rnd} {variant:6s}: {row['gbps_on_misses']:.2f} GB/s on misses, raw {row['raw_gbps']:.2f} "
-                  f"GB/s, ratio {row['ratio']:.2f}; {row['ms_per_miss']:.1f} ms per miss against "
-                  f"{row['raw_ms_per_expert']:.1f} ms raw", flush=True)
+            print(f"round {rnd} {variant:11s}: {row['gbps_on_misses']:.2f} GB/s on misses, raw {row['raw_gbps']:.2f} "
+                  f"GB/s ({row['raw1_gbps']:.2f} with one thread), ratio {row['ratio']:.2f} ({row['ratio_best_raw']:.2f}"
+                  f" to the better raw); {row['ms_per_miss']:.1f} ms per miss against {row['raw_ms_per_expert']:.1f} ms "
+                  "raw", flush=True)
     summary = summarize(rows)
     doc = dict(schema=SCHEMA, config=cfg, quick=a.quick, before=a.before, store=store, rows=rows, summary=summary,
                machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count()),
@@ -195,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     a.out.write_text(json.dumps(doc, indent=1) + "\n")
     for variant, s in summary.items():
         if isinstance(s, dict):
-            print(f"{variant}: ratio {s['ratio']:.2f} (goal 0.9), {s['ms_per_miss']:.1f} ms per miss, raw "
-                  f"{s['raw_ms_per_expert']:.1f} ms per expert; {s['processes']} processes")
+            print(f"{variant}: ratio {s['ratio']:.2f} (goal 0.9; {s['ratio_best_raw']:.2f} to the better raw), "
+                  f"{s['ms_per_miss']:.1f} ms per miss, raw {s['raw_ms_per_expert']:.1f} ms per expert; "
+                  f"{s['processes']} processes")
     if "after_over_before_ratio" in summary:
         print(f"after / before, paired by round: {summary['after_over_before_ratio']:.2f}x")
     print(f"wrote {a.out}")
