@@ -127,7 +127,8 @@ def child(a: dict) -> dict:
     st.close()
     return dict(workers=workers, buffers=buffers, expert_bytes=eb, misses=misses, page_in_s=seconds,
                 gbps_on_misses=gbps, raw_gbps=raw_gbps, ratio=gbps / raw_gbps, raw1_gbps=raw1_gbps,
-                ratio_best_raw=gbps / max(raw_gbps, raw1_gbps), reads_in_flight=a.get("reads_in_flight", 0), ms_per_miss=seconds / misses * 1e3,
+                ratio_best_raw=gbps / max(raw_gbps, raw1_gbps), reads_in_flight=a.get("reads_in_flight", 0),
+                ms_per_miss=seconds / misses * 1e3,
                 raw_ms_per_expert=raw_s_per_expert * 1e3, miss_split_ms=split, device=str(mx.default_device()),
                 gpu_prefetch=bool(getattr(st, "prefetch", None) and st.prefetch.active))
 
@@ -206,10 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                         per_call=cfg["per_call"], slots=cfg["slots"], seed=a.seed + rnd, reads_in_flight=gate)
             row = dict(variant=variant, round=rnd, **run_child(args, a.timeout))
             rows.append(row)
-            print(f"round {rnd} {variant:11s}: {row['gbps_on_misses']:.2f} GB/s on misses, raw {row['raw_gbps']:.2f} "
-                  f"GB/s ({row['raw1_gbps']:.2f} with one thread), ratio {row['ratio']:.2f} ({row['ratio_best_raw']:.2f}"
-                  f" to the better raw); {row['ms_per_miss']:.1f} ms per miss against {row['raw_ms_per_expert']:.1f} ms "
-                  "raw", flush=True)
+            print(f"round {rnd} {variant:11s}: {row['gbps_on_misses']:.2f} GB/s on misses, raw "
+                  f"{row['raw_gbps']:.2f} GB/s ({row['raw1_gbps']:.2f} with one thread), ratio {row['ratio']:.2f} "
+                  f"({row['ratio_best_raw']:.2f} to the better raw); {row['ms_per_miss']:.1f} ms per miss against "
+                  f"{row['raw_ms_per_expert']:.1f} ms raw", flush=True)
     summary = summarize(rows)
     doc = dict(schema=SCHEMA, config=cfg, quick=a.quick, before=a.before, store=store, rows=rows, summary=summary,
                machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count()),

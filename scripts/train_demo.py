@@ -340,7 +340,10 @@ def load_init(model, ckpt: Path, work: Path) -> int:
         raise SystemExit(f"--init {ckpt}: no tiktoken.model there (not an exported demo checkpoint)")
     if tok.read_bytes() != (work / "tokenizer" / "tiktoken.model").read_bytes():
         raise SystemExit(f"--init {ckpt}: its tokenizer is not the one {work} was prepared with")
-    loaded, _ = load_model(ckpt)
+    try:
+        loaded, _ = load_model(ckpt)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--init {ckpt}: mlx-lm cannot load it ({e})") from None
     got = dict(tree_flatten(loaded.parameters()))
     params = {}
     for k, v in tree_flatten(model.parameters()):
@@ -394,6 +397,7 @@ def load_resume(d: Path, model, optimizer, rng, a: argparse.Namespace):
         raise SystemExit(f"no training state in {d} to resume")
     state = json.loads((d / "state.json").read_text())
     args = {k: getattr(a, k) for k in RESUME_KEYS}
+    state["args"].setdefault("init", None)  # (states kept before --init existed)
     if json.loads(json.dumps(args)) != state["args"]:
         raise SystemExit(f"--resume with other settings than the stopped run: {state['args']} vs {args}")
     if a.steps is not None and a.steps != state["total"]:
@@ -650,7 +654,8 @@ def train(work: Path, a: argparse.Namespace) -> dict:
         "model": {**{k: v for k, v in asdict(SPEC).items()}, "parameters": int(n_params),
                   "vocab_size": SPEC.vocab_size, "mla_layers": SPEC.full_attn_layers},
         "setup": {
-            "seed": a.seed, "init": a.init, "steps": total, "kept_step": best["step"], "batch": B, "seq_len": T, "tokens_seen": total * B * T,
+            "seed": a.seed, "init": a.init, "steps": total, "kept_step": best["step"], "batch": B, "seq_len": T,
+            "tokens_seen": total * B * T,
             "epochs": round(total * B * T / len(train_ids), 2),  # passes over the training stream (code + chat)
             "optimizer": f"AdamW(betas 0.9/0.95, weight decay {a.weight_decay} on matrices)"
                          + (", on one flat vector (--optimizer flat)" if a.optimizer == "flat" else ""),

@@ -1,6 +1,7 @@
-"""scripts/train_demo.py's `train --init`: a run starts from an exported checkpoint's weights (the fine-tune of a shipped
-demo). The weights it starts from are the checkpoint's exactly (bf16-rounded, the experts' mxfp4 values), checked
-against the float weights the checkpoint was exported from; a checkpoint of another tokenizer is refused."""
+"""scripts/train_demo.py's `train --init`: a run starts from an exported checkpoint's weights (the fine-tune of a
+shipped demo). The weights it starts from are the checkpoint's exactly (bf16-rounded, the experts' mxfp4 values),
+checked against the float weights the checkpoint was exported from; a checkpoint of another tokenizer, or one mlx-lm
+cannot load, is refused with one line."""
 
 from __future__ import annotations
 
@@ -75,3 +76,8 @@ def test_init_refuses_another_tokenizer(td, exported, tmp_path):
         td.load_init(td.build_model(0), exported / "checkpoint", tmp_path)
     with pytest.raises(SystemExit, match="no tiktoken.model there"):
         td.load_init(td.build_model(0), tmp_path, tmp_path)
+    broken = tmp_path / "broken"  # the right tokenizer, no config or weights
+    broken.mkdir()
+    shutil.copy(exported / "tokenizer" / "tiktoken.model", broken / "tiktoken.model")
+    with pytest.raises(SystemExit, match="mlx-lm cannot load it"):
+        td.load_init(td.build_model(0), broken, exported)
