@@ -147,11 +147,8 @@ def summarize(rows: list[dict]) -> dict:
     for variant in sorted({r["variant"] for r in rows}):
         mine = [r for r in rows if r["variant"] == variant]
         out[variant] = {k: statistics.median(r[k] for r in mine)
-                        for k in ("ratio", "gbps_on_misses", "raw_gbps", "ms_per_miss", "raw_ms_per_expert")
-                        if all(k in r for r in mine)}
-        for k in ("raw1_gbps", "ratio_best_raw"):  # (not in rows of older JSON)
-            if all(k in r for r in mine):
-                out[variant][k] = statistics.median(r[k] for r in mine)
+                        for k in ("ratio", "ratio_best_raw", "gbps_on_misses", "raw_gbps", "raw1_gbps", "ms_per_miss",
+                                  "raw_ms_per_expert")}
         out[variant]["processes"] = len(mine)
     if "before" in out and "after" in out:
         # per round, after against the before of the same round (the disk drifts between rounds)
@@ -189,15 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--per-call must not exceed --slots or --experts")
     if a.before and not Path(a.before).is_file():
         p.error(f"--before {a.before}: no such file")
-    from streaming import build_store
-
-    store = build_store(a.work / "store", [LAYER], cfg["experts"], cfg["expert_bytes"], seed=a.seed)
     try:
         gates = sorted({int(v) for v in a.reads_in_flight.split(",")})
     except ValueError:
         p.error(f"--reads-in-flight: whole numbers separated by commas, not {a.reads_in_flight!r}")
     if gates[0] < 0:
         p.error("--reads-in-flight: 0 or more")
+    from streaming import build_store
+
+    store = build_store(a.work / "store", [LAYER], cfg["experts"], cfg["expert_bytes"], seed=a.seed)
     variants = [("after" if g == 0 else f"in-flight-{g}", None, g) for g in gates]
     variants += [("before", str(Path(a.before).resolve()), 0)] if a.before else []
     rows = []

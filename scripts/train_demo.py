@@ -327,13 +327,32 @@ def load_packed(work: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
             for k, v in raw.items() if k.endswith(".packed")}
 
 
-def load_init(model, ckpt: Path, work: Path) -> int:
-    """Start training from an exported checkpoint's weights (`train --init`, a fine-tune): mlx-lm loads it, the routed
-    experts' mxfp4 codes are dequantized to float32 and the rest (bf16, a few float32) widened to float32. Refuses a
-    checkpoint of another tokenizer or shape. Returns the number of tensors loaded."""
+def checkpoint_params(ckpt: Path) -> dict:
+    """An exported checkpoint's parameters as mlx-lm loads them, in float32: the routed experts' mxfp4 codes
+    dequantized (their scales dropped), the rest (bf16, a few float32) widened."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
+
+    loaded, _ = load_model(ckpt)
+    got = dict(tree_flatten(loaded.parameters()))
+    quantized = {k.removesuffix("weight") for k, w in got.items() if w.dtype == mx.uint32}  # mxfp4 codes + scales
+    out = {}
+    for k, w in got.items():
+        if k.removesuffix("scales") in quantized:
+            continue
+        if k.removesuffix("weight") in quantized:
+            w = mx.dequantize(w, got[k.removesuffix("weight") + "scales"], None, group_size=32, bits=4, mode="mxfp4",
+                              dtype=mx.float32)
+        out[k] = w.astype(mx.float32)
+    return out
+
+
+def load_init(model, ckpt: Path, work: Path) -> int:
+    """Start training from an exported checkpoint's weights (`train --init`, a fine-tune: `checkpoint_params`).
+    Refuses a checkpoint of another tokenizer or shape. Returns the number of tensors loaded."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     tok = ckpt / "tiktoken.model"
     if not tok.is_file():
@@ -341,21 +360,17 @@ def load_init(model, ckpt: Path, work: Path) -> int:
     if tok.read_bytes() != (work / "tokenizer" / "tiktoken.model").read_bytes():
         raise SystemExit(f"--init {ckpt}: its tokenizer is not the one {work} was prepared with")
     try:
-        loaded, _ = load_model(ckpt)
+        got = checkpoint_params(ckpt)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--init {ckpt}: mlx-lm cannot load it ({e})") from None
-    got = dict(tree_flatten(loaded.parameters()))
     params = {}
     for k, v in tree_flatten(model.parameters()):
         w = got.get(k)
         if w is None:
             raise SystemExit(f"--init {ckpt}: no tensor {k}")
-        if w.dtype == mx.uint32:  # mxfp4 codes (the routed experts)
-            w = mx.dequantize(w, got[k.removesuffix("weight") + "scales"], None, group_size=32, bits=4, mode="mxfp4",
-                              dtype=mx.float32)
         if w.shape != v.shape:
             raise SystemExit(f"--init {ckpt}: {k} is {tuple(w.shape)}, the spec's {tuple(v.shape)}")
-        params[k] = w.astype(mx.float32)
+        params[k] = w
     model.load_weights(list(params.items()))
     mx.eval(model.parameters())
     return len(params)
@@ -708,24 +723,17 @@ def export(work: Path, dest: Path, check: bool = True) -> dict:
     out = {"path": str(dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest), "bytes": size}
 
     if check:  # mlx-lm loads exactly the float weights rounded to bf16, the experts through our mxfp4 packer
-        from mlx.utils import tree_flatten
-        from mlx_lm.utils import load_model
-
         from tqbench.shards.writer import from_bf16, to_bf16
 
-        loaded, _ = load_model(dest)
-        got = dict(tree_flatten(loaded.parameters()))
+        got = checkpoint_params(dest)
         for k, v in params.items():
-            w = got[k]
             if ".switch_mlp." in k:
-                w = mx.dequantize(w, got[k.removesuffix("weight") + "scales"], None, group_size=32, bits=4,
-                                  mode="mxfp4", dtype=mx.float32)
                 want = unpack_mxfp4(*(packed[k] if packed else pack_mxfp4(v)))
             elif k.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
                 want = v
             else:
                 want = from_bf16(to_bf16(v))
-            if not np.array_equal(np.array(w.astype(mx.float32)), want):
+            if not np.array_equal(np.array(got[k]), want):
                 raise SystemExit(f"the exported checkpoint does not reproduce {k}")
         log(f"check: mlx-lm loads all {len(params)} tensors exactly (bf16 rounding, mxfp4 experts)")
         out["check"] = {"tensors_exact": len(params)}

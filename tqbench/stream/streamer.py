@@ -23,7 +23,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from tqbench.stream.cache import SlotCache
+from tqbench.stream.cache import DEFAULT_POLICY, SlotCache
 from tqbench.managed import GpuPrefetch, host_view
 from tqbench.stream.stats import LayerTotals, PageIn, StreamStats
 from tqbench.stream.store import ExpertStore, LayerLayout, StoreError, aligned_buffer, part_array
@@ -35,7 +35,7 @@ MLX_DTYPES = {"U32": mx.uint32, "F16": mx.float16, "BF16": mx.bfloat16, "F32": m
 class StreamConfig:
     budget_bytes: int
     workers: int = 4
-    policy: str = "lrfu-next"  # tqbench.stream.cache.DEFAULT_POLICY
+    policy: str = DEFAULT_POLICY
     fanout: bool = False  # split one expert's read into several parallel reads
     page_cache: str = "auto"  # "on": buffered reads; "off": bypass (O_DIRECT / F_NOCACHE); "auto": off when the
     # model's files exceed 60% of physical memory (the page cache would only churn), else on
