@@ -452,15 +452,11 @@ def finish(doc: dict) -> None:
     if "stream" not in doc or "raw" not in doc:
         return
     raw_gbps = doc["raw"]["best_gbps"]
-    cold = next(r for r in doc["stream"]["rows"] if r["label"] == "B cold")
-    doc["disk_on_misses_vs_raw"] = (cold["disk_gbps_on_misses"] or 0) / raw_gbps
     random_gbps = doc["raw"].get("best_gbps_random")
-    if random_gbps:
-        doc["disk_on_misses_vs_raw_random"] = (cold["disk_gbps_on_misses"] or 0) / random_gbps
-        eb = doc.get("model", {}).get("expert_bytes")
-        for row in doc["stream"]["rows"]:
-            if eb and "per_miss_ms" in row:  # one expert read alone at the random-read rate
-                row["per_miss_ms"]["raw_random_read"] = eb / random_gbps / 1e6
+    eb = doc.get("model", {}).get("expert_bytes")
+    for row in doc["stream"]["rows"]:
+        if random_gbps and eb and "per_miss_ms" in row:  # one expert read alone at the random-read rate
+            row["per_miss_ms"]["raw_random_read"] = eb / random_gbps / 1e6
     if "resident" in doc:  # each token's time: compute (as resident), waiting on reads and slot writes, the rest
         compute, layers = doc["resident"]["token_s_median"], doc["model"]["moe_layers"]
         for row in doc["stream"]["rows"]:
@@ -469,6 +465,12 @@ def finish(doc: dict) -> None:
                          overhead=max(0.0, 1 / row["decode_tps"] - stall - compute))
             row["split_per_token_s"] = split
             row["split_per_layer_token_ms"] = {k: v * 1e3 / layers for k, v in split.items()}
+    cold = next((r for r in doc["stream"]["rows"] if r["label"] == "B cold"), None)
+    if cold is None:  # --runs without B: the ratios and the projection are the B cold run's
+        return
+    doc["disk_on_misses_vs_raw"] = (cold["disk_gbps_on_misses"] or 0) / raw_gbps
+    if random_gbps:
+        doc["disk_on_misses_vs_raw_random"] = (cold["disk_gbps_on_misses"] or 0) / random_gbps
     if "resident" in doc and cold["read_s_per_miss"]:
         b = cold["trace_bounds"]
         hit = {"measured (B cold)": cold["hit_rate"], "Belady (B trace)": b["belady"], "none": 0.0}

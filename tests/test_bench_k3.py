@@ -66,3 +66,18 @@ def test_quick_run_writes_consistent_figures(tmp_path):
     assert len({r["output_bytes"] for r in c["runs"] if r["mode"] != "compare"}) == 1
     errors = {r["mode"]: r["mean_rel_error"] for r in c["runs"]}
     assert errors["compare"] == pytest.approx(errors["arena"], rel=1e-5) and errors["bytes"] == errors["arena"]
+
+
+def test_finish_without_a_b_cold_run_keeps_the_rows_and_skips_the_ratios():
+    # `--runs 1,2` has no "B cold" row: the ratios and the projection are that row's, the per-row figures are not
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from k3_gpu import finish
+
+    row = dict(label="B cold, 1 worker", stall_s_per_token=0.3, decode_tps=2.5, per_miss_ms={"stall": 9.0})
+    doc = dict(raw=dict(best_gbps=1.5, best_gbps_random=2.0), model=dict(expert_bytes=10_000_000, moe_layers=8),
+               resident=dict(token_s_median=0.02), stream=dict(rows=[row]))
+    finish(doc)
+    assert "disk_on_misses_vs_raw" not in doc and "projection_k3" not in doc
+    assert row["per_miss_ms"]["raw_random_read"] == pytest.approx(10_000_000 / 2.0e9 * 1e3)  # 5 ms
+    assert row["split_per_token_s"] == dict(compute=0.02, waiting_on_reads=0.3, overhead=pytest.approx(0.4 - 0.32))
+    assert row["split_per_layer_token_ms"]["waiting_on_reads"] == pytest.approx(300 / 8)
