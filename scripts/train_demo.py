@@ -707,20 +707,25 @@ def train(work: Path, a: argparse.Namespace) -> dict:
 # ---- export ---------------------------------------------------------------------------------------------------------
 
 
-def export(work: Path, dest: Path, check: bool = True) -> dict:
+def export(work: Path, dest: Path, check: bool = True, weights: Path | None = None) -> dict:
+    """Write the checkpoint of the work folder's kept weights, or of `weights` (a folder the run saved: a
+    --keep-every step or --save-final's `final`); the tokenizer is the work folder's."""
     import mlx.core as mx
 
     from tqbench.demo import mlx_weights, write_checkpoint
     from tqbench.quant.mxfp4 import pack_mxfp4, unpack_mxfp4
 
-    params = {k: np.array(v.astype(mx.float32)) for k, v in load_float(work).items()}
-    packed = load_packed(work)  # the experts' mxfp4 bytes from their fp32 values, when they were saved in bf16
+    src = weights or work
+    params = {k: np.array(v.astype(mx.float32)) for k, v in load_float(src).items()}
+    packed = load_packed(src)  # the experts' mxfp4 bytes from their fp32 values, when they were saved in bf16
     ranks = read_tiktoken_model(work / "tokenizer" / "tiktoken.model")
     write_checkpoint(dest, SPEC, mlx_weights(SPEC, params, packed), ranks)
     dest.chmod(0o755)  # a package folder: readable by all, as the files are
     size = sum(f.stat().st_size for f in dest.iterdir())
     log(f"wrote {dest} ({size / 1e6:.2f} MB)")
     out = {"path": str(dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest), "bytes": size}
+    if weights is not None:
+        out["weights"] = weights.name  # which of the run's saved weights, when not the kept ones
 
     if check:  # mlx-lm loads exactly the float weights rounded to bf16, the experts through our mxfp4 packer
         from tqbench.shards.writer import from_bf16, to_bf16
@@ -789,6 +794,8 @@ def main(argv=None) -> None:
     p.add_argument("--docs", type=Path, default=None,
                    help="the JSON document whose \"training\" is written (default: docs/demo-model.json (chat), "
                         "docs/demo-model-v1.json (code))")
+    p.add_argument("--weights", type=Path, default=None,
+                   help="export: a folder of saved weights inside --work (step-NNNNN, final) instead of the kept ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None,
                    help="583 (code), 1000 (chat); 0: fix the step count from --time-budget instead")
@@ -906,7 +913,9 @@ def main(argv=None) -> None:
         if done is None:
             return  # stopped early: the state waits for --resume
     if a.stage in ("export", "all"):
-        exported = export(a.work, a.dest, check=not a.no_check)
+        if a.weights is not None and not (a.weights.is_dir() and a.weights.parent.resolve() == a.work.resolve()):
+            raise SystemExit(f"--weights {a.weights}: not a folder of saved weights inside {a.work}")
+        exported = export(a.work, a.dest, check=not a.no_check, weights=a.weights)
         write_docs_training(a.work, exported, a.docs)
 
 

@@ -81,3 +81,20 @@ def test_init_refuses_another_tokenizer(td, exported, tmp_path):
     shutil.copy(exported / "tokenizer" / "tiktoken.model", broken / "tiktoken.model")
     with pytest.raises(SystemExit, match="mlx-lm cannot load it"):
         td.load_init(td.build_model(0), broken, exported)
+
+
+def test_export_weights_writes_that_folders_values_not_the_kept_ones(td, exported, tmp_path):
+    # a run that kept an earlier step saves its last step in <work>/final (--save-final): export --weights final
+    # ships those, with the work folder's tokenizer, and says so
+    final = exported / "final"
+    final.mkdir(exist_ok=True)
+    other = td.build_model(11)
+    td.save_float(other, final, "bf16")
+    out = td.export(exported, tmp_path / "ckpt", check=True, weights=final)
+    assert out["weights"] == "final" and out["check"]["tensors_exact"] > 0
+    got = td.checkpoint_params(tmp_path / "ckpt")
+    kept = td.checkpoint_params(exported / "checkpoint")
+    name = next(k for k in sorted(got) if ".switch_mlp." not in k and got[k].ndim == 2)  # a bf16 matrix
+    want = from_bf16(to_bf16(np.array(dict(tree_flatten(other.parameters()))[name].astype(mx.float32))))
+    np.testing.assert_array_equal(np.array(got[name]), want)
+    assert not np.array_equal(np.array(got[name]), np.array(kept[name]))
