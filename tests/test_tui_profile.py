@@ -25,7 +25,7 @@ from tui.app import TqbenchApp
 from tui.screens.help import HelpScreen
 from tui.screens.profile import ProfileScreen
 from tui.widgets.heat_map import RAMP, HeatMap
-from tui_helpers import screen_lines, settle
+from tui_helpers import screen_lines, settle, stable_screen_lines
 
 SIZE = (80, 24)
 
@@ -269,10 +269,10 @@ async def test_import_replaces_the_learned_profile_and_a_corrupt_file_changes_no
     app = TqbenchApp(src)
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_profile(pilot)
-        shown = screen_lines(app)
+        shown = await stable_screen_lines(pilot)
         await pilot.press("i")
         await type_path(pilot, corrupt)
-        lines = screen_lines(app)
+        lines = await stable_screen_lines(pilot)
         errors = [line for line in lines if "error" in line]
         assert len(errors) == 1 and errors[0].strip().startswith("error: corrupt.json: invalid JSON (")
         assert lines.index(errors[0]) == 1 and "\n" not in screen.error

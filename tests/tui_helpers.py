@@ -35,3 +35,17 @@ def screen_lines(app) -> list[str]:
                       record=True, legacy_windows=False, safe_box=False)
     console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
     return console.export_text(styles=False).split("\n")[:height]
+
+
+async def stable_screen_lines(pilot, rounds: int = 40) -> list[str]:
+    """The screen once it stops changing: two captures 50 ms apart that agree. A layout change (an error row
+    appearing) reaches the widgets' drawn lines on a later refresh than the message that caused it, so a capture
+    right after `settle` can show a row half redrawn on a loaded machine."""
+    lines = screen_lines(pilot.app)
+    for _ in range(rounds):
+        await pilot.pause(0.05)
+        again = screen_lines(pilot.app)
+        if again == lines:
+            return lines
+        lines = again
+    return lines
