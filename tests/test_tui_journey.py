@@ -241,7 +241,8 @@ def freeze_clocks(monkeypatch) -> None:
 # this small model meets exact ties between bf16 logits (the second token's two best are equal), so CPUs whose
 # arithmetic differs in the last bit decode other replies; the snapshot test chooses these tokens (the model still
 # computes every step, routes and pages in its experts for them) so that the picture does not depend on the CPU.
-SNAPSHOT_REPLY = "`_pydecimal.Decimal._parse_args(args)`\n\nSend a value into the number of bytes; defaults to 0.0."
+SNAPSHOT_REPLY = ("`class email._header_args_wraps(lang)`\n\nAbstract base class for defining command classes that are "
+                  "defined in a single module.")
 
 
 def force_reply(monkeypatch, text: str) -> None:

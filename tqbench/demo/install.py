@@ -9,7 +9,7 @@ from pathlib import Path
 from tqbench.demo.writer import build_atomically
 from tqbench.paths import cache_dir
 
-DEMO_VERSION = 6  # bump whenever the shipped demo's bytes change: the cached copy is found by this name
+DEMO_VERSION = 8  # bump whenever the shipped demo's bytes change: the cached copy is found by this name (7: a candidate never shipped)
 SHIPPED_DEMO = Path(__file__).parent / "checkpoint"  # the trained demo checkpoint inside the package
 
 
