@@ -91,10 +91,18 @@ def test_export_weights_writes_that_folders_values_not_the_kept_ones(td, exporte
     other = td.build_model(11)
     td.save_float(other, final, "bf16")
     out = td.export(exported, tmp_path / "ckpt", check=True, weights=final)
-    assert out["weights"] == "final" and out["check"]["tensors_exact"] > 0
+    assert out["weights"] == "final" and out["check"]["tensors_exact"] == len(td.load_float(final))
     got = td.checkpoint_params(tmp_path / "ckpt")
     kept = td.checkpoint_params(exported / "checkpoint")
     name = next(k for k in sorted(got) if ".switch_mlp." not in k and got[k].ndim == 2)  # a bf16 matrix
     want = from_bf16(to_bf16(np.array(dict(tree_flatten(other.parameters()))[name].astype(mx.float32))))
     np.testing.assert_array_equal(np.array(got[name]), want)
     assert not np.array_equal(np.array(got[name]), np.array(kept[name]))
+
+
+def test_export_refuses_weights_outside_the_work_folder(td, exported, tmp_path):
+    # a folder that is not one of the run's saved weights: one line naming it, nothing written
+    dest = tmp_path / "out"
+    with pytest.raises(SystemExit, match=r"--weights .*: not a folder of saved weights inside "):
+        td.main(["export", "--spec", "chat", "--work", str(exported), "--weights", str(tmp_path), "--dest", str(dest)])
+    assert not dest.exists()
