@@ -15,7 +15,6 @@ seconds over the arena's (above 1: the arena is faster).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import statistics
@@ -26,23 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert import build_source, machine_info, run_child, source_files  # noqa: E402
-from measure import drop_cache, with_openblas  # noqa: E402
+from measure import drop_cache, output_digest, with_openblas  # noqa: E402
 
 SCHEMA = "tqbench.bench.convert-read-ahead/1"
-
-
-def output_digest(dst: Path) -> str:
-    """sha256 over a converted model's files (names and bytes) except the conversion report, whose timings differ
-    from run to run (comparing whole-tree sizes made the check flaky: "seconds": 0.4 is shorter than 0.336)."""
-    from tqbench.layout.names import REPORT
-
-    h = hashlib.sha256()
-    for f in sorted(p for p in dst.rglob("*") if p.is_file() and p.name != REPORT):
-        h.update(str(f.relative_to(dst)).encode() + b"\0")
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 24):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers next to this script
-from measure import add_size_options, drop_cache, sizes  # noqa: E402
+from measure import add_size_options, drop_cache, output_digest, sizes  # noqa: E402
 
 SCHEMA = "tqbench.bench.k3gpu/1"
 RECIPE = "tq3a-tqTe-down4-g64"
@@ -318,8 +318,8 @@ def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
         kw, env = modes[mode]
         runs.append(run_child("convert", dict(src=str(src), dst=str(dst), recipe=RECIPE, shard_size=5 * 2**30,
                                               stages=True, **kw), timeout, convert_py, env))
-        runs[-1].update(mode=mode, first=i == 0, round=rnd, output_bytes=sum(f.stat().st_size for f in dst.iterdir()
-                                                                              if f.is_file()))
+        runs[-1].update(mode=mode, first=i == 0, round=rnd, output_digest=output_digest(dst),
+                        output_bytes=sum(f.stat().st_size for f in dst.iterdir() if f.is_file()))
         if i < len(order) - 1:
             for f in dst.iterdir():
                 f.unlink()

@@ -4,6 +4,7 @@ them from it) so a read measures the disk, not memory."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import resource
@@ -82,6 +83,20 @@ def resident_fraction(files: list[Path]) -> float | None:
         return resident / total if total else None
     except Exception:
         return None
+
+
+def output_digest(dst: Path) -> str:
+    """sha256 over a converted model's files (names and bytes) except the conversion report, whose timings differ
+    from run to run (comparing whole-tree sizes made the check flaky: "seconds": 0.4 is shorter than 0.336)."""
+    from tqbench.layout.names import REPORT
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in dst.rglob("*") if p.is_file() and p.name != REPORT):
+        h.update(str(f.relative_to(dst)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def drop_cache(files: list[Path]) -> bool:
