@@ -24,7 +24,9 @@ the distinct routed experts, then place the misses with that layer's experts loc
   NextLRFU in tqbench/stream/cache.py; its bookkeeping costs 2-3x lrfu's, benchmarks/policy_cost.py);
 - `belady` (offline optimum with the layer's experts locked) and `best_fixed` (the budget's most-routed keys);
 - references, not policies: `oracle-next-h` is `lrfu@0.02` whose victim is never a key that the rest of this token or
-  the next h tokens route, when another is unlocked: what perfect knowledge of the next h tokens would add to LRFU.
+  the next h tokens route, when another is unlocked: what perfect knowledge of the next h tokens would add to LRFU;
+  `belady-h` is Belady's MIN that sees only the rest of this token and the next h tokens (beyond them LRFU at lam
+  0.02 decides): how far ahead a policy would have to see to close a given share of the gap.
 Reports gap_closed per policy and budget, whether it is >= 1/3 and whether the policy beats the best fixed set.
 
 Writes JSON (`--out`, default bench-results/policies.json, schema tqbench.bench.policies/1) and prints tables.
@@ -44,6 +46,7 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 from fractions import Fraction  # noqa: E402
@@ -58,9 +61,10 @@ SCHEMA = "tqbench.bench.policies/1"
 GOAL = 1 / 3
 OLD_DEFAULT = "lrfu"  # the default until 2026-12-02 (now lrfu-next), the baseline of "not below"; the JSON key's name
 DEFAULTS = dict(tokens=20480, window=256, budgets="ws/2,1/16,1/8,1/4,1/2", workloads="code,chat",
-                policies="lru,lrfu,lrfu@0.02,lrfu-next", oracles="1,4")
+                policies="lru,lrfu,lrfu@0.02,lrfu-next", oracles="1,4",
+                horizons="4,16,64")
 QUICK = dict(tokens=1024, window=256, budgets="ws/2,1/8,1/2", workloads="code", policies="lru,lrfu,lrfu-next",
-             oracles="1")
+             oracles="1", horizons="4")
 
 
 def make_policy_cache(budget: int, spec: str):
@@ -98,6 +102,66 @@ def oracle_hit_rate(batches, budget: int, h: int, lam: float = 0.02) -> float:
                     guard = locked
                 cache.place((layer, e), now, guard)
                 locked.add((layer, e))
+    return hits / max(1, total)
+
+
+def horizon_hit_rate(batches, budget: int, h: int, lam: float = 0.02) -> float:
+    """Belady within a horizon: a reference that knows the rest of the current token and the next `h` tokens exactly
+    and nothing beyond. A miss with the cache full evicts, among the keys not in the current layer call, one that no
+    call within the horizon uses (the smallest LRFU value at `lam` among those), else the one used last within it.
+    With `h` past the trace's end it is Belady's MIN (streaming.belady_hit_rate); it asks how far ahead a policy would
+    have to see to close a given share of the gap."""
+    calls = [c for token in batches for c in token]
+    per_token = len(batches[0]) if batches else 1
+    never = len(calls) + 1
+    nxt: list[list[int]] = [[] for _ in calls]  # per call, each expert's next call, as in belady_hit_rate
+    last: dict[tuple[int, int], int] = {}
+    for i in range(len(calls) - 1, -1, -1):
+        layer, experts = calls[i]
+        nxt[i] = [last.get((layer, e), never) for e in experts]
+        for e in experts:
+            last[(layer, e)] = i
+    lrfu: dict[tuple[int, int], tuple[float, int]] = {}  # key -> (log2 C at t_last, t_last), as LRFU keeps it
+    row_of: dict[tuple[int, int], int] = {}
+    keys: list = [None] * budget
+    use = np.zeros(budget, dtype=np.int64)  # the resident key's next call
+    prio = np.zeros(budget)  # LRFU's time-invariant order: log2 C + lam * t_last
+    locked = np.zeros(budget, dtype=bool)
+    hits = total = 0
+    for i, (layer, experts) in enumerate(calls):
+        now = i // per_token + 1  # ticks count tokens from 1, as simulate's
+        seen = (i // per_token + 1 + h) * per_token  # calls before this one are within the horizon
+        rows, missing = [], []
+        for e, u in zip(experts, nxt[i]):  # look the call's experts up first: its hits are locked
+            key = (layer, e)
+            old = lrfu.get(key)
+            if old is None:
+                log_c = 0.0
+            else:
+                decayed = old[0] - lam * (now - old[1])
+                log_c = math.log2(1.0 + 2.0 ** decayed) if decayed > -60 else 0.0
+            lrfu[key] = (log_c, now)
+            row = row_of.get(key)
+            if row is None:
+                missing.append((key, u, log_c))
+                continue
+            use[row], prio[row], locked[row] = u, log_c + lam * now, True
+            rows.append(row)
+        hits += len(experts) - len(missing)
+        total += len(experts)
+        for key, u, log_c in missing:  # then place the misses, each locked once placed
+            if len(row_of) < budget:
+                row = len(row_of)
+            else:
+                free = ~locked
+                far = free & (use >= seen)
+                row = int(np.flatnonzero(far)[np.argmin(prio[far])]) if far.any() else \
+                    int(np.flatnonzero(free)[np.argmax(use[free])])
+                del row_of[keys[row]]
+            row_of[key], keys[row] = row, key
+            use[row], prio[row], locked[row] = u, log_c + lam * now, True
+            rows.append(row)
+        locked[rows] = False
     return hits / max(1, total)
 
 
@@ -163,6 +227,7 @@ def replay(name: str, trace: np.ndarray, info: dict, cfg: dict) -> dict:
     batches = batches_of(trace, layers)
     policies = [p.strip() for p in cfg["policies"].split(",") if p.strip()]
     oracles = [int(h) for h in str(cfg["oracles"]).split(",") if str(h).strip()]
+    horizons = [int(h) for h in str(cfg.get("horizons", "")).split(",") if str(h).strip()]
     rows = []
     for label, b in parse_budgets(cfg["budgets"], expert_layers, working_set, k):
         t0 = time.perf_counter()
@@ -174,8 +239,10 @@ def replay(name: str, trace: np.ndarray, info: dict, cfg: dict) -> dict:
             row["seconds"][p] = time.perf_counter() - t1
         for h in oracles:
             row[f"oracle-next-{h}"] = oracle_hit_rate(batches, b, h)
+        for h in horizons:
+            row[f"belady-{h}"] = horizon_hit_rate(batches, b, h)
         gap = row["belady"] - row["lru"] if "lru" in row else None
-        names = policies + [f"oracle-next-{h}" for h in oracles]
+        names = policies + [f"oracle-next-{h}" for h in oracles] + [f"belady-{h}" for h in horizons]
         row["gap_closed"] = {p: (row[p] - row["lru"]) / gap if gap else None for p in names}
         row["closes_third"] = {p: g is not None and g >= GOAL for p, g in row["gap_closed"].items()}
         row["beats_fixed"] = {p: row[p] > row["best_fixed"] for p in names}

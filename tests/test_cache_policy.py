@@ -336,6 +336,30 @@ def test_policies_script_budgets_and_gap_on_a_small_trace():
     assert not math.isnan(s["min_gap_closed"])
 
 
+def test_belady_within_a_horizon_is_belady_past_the_trace_and_the_rest_of_the_token_oracle_at_zero():
+    """`belady-h` against two independent computations: Belady's MIN (streaming.py's heap of next uses) once the
+    horizon passes the trace's end, and oracle-next-0 (SlotCache's LRFU guarded from the rest of the token) at h = 0,
+    where both keep exactly the rest of the token; in between it lies between them."""
+    b = _script()
+    from streaming import batches_of, belady_hit_rate
+
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        trace = rng.choice(12, size=(2, 300, 2), p=np.arange(12, 0, -1) / 78).astype(np.int16)
+        batches = batches_of(trace, [0, 1])
+        for budget in (4, 7, 12, 20):
+            belady = belady_hit_rate(batches, budget)
+            assert b.horizon_hit_rate(batches, budget, 300) == belady
+            h0 = b.horizon_hit_rate(batches, budget, 0)
+            assert h0 == b.oracle_hit_rate(batches, budget, 0)
+            assert h0 - 1e-12 <= b.horizon_hit_rate(batches, budget, 4) <= belady + 1e-12
+    cfg = dict(budgets="ws,1/2", policies="lru", oracles="", horizons="2")
+    w = b.replay("t", trace, dict(moe_layers=[0, 1], num_experts=12), cfg)
+    for r in w["rows"]:
+        assert r["belady-2"] == b.horizon_hit_rate(batches, r["budget"], 2)
+        assert r["gap_closed"]["belady-2"] == pytest.approx((r["belady-2"] - r["lru"]) / (r["belady"] - r["lru"]))
+
+
 # ---- in the streamer -------------------------------------------------------------------------------------------------
 
 
