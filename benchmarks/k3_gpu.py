@@ -27,7 +27,10 @@ What it does, in one run on one disk (the work directory):
    native top-16, whose routings make a profile (counts per expert); B) prompt B cold; C) prompt B warm-started from
    A's profile (pinned share `--pin-share` of the budget, preloaded before the prompt, the counts seeding the cache);
    D) prompt B cold at `--max-active-experts 8`; E) prompt B cold with look-ahead. Budget `--budget-gb`, page cache
-   off, `--workers` read threads. Per run: prefill and decode tok/s, expert bytes read per token, hit rate by tier,
+   off, `--workers` read threads. Before the runs, one untimed prompt of the same length (and one token) per top-k in
+   a model loaded and closed again, so no timed run pays for compiling kernels (`stream.warmups`: its seconds and
+   its wait on reads). Per run: prefill tok/s with the prompt's misses, bytes, wait on reads and the rest (`prefill`),
+   decode tok/s, expert bytes read per token, hit rate by tier,
    stall (waiting on reads and slot writes) per token and per layer, and for B the LRU / LRFU / Belady / best fixed
    set hit rates of its whole trace (prefill included) at the same slot count, next to the streamer's own; and where
    each miss's wait went (`per_miss_ms`, from the streamer's `miss_*` totals: queued, read, waiting for a buffer,
@@ -61,7 +64,7 @@ SCHEMA = "tqbench.bench.k3gpu/1"
 RECIPE = "tq3a-tqTe-down4-g64"
 RESULT_MARK = "BENCH-RESULT "
 K3_MOE_LAYERS, K3_EXPERT_BYTES = 92, 10_960_896
-SEED_PROMPT_A, SEED_PROMPT_B = 11, 12
+SEED_PROMPT_A, SEED_PROMPT_B, SEED_PROMPT_W = 11, 12, 13  # W: the compile warm-up's prompt
 
 # K3's routed-expert shapes; attention narrower than K3's 96 heads and a smaller dense MLP and vocabulary, so that the
 # model's resident part converts in seconds (the streamed experts are the subject).
@@ -197,6 +200,28 @@ def child_decode(a: dict) -> None:
     prompts = {k: mx.array(np.array(v, dtype=np.uint32))[None] for k, v in a["prompts"].items()}
     profile: dict[tuple[int, int], int] = {}
     out = []
+    warmups = []
+    streamed = [r for r in a["runs"] if r.get("stream")]
+    if a.get("compile_warmup") and streamed:
+        # MLX compiles a kernel the first time a process runs it (from its disk cache, or from source on a fresh
+        # machine): one untimed prompt of the same length and one decode token, per top-k among the runs, in a model
+        # loaded and closed here, so the timed prefills below start from an empty expert cache with kernels compiled
+        for top_k in dict.fromkeys(r.get("top_k") for r in streamed):
+            t0 = time.perf_counter()
+            loaded = load(a["path"], streaming=StreamConfig(**streamed[0]["stream"]), tokenizer=False)
+            if top_k:
+                set_active_experts(loaded.model, top_k)
+            cache = make_prompt_cache(loaded.model)
+            t1 = time.perf_counter()
+            tok = mx.argmax(loaded.model(prompts["W"], cache=cache)[:, -1], axis=-1)
+            mx.eval(tok)
+            prefill_s = time.perf_counter() - t1
+            mx.eval(loaded.model(tok[:, None], cache=cache))
+            stall_s = loaded.streamer.stats.stall_s
+            loaded.streamer.close()
+            warmups.append(dict(top_k=top_k, seconds=time.perf_counter() - t0, prefill_s=prefill_s, stall_s=stall_s))
+            del loaded, cache, tok
+            mx.clear_cache()
     for run in a["runs"]:
         t0 = time.perf_counter()
         stream = run.get("stream")
@@ -211,11 +236,13 @@ def child_decode(a: dict) -> None:
             pinned = st.preload(ranked, run["pin_share"], dict(profile))
         preload_s = st.stats.preload_s if st else 0.0
         cache = make_prompt_cache(loaded.model)
+        before_prefill = _counters(st) if st else None
         t1 = time.perf_counter()
         logits = loaded.model(prompts[run["prompt"]], cache=cache)
         tok = mx.argmax(logits[:, -1], axis=-1)
         mx.eval(tok)
         prefill_s = time.perf_counter() - t1
+        after_prefill = _counters(st) if st else None
         tokens, times, before = [int(tok.item())], [], None
         for i in range(a["warmup"] + a["tokens"]):
             if i == a["warmup"]:
@@ -244,7 +271,9 @@ def child_decode(a: dict) -> None:
                 d["stall_s"] += e.stall_s
                 d["misses"] += sum(k == "miss" for k in e.served)
                 d["routed"] += len(e.experts)
-            r.update(delta={k: after[k] - before[k] for k in after if k != "cache_bytes_max"}, pinned=pinned, preload_s=preload_s,
+            r.update(delta={k: after[k] - before[k] for k in after if k != "cache_bytes_max"},
+                     prefill_delta={k: after_prefill[k] - before_prefill[k] for k in after if k != "cache_bytes_max"},
+                     pinned=pinned, preload_s=preload_s,
                      preload_bytes=st.stats.preload_bytes, slots=st.stats.slots, slot_bytes=st.stats.slot_bytes,
                      staging_bytes=st.stats.staging_bytes, budget_bytes=st.stats.budget_bytes,
                      cache_bytes_max=st.stats.cache_bytes_max, page_cache=st.stats.page_cache,
@@ -256,7 +285,7 @@ def child_decode(a: dict) -> None:
         out.append(r)
         del loaded, cache, logits
         mx.clear_cache()
-    _emit(dict(mode="decode", runs=out, mlx_peak=int(mx.get_peak_memory()),
+    _emit(dict(mode="decode", runs=out, warmups=warmups, mlx_peak=int(mx.get_peak_memory()),
                device=str(mx.default_device())))
 
 
@@ -424,6 +453,11 @@ def summarize(run: dict) -> dict:
                    pinned=run.get("pinned"), preload_s=run.get("preload_s"), preload_bytes=run.get("preload_bytes"),
                    slots=run["slots"], budget_bytes=run["budget_bytes"], cache_bytes_max=run["cache_bytes_max"],
                    gpu_prefetch=run.get("gpu_prefetch"))
+        p = run["prefill_delta"]  # the prompt's one forward pass: its reads, its wait, and the rest (compute)
+        row["prefill"] = dict(tokens=run["prompt_tokens"], seconds=run["prefill_s"], hits=p["hits"],
+                              misses=p["misses"], bytes=p["critical_bytes"], stall_s=p["stall_s"],
+                              other_s=run["prefill_s"] - p["stall_s"],
+                              disk_gbps=p["critical_bytes"] / p["stall_s"] / 1e9 if p["stall_s"] else None)
         timed = d.get("miss_timed")
         if timed:  # where a miss's wait went, ms per timed miss (look-ahead's reads are not timed)
             ms = {k[5:-2]: d[k] / timed * 1e3 for k in d if k.startswith("miss_") and k.endswith("_s")}
@@ -574,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng
     vocab = 256 + spec_kw["bpe_merges"]
     prompts = {"A": rng(SEED_PROMPT_A).integers(0, vocab, cfg["prompt"]).tolist(),
-               "B": rng(SEED_PROMPT_B).integers(0, vocab, cfg["prompt"]).tolist()}
+               "B": rng(SEED_PROMPT_B).integers(0, vocab, cfg["prompt"]).tolist(),
+               "W": rng(SEED_PROMPT_W).integers(0, vocab, cfg["prompt"]).tolist()}
     if "resident" in parts:
         drop_cache(files)
         starts = []
@@ -615,7 +650,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = [r for r, key in zip(runs, "ABW8LFX12R") if key in chosen]
         drop_cache(files)
         res = run_child("decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
-                                       tokens=cfg["tokens"], runs=runs), a.timeout)
+                                       tokens=cfg["tokens"], runs=runs, compile_warmup=True), a.timeout)
+        for w in res["warmups"]:
+            log(f"compile warm-up (top-k {w['top_k'] or 'native'}): {w['seconds']:.1f} s, of which the prompt "
+                f"{w['prefill_s']:.1f} s, waiting on reads {w['stall_s']:.1f} s (untimed; the runs below follow it)")
         rows = []
         for r in res["runs"]:
             row = summarize(r)
@@ -626,6 +664,9 @@ def main(argv: list[str] | None = None) -> int:
             if r["label"] == "B cold":
                 row["trace_bounds"] = dict(trace_bounds(r["trace"], r["slots"]), streamer=r["hit_rate_all"])
             rows.append(row)
+            pf = row["prefill"]
+            log(f"{row['label']:<28} prefill {row['prefill_tps']:.2f} tok/s ({pf['tokens']} tokens in "
+                f"{pf['seconds']:.2f} s: {pf['misses']} misses, {pf['bytes'] / 1e9:.2f} GB, waiting {pf['stall_s']:.2f} s)")
             log(f"{row['label']:<28} decode {row['decode_tps']:.3f} tok/s, hit {row['hit_rate']:.1%}, "
                 f"{row['bytes_per_token'] / 1e9:.2f} GB/token, stall {row['stall_share']:.0%}, "
                 f"disk on misses {row['disk_gbps_on_misses'] or 0:.2f} GB/s")
@@ -635,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{m['reading']:.2f} + after {m['after_reads']:.2f} + outside {m['outside_page_in']:.2f}; "
                     f"read {m['read']:.2f}, queued {m['queue']:.2f}, buffer wait {m['buffer_wait']:.2f}, copy "
                     f"{m['copy']:.2f}, to_gpu {m['to_gpu']:.2f}, to_host {m['to_host']:.2f} ({m['timed']} timed)")
-        doc["stream"] = dict(rows=rows, mlx_peak=res["mlx_peak"], device=res["device"])
+        doc["stream"] = dict(rows=rows, warmups=res["warmups"], mlx_peak=res["mlx_peak"], device=res["device"])
         finish(doc)
         if "disk_on_misses_vs_raw_random" in doc:
             m = next(r for r in rows if r["label"] == "B cold").get("per_miss_ms") or {}

@@ -44,6 +44,14 @@ def test_quick_run_writes_consistent_figures(tmp_path):
     assert split["compute"] == d["resident"]["token_s_median"]
     if split["overhead"] > 0:
         assert sum(split.values()) == pytest.approx(1 / cold["decode_tps"])
+    # the prompt's forward pass: a cold run starts from an empty cache (the compile warm-up had a model of its own),
+    # so every expert the prompt routes is a miss of one read; the warm run routes the same experts, some pinned
+    pf, wpf = cold["prefill"], warm["prefill"]
+    assert pf["hits"] == 0 and pf["misses"] > 0 and pf["bytes"] == pf["misses"] * d["model"]["expert_bytes"]
+    assert cold["prefill_tps"] == pytest.approx(pf["tokens"] / pf["seconds"])
+    assert pf["other_s"] == pytest.approx(pf["seconds"] - pf["stall_s"]) and 0 < pf["stall_s"] < pf["seconds"]
+    assert wpf["hits"] + wpf["misses"] == pf["misses"] and wpf["misses"] < pf["misses"]
+    assert [w["top_k"] for w in d["stream"]["warmups"]] == [None] and d["stream"]["warmups"][0]["seconds"] > 0
     # the warm run pinned experts and served hits from them; the cold ones pinned nothing
     assert warm["pinned"] > 0 and warm["hits_pinned"] > 0 and cold["hits_pinned"] == 0
     # no CUDA here: the streamer's GPU prefetch stayed off
