@@ -746,9 +746,15 @@ def export(work: Path, dest: Path, check: bool = True, weights: Path | None = No
 
 
 def write_docs_training(work: Path, exported: dict | None, docs: Path = DOCS_JSON) -> None:
+    """Write the run's training record into `docs`. A `lineage` (the runs a fine-tune started from, added to the
+    record by hand) is kept when the record written is the same run's, so exporting again does not lose it."""
     doc = json.loads(docs.read_text()) if docs.exists() else {}
     doc["schema"] = "tqbench.demo-model/1"
-    doc["training"] = json.loads((work / "train.json").read_text())
+    training = json.loads((work / "train.json").read_text())
+    old = doc.get("training") or {}
+    if "lineage" in old and "lineage" not in training and {k: v for k, v in old.items() if k != "lineage"} == training:
+        training["lineage"] = old["lineage"]
+    doc["training"] = training
     if exported:
         doc["checkpoint"] = exported
     docs.parent.mkdir(parents=True, exist_ok=True)

@@ -106,3 +106,24 @@ def test_export_refuses_weights_outside_the_work_folder(td, exported, tmp_path):
     with pytest.raises(SystemExit, match=r"--weights .*: not a folder of saved weights inside "):
         td.main(["export", "--spec", "chat", "--work", str(exported), "--weights", str(tmp_path), "--dest", str(dest)])
     assert not dest.exists()
+
+
+def test_writing_the_same_runs_record_again_keeps_its_lineage_and_another_runs_drops_it(td, tmp_path):
+    """docs/demo-model.json's `lineage` is added by hand (the runs a fine-tune started from); exporting the same run
+    again keeps it, a record of another run does not inherit it."""
+    import json
+
+    work, docs = tmp_path / "work", tmp_path / "demo-model.json"
+    work.mkdir()
+    record = {"spec": "chat", "curve": [[100, 2.5], [200, 2.25]]}
+    lineage = [{"version": 6, "what": "trained from random weights"}]
+    (work / "train.json").write_text(json.dumps(record))
+    docs.write_text(json.dumps({"version": 8, "training": dict(record, lineage=lineage), "eval": {"x": 1}}))
+    td.write_docs_training(work, {"path": "ckpt", "bytes": 5}, docs)
+    doc = json.loads(docs.read_text())
+    assert doc["training"] == dict(record, lineage=lineage)
+    assert doc["checkpoint"] == {"path": "ckpt", "bytes": 5} and doc["eval"] == {"x": 1} and doc["version"] == 8
+    other = dict(record, curve=[[100, 2.4]])
+    (work / "train.json").write_text(json.dumps(other))
+    td.write_docs_training(work, None, docs)
+    assert json.loads(docs.read_text())["training"] == other
