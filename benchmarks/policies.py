@@ -62,7 +62,7 @@ GOAL = 1 / 3
 OLD_DEFAULT = "lrfu"  # the default until 2026-12-02 (now lrfu-next), the baseline of "not below"; the JSON key's name
 DEFAULTS = dict(tokens=20480, window=256, budgets="ws/2,1/16,1/8,1/4,1/2", workloads="code,chat",
                 policies="lru,lrfu,lrfu@0.02,lrfu-next", oracles="1,4",
-                horizons="4,16,64")
+                horizons="1,4,16,64")
 QUICK = dict(tokens=1024, window=256, budgets="ws/2,1/8,1/2", workloads="code", policies="lru,lrfu,lrfu-next",
              oracles="1", horizons="4")
 
@@ -130,7 +130,7 @@ def horizon_hit_rate(batches, budget: int, h: int, lam: float = 0.02) -> float:
     hits = total = 0
     for i, (layer, experts) in enumerate(calls):
         now = i // per_token + 1  # ticks count tokens from 1, as simulate's
-        seen = (i // per_token + 1 + h) * per_token  # calls before this one are within the horizon
+        seen = (i // per_token + 1 + h) * per_token  # the calls numbered below `seen` are within the horizon
         rows, missing = [], []
         for e, u in zip(experts, nxt[i]):  # look the call's experts up first: its hits are locked
             key = (layer, e)
