@@ -141,8 +141,8 @@ keys Enter
 wait_for "streaming experts: cache 1.00 MB, 1 worker" "no expert routed yet"
 toast "Re-opening the model"
 
-# 6. One reply (i types): the map fills as experts page in; the summary has the engine's hit rate.
-keys i
+# 6. One reply (the new conversation's message field has the keys): the map fills as experts page in; the summary
+# has the engine's hit rate.
 type_text "def parse_args(argv):"
 keys Enter
 wait_for "processed at" "hits "

@@ -396,6 +396,7 @@ async def test_the_expert_view_shows_what_the_engine_paged_in(model_dir, monkeyp
         await pilot.pause()
         assert screen.options == OPTIONS and screen.query_one("#expert-panel").display
         assert "streaming experts: cache 1.00 MB, 1 worker, lrfu-next" in screen_text(pilot)
+        assert app.focused is screen.chat_input  # the new conversation's first message types straight away
 
         await send(pilot, screen, PROMPTS[0])
         m = screen.experts

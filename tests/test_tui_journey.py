@@ -128,7 +128,8 @@ async def test_source_recipe_convert_chat_profile(tmp_path, monkeypatch):
         assert "streaming experts: cache 1.00 MB, 1 worker, lrfu-next" in screen_text(pilot)
         assert "no expert routed yet; cache 1.00 MB" in screen_text(pilot)
 
-        await pilot.press("i", *PROMPT, "enter")
+        assert app.focused is screen.chat_input  # the new conversation's message field has the keys
+        await pilot.press(*PROMPT, "enter")
         await wait_for(pilot, lambda: screen.last_done is not None and not screen.replying, "the reply")
         await settle(pilot)
         reply = screen.last_done

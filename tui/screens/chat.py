@@ -673,6 +673,7 @@ class ChatScreen(Screen):
             self.options = opts
             self.notify("Re-opening the model with the new streaming settings: a new conversation.")
             self.load()
+            self.call_after_refresh(self.chat_input.focus)  # a new conversation: the next key types its first message
 
         self.app.push_screen(SettingsScreen(self.options), chosen)
 
