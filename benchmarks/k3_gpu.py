@@ -666,7 +666,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             pf = row["prefill"]
             log(f"{row['label']:<28} prefill {row['prefill_tps']:.2f} tok/s ({pf['tokens']} tokens in "
-                f"{pf['seconds']:.2f} s: {pf['misses']} misses, {pf['bytes'] / 1e9:.2f} GB, waiting {pf['stall_s']:.2f} s)")
+                f"{pf['seconds']:.2f} s: {pf['misses']} misses, {pf['bytes'] / 1e9:.2f} GB, "
+                f"waiting {pf['stall_s']:.2f} s)")
             log(f"{row['label']:<28} decode {row['decode_tps']:.3f} tok/s, hit {row['hit_rate']:.1%}, "
                 f"{row['bytes_per_token'] / 1e9:.2f} GB/token, stall {row['stall_share']:.0%}, "
                 f"disk on misses {row['disk_gbps_on_misses'] or 0:.2f} GB/s")

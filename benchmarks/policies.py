@@ -46,7 +46,6 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 from fractions import Fraction  # noqa: E402
@@ -111,6 +110,8 @@ def horizon_hit_rate(batches, budget: int, h: int, lam: float = 0.02) -> float:
     call within the horizon uses (the smallest LRFU value at `lam` among those), else the one used last within it.
     With `h` past the trace's end it is Belady's MIN (streaming.belady_hit_rate); it asks how far ahead a policy would
     have to see to close a given share of the gap."""
+    from tqbench.stream.cache import one_more_access
+
     calls = [c for token in batches for c in token]
     per_token = len(batches[0]) if batches else 1
     never = len(calls) + 1
@@ -135,11 +136,7 @@ def horizon_hit_rate(batches, budget: int, h: int, lam: float = 0.02) -> float:
         for e, u in zip(experts, nxt[i]):  # look the call's experts up first: its hits are locked
             key = (layer, e)
             old = lrfu.get(key)
-            if old is None:
-                log_c = 0.0
-            else:
-                decayed = old[0] - lam * (now - old[1])
-                log_c = math.log2(1.0 + 2.0 ** decayed) if decayed > -60 else 0.0
+            log_c = 0.0 if old is None else one_more_access(old[0], now - old[1], lam)
             lrfu[key] = (log_c, now)
             row = row_of.get(key)
             if row is None:
@@ -163,6 +160,14 @@ def horizon_hit_rate(batches, budget: int, h: int, lam: float = 0.02) -> float:
             rows.append(row)
         locked[rows] = False
     return hits / max(1, total)
+
+
+def token_counts(flag: str, spec) -> list[int]:
+    """`--oracles` / `--horizons`: comma-separated token counts >= 0 (may be empty)."""
+    parts = [x.strip() for x in str(spec).split(",") if x.strip()]
+    if not all(x.isdigit() for x in parts):
+        raise SystemExit(f"{flag} {spec}: comma-separated whole numbers of tokens (like 1,4,16)")
+    return [int(x) for x in parts]
 
 
 def parse_budgets(spec: str, expert_layers: int, working_set: int, k: int) -> list[tuple[str, int]]:
@@ -226,8 +231,8 @@ def replay(name: str, trace: np.ndarray, info: dict, cfg: dict) -> dict:
     working_set = len(layers) * k
     batches = batches_of(trace, layers)
     policies = [p.strip() for p in cfg["policies"].split(",") if p.strip()]
-    oracles = [int(h) for h in str(cfg["oracles"]).split(",") if str(h).strip()]
-    horizons = [int(h) for h in str(cfg.get("horizons", "")).split(",") if str(h).strip()]
+    oracles = token_counts("--oracles", cfg["oracles"])
+    horizons = token_counts("--horizons", cfg.get("horizons", ""))
     rows = []
     for label, b in parse_budgets(cfg["budgets"], expert_layers, working_set, k):
         t0 = time.perf_counter()
@@ -298,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
     a = p.parse_args(argv)
     cfg = sizes(a, DEFAULTS, QUICK)
+    token_counts("--oracles", cfg["oracles"]), token_counts("--horizons", cfg["horizons"])  # before any tracing
     t_start = time.perf_counter()
     work = a.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -353,11 +353,20 @@ def test_belady_within_a_horizon_is_belady_past_the_trace_and_the_rest_of_the_to
             h0 = b.horizon_hit_rate(batches, budget, 0)
             assert h0 == b.oracle_hit_rate(batches, budget, 0)
             assert h0 - 1e-12 <= b.horizon_hit_rate(batches, budget, 4) <= belady + 1e-12
+    assert b.token_counts("--horizons", "1, 4,16") == [1, 4, 16] and b.token_counts("--oracles", "") == []
     cfg = dict(budgets="ws,1/2", policies="lru", oracles="", horizons="2")
     w = b.replay("t", trace, dict(moe_layers=[0, 1], num_experts=12), cfg)
     for r in w["rows"]:
         assert r["belady-2"] == b.horizon_hit_rate(batches, r["budget"], 2)
         assert r["gap_closed"]["belady-2"] == pytest.approx((r["belady-2"] - r["lru"]) / (r["belady"] - r["lru"]))
+
+
+def test_policies_script_refuses_a_bad_horizon_before_tracing_anything(tmp_path):
+    b = _script()
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit, match=r"^--horizons 1,x: comma-separated whole numbers of tokens"):
+        b.main(["--quick", "--horizons", "1,x", "--work", str(tmp_path / "work"), "--out", str(out)])
+    assert not out.exists() and not (tmp_path / "work").exists()
 
 
 # ---- in the streamer -------------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ from pathlib import Path
 from tqbench.demo.writer import build_atomically
 from tqbench.paths import cache_dir
 
-DEMO_VERSION = 8  # bump whenever the shipped demo's bytes change: the cached copy is found by this name (7: a candidate never shipped)
+# bump whenever the shipped demo's bytes change: the cached copy is found by this name (7 named a candidate that
+# was never shipped)
+DEMO_VERSION = 8
 SHIPPED_DEMO = Path(__file__).parent / "checkpoint"  # the trained demo checkpoint inside the package
 
 

@@ -29,6 +29,13 @@ import numpy as np
 Key = tuple[int, int]  # (layer, expert)
 
 
+def one_more_access(log_c: float, age: int, lam: float) -> float:
+    """log2 of an LRFU combined value after one more access: 2^log_c decayed by 2^(-lam * age), plus 1 (C = 1 once the
+    decayed history is below 2^-60)."""
+    decayed = log_c - lam * age
+    return math.log2(1.0 + 2.0 ** decayed) if decayed > -60 else 0.0
+
+
 def seed_values(weights: dict[Hashable, float], known) -> dict[Hashable, float]:
     """log2 of a seeded combined value for each key with positive weight and no history in `known`: the heaviest
     counts as 8 accesses, the others in proportion."""
@@ -108,9 +115,7 @@ class LRFU(_OneByOne):
         if old is None:
             log_c = 0.0  # C = 1
         else:
-            log_c0, t0 = old
-            decayed = log_c0 - self.lam * (now - t0)  # log2 of C * 2^(-lam * age)
-            log_c = math.log2(1.0 + 2.0 ** decayed) if decayed > -60 else 0.0
+            log_c = one_more_access(old[0], now - old[1], self.lam)
         self._state[key] = (log_c, now)
         self._resident.add(key)
         self._cold.discard(key)
@@ -352,11 +357,8 @@ class NextLRFU:
         if old is None:
             log_c = log_s = 0.0
         else:
-            log_c0, t0 = old
-            decayed = log_c0 - self.lam * (now - t0)
-            log_c = math.log2(1.0 + 2.0 ** decayed) if decayed > -60 else 0.0
-            decayed = self._slow[key] - self.lam_slow * (now - t0)
-            log_s = math.log2(1.0 + 2.0 ** decayed) if decayed > -60 else 0.0
+            log_c = one_more_access(old[0], now - old[1], self.lam)
+            log_s = one_more_access(self._slow[key], now - old[1], self.lam_slow)
         self._state[key] = (log_c, now)
         self._slow[key] = log_s
         if now > self._now:
