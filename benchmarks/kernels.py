@@ -249,14 +249,18 @@ def main() -> int:
     ap.add_argument("--chain", type=int, default=200, help="products per timed evaluation")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--cuda-build", choices=["nvrtc", "mlx"], default="nvrtc",
+                    help="CUDA kernels compiled once per machine by NVRTC (the default) or by mx.fast.cuda_kernel")
     args = ap.parse_args()
+    K.CUDA_BUILD = args.cuda_build
     if args.quick:
         args.chain, args.repeats = 50, 5
     if K.default_backend() is None:
         print("no GPU backend with fused kernels (CUDA or Metal) on the default device", file=sys.stderr)
         return 2
     info = dict(mlx=mx.__version__, backend=K.default_backend(), python=platform.python_version(),
-                device=str(mx.default_device()), chain=args.chain, repeats=args.repeats, group=GROUP)
+                device=str(mx.default_device()), chain=args.chain, repeats=args.repeats, group=GROUP,
+                cuda_build=args.cuda_build)
     try:
         info["device_info"] = {k: str(v) for k, v in mx.device_info().items()}
     except Exception:  # noqa: BLE001
@@ -281,6 +285,11 @@ def main() -> int:
                 print(f"| {op} | {r['out']}x{r['n']} | {r['format']} g{r['group']} vs affine {r['affine_bits']}-bit "
                       f"| {r['tq_s'] * 1e6:.2f} | {r['affine_bf16_s'] * 1e6:.2f} | {r['ratio']:.2f} "
                       f"| {r['tq_gbps']:.0f} | {r['affine_gbps']:.0f} |")
+    from tqbench.cubin import STATS
+    info.update(nvrtc=dict(compiled=STATS.compiled, compile_s=STATS.compile_s, loaded=STATS.loaded),
+                nvrtc_error=K.NVRTC_ERROR)
+    print(f"kernels built: {K._compiled.cache_info().currsize}; NVRTC compiled {STATS.compiled} in {STATS.compile_s:.1f} s,"
+          f" loaded {STATS.loaded}" + (f"; NVRTC error: {K.NVRTC_ERROR}" if K.NVRTC_ERROR else ""))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(info=info, worst_rel_error=worst, results=results), f, indent=1)

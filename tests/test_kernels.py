@@ -222,14 +222,20 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel e
 
 
 def _emulator(spec: K.Spec, dialect: str) -> Path:
-    header, body = K.kernel_source(spec, dialect)
-    half, dev = ("__half", "") if dialect == "cuda" else ("half", "device ")
-    params = f"const {dev}float* x, const {dev}uint32_t* w, const {dev}{half}* scales, const {dev}{half}* codebook, "
-    if spec.gather:
-        params += f"const {dev}uint32_t* {'indices' if spec.xdiv else 'pairs'}, "
-    params += f"{dev}float* y"
-    src = (_SHIM + header + f"\nstatic void kern({params}) {{\n{body}}}\n"
-           + _DRIVER.replace("HALF", half).replace("SEL", "sel.data()," if spec.gather else ""))
+    """CUDA: the whole NVRTC program (`cuda_program`: prelude, 16-bit widening, parameter list); Metal: the body inside
+    a function with mx.fast.metal_kernel's parameters."""
+    if dialect == "cuda":
+        src = (_SHIM + "#define __global__\n" + K.cuda_program(spec, "kern")
+               + _DRIVER.replace("HALF", "tq_half").replace("SEL", "sel.data()," if spec.gather else ""))
+    else:
+        header, body = K.kernel_source(spec, dialect)
+        params = "const device float* x, const device uint32_t* w, const device half* scales, "
+        params += "const device half* codebook, "
+        if spec.gather:
+            params += f"const device uint32_t* {'indices' if spec.xdiv else 'pairs'}, "
+        params += "device float* y"
+        src = (_SHIM + header + f"\nstatic void kern({params}) {{\n{body}}}\n"
+               + _DRIVER.replace("HALF", "half").replace("SEL", "sel.data()," if spec.gather else ""))
     _EMU_DIR.mkdir(exist_ok=True)
     exe = _EMU_DIR / hashlib.sha1(src.encode()).hexdigest()[:16]
     if not exe.exists():
@@ -242,7 +248,7 @@ def _emulator(spec: K.Spec, dialect: str) -> Path:
 
 
 def _emulated(dialect: str):
-    """A stand-in for K._compiled: a callable with mx.fast kernels' call signature that runs the emulation."""
+    """A stand-in for K.compiled: a callable with mx.fast kernels' call signature that runs the emulation."""
 
     def compiled(spec: K.Spec, backend: str):
         exe = _emulator(spec, dialect)
@@ -279,11 +285,62 @@ def _case(levels, group, n, out, experts=1, key=0, symmetric=False):
 
 
 @needs_gxx
+def test_cuda_prelude_widens_every_16_bit_pattern_exactly(tmp_path) -> None:
+    """The NVRTC program's own float16 / bfloat16 widening (its integer path, compiled here by g++) against numpy, bit
+    for bit over all 65,536 patterns (NaNs compared as NaN)."""
+    src = ("#include <cstdio>\n#include <cstring>\n#define __device__\n#define __forceinline__\n"
+           "static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }\n"
+           + K._CUDA_PRELUDE +
+           "int main() { for (unsigned b = 0; b < 65536u; ++b) { tq_half h{(unsigned short)b}; tq_bf16 g{(unsigned short)b};"
+           " float v[2] = {tq_half2float(h), tq_bf162float(g)}; fwrite(v, 4, 2, stdout); } return 0; }\n")
+    (tmp_path / "p.cpp").write_text(src)
+    subprocess.run(["g++", "-O1", "-o", str(tmp_path / "p"), str(tmp_path / "p.cpp")], check=True)
+    got = np.frombuffer(subprocess.run([str(tmp_path / "p")], capture_output=True, check=True).stdout,
+                        np.float32).reshape(-1, 2)
+    bits = np.arange(65536, dtype=np.uint32)
+    want_half = bits.astype(np.uint16).view(np.float16).astype(np.float32)
+    want_bf16 = (bits << 16).view(np.float32)
+    for g, w in ((got[:, 0], want_half), (got[:, 1], want_bf16)):
+        nan = np.isnan(w)
+        assert np.array_equal(np.isnan(g), nan)
+        assert np.array_equal(g[~nan].view(np.uint32), w[~nan].view(np.uint32))
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="needs a machine without a CUDA driver")
+def test_without_nvrtc_or_a_driver_mlx_builds_the_cuda_kernels(monkeypatch) -> None:
+    """Where the NVRTC build cannot run (here: no CUDA driver), the reason is kept once and MLX's own cuda_kernel
+    builds every kernel from then on (on this CPU build of MLX that refuses too: no CUDA back-end)."""
+    monkeypatch.setattr(K, "NVRTC_ERROR", None)
+    with pytest.raises(RuntimeError, match="No CUDA back-end"):
+        K.compiled(K.make_spec(8, 64, 896, 48, 1, 1, False), "cuda")
+    assert K.NVRTC_ERROR is not None and "libcuda" in K.NVRTC_ERROR
+
+    def never(spec):
+        raise AssertionError("NVRTC tried again")
+
+    monkeypatch.setattr(K, "_precompiled", never)
+    with pytest.raises(RuntimeError, match="No CUDA back-end"):
+        K.compiled(K.make_spec(8, 64, 896, 48, 1, 2, False), "cuda")
+
+
+def test_cuda_program_takes_the_inputs_in_order_and_16_bit_types() -> None:
+    spec = K.make_spec(3, 64, 896, 48, 6, 1, True, "bfloat16", "float32", pairs=6, xdiv=3)
+    src = K.cuda_program(spec, "tq_k")
+    assert ('extern "C" __global__ void tq_k(const float* x, const tq_u32* w, const tq_bf16* scales, '
+            'const float* codebook, const tq_u32* indices, float* y)') in src
+    assert K.input_names(spec) == ["x", "w", "scales", "codebook", "indices"]
+    plain = K.make_spec(8, 64, 896, 48, 1, 2, False)
+    assert "void tq_k(const float* x, const tq_u32* w, const tq_half* scales, const tq_half* codebook, float* y)" \
+        in K.cuda_program(plain, "tq_k")
+    assert "#include" not in src  # NVRTC compiles it with no include paths
+
+
+@needs_gxx
 @pytest.mark.parametrize("dialect", ["cuda", "metal"])
 @pytest.mark.parametrize("levels", [3, 4, 8, 16])
 def test_emulated_matvec_matches_reference(monkeypatch, dialect, levels) -> None:
     """n=896: 3-bit rows of 90 words and ternary rows of 45 (misaligned), 5.6 units of 160 codes (a partial one)."""
-    monkeypatch.setattr(K, "_compiled", _emulated(dialect))
+    monkeypatch.setattr(K, "compiled", _emulated(dialect))
     group = {3: 64, 4: 32, 8: 128, 16: 64}[levels]
     w, s, cb = _case(levels, group, 896, 48, key=levels)
     for rows in (1, 3):
@@ -299,7 +356,7 @@ def test_emulated_matvec_matches_reference(monkeypatch, dialect, levels) -> None
 def test_emulated_symmetric_codebook_and_row_misalignment(monkeypatch, levels) -> None:
     """The published (symmetric) codebooks take the ternary fast path; n=384 gives 3-bit rows of 39 words
     (every misalignment 0..3 within a tile) and 6 rows of W per tile tail."""
-    monkeypatch.setattr(K, "_compiled", _emulated("cuda"))
+    monkeypatch.setattr(K, "compiled", _emulated("cuda"))
     w, s, cb = _case(levels, 128, 384, 44, key=9, symmetric=True)
     x = mx.random.normal((2, 384), key=mx.random.key(5))
     assert _rel(K.fused_matmul(x, w[0], s[0], cb, "cuda"), ref.matmul(x, w[0], s[0], cb)) < 1e-5
@@ -310,7 +367,7 @@ def test_emulated_symmetric_codebook_and_row_misalignment(monkeypatch, levels) -
 def test_emulated_gather_matches_reference(monkeypatch, levels) -> None:
     """SwitchGLU's two shapes (x shared by a token's experts; x per expert) and a general broadcast (explicit
     pairs), with 6 rows of x split over two launches."""
-    monkeypatch.setattr(K, "_compiled", _emulated("metal" if levels == 3 else "cuda"))
+    monkeypatch.setattr(K, "compiled", _emulated("metal" if levels == 3 else "cuda"))
     w, s, cb = _case(levels, 32, 640, 40, experts=5, key=2)
     idx = mx.array([[4, 0, 2], [1, 1, 3]], dtype=mx.uint32)
     for xshape in ((2, 1, 1, 640), (2, 3, 1, 640), (1, 3, 1, 640), (2, 3, 6, 640)):
@@ -330,7 +387,7 @@ def test_emulated_gather_matches_reference(monkeypatch, levels) -> None:
                                            (3, dict(prefetch=True, xpre=True)), (8, dict(prefetch=False))])
 def test_emulated_layouts(monkeypatch, levels, layout) -> None:
     """Other layouts; out=44 leaves a tile of 8 rows half past the last row."""
-    monkeypatch.setattr(K, "_compiled", _emulated("cuda"))
+    monkeypatch.setattr(K, "compiled", _emulated("cuda"))
     w, s, cb = _case(levels, 32, 640, 44, key=4)
     x = mx.random.normal((2, 640), key=mx.random.key(1))
     assert _rel(K.fused_matmul(x, w[0], s[0], cb, "cuda", **layout), ref.matmul(x, w[0], s[0], cb)) < 1e-5

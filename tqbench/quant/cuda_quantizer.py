@@ -9,27 +9,19 @@ digits for ternary, b-bit fields otherwise, LSB first, as turboquant.pack) and s
 Boundaries and levels are written into the source as exact float32 bit patterns; the rows and their length are
 arguments, so one kernel serves every matrix of a codebook and group size.
 
-Compiling: `mx.fast.cuda_kernel` compiles its source with MLX's device headers on every process start (2-5 s a
-kernel on an H200, and MLX 0.32 keeps no disk copy of custom kernels), which alone made a small conversion 4x slower.
-So the kernel is plain CUDA C with no includes, compiled once by NVRTC (the library MLX's CUDA build loads anyway)
-for the GPU's architecture, kept as a cubin under tqbench's cache directory, and launched with
-`mx.fast.precompiled_cuda_kernel`.
+Compiling: `mx.fast.cuda_kernel` would compile it with MLX's device headers on every process start, which alone made
+a small conversion 4x slower; so it is plain CUDA C compiled once per machine (`tqbench.cubin`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import math
-import os
-import re
-import tempfile
 from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 
-from tqbench.paths import cache_dir
+from tqbench.cubin import cached_cubin
 
 THREADS = 256
 KERNEL = "tq_quantize"
@@ -79,93 +71,10 @@ def kernel_source(book: tuple[float, ...], bounds: tuple[float, ...], group: int
     return "\n".join(L) + "\n"
 
 
-# --- NVRTC and the driver, through ctypes -------------------------------------------------------------------------
-
-
-def _loaded(stem: str) -> str | None:
-    """The path of a shared library this process already mapped (MLX's CUDA build maps NVRTC's), if any."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1]
-                if re.search(rf"/{stem}\.so[.\d]*$", path):
-                    return path
-    except OSError:
-        pass
-    return None
-
-
-@lru_cache(maxsize=1)
-def _nvrtc() -> ctypes.CDLL:
-    for name in filter(None, [_loaded("libnvrtc"), "libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise RuntimeError("the cuda quantizer kernel needs NVRTC (libnvrtc), which MLX's CUDA build ships; not found")
-
-
-def _architecture() -> str:
-    """sm_XY of GPU 0."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuInit(0)
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    if (cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, 0) or  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
-            cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, 0)):  # ..._MINOR
-        raise RuntimeError("could not read the GPU's compute capability from the CUDA driver")
-    return f"sm_{major.value}{minor.value}"
-
-
-def compile_cubin(source: str, arch: str) -> bytes:
-    """Compile CUDA C to a cubin for `arch` with NVRTC; a compile error raises with NVRTC's log."""
-    lib = _nvrtc()
-    prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"tq_quantize.cu", 0, None, None):
-        raise RuntimeError("nvrtcCreateProgram failed")
-    try:
-        opts = (ctypes.c_char_p * 1)(f"--gpu-architecture={arch}".encode())
-        if lib.nvrtcCompileProgram(prog, 1, opts):
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value + 1)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC could not compile the quantizer kernel: {log.value.decode(errors='replace')}")
-        size = ctypes.c_size_t()
-        if lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)):
-            raise RuntimeError(f"NVRTC gave no cubin for {arch}")
-        out = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetCUBIN(prog, out)
-        return out.raw
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
 @lru_cache(maxsize=16)
 def _cubin(book: tuple[float, ...], bounds: tuple[float, ...], group: int, per: int) -> tuple[str, bytes]:
-    """(the kernel's name, its cubin), compiled once per architecture and NVRTC version, then read from the cache.
-
-    The name is unique to the source: MLX keeps one module per kernel name in a process."""
-    arch = _architecture()
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-    generic = kernel_source(book, bounds, group, per)
-    key = hashlib.sha1(f"{arch} nvrtc {major.value}.{minor.value}\n{generic}".encode()).hexdigest()[:16]
-    name = f"{KERNEL}_l{len(book)}_g{group}_{key}"
-    path = cache_dir() / "cuda" / f"{name}.cubin"
-    try:
-        return name, path.read_bytes()
-    except OSError:
-        pass
-    cubin = compile_cubin(kernel_source(book, bounds, group, per, name), arch)
-    try:  # the cache is a convenience: where it cannot be written, each process compiles once (~0.1 s)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(cubin)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return name, cubin
+    """(the kernel's name, its cubin): compiled once per machine, then read from tqbench's cache (`tqbench.cubin`)."""
+    return cached_cubin(f"{KERNEL}_l{len(book)}_g{group}", lambda name: kernel_source(book, bounds, group, per, name))
 
 
 def quantize_rows(x: mx.array, scales: mx.array, book: tuple[float, ...], bounds: tuple[float, ...], group: int,

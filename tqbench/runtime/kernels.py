@@ -3,8 +3,10 @@ else the pure-MLX reference (tqbench.runtime.codebook).
 
 The fused kernels are codebook matrix-vector products for decode and tiny batches (up to MAX_ROWS rows of x). They
 read the packed codes directly and never materialise float weights. One template, `kernel_source`, writes the
-kernel for either dialect: CUDA for `mx.fast.cuda_kernel` and Metal for `mx.fast.metal_kernel` differ only in
-spellings (thread indices, warp / simdgroup shuffles, shared / threadgroup memory, casts).
+kernel for either dialect: CUDA and Metal differ only in spellings (thread indices, warp / simdgroup shuffles,
+shared / threadgroup memory, casts). Metal builds it with `mx.fast.metal_kernel`; CUDA wraps it into a whole program
+compiled once per machine by NVRTC (`cuda_program`, `tqbench.cubin`): `mx.fast.cuda_kernel` would compile every
+kernel shape again in every process.
 
 Kernel design (docs: benchmarks/README.md, "Fused TurboQuant kernels"):
 - A *unit* is the smallest run of whole words that holds a whole number of 32-code *blocks*: 4 words (4-bit), 2
@@ -43,6 +45,7 @@ from typing import Callable, TextIO
 
 import mlx.core as mx
 
+from tqbench.cubin import cached_cubin
 from tqbench.runtime import codebook as ref
 
 MAX_ROWS = 8  # rows of x (decode and tiny batches) up to which the fused kernel serves a product
@@ -518,16 +521,83 @@ def kernel_name(spec: Spec, dialect: str) -> str:
 
 INPUTS = ("x", "w", "scales", "codebook")
 
+# How CUDA kernels are built: "nvrtc" (`cuda_program`, compiled once per machine) or "mlx" (`mx.fast.cuda_kernel`,
+# compiled with MLX's headers in every process: kept so that benchmarks/compile_time.py measures the difference).
+CUDA_BUILD = "nvrtc"
+
+# Built with no includes: 16-bit floats arrive as their bits and are widened as cuda_fp16.h / cuda_bf16.h would
+# (the integer path where no GPU compiles it: the tests' CPU emulation).
+_CUDA_PRELUDE = r"""struct tq_half { unsigned short bits; };
+struct tq_bf16 { unsigned short bits; };
+__device__ __forceinline__ float tq_half2float(tq_half h) {
+#if defined(__CUDA_ARCH__)
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits)); return f;
+#else
+  const unsigned int s = ((unsigned int)h.bits & 0x8000u) << 16, e = (h.bits >> 10) & 31u, m = h.bits & 1023u;
+  if (e == 31u) return __uint_as_float(s | 0x7f800000u | (m << 13));
+  if (e == 0u) { const float v = (float)m * 5.9604644775390625e-08f; return s ? -v : v; }  // m * 2^-24, exact
+  return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
+#endif
+}
+__device__ __forceinline__ float tq_bf162float(tq_bf16 h) { return __uint_as_float(((unsigned int)h.bits) << 16); }
+#define __half2float tq_half2float
+#define __bfloat162float tq_bf162float
+"""
+_CUDA_TYPES = {"float16": "tq_half", "bfloat16": "tq_bf16", "float32": "float"}
+
+
+def input_names(spec: Spec) -> list[str]:
+    return list(INPUTS) + ((["indices"] if spec.xdiv else ["pairs"]) if spec.gather else [])
+
+
+def cuda_program(spec: Spec, name: str) -> str:
+    """The whole CUDA C source of kernel `name` for `spec`: `kernel_source`'s body as an extern "C" function taking
+    the inputs in `input_names` order, then the output y (what `mx.fast.precompiled_cuda_kernel` passes)."""
+    header, body = kernel_source(spec, "cuda")
+    types = dict(x="const float*", w="const tq_u32*", scales=f"const {_CUDA_TYPES[spec.scale_dtype]}*",
+                 codebook=f"const {_CUDA_TYPES[spec.book_dtype]}*", indices="const tq_u32*", pairs="const tq_u32*")
+    params = ", ".join([f"{types[n]} {n}" for n in input_names(spec)] + ["float* y"])
+    return f'{_CUDA_PRELUDE}{header}extern "C" __global__ void {name}({params}) {{\n{body}}}\n'
+
+
+def _precompiled(spec: Spec):
+    """A callable with mx.fast kernels' call signature that launches the NVRTC-built cubin of `spec`."""
+    launch = mx.fast.precompiled_cuda_kernel  # an MLX without it raises AttributeError: MLX builds the kernels
+    name, cubin = cached_cubin(kernel_name(spec, "cuda"), lambda nm: cuda_program(spec, nm))
+
+    def call(inputs, grid, threadgroup, output_shapes, output_dtypes):
+        return launch(name=name, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
+                      output_dtypes=output_dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
+                      ensure_row_contiguous=True)
+
+    return call
+
 
 @functools.lru_cache(maxsize=256)
-def _compiled(spec: Spec, dialect: str):
+def _compiled(spec: Spec, dialect: str, build: str):
+    if dialect == "cuda" and build == "nvrtc":
+        return _precompiled(spec)
     header, body = kernel_source(spec, dialect)
-    names = list(INPUTS) + ((["indices"] if spec.xdiv else ["pairs"]) if spec.gather else [])
+    names = input_names(spec)
     if dialect == "cuda":
         return mx.fast.cuda_kernel(name=kernel_name(spec, dialect), input_names=names, output_names=["y"],
                                    source=body, header=header)
     return mx.fast.metal_kernel(name=kernel_name(spec, dialect), input_names=names, output_names=["y"],
                                 source=body, header=header)
+
+
+NVRTC_ERROR: str | None = None  # why NVRTC could not build a kernel in this process (then MLX builds them)
+
+
+def compiled(spec: Spec, dialect: str):
+    """The kernel for `spec`, built once per process (and, on CUDA, compiled once per machine)."""
+    global NVRTC_ERROR
+    if dialect == "cuda" and CUDA_BUILD == "nvrtc" and NVRTC_ERROR is None:
+        try:
+            return _compiled(spec, dialect, "nvrtc")
+        except (RuntimeError, OSError, AttributeError) as e:  # no NVRTC, no driver, an MLX without precompiled kernels
+            NVRTC_ERROR = f"{type(e).__name__}: {str(e).strip()[:300]}"
+    return _compiled(spec, dialect, "mlx")
 
 
 def choose_layout(levels: int, n: int, out: int, pairs: int = 1) -> dict:
@@ -572,7 +642,7 @@ def fused_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: 
         spec = make_spec(levels, group, n, out, 1, xs.shape[0], False, _dtype_name(scales), _dtype_name(codebook),
                          **layout)
         grid, tg = spec.grid(1)
-        y = _compiled(spec, backend)(inputs=[xs, weight, scales, codebook], grid=grid, threadgroup=tg,
+        y = compiled(spec, backend)(inputs=[xs, weight, scales, codebook], grid=grid, threadgroup=tg,
                                      output_shapes=[(1, xs.shape[0], out)], output_dtypes=[mx.float32])[0]
         parts.append(y.reshape(xs.shape[0], out))
     y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
@@ -618,7 +688,7 @@ def fused_gather(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: 
         spec = make_spec(levels, group, n, out, experts, mb, True, _dtype_name(scales), _dtype_name(codebook),
                          pairs=npairs, xdiv=xdiv, **layout)
         grid, tg = spec.grid(npairs)
-        y = _compiled(spec, backend)(inputs=[xs, weight, scales, codebook, sel], grid=grid, threadgroup=tg,
+        y = compiled(spec, backend)(inputs=[xs, weight, scales, codebook, sel], grid=grid, threadgroup=tg,
                                      output_shapes=[(npairs, mb, out)], output_dtypes=[mx.float32])[0]
         parts.append(y)
     y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
