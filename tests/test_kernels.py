@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -321,6 +322,21 @@ def test_without_nvrtc_or_a_driver_mlx_builds_the_cuda_kernels(monkeypatch) -> N
     monkeypatch.setattr(K, "_precompiled", never)
     with pytest.raises(RuntimeError, match="No CUDA back-end"):
         K.compiled(K.make_spec(8, 64, 896, 48, 1, 2, False), "cuda")
+
+
+def test_mlx_keeps_its_cuda_kernels_in_tqbench_cache_unless_the_user_chose(tmp_path) -> None:
+    """MLX reads MLX_PTX_CACHE_DIR at its first run-time compile: importing tqbench points it at a folder per MLX
+    version under tqbench's cache (MLX's default, /tmp, is emptied by a reboot), and leaves a user's choice alone."""
+    from importlib.metadata import version
+
+    code = "import os, tqbench; print(os.environ['MLX_PTX_CACHE_DIR'])"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"}
+    env["TQBENCH_CACHE_DIR"] = str(tmp_path / "cache")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(tmp_path / "cache" / "cuda" / f"mlx-{version('mlx')}" / "ptx")
+    env["MLX_PTX_CACHE_DIR"] = str(tmp_path / "mine")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(tmp_path / "mine")
 
 
 def test_cuda_program_takes_the_inputs_in_order_and_16_bit_types() -> None:
