@@ -643,7 +643,7 @@ def fused_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: 
                          **layout)
         grid, tg = spec.grid(1)
         y = compiled(spec, backend)(inputs=[xs, weight, scales, codebook], grid=grid, threadgroup=tg,
-                                     output_shapes=[(1, xs.shape[0], out)], output_dtypes=[mx.float32])[0]
+                                    output_shapes=[(1, xs.shape[0], out)], output_dtypes=[mx.float32])[0]
         parts.append(y.reshape(xs.shape[0], out))
     y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
     return y.reshape(*lead, out)
@@ -689,7 +689,7 @@ def fused_gather(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: 
                          pairs=npairs, xdiv=xdiv, **layout)
         grid, tg = spec.grid(npairs)
         y = compiled(spec, backend)(inputs=[xs, weight, scales, codebook, sel], grid=grid, threadgroup=tg,
-                                     output_shapes=[(npairs, mb, out)], output_dtypes=[mx.float32])[0]
+                                    output_shapes=[(npairs, mb, out)], output_dtypes=[mx.float32])[0]
         parts.append(y)
     y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
     return y.reshape(*bshape, m, out)
