@@ -12,6 +12,7 @@
   HBM, not L2 (the graph is built before the clock starts, so Python's cost is not timed), repeated; the median
   per product is reported, and each ratio is against the affine time measured in the same run.
 - `--variants`: also times other kernel layouts (rows per lane, lanes per row tile, warps per threadgroup).
+- `--launch-cost`: whether a launch of the NVRTC build costs the cubin it carries (`launch_cost`).
 
 Needs only numpy and mlx (plus this repository on PYTHONPATH).
 """
@@ -29,6 +30,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from tqbench.cubin import cached_cubin
 from tqbench.quant.turboquant import codebook as published_codebook
 from tqbench.runtime import codebook as ref
 from tqbench.runtime import kernels as K
@@ -239,6 +241,48 @@ def check(results: list, quick: bool = False) -> float:
     return worst
 
 
+def launch_cost(results: list, chain: int, repeats: int) -> None:
+    """Is a precompiled launch's cost the cubin it carries? One 7168x4096 matvec per format, a chain of `chain`
+    launches on one weight: built and evaluated with the cubin on every launch (as tqbench launches), against the same
+    launches carrying an empty cubin once the module is loaded (MLX keeps a loaded module by name and reads the
+    source only to load it); graph-building and evaluation timed apart. CUDA's NVRTC build only."""
+    if K.default_backend() != "cuda" or K.CUDA_BUILD != "nvrtc":
+        return
+    out, n = 7168, 4096
+    x = mx.random.normal((1, n), key=mx.random.key(3))
+    for name, levels, _ in FORMATS:
+        w, s, cb = tq_weights(levels, out, n, (), key=500)
+        spec = K.make_spec(levels, GROUP, n, out, 1, 1, False, "float16", "float16")
+        grid, tg = spec.grid(1)
+        mx.eval(K.compiled(spec, "cuda")(inputs=[x, w, s, cb], grid=grid, threadgroup=tg, output_shapes=[(1, 1, out)],
+                                         output_dtypes=[mx.float32])[0])  # MLX now holds the module
+        kname, cubin = cached_cubin(K.kernel_name(spec, "cuda"), lambda nm: K.cuda_program(spec, nm))
+        row = dict(kind="launch_cost", format=name, out=out, n=n, cubin_bytes=len(cubin))
+        for label, source in (("with_cubin", cubin), ("empty_source", b"")):
+            build, run = [], []
+            try:
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    ys = [mx.fast.precompiled_cuda_kernel(
+                        name=kname, compiled_source=source, inputs=[x, w, s, cb], output_shapes=[(1, 1, out)],
+                        output_dtypes=[mx.float32], scalars=[], grid=grid, threadgroup=tg,
+                        ensure_row_contiguous=True)[0] for _ in range(chain)]
+                    t1 = time.perf_counter()
+                    mx.eval(ys)
+                    t2 = time.perf_counter()
+                    del ys
+                    build.append((t1 - t0) / chain)
+                    run.append((t2 - t1) / chain)
+            except Exception as e:  # noqa: BLE001 - an MLX that refuses an empty source: say so, keep the rest
+                row[f"{label}_error"] = f"{type(e).__name__}: {e}"[:300]
+                continue
+            row[f"{label}_build_s"] = statistics.median(build)
+            row[f"{label}_eval_s"] = statistics.median(run)
+        results.append(row)
+        print(f"launch cost {name}: " + json.dumps({k: v for k, v in row.items() if k not in ("kind", "out", "n")}),
+              flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="JSON file for the results")
@@ -249,6 +293,8 @@ def main() -> int:
     ap.add_argument("--chain", type=int, default=200, help="products per timed evaluation")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--launch-cost", action="store_true",
+                    help="time precompiled launches with their cubin against launches once the module is loaded")
     ap.add_argument("--cuda-build", choices=["nvrtc", "mlx"], default="nvrtc",
                     help="CUDA kernels compiled once per machine by NVRTC (the default) or by mx.fast.cuda_kernel")
     args = ap.parse_args()
@@ -271,6 +317,8 @@ def main() -> int:
         t = time.time()
         worst = check(results, quick=not args.check)
         print(f"correctness: worst relative error {worst:.2e} ({time.time() - t:.0f} s)", flush=True)
+    if args.launch_cost:
+        launch_cost(results, args.chain, args.repeats)
     if not args.skip_timing:
         t = time.time()
         bench_matvec(args, results, args.variants)
