@@ -190,16 +190,19 @@ class ProfileScreen(Screen):
         table = self.query_one("#coverage", DataTable)
         table.clear(columns=True)
         keys = list(doc["coverage"])
-        for name in ("layer", "decode", "prefill", "used", *[f"{k}%" for k in keys]):
-            table.add_column(name)
-        table.add_column("hottest (share)")
-        for x in doc["layers"]:
-            table.add_row(str(x["layer"]), number(x["decode"]), number(x["prefill"]), f"{x['experts_used']:,}",
-                          *[f"{x['coverage'][k]:,}" for k in keys],
-                          ", ".join(f"{e} {s:.1%}" for e, s in x["top"][:3]) or "-")
-        table.add_row("all", number(doc["decode"]), number(doc["prefill"]),  # counts with separators, as decode's
-                      f"{sum(x['experts_used'] for x in doc['layers']):,}",
-                      *[f"{doc['coverage'][k]:,}" for k in keys], f"of {doc['experts']:,} experts")
+        names = ["layer", "decode", "prefill", "used", *[f"{k}%" for k in keys], "hottest (share)"]
+        rows = [[str(x["layer"]), number(x["decode"]), number(x["prefill"]), f"{x['experts_used']:,}",
+                 *[f"{x['coverage'][k]:,}" for k in keys], ", ".join(f"{e} {s:.1%}" for e, s in x["top"][:3]) or "-"]
+                for x in doc["layers"]]
+        rows.append(["all", number(doc["decode"]), number(doc["prefill"]),  # counts with separators, as decode's
+                     f"{sum(x['experts_used'] for x in doc['layers']):,}",
+                     *[f"{doc['coverage'][k]:,}" for k in keys], f"of {doc['experts']:,} experts"])
+        # Widths fixed from the contents (what DataTable's automatic width gives): an automatic width is updated after
+        # the rows arrive, and a row drawn before that kept a cell cut to its header's width on a loaded machine.
+        for i, name in enumerate(names):
+            table.add_column(name, width=max(len(name), *(len(r[i]) for r in rows)))
+        for r in rows:
+            table.add_row(*r)
 
     @on(HeatMap.Moved)
     def _cell_moved(self) -> None:
