@@ -308,13 +308,15 @@ def test_cuda_prelude_widens_every_16_bit_pattern_exactly(tmp_path) -> None:
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="needs a machine without a CUDA driver")
-def test_without_nvrtc_or_a_driver_mlx_builds_the_cuda_kernels(monkeypatch) -> None:
-    """Where the NVRTC build cannot run (here: no CUDA driver), the reason is kept once and MLX's own cuda_kernel
-    builds every kernel from then on (on this CPU build of MLX that refuses too: no CUDA back-end)."""
+def test_without_nvrtc_or_a_driver_mlx_builds_the_cuda_kernels(monkeypatch, capsys) -> None:
+    """Where the NVRTC build cannot run (here: no CUDA driver), the reason is kept and said once, and MLX's own
+    cuda_kernel builds every kernel from then on (on this CPU build of MLX that refuses too: no CUDA back-end)."""
     monkeypatch.setattr(K, "NVRTC_ERROR", None)
     with pytest.raises(RuntimeError, match="No CUDA back-end"):
         K.compiled(K.make_spec(8, 64, 896, 48, 1, 1, False), "cuda")
     assert K.NVRTC_ERROR is not None and "libcuda" in K.NVRTC_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tqbench: NVRTC cannot build the CUDA kernels (OSError: ")
 
     def never(spec):
         raise AssertionError("NVRTC tried again")
@@ -322,6 +324,7 @@ def test_without_nvrtc_or_a_driver_mlx_builds_the_cuda_kernels(monkeypatch) -> N
     monkeypatch.setattr(K, "_precompiled", never)
     with pytest.raises(RuntimeError, match="No CUDA back-end"):
         K.compiled(K.make_spec(8, 64, 896, 48, 1, 2, False), "cuda")
+    assert capsys.readouterr().err == ""  # said once
 
 
 def test_mlx_keeps_its_cuda_kernels_in_tqbench_cache_unless_the_user_chose(tmp_path) -> None:

@@ -596,7 +596,9 @@ def compiled(spec: Spec, dialect: str):
         try:
             return _compiled(spec, dialect, "nvrtc")
         except (RuntimeError, OSError, AttributeError) as e:  # no NVRTC, no driver, an MLX without precompiled kernels
-            NVRTC_ERROR = f"{type(e).__name__}: {str(e).strip()[:300]}"
+            NVRTC_ERROR = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            print(f"tqbench: NVRTC cannot build the CUDA kernels ({NVRTC_ERROR}); MLX builds them instead, again in "
+                  "every process", file=sys.stderr)
     return _compiled(spec, dialect, "mlx")
 
 
