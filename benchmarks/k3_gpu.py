@@ -194,6 +194,8 @@ def child_decode(a: dict) -> None:
     from tqbench.stream.streamer import StreamConfig
     from streaming import _stats  # the streamer's counters, as the streaming benchmark takes them
 
+    from tqbench import cubin
+
     def _counters(st) -> dict:  # and where the misses' time went
         return dict(_stats(st), **{k: getattr(st.stats, k) for k in MISS_TIMES})
 
@@ -219,7 +221,8 @@ def child_decode(a: dict) -> None:
             mx.eval(loaded.model(tok[:, None], cache=cache))
             stall_s = loaded.streamer.stats.stall_s
             loaded.streamer.close()
-            warmups.append(dict(top_k=top_k, seconds=time.perf_counter() - t0, prefill_s=prefill_s, stall_s=stall_s))
+            warmups.append(dict(top_k=top_k, seconds=time.perf_counter() - t0, prefill_s=prefill_s, stall_s=stall_s,
+                                nvrtc=asdict(cubin.STATS)))  # tqbench's kernels compiled (or loaded) so far
             del loaded, cache, tok
             mx.clear_cache()
     for run in a["runs"]:
@@ -653,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
                                        tokens=cfg["tokens"], runs=runs, compile_warmup=True), a.timeout)
         for w in res["warmups"]:
             log(f"compile warm-up (top-k {w['top_k'] or 'native'}): {w['seconds']:.1f} s, of which the prompt "
-                f"{w['prefill_s']:.1f} s, waiting on reads {w['stall_s']:.1f} s (untimed; the runs below follow it)")
+                f"{w['prefill_s']:.1f} s, waiting on reads {w['stall_s']:.1f} s, tqbench's kernels compiled by NVRTC "
+                f"{w['nvrtc']['compiled']} in {w['nvrtc']['compile_s']:.1f} s (untimed; the runs below follow it)")
         rows = []
         for r in res["runs"]:
             row = summarize(r)
