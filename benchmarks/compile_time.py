@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     model = doc["model"] = build_model(a.work, spec_kw, cfg, a.timeout)
-    log(f"model: {model['moe_layers']} MoE layers x {model['experts_per_layer']} experts ({model['model_bytes'] / 1e9:.2f}"
-        " GB)" + ("" if model["reused"] else f", built in {model['write_source_s'] + model['convert_s']:.0f} s"))
+    log(f"model: {model['moe_layers']} MoE layers x {model['experts_per_layer']} experts "
+        f"({model['model_bytes'] / 1e9:.2f} GB)" + ("" if model["reused"] else f", built in {model['write_source_s'] + model['convert_s']:.0f} s"))
     save()
     vocab = 256 + spec_kw["bpe_merges"]
     rng = np.random.default_rng(21)

@@ -336,8 +336,8 @@ def main() -> int:
     from tqbench.cubin import STATS
     info.update(nvrtc=dict(compiled=STATS.compiled, compile_s=STATS.compile_s, loaded=STATS.loaded),
                 nvrtc_error=K.NVRTC_ERROR)
-    print(f"kernels built: {K._compiled.cache_info().currsize}; NVRTC compiled {STATS.compiled} in {STATS.compile_s:.1f} s,"
-          f" loaded {STATS.loaded}" + (f"; NVRTC error: {K.NVRTC_ERROR}" if K.NVRTC_ERROR else ""))
+    print(f"kernels built: {K._compiled.cache_info().currsize}; NVRTC compiled {STATS.compiled} in "
+          f"{STATS.compile_s:.1f} s, loaded {STATS.loaded}" + (f"; NVRTC error: {K.NVRTC_ERROR}" if K.NVRTC_ERROR else ""))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(info=info, worst_rel_error=worst, results=results), f, indent=1)

@@ -73,7 +73,8 @@ def main() -> int:
     header, body = K.kernel_source(spec, "cuda")
     mlx_like = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + header
                 + "namespace mlx { namespace core { namespace cu {\n__global__ void custom_kernel_tq(const float* x, "
-                "const unsigned int* w, const __half* scales, const __half* codebook, float* y) {\n" + body + "}\n}}}\n")
+                "const unsigned int* w, const __half* scales, const __half* codebook, float* y) {\n"
+                + body + "}\n}}}\n")
     arch = f"--gpu-architecture={a.arch}"
     for name, source, options in (("A tqbench (NVRTC, no includes)", K.cuda_program(spec, "tq"), [arch]),
                                   ("B as mx.fast.cuda_kernel wraps it", mlx_like,

@@ -292,7 +292,8 @@ def test_cuda_prelude_widens_every_16_bit_pattern_exactly(tmp_path) -> None:
     src = ("#include <cstdio>\n#include <cstring>\n#define __device__\n#define __forceinline__\n"
            "static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }\n"
            + K._CUDA_PRELUDE +
-           "int main() { for (unsigned b = 0; b < 65536u; ++b) { tq_half h{(unsigned short)b}; tq_bf16 g{(unsigned short)b};"
+           "int main() { for (unsigned b = 0; b < 65536u; ++b) {"
+           " tq_half h{(unsigned short)b}; tq_bf16 g{(unsigned short)b};"
            " float v[2] = {tq_half2float(h), tq_bf162float(g)}; fwrite(v, 4, 2, stdout); } return 0; }\n")
     (tmp_path / "p.cpp").write_text(src)
     subprocess.run(["g++", "-O1", "-o", str(tmp_path / "p"), str(tmp_path / "p.cpp")], check=True)
