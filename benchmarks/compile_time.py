@@ -127,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(QUICK if a.quick else DEFAULTS)
     cfg.update({k: v for k, v in dict(layers=a.layers, experts=a.experts, long=a.long).items() if v is not None})
     spec_kw = QUICK_SPEC if a.quick else SPEC
+    top_k = spec_kw["num_experts_per_token"]
+    if cfg["layers"] < 2 or cfg["experts"] < top_k or cfg["long"] < 1:
+        p.error(f"--layers takes 2 or more (the first is dense), --experts {top_k} or more (the top-k), --long 1 or "
+                f"more; got {cfg['layers']}, {cfg['experts']}, {cfg['long']}")
     a.work.mkdir(parents=True, exist_ok=True)
     doc: dict = dict(schema=SCHEMA, machine=machine_info(), config=cfg, quick=a.quick, runs={})
     a.out.parent.mkdir(parents=True, exist_ok=True)

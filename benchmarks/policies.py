@@ -131,7 +131,7 @@ def horizon_hit_rate(batches, budget: int, h: int, lam: float = 0.02) -> float:
     hits = total = 0
     for i, (layer, experts) in enumerate(calls):
         now = i // per_token + 1  # ticks count tokens from 1, as simulate's
-        seen = (i // per_token + 1 + h) * per_token  # the calls numbered below `seen` are within the horizon
+        seen = (now + h) * per_token  # the calls numbered below `seen` are within the horizon
         rows, missing = [], []
         for e, u in zip(experts, nxt[i]):  # look the call's experts up first: its hits are locked
             key = (layer, e)
@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
     a = p.parse_args(argv)
     cfg = sizes(a, DEFAULTS, QUICK)
-    token_counts("--oracles", cfg["oracles"]), token_counts("--horizons", cfg["horizons"])  # before any tracing
+    token_counts("--oracles", cfg["oracles"])  # checked before any tracing
+    token_counts("--horizons", cfg["horizons"])
     t_start = time.perf_counter()
     work = a.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

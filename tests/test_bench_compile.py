@@ -46,7 +46,12 @@ def test_quick_run_times_every_step_of_every_run(tmp_path):
     assert sorted(x.name for x in (tmp_path / "work").iterdir()) == ["k3-stream", "k3-stream.json"]
 
 
-def test_a_warm_run_needs_its_fresh_one(tmp_path):
-    p = _run(tmp_path, "--runs", "nvrtc warm", "--out", str(tmp_path / "c.json"))
-    assert p.returncode == 2 and "each warm run with its fresh one" in p.stderr
+@pytest.mark.parametrize("args, says", [(["--runs", "nvrtc warm"], "each warm run with its fresh one"),
+                                        (["--layers", "1"], "--layers takes 2 or more"),
+                                        (["--experts", "3"], "--experts 4 or more"),
+                                        (["--long", "0"], "--long 1 or more")])
+def test_bad_options_are_refused_before_anything_is_written(tmp_path, args, says):
+    p = _run(tmp_path, *args, "--out", str(tmp_path / "c.json"))
+    last = p.stderr.strip().splitlines()[-1]  # argparse's usage, then one line that says what is wrong
+    assert p.returncode == 2 and last.startswith("compile_time.py: error: ") and says in last
     assert not (tmp_path / "c.json").exists() and not (tmp_path / "work").exists()

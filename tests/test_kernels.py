@@ -313,11 +313,13 @@ def test_without_nvrtc_or_a_driver_mlx_builds_the_cuda_kernels(monkeypatch, caps
     """Where the NVRTC build cannot run (here: no CUDA driver), the reason is kept and said once, and MLX's own
     cuda_kernel builds every kernel from then on (on this CPU build of MLX that refuses too: no CUDA back-end)."""
     monkeypatch.setattr(K, "NVRTC_ERROR", None)
+    monkeypatch.setattr(K._dispatcher, "warnings", [])
     with pytest.raises(RuntimeError, match="No CUDA back-end"):
         K.compiled(K.make_spec(8, 64, 896, 48, 1, 1, False), "cuda")
     assert K.NVRTC_ERROR is not None and "libcuda" in K.NVRTC_ERROR
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("tqbench: NVRTC cannot build the CUDA kernels (OSError: ")
+    assert K._dispatcher.warnings == [err.strip()]  # kept with the self-checks' warnings
 
     def never(spec):
         raise AssertionError("NVRTC tried again")
@@ -329,18 +331,25 @@ def test_without_nvrtc_or_a_driver_mlx_builds_the_cuda_kernels(monkeypatch, caps
 
 
 def test_mlx_keeps_its_cuda_kernels_in_tqbench_cache_unless_the_user_chose(tmp_path) -> None:
-    """MLX reads MLX_PTX_CACHE_DIR at its first run-time compile: importing tqbench points it at a folder per MLX
-    version under tqbench's cache (MLX's default, /tmp, is emptied by a reboot), and leaves a user's choice alone."""
-    from importlib.metadata import version
-
-    code = "import os, tqbench; print(os.environ['MLX_PTX_CACHE_DIR'])"
+    """MLX reads MLX_PTX_CACHE_DIR at its first run-time compile: loading a model and starting a conversion point it at
+    a folder per MLX version under tqbench's cache (MLX's default, /tmp, is emptied by a reboot), even when they then
+    fail; importing tqbench alone does not; a user's choice is left alone."""
+    code = ("import os, tqbench.runtime.load as L, tqbench.convert as C\n"
+            "from tqbench.recipe import Recipe\n"
+            "print(os.environ.get('MLX_PTX_CACHE_DIR'))\n"
+            "for call in (lambda: L.load('/no/such/model'), lambda: next(C.convert('/no/such', '/tmp/x', "
+            "Recipe.parse('tq4')))):\n"
+            "    try:\n        call()\n    except Exception:\n        pass\n"
+            "    print(os.environ.get('MLX_PTX_CACHE_DIR'))\n"
+            "    os.environ.pop('MLX_PTX_CACHE_DIR', None) if os.environ.get('USER_SET') is None else None\n")
     env = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"}
     env["TQBENCH_CACHE_DIR"] = str(tmp_path / "cache")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(tmp_path / "cache" / "cuda" / f"mlx-{version('mlx')}" / "ptx")
-    env["MLX_PTX_CACHE_DIR"] = str(tmp_path / "mine")
+    ours = str(tmp_path / "cache" / "cuda" / f"mlx-{mx.__version__}" / "ptx")
+    assert out.split() == ["None", ours, ours]  # not at import; by load, then (unset again) by convert
+    env.update(MLX_PTX_CACHE_DIR=str(tmp_path / "mine"), USER_SET="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(tmp_path / "mine")
+    assert out.split() == [str(tmp_path / "mine")] * 3
 
 
 def test_cuda_program_takes_the_inputs_in_order_and_16_bit_types() -> None:

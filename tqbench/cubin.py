@@ -103,6 +103,17 @@ def compile_cubin(source: str, arch: str, filename: str = "tqbench.cu") -> bytes
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def keep_mlx_kernels() -> None:
+    """Point MLX's own run-time kernel cache at a folder per MLX version under tqbench's cache directory, unless the
+    user set MLX_PTX_CACHE_DIR. MLX's CUDA build keeps the kernels it compiles (about 80 s of them before a K3-shaped
+    model's first token on an H200) under /tmp, which a reboot empties. MLX reads the variable at its first run-time
+    compile, so model loading and conversion call this before they start."""
+    if "MLX_PTX_CACHE_DIR" not in os.environ:
+        import mlx.core as mx
+
+        os.environ["MLX_PTX_CACHE_DIR"] = str(cache_dir() / "cuda" / f"mlx-{mx.__version__}" / "ptx")
+
+
 def cached_cubin(stem: str, source_of: Callable[[str], str]) -> tuple[str, bytes]:
     """(kernel name, cubin) of the kernel `source_of(name)` defines: read from the cache directory, or compiled and
     written there (atomically) the first time on this machine.

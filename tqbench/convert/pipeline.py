@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from tqbench.convert.journal import JOURNAL, Journal, write_atomic, write_json
 from tqbench.convert.produce import Producer, rotated, shared_expert_piece
+from tqbench.cubin import keep_mlx_kernels
 from tqbench.errors import CheckpointError, TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, LayerErrors, ShardWritten, UnitConverted
 from tqbench.layout import expert_map
@@ -164,6 +165,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     same for any value). Closing the generator stops cleanly: the shard being written is dropped and the output
     resumes later."""
     t0 = time.monotonic()
+    keep_mlx_kernels()
     if isinstance(source, Layout):
         if source.plan.recipe != recipe or source.plan.shard_size != shard_size:
             raise ValueError("the layout was computed for another recipe or shard size")

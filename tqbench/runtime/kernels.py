@@ -597,8 +597,8 @@ def compiled(spec: Spec, dialect: str):
             return _compiled(spec, dialect, "nvrtc")
         except (RuntimeError, OSError, AttributeError) as e:  # no NVRTC, no driver, an MLX without precompiled kernels
             NVRTC_ERROR = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-            print(f"tqbench: NVRTC cannot build the CUDA kernels ({NVRTC_ERROR}); MLX builds them instead, again in "
-                  "every process", file=sys.stderr)
+            _dispatcher.warn(f"tqbench: NVRTC cannot build the CUDA kernels ({NVRTC_ERROR}); MLX builds them instead, "
+                             "again in every process")
     return _compiled(spec, dialect, "mlx")
 
 
@@ -811,9 +811,13 @@ class Dispatcher:
     def _fail(self, kind, backend, levels, group, sdtype, why) -> bool:
         line = (f"tqbench: fused TurboQuant kernel failed its self-check on {backend} ({kind}, {levels} levels, "
                 f"group {group}, {str(sdtype).replace('mlx.core.', '')}: {why}); using the reference path")
+        self.warn(line)
+        return False
+
+    def warn(self, line: str) -> None:
+        """One line, kept in `warnings` and written to `stream` (stderr when None)."""
         self.warnings.append(line)
         print(line, file=self.stream or sys.stderr)
-        return False
 
     def matmul(self, x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array) -> mx.array:
         backend = self._backend()

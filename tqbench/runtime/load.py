@@ -140,6 +140,9 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
     tqbench.stream.StoreError) with one line naming the directory and the problem."""
     import mlx_lm.utils as mu
 
+    from tqbench.cubin import keep_mlx_kernels
+
+    keep_mlx_kernels()
     trust = trust_decision(str(given), trust_remote_code)
     path = Path(given).expanduser()
     if not path.is_dir():
