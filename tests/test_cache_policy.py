@@ -292,15 +292,15 @@ def test_seed_gives_lrfu_next_its_history_and_policies_validate():
 
     assert isinstance(SlotCache(4).policy, NextLRFU)
     assert StreamConfig(1).policy == DEFAULT_POLICY == "lrfu-next"
-    # the CLI and the TUI spell it out (importing the cache there would load MLX at start-up): they must agree
+    # the CLI and the chat request spell it out (importing the cache there would load MLX at start-up): they agree
     import inspect
 
     from tqbench.cli.chat import chat
-    from tui.screens.chat_settings import POLICIES as TUI_POLICIES
-    from tui.screens.chat_settings import ChatOptions
+    from tqbench.chat.request import POLICIES as REQUEST_POLICIES
+    from tqbench.chat.request import StreamRequest
 
     assert inspect.signature(chat).parameters["cache_policy"].default == DEFAULT_POLICY
-    assert ChatOptions().policy == TUI_POLICIES[0] == DEFAULT_POLICY and set(TUI_POLICIES) == set(POLICIES)
+    assert StreamRequest().policy == REQUEST_POLICIES[0] == DEFAULT_POLICY and set(REQUEST_POLICIES) == set(POLICIES)
     with pytest.raises(ValueError, match="choose lru, lrfu, lrfu-next"):
         SlotCache(2, "arc")
 

@@ -14,10 +14,10 @@ import pytest
 from cli_helpers import tqbench
 from tqbench.convert import convert
 from tqbench.demo import SHIPPED_SPEC, ensure_demo
-from tqbench.engine import Session
+from tqbench.chat.request import ChatRequest
+from tqbench.chat.session import ChatSession
 from tqbench.recipe import Recipe
 from tqbench.runtime.chat import Sampling
-from tqbench.runtime.session import open_model, reply
 
 pytestmark = pytest.mark.slow  # a demo conversion and several model loads (~15 s)
 
@@ -34,13 +34,13 @@ def model(tmp_path_factory) -> Path:
 
 def _engine_replies(path: Path, turns: list[str], n: int) -> list[str]:
     """The same conversation through the engine API (what both faces share), for comparison."""
-    s = Session()
+    s = ChatSession()
     try:
-        with s.submit(lambda s: open_model(s, str(path))) as job:
+        with s.open(ChatRequest(str(path))) as job:
             job.result()
         out = []
         for t in turns:
-            with s.submit(lambda s: reply(s, t, Sampling(max_tokens=n))) as job:
+            with s.reply(t, Sampling(max_tokens=n)) as job:
                 out.append(job.result()[-1].text)
         return out
     finally:
@@ -74,7 +74,7 @@ def test_piped_lines_are_turns_and_json_lines(model, capsys, monkeypatch):
     replies = _engine_replies(model, ["def fib(n):", "class Node:"], 8)
     assert "".join(t["text"] for t in tokens[:8]) == replies[0]
     assert "".join(t["text"] for t in tokens[8:]) == replies[1]
-    assert "conversation: 1 turns" in r.err  # /stats went to stderr, not into the JSON stream
+    assert "conversation: 1 turn, " in r.err  # /stats went to stderr, not into the JSON stream
 
 
 def test_reset_forgets_the_conversation(model, capsys, monkeypatch):
@@ -133,7 +133,7 @@ def test_streaming_flags_write_stats_json(model, tmp_path, capsys, monkeypatch):
     assert doc["disk_bytes_per_s_on_misses"] == doc["critical_bytes"] / doc["stall_s"]
     assert doc["disk_bytes_per_s"] > 0 and doc["disk_source"].startswith("measured")
     bad = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--cache-budget-gb", "lots")
-    assert bad.code == 1 and bad.err.splitlines()[-1] == "tqbench: error: --cache-budget-gb 'lots': give a number of GB or auto"
+    assert bad.code == 1 and bad.err.splitlines()[-1] == ("tqbench: error: cache budget 'lots': give fit, auto, off or a size (8GB, 512MB; a bare number is GB)")
     many = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--max-tokens", "2",
                    "--max-active-experts", "1")
     k = SHIPPED_SPEC.num_experts_per_token

@@ -26,14 +26,13 @@ import pytest
 from cli_helpers import tqbench
 from tqbench.convert import convert
 from tqbench.demo import SHIPPED_SPEC, ensure_demo
-from tqbench.engine import Session
+from tqbench.chat.request import ChatRequest, ProfileOptions, StreamRequest
+from tqbench.chat.session import ChatSession
 from tqbench.paths import cache_dir, shipped_profiles
 from tqbench.profile import (DECAY, MATURE, PIN_SHARE, SCHEMA, SHIPPED_PIN_SHARE, Profile, ProfileStore, choose, diff,
                              hot_set, identify, merge, read_profile)
 from tqbench.recipe import Recipe
 from tqbench.runtime.chat import ReplyDone, Sampling
-from tqbench.runtime.session import ProfileOptions, conversation, open_model, reply, reset, stream_stats
-from tqbench.stream import StreamConfig
 
 SMALL_BUDGET = "0.0005"  # GB: a few percent of the demo's tq4 experts
 P1, P2 = "def fib(n):", "class Stack:\n    def __init__(self):\n"
@@ -88,23 +87,22 @@ def _passes(path: Path, runs: list[tuple[str, int]]) -> list[np.ndarray]:
     index = {n: i for i, n in enumerate(geo.layers)}
     calls: list[tuple[int, np.ndarray]] = []
 
-    def install(s):
-        m = conversation(s).loaded.model
+    def install(conv):
+        m = conv.loaded.model
         wraps = [(p, _Recorder(mod, int(_LAYER.search(p)[1]), calls.append)) for p, mod in m.named_modules()
                  if p.endswith(".switch_mlp")]
         m.update_modules(tree_unflatten(wraps))
 
-    s = Session()
+    s = ChatSession()
     out = []
     try:
-        with s.submit(lambda s: open_model(s, str(path), chat_template=False,
-                                           profile=ProfileOptions(learn=False))) as job:
+        with s.open(ChatRequest(str(path), chat_template=False, profile=ProfileOptions(learn=False))) as job:
             job.result()
-        s.call(install)
+        s.on_engine(install)
         for prompt, n in runs:
-            s.call(reset)
+            s.reset()
             calls.clear()
-            with s.submit(lambda s: reply(s, prompt, Sampling(max_tokens=n))) as job:
+            with s.reply(prompt, Sampling(max_tokens=n)) as job:
                 job.result()
             passes, last = [], None
             for layer, ids in calls:
@@ -140,11 +138,11 @@ def _stored(path: Path) -> Profile:
 
 def _learn(path: Path, prompt: str, n: int, **opts) -> ReplyDone:
     """One chat session through the engine, learning into the default store."""
-    s = Session()
+    s = ChatSession()
     try:
-        with s.submit(lambda s: open_model(s, str(path), chat_template=False, profile=ProfileOptions(**opts))) as job:
+        with s.open(ChatRequest(str(path), chat_template=False, profile=ProfileOptions(**opts))) as job:
             job.result()
-        with s.submit(lambda s: reply(s, prompt, Sampling(max_tokens=n))) as job:
+        with s.reply(prompt, Sampling(max_tokens=n)) as job:
             return job.result()[-1]
     finally:
         s.close()  # the learner's last save
@@ -471,24 +469,23 @@ def test_a_warm_start_hits_more_at_a_small_budget_and_keeps_the_output(model, tm
     """At a small budget: cold (no pins) vs warm (the profile a previous session on the same work learned, half the
     slots pinned and preloaded). Same tokens as resident both times; the same expert uses, more of them hits;
     misses and critical bytes exclude the preload, which is reported apart."""
-    budget = int(float(SMALL_BUDGET) * 1e9)
-
-    def run(streaming, **opts):
-        s = Session()
+    def run(budget, **opts):
+        s = ChatSession()
         try:
-            with s.submit(lambda s: open_model(s, str(model), chat_template=False, streaming=streaming,
-                                               profile=ProfileOptions(**opts))) as job:
+            with s.open(ChatRequest(str(model), chat_template=False, stream=StreamRequest(budget),
+                                    profile=ProfileOptions(**opts))) as job:
                 loaded = job.result()[-1]
-            with s.submit(lambda s: reply(s, P2, Sampling(max_tokens=32))) as job:
+            with s.reply(P2, Sampling(max_tokens=32)) as job:
                 text = job.result()[-1].text
-            return text, (s.call(stream_stats) if streaming else None), loaded.profile
+            stats = s.stats()
+            return text, (stats.to_dict() if stats else None), loaded.profile.to_dict()
         finally:
             s.close()
 
-    resident, _, _ = run(None, store=str(tmp_path / "store"))  # the previous session on this work, learning
-    cold_text, cold, info = run(StreamConfig(budget), learn=False, pin_share=0.0)
+    resident, _, _ = run("off", store=str(tmp_path / "store"))  # the previous session on this work, learning
+    cold_text, cold, info = run(SMALL_BUDGET, learn=False, pin_share=0.0)
     assert info["pinned"] == 0 and cold["preload_bytes"] == 0
-    warm_text, warm, info = run(StreamConfig(budget), learn=False, store=str(tmp_path / "store"), mature=1,
+    warm_text, warm, info = run(SMALL_BUDGET, learn=False, store=str(tmp_path / "store"), mature=1,
                                 pin_share=0.5)
     assert info["source"] == "learned" and info["pinned"] == warm["pinned"] == int(0.5 * warm["slots"]) > 0
     assert cold_text == warm_text == resident

@@ -1,9 +1,10 @@
 """The Chat screen, driven with Pilot on a real model: the shipped trained demo converted with tq4. Replies are checked
-against the engine's own chat API (tqbench.runtime.session) run directly with the same greedy sampling: the text, the
-tokens reused from the cache, a reply stopped with esc and the turn after it, reset; plus the default model (the demo
-converted on the spot), a model that fails to load, the Convert screen's output loaded next, and quitting mid-reply.
-The live expert view: its cells against the PageIn events of the same reply run directly with the same streaming
-settings, its summary against the engine's StreamStats; its plain state (tui.experts) and an SVG snapshot of the map.
+against the engine's own chat API (tqbench.chat.session.ChatSession) run directly with the same greedy sampling: the
+text, the tokens reused from the cache, a reply stopped with esc and the turn after it, reset; plus the default model
+(the demo converted on the spot), a model that fails to load, the Convert screen's output loaded next, and quitting
+mid-reply. The live expert view: its cells against the PageIn events of the same reply run directly with the same
+streaming settings, its summary against the engine's StreamReport; its plain state (tqbench.chat.live) and an SVG
+snapshot of the map.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-import tqbench.runtime.session as session_api
 from tqbench.convert import convert
 from tqbench.demo import ensure_demo
-from tqbench.engine import Session, engine
+from tqbench.chat.request import ChatRequest, ProfileOptions, StreamRequest
+from tqbench.chat.session import ChatSession
+from tqbench.engine import engine
 from tqbench.errors import TqbenchError
 from tqbench.layout.names import INDEX_FILE
 from tqbench.recipe import Recipe
@@ -29,9 +31,9 @@ from tqbench.stream import ExpertStore, PageIn
 from textual.app import App
 from textual.widgets import Input
 from tui.app import TqbenchApp
-from tui.experts import FADE, KINDS, ExpertMap, bins, fold, heat, sparkline
+from tqbench.chat.live import FADE, KINDS, ExpertMap, bins, fold, heat, sparkline
 from tui.screens.chat import ChatScreen
-from tui.screens.chat_settings import ChatOptions, SettingsScreen, stream_config
+from tui.screens.chat_settings import SettingsScreen
 from tui.state import display_path
 from tui.widgets.expert_map import ExpertMapView
 from tui.widgets.transcript import CURSOR, reply_content
@@ -42,7 +44,7 @@ pytestmark = pytest.mark.slow
 SIZE = (100, 30)
 PROMPTS = ("def parse_args(argv):", "import os")
 STOP_AFTER = 5  # a gated reply waits after this many tokens; esc then stops it after the next one
-REAL_REPLY = session_api.reply
+REAL_REPLY = ChatSession._reply  # what a ChatSession's reply job runs on the engine thread
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +59,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def gated(gate: threading.Event, reached: threading.Event):
-    """tqbench.runtime.session.reply, held on the engine thread after its STOP_AFTER-th token until `gate` is set, so
+    """ChatSession's reply, held on the engine thread after its STOP_AFTER-th token until `gate` is set, so
     a test stops a reply at an exact point (the engine then closes it after one more token)."""
-    def reply(session, text, sampling):
-        gen = REAL_REPLY(session, text, sampling)
+    def reply(chat, text, sampling):
+        gen = REAL_REPLY(chat, text, sampling)
         tokens = 0
         try:
             for ev in gen:
@@ -79,26 +81,26 @@ def gated(gate: threading.Event, reached: threading.Event):
 def engine_run(model_dir):
     """The engine's chat API run directly: (ModelLoaded, [ReplyDone of PROMPTS], ReplyDone of PROMPTS[0] stopped
     after STOP_AFTER + 1 tokens, ReplyDone of PROMPTS[1] after it)."""
-    session = Session()
+    chat = ChatSession()
     try:
-        def done(prompt: str, sampling) -> ReplyDone:
-            with session.submit(lambda s: session_api.reply(s, prompt, sampling)) as job:
+        def done(prompt: str) -> ReplyDone:
+            with chat.reply(prompt) as job:
                 return job.result()[-1]
 
-        with session.submit(lambda s: session_api.open_model(s, str(model_dir))) as job:
+        with chat.open(ChatRequest(str(model_dir))) as job:
             loaded = job.result()[-1]
-        replies = [done(p, loaded.sampling) for p in PROMPTS]
-        session.call(session_api.reset)
+        replies = [done(p) for p in PROMPTS]
+        chat.reset()
         gate, reached = threading.Event(), threading.Event()
-        with session.submit(lambda s: gated(gate, reached)(s, PROMPTS[0], loaded.sampling)) as job:
+        with engine().submit(lambda: gated(gate, reached)(chat, PROMPTS[0], loaded.sampling)) as job:
             assert reached.wait(20)
             job.stop()
             gate.set()
             job.result()
-        stopped = session.call(session_api.last_reply)
-        after = done(PROMPTS[1], loaded.sampling)
+        stopped = chat.last_reply()
+        after = done(PROMPTS[1])
     finally:
-        session.close()
+        chat.close()
     assert stopped.finish_reason == "cancelled" and stopped.generated_tokens == STOP_AFTER + 1
     return loaded, replies, stopped, after
 
@@ -197,7 +199,7 @@ async def test_escape_stops_a_reply_and_the_conversation_goes_on(model_dir, engi
     _, (first, _), stopped, after = engine_run
     remember_model(model_dir)
     gate, reached = threading.Event(), threading.Event()
-    monkeypatch.setattr(session_api, "reply", gated(gate, reached))
+    monkeypatch.setattr(ChatSession, "_reply", gated(gate, reached))
     app = TqbenchApp()
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_chat(pilot)
@@ -217,7 +219,7 @@ async def test_escape_stops_a_reply_and_the_conversation_goes_on(model_dir, engi
         assert counts(screen.last_done) == counts(stopped)
         assert f"{STOP_AFTER + 1} tokens (stopped)" in status(screen)
 
-        monkeypatch.setattr(session_api, "reply", REAL_REPLY)  # the next reply runs to its end
+        monkeypatch.setattr(ChatSession, "_reply", REAL_REPLY)  # the next reply runs to its end
         screen.chat_input.value = ""
         await send(pilot, screen, PROMPTS[1])
         assert screen.transcript.turns[-1].text == after.text  # as the engine continues after the stopped reply
@@ -229,7 +231,7 @@ async def test_escape_stops_a_reply_and_the_conversation_goes_on(model_dir, engi
 async def test_quitting_mid_reply_stops_the_engine_first(model_dir, monkeypatch):
     remember_model(model_dir)
     gate, reached = threading.Event(), threading.Event()
-    monkeypatch.setattr(session_api, "reply", gated(gate, reached))
+    monkeypatch.setattr(ChatSession, "_reply", gated(gate, reached))
     app = TqbenchApp()
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_chat(pilot)
@@ -245,22 +247,22 @@ async def test_a_failing_reply_is_one_line_and_the_next_turn_works(model_dir, en
     _, (first, _), _, _ = engine_run
     remember_model(model_dir)
 
-    def failing(session, text, sampling):
-        gen = REAL_REPLY(session, text, sampling)
+    def failing(chat, text, sampling):
+        gen = REAL_REPLY(chat, text, sampling)
         try:
             yield next(gen)  # ReplyStarted: the conversation is not touched yet
         finally:
             gen.close()
         raise TqbenchError("the model's files changed\nunder it")
 
-    monkeypatch.setattr(session_api, "reply", failing)
+    monkeypatch.setattr(ChatSession, "_reply", failing)
     app = TqbenchApp()
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_chat(pilot)
         await send(pilot, screen, PROMPTS[0])
         assert screen.error == "the reply failed: the model's files changed under it"
         assert screen.query_one("#chat-error").display and screen.transcript.text.endswith("[failed]")
-        monkeypatch.setattr(session_api, "reply", REAL_REPLY)
+        monkeypatch.setattr(ChatSession, "_reply", REAL_REPLY)
         await send(pilot, screen, PROMPTS[0])
         assert screen.error is None and not screen.query_one("#chat-error").display
         assert screen.transcript.turns[-1].text == first.text and screen.last_done.cached_tokens == 0
@@ -347,23 +349,21 @@ def test_thinking_is_dim_and_italic_and_endings_are_marked():
 BUDGET = "1MB"  # about a third of the demo's experts (6.5 kB each): a reply pages experts in and evicts some
 # One read worker: with several, reads finish in any order and so enter the cache in any order, which can change an
 # eviction (the policy breaks ties by insertion order) and so turn one later hit into a miss between two runs.
-OPTIONS = ChatOptions(budget=BUDGET, workers=1)
+STREAM = StreamRequest(budget=BUDGET, workers=1)
 
 
 def engine_page_ins(model_dir: Path, prompt: str) -> tuple[list[PageIn], dict]:
-    """The reply run directly with the streaming settings the Chat screen gets from OPTIONS: its PageIn events, then
-    the session's StreamStats (as a dict)."""
-    cfg = stream_config(str(model_dir), OPTIONS)
-    session = Session()
+    """The reply run directly with the streaming settings the Chat screen is given (STREAM): its PageIn events, then
+    the session's StreamReport (as its --stats-json document)."""
+    chat = ChatSession()
     try:
-        with session.submit(lambda s: session_api.open_model(s, str(model_dir), streaming=cfg,
-                                                             profile=session_api.ProfileOptions(learn=False))) as job:
-            loaded = job.result()[-1]
-        with session.submit(lambda s: session_api.reply(s, prompt, loaded.sampling)) as job:
+        with chat.open(ChatRequest(str(model_dir), stream=STREAM, profile=ProfileOptions(learn=False))) as job:
+            job.result()
+        with chat.reply(prompt) as job:
             events = [ev for ev in job.result() if isinstance(ev, PageIn)]
-        stats = session.call(session_api.stream_stats)
+        stats = chat.stats().to_dict()
     finally:
-        session.close()
+        chat.close()
     return events, stats
 
 
@@ -394,12 +394,12 @@ async def test_the_expert_view_shows_what_the_engine_paged_in(model_dir, monkeyp
         await pilot.press("enter")
         await wait_for(pilot, lambda: screen.loaded is not None and screen.loaded.stream is not None, "re-opening")
         await pilot.pause()
-        assert screen.options == OPTIONS and screen.query_one("#expert-panel").display
+        assert screen.request.stream == STREAM and screen.query_one("#expert-panel").display
         assert "streaming experts: cache 1.00 MB, 1 worker, lrfu-next" in screen_text(pilot)
         assert app.focused is screen.chat_input  # the new conversation's first message types straight away
 
         await send(pilot, screen, PROMPTS[0])
-        m = screen.experts
+        m = screen.experts.experts
         store = ExpertStore.open(model_dir)
         store.close()
         layout = {n: lay.experts for n, lay in store.layers.items()}  # the demo's 7 MoE layers
@@ -415,11 +415,12 @@ async def test_the_expert_view_shows_what_the_engine_paged_in(model_dir, monkeyp
         assert m.seen["miss"] == stats["misses"] and m.hits() == stats["hits"]
         assert m.hit_rate() == stats["hits"] / (stats["hits"] + stats["misses"])
         assert m.token == events[-1].token and m.cache_bytes == stats["cache_bytes"]
-        assert screen.stream["hit_rate"] == stats["hit_rate"]
+        assert screen.experts.report.to_dict()["hit_rate"] == stats["hit_rate"]
         shown = screen_text(pilot)
         assert f"hits {stats['hit_rate']:.1%}" in shown and "read per token" in shown and "of 1.00 MB" in shown, shown
-        disk = screen.loaded.stream["disk_bytes_per_s"]  # this disk's measured bandwidth, next to the reply's rate
-        assert disk > 0 and f" of {disk / 1e6:,.0f} MB/s" in shown and screen.stream["disk_bytes_per_s"] == disk
+        disk = screen.loaded.stream.disk_bytes_per_s  # this disk's measured bandwidth, next to the reply's rate
+        assert disk > 0 and f" of {disk / 1e6:,.0f} MB/s" in shown
+        assert screen.experts.report.to_dict()["disk_bytes_per_s"] == disk
         _, cols, per, _ = screen.query_one(ExpertMapView).geometry()
         assert all(f"L{n} " in shown for n in layout) and f"{m.widest} experts, {per}/cell" in shown
         assert per == fold(m.widest, cols) and cols >= 8  # folded to fit 80 columns

@@ -20,7 +20,7 @@ import pytest
 from textual.widgets import Input
 
 from test_tui import write_tiny
-from test_tui_chat import BUDGET, OPTIONS, engine_page_ins, screen_text, status, wait_for
+from test_tui_chat import BUDGET, STREAM, engine_page_ins, screen_text, status, wait_for
 from tqbench import units
 from tqbench.convert import convert
 from tqbench.demo import ensure_demo
@@ -28,12 +28,11 @@ from tqbench.layout.names import INDEX_FILE
 from tqbench.paths import cache_dir
 from tqbench.profile import identify, read_file
 from tqbench.recipe import Recipe, group_sources, make_plan
-from tqbench.runtime.session import stream_stats
 from tqbench.source import open_checkpoint
 from tqbench.state import last_model, remember_model
 from tqbench.stream import ExpertStore
 from tui.app import TqbenchApp
-from tui.experts import KINDS, ReplyRates
+from tqbench.chat.live import KINDS, ReplyRates
 from tui.screens.chat import ChatScreen
 from tui.screens.chat_settings import SettingsScreen
 from tui.screens.convert import ConvertScreen
@@ -120,11 +119,11 @@ async def test_source_recipe_convert_chat_profile(tmp_path, monkeypatch):
         assert app.focused is app.screen.query_one("#opt-budget", Input)
         await pilot.press("ctrl+u", *BUDGET, "tab", "tab")  # the budget, then on to the prefetch workers
         assert app.focused is app.screen.query_one("#opt-workers", Input)
-        await pilot.press("ctrl+u", *str(OPTIONS.workers), "enter")  # enter applies
+        await pilot.press("ctrl+u", *str(STREAM.workers), "enter")  # enter applies
         assert app.screen is screen
         await wait_for(pilot, lambda: screen.loaded is not None and screen.loaded.stream is not None, "re-opening")
         await settle(pilot)
-        assert screen.options == OPTIONS and screen.query_one("#expert-panel").display
+        assert screen.request.stream == STREAM and screen.query_one("#expert-panel").display
         assert "streaming experts: cache 1.00 MB, 1 worker, lrfu-next" in screen_text(pilot)
         assert "no expert routed yet; cache 1.00 MB" in screen_text(pilot)
 
@@ -135,14 +134,14 @@ async def test_source_recipe_convert_chat_profile(tmp_path, monkeypatch):
         reply = screen.last_done
         assert reply.text and screen.transcript.turns[-1].text == reply.text
         assert f"reply   {reply.generated_tokens} tokens" in status(screen)
-        m = screen.experts
-        stats = screen.session.call(stream_stats)  # the engine's own figures for this session
+        m = screen.experts.experts
+        stats = screen.chat.stats().to_dict()  # the engine's own figures for this session
         assert stats["misses"] > 0 and stats["hits"] > 0
         routed = {(n, e) for n, st in m.layers.items() for e in range(st.experts) if m.cell(n, e)[0] is not None}
         assert routed and {n for n, _ in routed} == set(m.layers)  # every MoE layer has routed cells
         assert m.seen["miss"] == stats["misses"] and m.hits() == stats["hits"]
         assert m.hit_rate() == stats["hits"] / (stats["hits"] + stats["misses"])
-        assert round(m.hit_rate(), 4) == stats["hit_rate"] == screen.stream["hit_rate"]  # the engine rounds it
+        assert round(m.hit_rate(), 4) == stats["hit_rate"] == screen.experts.report.to_dict()["hit_rate"]  # the engine rounds it
         shown = screen_text(pilot)
         assert f"hits {stats['hit_rate']:.1%}" in shown and "of 1.00 MB" in shown
         assert all(f"L{n} " in shown for n in m.layers)
@@ -213,8 +212,9 @@ def freeze_clocks(monkeypatch) -> None:
     def ready(original):
         def handler(self, message):
             stream = message.loaded.stream  # and the disk's measured bandwidth
-            message.loaded = dataclasses.replace(message.loaded, seconds=1.0, stream=stream and
-                                                 {**stream, "disk_bytes_per_s": 1.5e9})
+            disk = stream and stream.disk and dataclasses.replace(stream.disk, bytes_per_s=1.5e9)
+            message.loaded = dataclasses.replace(message.loaded, seconds=1.0,
+                                                 stream=stream and dataclasses.replace(stream, disk=disk))
             original(self, message)
         return handler
 
@@ -307,7 +307,7 @@ def test_snapshot_chat_screen_after_a_reply(converted, monkeypatch, snap_compare
         await pilot.press("t")
         screen = pilot.app.screen
         await wait_for(pilot, lambda: screen.loaded is not None, "the model")
-        screen.options = OPTIONS
+        screen.request = dataclasses.replace(screen.request, stream=STREAM)
         screen.load()  # what the settings dialog does (the journey test presses its keys)
         await wait_for(pilot, lambda: screen.loaded is not None and screen.loaded.stream is not None, "re-opening")
         screen.chat_input.cursor_blink = False  # a blinking cursor would make the picture depend on the clock

@@ -10,12 +10,12 @@ from rich.text import Text
 from textual.app import App
 from textual.message import Message
 
+import tqbench.chat.records
 import tqbench.convert
 import tqbench.events
 import tqbench.recipe
 import tqbench.runtime.chat
 import tqbench.runtime.models
-import tqbench.runtime.session
 import tqbench.source
 import tqbench.stream
 import tui.messages as messages
@@ -31,7 +31,7 @@ def hints(cls) -> dict:
     """The resolved field types, given the engine modules the messages name under TYPE_CHECKING."""
     names = {}
     for module in (tqbench.convert, tqbench.events, tqbench.recipe, tqbench.source, tui.tally, tqbench.runtime.chat,
-                   tqbench.runtime.models, tqbench.runtime.session, tqbench.stream):
+                   tqbench.runtime.models, tqbench.chat.records, tqbench.stream):
         names.update({k: v for k, v in vars(module).items() if isinstance(v, type)})
     return typing.get_type_hints(cls, localns=names)
 

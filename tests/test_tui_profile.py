@@ -15,11 +15,11 @@ from textual.widgets import DataTable, Input
 
 from tqbench.convert import convert
 from tqbench.demo import DemoSpec, write_source
-from tqbench.engine import Session
 from tqbench.profile import Profile, ProfileStore, identify, overview, read_file
 from tqbench.recipe import Recipe
 from tqbench.runtime.chat import Sampling
-from tqbench.runtime.session import ProfileOptions, open_model, reply
+from tqbench.chat.request import ChatRequest, ProfileOptions
+from tqbench.chat.session import ChatSession
 from tqbench.state import remember_model
 from tui.app import TqbenchApp
 from tui.screens.help import HelpScreen
@@ -46,12 +46,12 @@ def demo(tmp_path_factory) -> tuple[Path, Path, str]:
         mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
         src, model = _convert(root, DemoSpec(num_experts=64))
         store_dir = root / "store"
-        s = Session()
+        s = ChatSession()
         try:
             opts = ProfileOptions(store=str(store_dir))
-            with s.submit(lambda s: open_model(s, str(model), chat_template=False, profile=opts)) as job:
+            with s.open(ChatRequest(str(model), chat_template=False, profile=opts)) as job:
                 job.result()
-            with s.submit(lambda s: reply(s, "def fib(n):", Sampling(max_tokens=12))) as job:
+            with s.reply("def fib(n):", Sampling(max_tokens=12)) as job:
                 job.result()
         finally:
             s.close()  # the learner's last save

@@ -31,3 +31,9 @@ class TqbenchError(Exception):
 
 class CheckpointError(TqbenchError):
     """A checkpoint directory, index, config or shard is malformed."""
+
+
+class UsageError(TqbenchError):
+    """Options that contradict each other (a usage error, as Typer's own)."""
+
+    exit_code = ExitCode.USAGE

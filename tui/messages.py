@@ -34,15 +34,15 @@ from typing import TYPE_CHECKING
 from rich.text import Text
 from textual.message import Message
 
-from tui.experts import ReplyRates
+from tqbench.chat.live import ReplyRates
 
 if TYPE_CHECKING:
+    from tqbench.chat.records import ModelLoaded, StreamReport
     from tqbench.convert import DestinationStatus, Layout
     from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
     from tqbench.recipe import Machine, Plan, Recipe, Sources
     from tqbench.runtime.chat import ReplyDone, ReplyStarted
     from tqbench.runtime.models import ModelChosen
-    from tqbench.runtime.session import ModelLoaded
     from tqbench.source import Checkpoint, Summary, Tensor
     from tqbench.stream import PageIn
     from tui.tally import LayerStats
@@ -263,8 +263,7 @@ class ChatModelReady(Message):
 
     load_id: int
     chosen: ModelChosen  # which model and why
-    loaded: ModelLoaded
-    experts: dict[int, int] | None = None  # streaming: each MoE layer's number of routed experts (the expert view)
+    loaded: ModelLoaded  # streaming: loaded.stream.layers are the expert view's layers
 
 
 @dataclass
@@ -319,7 +318,7 @@ class ChatReplyEnded(Message):
     turn_id: int
     parts: tuple[tuple[str, bool], ...]
     done: ReplyDone | None
-    stream: dict[str, object] | None = None  # streaming: tqbench.runtime.session.stream_stats after the reply
+    stream: StreamReport | None = None  # streaming: the engine's figures after the reply (ChatSession.stats)
 
 
 @dataclass
@@ -332,14 +331,14 @@ class ChatReplyFailed(Message):
 
 @dataclass
 class ChatResetDone(Message):
-    """The session forgot the conversation (tqbench.runtime.session.reset); `error` is one line if it failed."""
+    """The session forgot the conversation (tqbench.chat.session.ChatSession.reset); `error` is one line if it failed."""
 
     error: str | None = None
 
 
 @dataclass
 class ChatProfileExported(Message):
-    """The learned profile was written (tqbench.runtime.session.export_profile) to `file`, or `error` (one line)."""
+    """The learned profile was written (tqbench.chat.session.ChatSession.export_profile) to `file`, or `error` (one line)."""
 
     file: str | None
     routings: float = 0.0

@@ -4,8 +4,7 @@ opened, so applying them re-opens the model: a new conversation."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import replace
 
 from textual import on
 from textual.app import ComposeResult
@@ -14,61 +13,15 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
+from tqbench.chat.request import BUDGET_WORDS, POLICIES, ChatRequest
 from tqbench.errors import TqbenchError
 
-POLICIES = ("lrfu-next", "lrfu", "lru")  # tqbench.stream.cache.POLICIES, the default first
 ON_OFF = [("off", False), ("on", True)]
 
 
-@dataclass(frozen=True)
-class ChatOptions:
-    budget: str = "fit"  # fit: stream only when the model does not fit (tqbench chat's default); auto; off; a size
-    max_active_experts: int = 0  # 0: the model's own top-k
-    workers: int = 4
-    fanout: bool = False
-    lookahead: bool = False
-    policy: str = "lrfu-next"
-
-    def check(self) -> ChatOptions:
-        """Raise TqbenchError for a value tqbench chat would refuse."""
-        from tqbench.recipe.fit import parse_size
-
-        if self.budget not in ("fit", "auto", "off"):
-            parse_size(self.budget)
-        if self.max_active_experts < 0:
-            raise TqbenchError("max active experts: 0 (the model's own) or more")
-        if not 1 <= self.workers <= 256:
-            raise TqbenchError("prefetch workers: 1 to 256")
-        if self.policy not in POLICIES:
-            raise TqbenchError(f"cache policy: {' or '.join(POLICIES)}")
-        return self
-
-
-def stream_config(path: str, opts: ChatOptions):
-    """The tqbench.stream.StreamConfig `opts` ask for on the model at `path`, or None to keep it resident. Reads the
-    model's expert layout (shard headers): call it off the UI thread."""
-    from tqbench.recipe.fit import parse_size
-    from tqbench.stream import StreamConfig
-    from tqbench.stream.budget import auto_budget, needs_streaming
-    from tqbench.stream.store import ExpertStore, StoreError
-
-    if opts.budget == "off":
-        return None
-    try:
-        store = ExpertStore.open(Path(path))
-        store.close()
-    except (StoreError, OSError):
-        if opts.budget == "fit":
-            return None
-        raise TqbenchError("no routed experts to stream: set the cache budget to fit or off", path) from None
-    if opts.budget == "fit" and not needs_streaming(path, store=store):
-        return None
-    nbytes = auto_budget(path, store=store) if opts.budget in ("fit", "auto") else parse_size(opts.budget)
-    return StreamConfig(nbytes, opts.workers, opts.policy, opts.fanout, lookahead=opts.lookahead)
-
-
-class SettingsScreen(ModalScreen[ChatOptions | None]):
-    """Edits ChatOptions; dismissed with the new options (Apply, or enter in a field) or None (Cancel, esc)."""
+class SettingsScreen(ModalScreen[ChatRequest | None]):
+    """Edits a ChatRequest's streaming settings; dismissed with the new request (Apply, or enter in a field), checked
+    by the engine (tqbench.chat.request), or None (Cancel, esc)."""
 
     DEFAULT_CSS = """
     SettingsScreen { align: center middle; }
@@ -83,21 +36,21 @@ class SettingsScreen(ModalScreen[ChatOptions | None]):
     """
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, opts: ChatOptions) -> None:
+    def __init__(self, request: ChatRequest) -> None:
         super().__init__()
-        self.opts = opts
+        self.request = request
 
     def compose(self) -> ComposeResult:
-        o = self.opts
+        o, active = self.request.stream, self.request.max_active_experts
         with Vertical(id="settings") as box:
             box.border_title = "streaming settings"
             box.border_subtitle = "enter applies · esc cancels"  # the Chat screen's footer below is not this dialog's
             with Horizontal(classes="row"):
                 yield Label("expert cache budget")
-                yield Input(o.budget, placeholder="fit, auto, off or a size (8MB)", id="opt-budget", compact=True)
+                yield Input(o.budget, placeholder="fit, auto, off or a size (8GB, 512MB)", id="opt-budget", compact=True)
             with Horizontal(classes="row"):
                 yield Label("max active experts")
-                yield Input(str(o.max_active_experts), type="integer", id="opt-active", compact=True)
+                yield Input(str(active), type="integer", id="opt-active", compact=True)
             with Horizontal(classes="row"):
                 yield Label("prefetch workers")
                 yield Input(str(o.workers), type="integer", id="opt-workers", compact=True)
@@ -112,7 +65,8 @@ class SettingsScreen(ModalScreen[ChatOptions | None]):
                 yield Label("look-ahead")
                 yield Select(ON_OFF, value=o.lookahead, allow_blank=False, id="opt-lookahead", compact=True)
             yield Static("Applying re-opens the model with these settings: a new conversation.\n"
-                         "budget: fit (stream only a model that does not fit in memory), auto, off or a size. "
+                         "budget: fit (stream only a model that does not fit in memory), auto, off or a size (a bare "
+                         "number is GB). "
                          "max active experts: 0 keeps the model's top-k. fan-out splits each read across the "
                          "workers; look-ahead reads the next layer's likely experts early.", id="settings-note")
             yield Static("", id="settings-error")
@@ -120,7 +74,8 @@ class SettingsScreen(ModalScreen[ChatOptions | None]):
                 yield Button("Apply", variant="primary", id="settings-apply", compact=True)
                 yield Button("Cancel", id="settings-cancel", compact=True)
 
-    def options(self) -> ChatOptions:
+    def options(self) -> ChatRequest:
+        """The request with this dialog's settings; TqbenchError (one line) for a value the engine refuses."""
         def number(field: str) -> int:
             text = self.query_one(field, Input).value.strip()
             try:
@@ -129,11 +84,11 @@ class SettingsScreen(ModalScreen[ChatOptions | None]):
                 raise TqbenchError(f"not a whole number: {text!r}") from None
 
         budget = self.query_one("#opt-budget", Input).value.strip() or "fit"
-        return ChatOptions(budget.lower() if budget.lower() in ("fit", "auto", "off") else budget,
-                           number("#opt-active"), number("#opt-workers"),
-                           self.query_one("#opt-fanout", Select).value is True,
-                           self.query_one("#opt-lookahead", Select).value is True,
-                           str(self.query_one("#opt-policy", Select).value)).check()
+        stream = replace(self.request.stream, budget=budget.lower() if budget.lower() in BUDGET_WORDS else budget,
+                         workers=number("#opt-workers"), policy=str(self.query_one("#opt-policy", Select).value),
+                         fanout=self.query_one("#opt-fanout", Select).value is True,
+                         lookahead=self.query_one("#opt-lookahead", Select).value is True)
+        return replace(self.request, stream=stream, max_active_experts=number("#opt-active")).check()
 
     @on(Button.Pressed, "#settings-apply")
     @on(Input.Submitted)

@@ -1,5 +1,5 @@
 """The live expert view's map: one row per MoE layer, one cell per routed expert (or per bin of experts when the
-width is short), drawn with Textual's Line API from a tui.experts.ExpertMap.
+width is short), drawn with Textual's Line API from a tqbench.chat.live.ExpertMap.
 
 A cell tells how its expert was served on its last routing by glyph (readable without colour) and colour: P pinned,
 = cache hit, + prefetched (read ahead in time), # read from disk (a miss), blank never routed. Its colour fades over
@@ -21,7 +21,7 @@ from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from tui.experts import FADE, GLYPHS, KINDS, SPARK, ExpertMap, bins, fold, heat, sparkline
+from tqbench.chat.live import FADE, GLYPHS, KINDS, SPARK, ExpertMap, bins, fold, heat, sparkline
 
 STALL_W = 7  # "12.3 s", "999 ms"
 DRAW_INTERVAL = 0.1  # seconds between redraws while batches come (every ~50 ms; the last is drawn with force)

@@ -9,18 +9,11 @@ from pathlib import Path
 from textual.content import Content
 from textual.widget import Widget
 
-from tqbench import units
+from tqbench.chat.report import model_figures
 from tui.state import display_path
 
 KEY = 8  # the label column ("model   ")
 SEP = " · "
-
-
-def model_items(loaded) -> list[str]:
-    """tqbench.runtime.session.ModelLoaded's figures, each kept on one line."""
-    m = loaded
-    tq = f"{m.turboquant_modules:,} TurboQuant modules" if m.turboquant_modules else "no TurboQuant modules"
-    return [m.model_type, tq, f"{units.gb(m.weight_bytes)} of weights", f"loaded in {m.seconds:.1f} s"]
 
 
 def pack(items: list[str], width: int, indent: int) -> list[list[str]]:
@@ -50,8 +43,8 @@ class ModelBand(Widget):
         self.refresh(layout=True)
 
     def show_model(self, chosen, loaded) -> None:
-        """chosen: tqbench.runtime.models.ModelChosen; loaded: tqbench.runtime.session.ModelLoaded."""
-        self._model = (display_path(Path(loaded.path)), chosen.why, model_items(loaded))
+        """chosen: tqbench.runtime.models.ModelChosen; loaded: tqbench.chat.records.ModelLoaded."""
+        self._model = (display_path(Path(loaded.path)), chosen.why, model_figures(loaded))
         self.refresh(layout=True)
 
     def render(self) -> Content:

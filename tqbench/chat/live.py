@@ -1,7 +1,8 @@
-"""The live expert view's state, plain Python (no Textual): for every MoE layer and routed expert, how it was served
-on its last routing and when, folded into bins for a narrow map; per layer, misses over recent tokens and stall time.
+"""The live expert view's model, plain Python run on a face's thread (never MLX): for every MoE layer and routed
+expert, how it was served on its last routing and when, folded into bins for a narrow map; per layer, misses over
+recent tokens and stall time; and a reply's rates as its events arrive (ReplyClock).
 
-Fed with tqbench.stream.PageIn events in batches (the Chat screen's reply worker posts them at most every ~50 ms).
+Fed with tqbench.stream.PageIn events in batches (the TUI's reply worker posts them at most every ~50 ms).
 """
 
 from __future__ import annotations

@@ -1,0 +1,177 @@
+"""The chat's words: every status line and figure a face shows about a chat, made here once. The CLI prints the
+plain lines; the TUI renders the same pieces as `Span`s (a run of text and how it reads: a label, a value, or
+muted), choosing only the colours. Neither face formats a number itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import humanize
+
+from tqbench import units
+from tqbench.chat.live import GLYPHS, ExpertMap, ReplyRates
+from tqbench.chat.records import ConversationStatus, ModelLoaded, ProfileInfo, StreamReport
+
+if TYPE_CHECKING:  # named only: importing it loads MLX
+    from tqbench.runtime.chat import ReplyDone, Sampling
+
+LABEL_WIDTH = 8  # the TUI status lines' labels ("reply   ", "prompt  ")
+ENDINGS = {"length": " (max tokens)", "cancelled": " (stopped)"}  # how a reply that did not stop by itself ended
+TIERS_LEGEND = "P pinned  = cache  + ahead  # disk"
+
+
+@dataclass(frozen=True)
+class Span:
+    text: str
+    kind: str = ""  # "": plain, "label", "value" (what the line is about), "muted"
+
+
+Line = tuple[Span, ...]
+
+
+def plain(lines: list[Line] | tuple[Line, ...]) -> str:
+    """Lines of spans as plain text, one per line."""
+    return "\n".join("".join(s.text for s in line) for line in lines)
+
+
+# ---- loading --------------------------------------------------------------------------------------------------------
+
+def sampling_text(s: Sampling) -> str:
+    """`greedy` or `temp 0.7, top-p 0.9, top-k 40`."""
+    if s.temp == 0:
+        return "greedy"
+    return f"temp {s.temp:g}" + (f", top-p {s.top_p:g}" if s.top_p else "") + (f", top-k {s.top_k}" if s.top_k else "")
+
+
+def sampling_line(s: Sampling) -> str:
+    return f"{sampling_text(s)}, up to {s.max_tokens} tokens per reply"
+
+
+def loaded_line(m: ModelLoaded) -> str:
+    """The CLI's line once a model is loaded: what it is, its sampling, how its experts run."""
+    tq = f", {m.turboquant_modules} TurboQuant modules" if m.turboquant_modules else ""
+    template = "" if m.chat_template else ", no chat template (plain text turns)"
+    stream = ""
+    if m.stream is not None:
+        st = m.stream
+        n = st.reads_in_flight
+        gate = f", {n} read{'s' if n > 1 else ''} in flight" if n else ""
+        stream = (f"; streaming experts: cache {units.size(st.budget_bytes)} ({st.slots} slots, {st.workers} read "
+                  f"workers, {st.policy}{', fan-out' if st.fanout else ''}{', look-ahead' if st.lookahead else ''}"
+                  f"{gate}, page cache {st.page_cache})")
+    routed = f"; {m.experts_active} of {m.experts_native} experts per token" if m.fewer_experts else ""
+    return (f"loaded {m.model_type}{tq}: {units.size(m.weight_bytes)} of resident weights in {m.seconds:.1f} s; "
+            f"{sampling_line(m.sampling)}{template}{stream}{routed}")
+
+
+def streaming_text(m: ModelLoaded) -> str | None:
+    """A short line on how the experts stream (the TUI's status line); None when they are resident."""
+    st = m.stream
+    if st is None:
+        return None
+    extra = "".join(x for x, on in ((", fan-out", st.fanout), (", look-ahead", st.lookahead)) if on)
+    active = f", {m.experts_active} of {m.experts_native} experts" if m.experts_active else ""
+    workers = f"{st.workers} worker" + ("s" if st.workers != 1 else "")
+    return f"streaming experts: cache {units.gb(st.budget_bytes)}, {workers}, {st.policy}{extra}{active}"
+
+
+def fewer_experts_warning(m: ModelLoaded) -> str | None:
+    if not m.far_fewer_experts:
+        return None
+    return (f"warning: routing to {m.experts_active} of the model's {m.experts_native} experts per token (more than a "
+            "2x cut): expect worse answers")
+
+
+def model_figures(m: ModelLoaded) -> list[str]:
+    """The model's figures, each kept on one line by a face that packs them (the TUI's model band)."""
+    tq = f"{m.turboquant_modules:,} TurboQuant modules" if m.turboquant_modules else "no TurboQuant modules"
+    return [m.model_type, tq, f"{units.gb(m.weight_bytes)} of weights", f"loaded in {m.seconds:.1f} s"]
+
+
+def profile_line(p: ProfileInfo) -> str:
+    src = {"file": f"from {p.where}", "learned": f"learned ({p.routings:,} routings)",
+           "shipped": f"shipped ({p.where})",
+           "none": "none (--cold)" if p.where == "cold" else "none yet"}[p.source]
+    pins = f"; pinned {p.pinned} experts (preloaded in {p.preload_s:.2f} s)" if p.pinned else ""
+    learn = "learning from this session" if p.learning else "not learning (--no-learn)"
+    return f"hot-expert profile: {src}{pins}; {learn}"
+
+
+# ---- replies --------------------------------------------------------------------------------------------------------
+
+def reply_line(d: ReplyDone) -> str:
+    """The CLI's summary after a reply."""
+    cached = f", {d.cached_tokens} reused from the cache" if d.cached_tokens else ""
+    return (f"[{d.generated_tokens} tokens{ENDINGS.get(d.finish_reason, '')}, {d.decode_tps:.1f} tok/s; prompt "
+            f"{d.prompt_tokens} tokens at {d.prefill_tps:.1f} tok/s{cached}; peak memory "
+            f"{units.size(d.peak_memory_bytes)}]")
+
+
+def reply_lines(d: ReplyDone) -> tuple[Line, Line]:
+    """The TUI's status after a reply: the reply's tokens, decode rate and peak memory; the prompt's tokens
+    processed (prefill rate) and those reused from the cache."""
+    sep = Span(" · ", "muted")
+    return ((Span(f"{'reply':<{LABEL_WIDTH}}", "label"),
+             Span(f"{d.generated_tokens} tokens{ENDINGS.get(d.finish_reason, '')}", "value"), Span(" at "),
+             Span(f"{d.decode_tps:.1f} tok/s", "value"), sep, Span("peak memory "),
+             Span(units.gb(d.peak_memory_bytes), "value")),
+            (Span(f"{'prompt':<{LABEL_WIDTH}}", "label"), Span(f"{d.prompt_tokens} processed", "value"),
+             Span(" at "), Span(f"{d.prefill_tps:.1f} tok/s", "value"), sep,
+             Span(f"{d.cached_tokens} reused", "value"), Span(" from the cache")))
+
+
+def stats_lines(m: ModelLoaded, status: ConversationStatus, report: StreamReport | None) -> list[str]:
+    """The CLI's /stats: the model and conversation, the last reply, the experts' streaming and the disk."""
+    lines = [f"model {m.path} ({m.model_type}), {units.size(m.weight_bytes)} of weights; conversation: "
+             f"{status.turns} turn{'s' if status.turns != 1 else ''}, {status.tokens} tokens in the cache"]
+    if status.last is not None:
+        lines.append("last reply: " + reply_line(status.last))
+    if report is not None:
+        s = report.stats
+        lines.append(f"experts: {s.hits} hits ({s.hits_pinned} pinned, {s.hits_prefetched} read ahead in time), "
+                     f"{s.misses} misses, hit rate {s.hit_rate():.1%}; {units.size(s.critical_bytes)} read in "
+                     f"{s.reads} reads, {s.evictions} evictions; cache {units.size(s.cache_bytes)} of "
+                     f"{units.size(s.budget_bytes)} (max {units.size(s.cache_bytes_max)}); stalled {s.stall_s:.2f} s "
+                     f"over {s.tokens} forward passes")
+        got, disk = report.disk_bytes_per_s_on_misses, report.disk
+        if got or disk:
+            lines.append("disk: " + (f"{units.gb(got)}/s while waiting on misses" if got else "no misses yet")
+                         + (f", this disk reads {units.gb(disk.bytes_per_s)}/s ({disk.source})" if disk else ""))
+    return lines
+
+
+# ---- the live expert view -------------------------------------------------------------------------------------------
+
+def expert_summary(view: ExpertMap, budget: int, rates: ReplyRates | None, report: StreamReport | None,
+                   disk_bps: float | None = None) -> list[Line]:
+    """The expert view's figures (at most 5 lines): hit rate split by tier, decode rate, expert bytes per token, disk
+    reads per second against this disk's measured bandwidth (`disk_bps`), the cache's fill against its budget.
+    `report` (after a reply) overrides the counts the view made from the page-ins (they agree; the engine's are
+    authoritative)."""
+    if report is not None:
+        s = report.stats
+        seen = {"pinned": s.hits_pinned, "cache": s.hits_cache, "prefetched": s.hits_prefetched, "miss": s.misses}
+        rate, cache = s.hit_rate(), s.cache_bytes
+    else:
+        seen, rate, cache = view.seen, view.hit_rate(), view.cache_bytes
+    total = sum(seen.values())
+    if not total:
+        return [(Span(f"no expert routed yet; cache {units.gb(budget)}", "muted"),), (Span(TIERS_LEGEND, "muted"),)]
+    split: list[Span] = []
+    for k in ("pinned", "cache", "prefetched", "miss"):
+        split += [Span(" ")] if split else []
+        split += [Span(GLYPHS[k], "value"), Span(f"{seen[k] / total:.0%}")]
+    lines: list[Line] = [(Span("hits "), Span(f"{rate:.1%}", "value"), Span("  "), *split)]
+    if rates is not None:
+        per_token = humanize.naturalsize(rates.bytes_per_token, format="%.1f")
+        lines.append((Span(f"{rates.tok_s:.1f} tok/s", "value"), Span(" · ", "muted"), Span(per_token, "value"),
+                      Span(" read per token")))
+        of = f" of {disk_bps / 1e6:,.0f}" if disk_bps else ""
+        lines.append((Span("disk "), Span(f"{rates.read_bps / 1e6:.1f}", "value"), Span(f"{of} MB/s")))
+        lines.append((Span("cache "), Span(f"{cache / budget:.0%}" if budget else "-", "value"),
+                      Span(f" of {units.gb(budget)}")))
+    else:
+        lines.append((Span("cache "), Span(units.gb(cache), "value"), Span(f" of {units.gb(budget)}")))
+    lines.append((Span(TIERS_LEGEND, "muted"),))
+    return lines

@@ -1,0 +1,124 @@
+"""What a user asks of a chat, as every face takes it, checked in one place.
+
+The expert cache budget has one syntax everywhere: `fit` (stream only a model that does not fit in memory: the
+default), `auto` (stream, with the budget `tqbench plan` computes), `off` (keep the experts resident) or a size
+(`8GB`, `512MB`, `64GiB`; a bare number is GB, as `--cache-budget-gb 8` has always meant)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tqbench.errors import TqbenchError, UsageError
+
+BUDGET_WORDS = ("fit", "auto", "off")
+PAGE_CACHE = ("auto", "on", "off")
+POLICIES = ("lrfu-next", "lrfu", "lru")  # tqbench.stream.cache.POLICIES, the default first (importing it loads MLX)
+MAX_WORKERS = 256
+MAX_PIN_SHARE = 0.9
+
+
+def parse_budget(text: str) -> str | int:
+    """`fit`, `auto` or `off` as they are, else the size in bytes (a bare number is GB)."""
+    from tqbench.recipe.fit import parse_size
+
+    t = str(text).strip()
+    if t.lower() in BUDGET_WORDS:
+        return t.lower()
+    try:
+        return parse_size(t + ("" if t[-1:].isalpha() else "GB"))
+    except TqbenchError:
+        raise TqbenchError(f"cache budget {text!r}: give fit, auto, off or a size (8GB, 512MB; a bare number is GB)"
+                           ) from None
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """How to run routed experts, as the user said it (decided against the model's files by `plan_streaming`)."""
+
+    budget: str = "fit"  # fit | auto | off | a size (see the module's docstring)
+    workers: int = 4  # threads reading experts from disk
+    policy: str = POLICIES[0]  # which cached expert to evict
+    fanout: bool = False  # split each expert's read across the workers
+    lookahead: bool = False  # during decode, read the next layer's likely experts early
+    page_cache: str = "auto"  # read through the OS page cache (on), around it (off), or decide by size (auto)
+    reads_in_flight: int = 0  # at most this many reads at once (0: one per worker)
+
+    def check(self) -> StreamRequest:
+        parse_budget(self.budget)
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise TqbenchError(f"prefetch workers {self.workers}: give 1 to {MAX_WORKERS}")
+        if self.policy not in POLICIES:
+            raise TqbenchError(f"cache policy {self.policy!r}: choose {', '.join(POLICIES)}")
+        if self.page_cache not in PAGE_CACHE:
+            raise TqbenchError(f"page cache {self.page_cache!r}: choose auto, on or off")
+        if not 0 <= self.reads_in_flight <= MAX_WORKERS:
+            raise TqbenchError(f"reads in flight {self.reads_in_flight}: give 0 (one per worker) to {MAX_WORKERS}")
+        return self
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """Sampling the user asked for; None: the model's generation_config.json decides (tqbench.runtime.chat.Sampling)."""
+
+    max_tokens: int | None = None
+    temp: float | None = None
+    top_p: float | None = None  # 0: off
+    top_k: int | None = None  # 0: off
+    seed: int | None = None
+
+    def check(self) -> SamplingRequest:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise TqbenchError(f"max tokens {self.max_tokens}: give 1 or more")
+        if self.temp is not None and self.temp < 0:
+            raise TqbenchError(f"temperature {self.temp:g}: give 0 (greedy) or more")
+        if self.top_p is not None and not 0 <= self.top_p <= 1:
+            raise TqbenchError(f"top-p {self.top_p:g}: give 0 (off) to 1")
+        if self.top_k is not None and self.top_k < 0:
+            raise TqbenchError(f"top-k {self.top_k}: give 0 (off) or more")
+        return self
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """Which hot-expert profile a chat starts from, and whether it learns one (tqbench.profile)."""
+
+    file: str | None = None  # start from this file (--profile FILE) instead of the learned or shipped one
+    learn: bool = True  # --no-learn turns it off
+    pin_share: float | None = None  # of the expert cache's slots pinned from the profile (streaming only); None:
+    # tqbench.profile.PIN_SHARE for a learned or given profile, SHIPPED_PIN_SHARE for a shipped one
+    force: bool = False  # use a file made for another model of the same geometry
+    store: str | None = None  # the learned profiles' directory (default: the user cache)
+    mature: int | None = None  # routings before the learned profile is used (default tqbench.profile.MATURE)
+    cold: bool = False  # start from no profile (still learns unless learn is off)
+    prefill_weight: float | None = None  # a prompt's routings next to decode's when ranking pins (None: the default)
+
+    def check(self) -> ProfileOptions:
+        if self.cold and self.file:
+            raise UsageError("--cold starts from no profile: leave out --profile")
+        if self.pin_share is not None and not 0 <= self.pin_share <= MAX_PIN_SHARE:
+            raise TqbenchError(f"pin share {self.pin_share:g}: give 0 to {MAX_PIN_SHARE:g}")
+        return self
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """Everything a chat is opened with. `model` None: the model converted last, else the built-in demo (converted
+    first if needed: tqbench.runtime.models.choose_model)."""
+
+    model: str | None = None
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
+    system: str | None = None
+    chat_template: bool = True  # False: turns are plain text (a base model's continuation)
+    trust_remote_code: bool = False
+    stream: StreamRequest = field(default_factory=StreamRequest)
+    max_active_experts: int = 0  # route each token to this many experts (0: the model's own top-k)
+    profile: ProfileOptions = field(default_factory=ProfileOptions)
+
+    def check(self) -> ChatRequest:
+        """Raise TqbenchError (one line) for a value the engine would refuse; returns self."""
+        self.sampling.check()
+        self.stream.check()
+        self.profile.check()
+        if self.max_active_experts < 0:
+            raise TqbenchError(f"max active experts {self.max_active_experts}: give 0 (the model's own) or more")
+        return self

@@ -1,0 +1,298 @@
+"""A chat run by the engine: `ChatSession` keeps the loaded model, its conversation and its profile learner on the
+engine thread (tqbench.engine) and hands the faces typed records only.
+
+    chat = ChatSession()
+    with chat.open(ChatRequest(model=path)) as job:
+        for ev in job: ...       # conversion events (the demo, converted first), ModelChosen, StreamPlan, ModelLoaded
+    with chat.reply("hello") as job:
+        for ev in job: ...       # ReplyStarted, PageIn... (streaming), TokenOut..., ReplyDone
+    chat.stats(); chat.reset(); chat.close()
+
+`open` decides what runs (`plan_streaming`: resident or streamed, with which budget and why), loads the model,
+chooses and preloads the hot-expert profile and starts learning one; a later `open` replaces the model (a new
+conversation)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+from tqbench.chat.records import (ConversationStatus, ModelLoaded, ProfileExport, ProfileInfo, StreamReport,
+                                  StreamSetup)
+from tqbench.chat.request import ChatRequest, ProfileOptions, StreamRequest, parse_budget
+from tqbench.engine import Engine, Job, engine
+from tqbench.errors import TqbenchError
+from tqbench.recipe.fit import DiskSpeed
+from tqbench.runtime.chat import Conversation, ReplyDone, Sampling
+from tqbench.runtime.models import ModelChosen
+from tqbench.stream.store import ExpertStore
+from tqbench.stream.streamer import StreamConfig
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What `open` will run, decided from the request and the model's files: `config` None keeps the experts
+    resident. `reason`: "off" (asked), "fits", "no routed experts", "asked" or "does not fit"."""
+
+    config: StreamConfig | None
+    reason: str
+
+    @property
+    def note(self) -> str | None:
+        """A line for the user when the engine chose to stream unasked."""
+        if self.reason == "does not fit":
+            return "the model does not fit in memory: streaming its experts from disk (cache budget auto)"
+        return None
+
+
+def plan_streaming(path: str | Path, request: StreamRequest) -> StreamPlan:
+    """Resident or streamed, and with which cache budget. Reads shard headers only."""
+    from tqbench.stream.budget import auto_budget, needs_streaming
+
+    budget = parse_budget(request.budget)
+    if budget == "off":
+        return StreamPlan(None, "off")
+    experts = expert_layout(path)
+    if budget == "fit":
+        if experts is None:
+            return StreamPlan(None, "no routed experts")
+        if not needs_streaming(path, store=experts):
+            return StreamPlan(None, "fits")
+        budget, reason = "auto", "does not fit"
+    else:
+        reason = "asked"
+    if experts is None:
+        raise TqbenchError("no routed experts to stream (neither tqbench's expert_map.json nor stacked switch_mlp "
+                           "tensors); run it resident (cache budget fit or off)", path)
+    nbytes = auto_budget(path, store=experts) if budget == "auto" else int(budget)
+    r = request
+    return StreamPlan(StreamConfig(nbytes, r.workers, r.policy, r.fanout, r.page_cache, lookahead=r.lookahead,
+                                   reads_in_flight=r.reads_in_flight), reason)
+
+
+def expert_layout(path: str | Path) -> ExpertStore | None:
+    """The model's routed-expert layout (an ExpertStore, closed), or None when it has none to stream."""
+    from tqbench.stream.store import StoreError
+
+    try:
+        store = ExpertStore.open(Path(path))
+    except (StoreError, TqbenchError, OSError):
+        return None
+    store.close()
+    return store
+
+
+@dataclass
+class _Open:
+    """A loaded model's state: touched on the engine thread only."""
+
+    conversation: Conversation
+    loaded: ModelLoaded
+    learner: object | None  # tqbench.profile.Learner while the session learns
+
+
+class ChatSession:
+    """One chat, its state on the engine thread. Every method may be called from any other thread."""
+
+    def __init__(self, eng: Engine | None = None) -> None:
+        self._engine = eng or engine()
+        self._open: _Open | None = None
+        self._disk: tuple[str, DiskSpeed | None] | None = None  # (model path, its disk's speed): measured once
+
+    @property
+    def loaded(self) -> ModelLoaded | None:
+        """The model loaded last (a frozen record: safe to read anywhere)."""
+        return self._open.loaded if self._open is not None else None
+
+    # ---- jobs -----------------------------------------------------------------------------------------------------
+
+    def open(self, request: ChatRequest) -> Job:
+        """Choose (request.model None: the last converted model, else the demo, converting it first with its
+        progress events), plan, load; yields ModelChosen, StreamPlan, then ModelLoaded."""
+        request.check()
+        return self._engine.submit(lambda: self._load(request))
+
+    def reply(self, text: str, sampling: Sampling | None = None) -> Job:
+        """The reply's events; with streaming, each forward pass's PageIn events (one per MoE layer) come before the
+        event that follows that pass. A learning session counts each token's routing and saves every few seconds."""
+        return self._engine.submit(lambda: self._reply(text, sampling))
+
+    # ---- calls (run on the engine thread, return at once) ---------------------------------------------------------
+
+    def stats(self) -> StreamReport | None:
+        """Streaming figures so far, or None for a resident model (or none loaded)."""
+        return self._engine.call(self._stats)
+
+    def last_reply(self) -> ReplyDone | None:
+        """The last reply's summary, also of one stopped early (finish_reason "cancelled")."""
+        return self._engine.call(lambda: self._current().conversation.last)
+
+    def status(self) -> ConversationStatus:
+        def read() -> ConversationStatus:
+            conv = self._current().conversation
+            return ConversationStatus(conv.turns, len(conv.tokens), conv.last)
+
+        return self._engine.call(read)
+
+    def reset(self) -> None:
+        """Forget the conversation (messages and cache)."""
+        self._engine.call(lambda: self._current().conversation.reset())
+
+    def export_profile(self, file: str | Path) -> ProfileExport:
+        """Save what this session learned, then write the model's learned profile to `file` as `tqbench profile
+        export` does (tqbench.profile.export_learned)."""
+        return self._engine.call(lambda: self._export(Path(file)))
+
+    def on_engine(self, fn: Callable[[Conversation], R]) -> R:
+        """`fn(conversation)` on the engine thread, for tools and tests that reach into the loaded model."""
+        return self._engine.call(lambda: fn(self._current().conversation))
+
+    def close(self) -> None:
+        """Drop the model (stops its read workers) and save what was learned."""
+        self._engine.call(self._drop)
+
+    # ---- on the engine thread -------------------------------------------------------------------------------------
+
+    def _current(self) -> _Open:
+        if self._open is None:
+            raise TqbenchError("no model is loaded in this chat")
+        return self._open
+
+    def _drop(self) -> None:
+        old, self._open = self._open, None
+        if old is not None:
+            old.conversation.close()
+            if old.learner is not None:
+                old.learner.close()
+
+    def _load(self, request: ChatRequest) -> Iterator:
+        from tqbench.runtime.load import load
+        from tqbench.runtime.models import choose_model
+
+        if request.model is None:
+            chosen = None
+            for ev in choose_model():
+                if isinstance(ev, ModelChosen):
+                    chosen = ev
+                yield ev
+            if chosen is None:
+                raise TqbenchError("could not choose a model")
+            path = chosen.path
+        else:
+            path = request.model
+            yield ModelChosen(path, "given")
+        plan = plan_streaming(path, request.stream)
+        yield plan
+        t0 = time.perf_counter()
+        self._drop()
+        loaded = load(path, request.trust_remote_code, streaming=plan.config)
+        native = active = 0
+        if request.max_active_experts:
+            from tqbench.runtime.routing import set_active_experts
+
+            ae = set_active_experts(loaded.model, request.max_active_experts)
+            native, active = ae.native, ae.active
+        conv = Conversation(loaded, system=request.system, chat_template=request.chat_template)
+        try:
+            profile, learner = _profile(loaded, request.profile)
+            stream = self._stream_setup(loaded, plan) if loaded.streamer is not None else None
+        except BaseException:
+            conv.close()
+            raise
+        info = ModelLoaded(str(loaded.path), loaded.model_type, loaded.turboquant_modules, loaded.weight_bytes,
+                           conv.chat_template, Sampling.defaults(loaded.generation_config, **asdict(request.sampling)),
+                           time.perf_counter() - t0, stream, native, active, profile)
+        self._open = _Open(conv, info, learner)
+        yield info
+
+    def _stream_setup(self, loaded, plan: StreamPlan) -> StreamSetup:
+        st, c = loaded.streamer.stats, loaded.streamer.config
+        known = self._disk  # a re-open of the same model measures nothing again
+        disk = known[1] if known and known[0] == str(loaded.path) else _disk_speed(loaded.path)
+        self._disk = (str(loaded.path), disk)
+        layers = tuple(sorted((n, lay.experts) for n, lay in loaded.streamer.store.layers.items()))
+        return StreamSetup(st.budget_bytes, st.slots, st.slot_bytes, st.staging_bytes, c.workers, c.policy, c.fanout,
+                           st.page_cache, c.lookahead, c.reads_in_flight, disk, layers, plan.reason)
+
+    def _reply(self, text: str, sampling: Sampling | None) -> Iterator:
+        state = self._current()
+        streamer = state.conversation.loaded.streamer
+        for ev in state.conversation.reply(text, sampling or state.loaded.sampling):
+            if state.learner is not None:
+                state.learner.flush()
+            if streamer is not None:
+                yield from streamer.drain()
+            yield ev
+
+    def _stats(self) -> StreamReport | None:
+        if self._open is None or self._open.conversation.loaded.streamer is None:
+            return None
+        disk = self._disk[1] if self._disk else None
+        return StreamReport.snapshot(self._open.conversation.loaded.streamer.stats, disk, self._open.loaded.profile)
+
+    def _export(self, out: Path) -> ProfileExport:
+        from tqbench.profile import export_learned
+
+        state = self._current()
+        if state.learner is None:
+            raise TqbenchError("this session does not learn a profile (a model without routed experts, or no "
+                               "profile store)")
+        state.learner.flush()
+        state.learner.save()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        p = export_learned(state.conversation.loaded.path, state.learner.store, out)
+        return ProfileExport(str(out), p.routings, p.sessions, len(p.ranked()))
+
+
+def _profile(loaded, opts: ProfileOptions) -> tuple[ProfileInfo | None, object | None]:
+    """Choose the profile, pin and preload its hottest experts (streaming), start learning. (None, None) for a model
+    without streamable routed experts (nothing to profile)."""
+    from tqbench.profile import (PIN_SHARE, PREFILL_WEIGHT, SHIPPED_PIN_SHARE, Learner, Profile, ProfileError,
+                                 ProfileStore, choose, tap)
+
+    experts = loaded.streamer.store if loaded.streamer is not None else expert_layout(loaded.path)
+    if experts is None:
+        return None, None
+    store = None
+    if opts.learn or opts.file is None:
+        try:
+            store = ProfileStore(opts.store)
+        except ProfileError as e:  # a chat still runs: it just neither learns nor uses what was learned
+            print(f"tqbench: warning: {e}; this session does not learn", file=sys.stderr)
+    choice = choose(loaded.path, opts.file, opts.force, store, opts.mature, experts, opts.cold)
+    pinned, preload_s = 0, 0.0
+    if choice.profile is not None and loaded.streamer is not None:  # share 0: no pins, history seeded
+        p = choice.profile
+        pw = PREFILL_WEIGHT if opts.prefill_weight is None else opts.prefill_weight
+        share = opts.pin_share
+        if share is None:
+            share = SHIPPED_PIN_SHARE if choice.source == "shipped" else PIN_SHARE
+        weights = {(n, int(e)): float(v) for n, c in p.counts(pw).items() for e, v in enumerate(c) if v > 0}
+        pinned = loaded.streamer.preload(p.ranked(pw), share, weights)
+        preload_s = loaded.streamer.stats.preload_s
+    learner = None
+    if opts.learn and store is not None:
+        learner = Learner(store, Profile.empty(choice.fingerprint, choice.geometry))
+        tap(loaded.model, learner)
+    elif store is not None:
+        store.close()
+    info = ProfileInfo(choice.source, choice.where, choice.fingerprint,
+                       round(choice.profile.routings) if choice.profile else 0, pinned, preload_s, learner is not None)
+    return info, learner
+
+
+def _disk_speed(path) -> DiskSpeed | None:
+    """The read bandwidth of the disk holding the model: the measurement `tqbench plan` cached for that disk, else a
+    quick one reading the model's own shards (at most 128 MB, page cache bypassed; nothing written). None when
+    neither works."""
+    from tqbench.recipe.fit import cached_disk_speed, file_read_speed
+
+    try:
+        return cached_disk_speed(path) or file_read_speed(list(Path(path).glob("*.safetensors")))
+    except (OSError, ValueError):
+        return None
