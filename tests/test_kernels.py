@@ -354,6 +354,29 @@ def test_mlx_keeps_its_cuda_kernels_in_tqbench_cache_unless_the_user_chose(tmp_p
     assert out.split() == [str(tmp_path / "mine")] * 3
 
 
+def test_a_compiled_cubin_is_kept_whole_and_read_back(tmp_path, monkeypatch) -> None:
+    """tqbench.cubin writes each cubin into the cache directory atomically (no temporary file stays) and a later call
+    reads it instead of compiling again (NVRTC and the driver stood in for)."""
+    from tqbench import cubin
+
+    sources = []
+
+    def compile_cubin(source, arch, filename):
+        sources.append(source)
+        return f"{arch}: {source}".encode()
+
+    monkeypatch.setenv("TQBENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cubin, "architecture", lambda: "sm_90")
+    monkeypatch.setattr(cubin, "_nvrtc_version", lambda: "12.8")
+    monkeypatch.setattr(cubin, "compile_cubin", compile_cubin)
+    monkeypatch.setattr(cubin, "STATS", cubin.CompileStats())
+    name, data = cubin.cached_cubin("tq_k", lambda nm: f"kernel {nm}")
+    assert name.startswith("tq_k_") and data == f"sm_90: kernel {name}".encode()
+    assert [p.name for p in (tmp_path / "cuda").iterdir()] == [f"{name}.cubin"]
+    assert cubin.cached_cubin("tq_k", lambda nm: f"kernel {nm}") == (name, data)
+    assert len(sources) == 1 and (cubin.STATS.compiled, cubin.STATS.loaded) == (1, 1)
+
+
 def test_cuda_program_takes_the_inputs_in_order_and_16_bit_types() -> None:
     spec = K.make_spec(3, 64, 896, 48, 6, 1, True, "bfloat16", "float32", pairs=6, xdiv=3)
     src = S.cuda_program(spec, "tq_k")
