@@ -280,6 +280,7 @@ def test_other_recipe_is_refused_unless_forced(demo_src, tmp_path, capsys, monke
     assert r.code == 1 and "never deletes files it did not write" in r.err
     assert [p.name for p in (tmp_path / "notes").iterdir()] == ["a.txt"]
     (dst / "my-notes.md").write_text("kept")  # a user's file inside a conversion survives --force
+    (dst / "config.json.0123abcd.partial").write_text("{")  # a killed write's temporary file does not
     old_shards = sorted(p.name for p in dst.glob("*.safetensors"))
     r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", dst, "--recipe", "tq4-g64",
                 "--shard-size", SHARD, "--force")

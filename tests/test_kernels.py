@@ -1,6 +1,7 @@
-"""Fused TurboQuant kernels (tqbench.runtime.kernels): the template's source for both dialects, its arithmetic
+"""Fused TurboQuant kernels: the template's source for both dialects (tqbench.runtime.kernel_source), its arithmetic
 (ternary fixed-point digits), the kernels themselves run on the CPU through a small C++ emulation of CUDA and Metal
-(one std::thread per GPU thread; needs g++), and the dispatch with its one-time self-check and fallback."""
+(one std::thread per GPU thread; needs g++), and the dispatch (tqbench.runtime.kernels) with its one-time self-check
+and fallback."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 
 from tqbench.quant.turboquant import codebook as published_codebook
 from tqbench.runtime import codebook as ref
+from tqbench.runtime import kernel_source as S
 from tqbench.runtime import kernels as K
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -31,14 +33,14 @@ from tqbench.runtime import kernels as K
 @pytest.mark.parametrize("levels,per,bits", [(3, 20, 0), (4, 16, 2), (8, 10, 3), (16, 8, 4)])
 def test_source_has_the_format_constants(dialect, levels, per, bits) -> None:
     spec = K.make_spec(levels, 64, 7168, 3072, 1, 1, False)
-    header, body = K.kernel_source(spec, dialect)
+    header, body = S.kernel_source(spec, dialect)
     src = header + body
     words = -(-7168 // per)
     assert f"#define TQ_PER {per}\n" in header
     assert f"#define TQ_WORDS {words}\n" in header
     assert f"{per} codes per word, {words} words per row" in body
-    assert f"#define TQ_UNIT {K.unit_codes(levels)}u\n" in header
-    assert f"#define TQ_BLOCKS {K.unit_codes(levels) // 32}\n" in header
+    assert f"#define TQ_UNIT {S.unit_codes(levels)}u\n" in header
+    assert f"#define TQ_BLOCKS {S.unit_codes(levels) // 32}\n" in header
     if levels == 3:
         # powers of 3 for the digit runs, up to 3^20 > 2^31, and the fixed-point constants of a 10-trit run
         assert "case 5: return 243u;" in header and "case 20: return 3486784401u;" in header
@@ -66,7 +68,7 @@ def test_source_has_the_format_constants(dialect, levels, per, bits) -> None:
             assert "threadgroup float tab[16];" in body
             assert "threadgroup_barrier(mem_flags::mem_threadgroup);" in body
     # the same template: the dialects differ only in spellings, never in the algorithm's constants
-    other = K.kernel_source(spec, "metal" if dialect == "cuda" else "cuda")[0]
+    other = S.kernel_source(spec, "metal" if dialect == "cuda" else "cuda")[0]
     defines = lambda h: [ln for ln in h.splitlines() if ln.startswith("#define TQ_") and "H2F" not in ln
                          and "U2F" not in ln and "CDEV" not in ln and "TQ_LOAD" not in ln
                          and "TQ_FMA" not in ln]
@@ -75,13 +77,13 @@ def test_source_has_the_format_constants(dialect, levels, per, bits) -> None:
 
 def test_source_is_small_and_names_are_unique() -> None:
     """MLX copies the whole source on every call of a custom kernel: it must stay a few kB."""
-    for levels in K.LEVELS:
+    for levels in S.LEVELS:
         for dialect in ("cuda", "metal"):
-            header, body = K.kernel_source(K.make_spec(levels, 32, 7168, 3072, 16, 4, True, xdiv=1), dialect)
+            header, body = S.kernel_source(K.make_spec(levels, 32, 7168, 3072, 16, 4, True, xdiv=1), dialect)
             assert len(header) + len(body) < 12_000
-    a = K.kernel_name(K.make_spec(8, 64, 4096, 7168, 1, 1, False), "cuda")
-    b = K.kernel_name(K.make_spec(8, 64, 4096, 7168, 1, 2, False), "cuda")
-    c = K.kernel_name(K.make_spec(8, 64, 4096, 7168, 1, 1, False, lanes=16), "cuda")
+    a = S.kernel_name(K.make_spec(8, 64, 4096, 7168, 1, 1, False), "cuda")
+    b = S.kernel_name(K.make_spec(8, 64, 4096, 7168, 1, 2, False), "cuda")
+    c = S.kernel_name(K.make_spec(8, 64, 4096, 7168, 1, 1, False, lanes=16), "cuda")
     assert len({a, b, c}) == 3 and a.startswith("tq_matvec_l8_g64_n4096_o7168_b1_")
 
 
@@ -95,7 +97,7 @@ def test_spec_refuses_what_the_kernel_cannot_do() -> None:
     assert K.make_spec(16, 64, 4096, 62, 1, 1, False).out == 62  # 4-bit rows are always aligned
     with pytest.raises(ValueError, match="at most 256"):
         K.make_spec(3, 64, 4096, 64, 1, 1, False, tiles=2)  # 5 warps a tile group: 320 threads
-    for levels in K.LEVELS:  # the defaults always fit
+    for levels in S.LEVELS:  # the defaults always fit
         for n, out in ((7168, 3072), (3072, 7168), (896, 48)):
             assert K.make_spec(levels, 64, n, out, 1, 4, False).threads <= 256
 
@@ -116,7 +118,7 @@ def test_layout_keeps_lanes_busy() -> None:
 
 @pytest.mark.parametrize("count", range(1, 11))
 def test_trit_fixed_point_is_exact_for_every_value(count) -> None:
-    k, c = K.trit_constants(count)
+    k, c = S.trit_constants(count)
     p = 3**count
     v = np.arange(p, dtype=np.uint64)
     f = v * np.uint64(k) + np.uint64(c)
@@ -134,8 +136,8 @@ def test_trit_digits_of_packed_words() -> None:
     words = (trits * 3 ** np.arange(20)).sum(1)
     for w, t in zip(words.tolist(), trits.tolist()):
         for start, count in ((0, 10), (10, 10), (12, 8), (0, 4), (4, 10)):
-            assert K.trit_digits(w, start, count) == t[start:start + count][::-1]
-    assert K.trit_digits(3**20 - 1, 10, 10) == [2] * 10  # all-2 runs (the fixed point's edge)
+            assert S.trit_digits(w, start, count) == t[start:start + count][::-1]
+    assert S.trit_digits(3**20 - 1, 10, 10) == [2] * 10  # all-2 runs (the fixed point's edge)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,14 +224,14 @@ _EMU_DIR = Path(tempfile.gettempdir()) / "tqbench-kernel-emu"
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel emulation needs g++")
 
 
-def _emulator(spec: K.Spec, dialect: str) -> Path:
+def _emulator(spec: S.Spec, dialect: str) -> Path:
     """CUDA: the whole NVRTC program (`cuda_program`: prelude, 16-bit widening, parameter list); Metal: the body inside
     a function with mx.fast.metal_kernel's parameters."""
     if dialect == "cuda":
-        src = (_SHIM + "#define __global__\n" + K.cuda_program(spec, "kern")
+        src = (_SHIM + "#define __global__\n" + S.cuda_program(spec, "kern")
                + _DRIVER.replace("HALF", "tq_half").replace("SEL", "sel.data()," if spec.gather else ""))
     else:
-        header, body = K.kernel_source(spec, dialect)
+        header, body = S.kernel_source(spec, dialect)
         params = "const device float* x, const device uint32_t* w, const device half* scales, "
         params += "const device half* codebook, "
         if spec.gather:
@@ -251,7 +253,7 @@ def _emulator(spec: K.Spec, dialect: str) -> Path:
 def _emulated(dialect: str):
     """A stand-in for K.compiled: a callable with mx.fast kernels' call signature that runs the emulation."""
 
-    def compiled(spec: K.Spec, backend: str):
+    def compiled(spec: S.Spec, backend: str):
         exe = _emulator(spec, dialect)
 
         def call(inputs, grid, threadgroup, output_shapes, output_dtypes):
@@ -291,7 +293,7 @@ def test_cuda_prelude_widens_every_16_bit_pattern_exactly(tmp_path) -> None:
     for bit over all 65,536 patterns (NaNs compared as NaN)."""
     src = ("#include <cstdio>\n#include <cstring>\n#define __device__\n#define __forceinline__\n"
            "static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }\n"
-           + K._CUDA_PRELUDE +
+           + S._CUDA_PRELUDE +
            "int main() { for (unsigned b = 0; b < 65536u; ++b) {"
            " tq_half h{(unsigned short)b}; tq_bf16 g{(unsigned short)b};"
            " float v[2] = {tq_half2float(h), tq_bf162float(g)}; fwrite(v, 4, 2, stdout); } return 0; }\n")
@@ -352,15 +354,38 @@ def test_mlx_keeps_its_cuda_kernels_in_tqbench_cache_unless_the_user_chose(tmp_p
     assert out.split() == [str(tmp_path / "mine")] * 3
 
 
+def test_a_compiled_cubin_is_kept_whole_and_read_back(tmp_path, monkeypatch) -> None:
+    """tqbench.cubin writes each cubin into the cache directory atomically (no temporary file stays) and a later call
+    reads it instead of compiling again (NVRTC and the driver stood in for)."""
+    from tqbench import cubin
+
+    sources = []
+
+    def compile_cubin(source, arch, filename):
+        sources.append(source)
+        return f"{arch}: {source}".encode()
+
+    monkeypatch.setenv("TQBENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cubin, "architecture", lambda: "sm_90")
+    monkeypatch.setattr(cubin, "_nvrtc_version", lambda: "12.8")
+    monkeypatch.setattr(cubin, "compile_cubin", compile_cubin)
+    monkeypatch.setattr(cubin, "STATS", cubin.CompileStats())
+    name, data = cubin.cached_cubin("tq_k", lambda nm: f"kernel {nm}")
+    assert name.startswith("tq_k_") and data == f"sm_90: kernel {name}".encode()
+    assert [p.name for p in (tmp_path / "cuda").iterdir()] == [f"{name}.cubin"]
+    assert cubin.cached_cubin("tq_k", lambda nm: f"kernel {nm}") == (name, data)
+    assert len(sources) == 1 and (cubin.STATS.compiled, cubin.STATS.loaded) == (1, 1)
+
+
 def test_cuda_program_takes_the_inputs_in_order_and_16_bit_types() -> None:
     spec = K.make_spec(3, 64, 896, 48, 6, 1, True, "bfloat16", "float32", pairs=6, xdiv=3)
-    src = K.cuda_program(spec, "tq_k")
+    src = S.cuda_program(spec, "tq_k")
     assert ('extern "C" __global__ void tq_k(const float* x, const tq_u32* w, const tq_bf16* scales, '
             'const float* codebook, const tq_u32* indices, float* y)') in src
-    assert K.input_names(spec) == ["x", "w", "scales", "codebook", "indices"]
+    assert S.input_names(spec) == ["x", "w", "scales", "codebook", "indices"]
     plain = K.make_spec(8, 64, 896, 48, 1, 2, False)
     assert "void tq_k(const float* x, const tq_u32* w, const tq_half* scales, const tq_half* codebook, float* y)" \
-        in K.cuda_program(plain, "tq_k")
+        in S.cuda_program(plain, "tq_k")
     assert "#include" not in src  # NVRTC compiles it with no include paths
 
 

@@ -14,13 +14,13 @@ import ctypes
 import hashlib
 import os
 import re
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
+from tqbench.atomic import write_bytes
 from tqbench.paths import cache_dir
 
 
@@ -137,10 +137,7 @@ def cached_cubin(stem: str, source_of: Callable[[str], str]) -> tuple[str, bytes
         STATS.compile_s += time.perf_counter() - t0
     try:  # the cache is a convenience: where it cannot be written, each process compiles its kernels once
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(cubin)
-        os.replace(tmp, path)
+        write_bytes(path, cubin, fsync=False)
     except OSError:
         pass
     return name, cubin

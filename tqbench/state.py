@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tqbench.atomic import write_json
 from tqbench.paths import state_file
 
 
@@ -22,9 +23,7 @@ def save_state(data: dict) -> None:
     file = state_file()
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_name(file.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        tmp.replace(file)
+        write_json(file, data, fsync=False)
     except OSError:
         pass
 

@@ -6,27 +6,16 @@ It lives in `<dest>/.tqbench-convert.json` and is replaced atomically after ever
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+
+from tqbench.atomic import write_json
+# Still imported from here by the CLI's chat and profile commands, tqbench.profile.share and scripts/, until they
+# import tqbench.atomic.write_bytes themselves.
+from tqbench.atomic import write_bytes as write_atomic  # noqa: F401
 
 JOURNAL = ".tqbench-convert.json"
-
-
-def write_atomic(path: Path, data: bytes | Iterable[bytes]) -> None:
-    """Write a file (bytes, or chunks of bytes) so that it appears whole or not at all."""
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        for chunk in [data] if isinstance(data, bytes) else data:
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    write_atomic(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
 @dataclass

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import mlx.core as mx
 
-from tqbench.convert.journal import JOURNAL, Journal, write_atomic, write_json
+from tqbench.atomic import temp_target, write_bytes, write_json
+from tqbench.convert.journal import JOURNAL, Journal
 from tqbench.convert.produce import Producer, rotated, shared_expert_piece
 from tqbench.cubin import keep_mlx_kernels
 from tqbench.errors import CheckpointError, TqbenchError
@@ -302,7 +303,8 @@ def remove_conversion(dst: Path) -> None:
         pass
     for f in dst.iterdir():
         if f.is_file() and (f.name in names or SHARD_NAME.fullmatch(f.name.removesuffix('.partial'))
-                            or (f.name.endswith(".partial") and f.name[:-len(".partial")] in names)):
+                            or (f.name.endswith(".partial") and f.name[:-len(".partial")] in names)
+                            or temp_target(f.name) in names):
             f.unlink()
 
 
@@ -429,7 +431,7 @@ def _finish(lay: Layout, dst: Path, report: dict[str, Any], journal: Journal) ->
     journal.copied = [f.name for f in copied]  # recorded first: a --force later removes exactly these
     journal.save()
     for f in copied:
-        write_atomic(dst / f.name, f.read_bytes())
+        write_bytes(dst / f.name, f.read_bytes())
     write_json(dst / REPORT, report)
     _test_kill("final")
     # Last: the index, written as it is built (K3: 497k names). Its presence marks the directory complete.
@@ -449,7 +451,7 @@ def write_index(path: Path, metadata: dict[str, Any], weight_map: Iterable[tuple
             first = False
         yield b"\n  }\n}\n" if not first else b"}\n}\n"
 
-    write_atomic(path, chunks())
+    write_bytes(path, chunks())
 
 
 def _travels(f: Path) -> bool:
