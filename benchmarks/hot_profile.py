@@ -58,8 +58,8 @@ QUICK = dict(domains="email,asyncio", sessions=2, turns=1, tokens=8, budget_kb=6
 
 def questions(domain: str, n: int, rng: np.random.Generator) -> list[str]:
     """`n` distinct seeded questions about `domain`'s documented functions and methods (training items)."""
-    from tqbench.demo import corpus_files, stdlib_root
-    from tqbench.demo.conversations import domain_of, mine_stdlib, question
+    from training.conversations import domain_of, mine_stdlib, question
+    from training.corpus import corpus_files, stdlib_root
 
     root = stdlib_root()
     files = [f for f in corpus_files(root) if domain_of(f) == domain]

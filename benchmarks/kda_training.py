@@ -42,7 +42,7 @@ def recurrence(B: int, T: int, H: int, D: int, repeats: int) -> dict:
     import mlx.core as mx
     from mlx_lm.models.gated_delta import gated_delta_ops
 
-    from tqbench.demo.delta import chunked_gated_delta
+    from training.delta import chunked_gated_delta
 
     mx.random.seed(0)
     q = mx.random.normal((B, T, H, D))
@@ -83,7 +83,7 @@ def training_steps(B: int, T: int, steps: int) -> dict:
 
     import train_demo
     from tqbench.demo import CHAT_SPEC
-    from tqbench.demo.delta import chunked_kda_training
+    from training.delta import chunked_kda_training
 
     train_demo.SPEC = CHAT_SPEC
     x = mx.random.randint(0, CHAT_SPEC.vocab_size, (B, T + 1), key=mx.random.key(1))

@@ -197,10 +197,11 @@ def chat_trace(work: Path, tokens: int, window: int) -> tuple[np.ndarray, dict]:
             return np.load(out), dict(info, reused=True)
     from mlx_lm import load
 
-    from tqbench.demo import SHIPPED_DEMO, SHIPPED_SPEC, stdlib_root
-    from tqbench.demo.conversations import build_conversations, encode_conversation, mine_stdlib, split_items
-    from tqbench.modelstats import trace_routing
+    from tqbench.demo import SHIPPED_DEMO, SHIPPED_SPEC
     from tqbench.tokenizer import load_encoding
+    from training.conversations import build_conversations, encode_conversation, mine_stdlib, split_items
+    from training.corpus import stdlib_root
+    from training.modelstats import trace_routing
 
     t0 = time.perf_counter()
     enc = load_encoding(SHIPPED_DEMO)

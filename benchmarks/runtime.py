@@ -435,9 +435,9 @@ def prepare_inputs(work: Path, cfg: dict) -> dict:
     """The held-out split tokenized; the prompt and the quality windows written for the children."""
     import numpy as np
 
-    from tqbench.demo import (SHIPPED_DEMO, SHIPPED_SPEC, corpus_files, encode_files, is_heldout, special_ids,
-                              stdlib_root)
+    from tqbench.demo import SHIPPED_DEMO, SHIPPED_SPEC, special_ids
     from tqbench.tokenizer import load_encoding
+    from training.corpus import corpus_files, encode_files, is_heldout, stdlib_root
 
     root = stdlib_root()
     files = [f for f in corpus_files(root) if is_heldout(f)]

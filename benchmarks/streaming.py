@@ -468,10 +468,10 @@ def child_trace(a: dict) -> None:
     t0 = time.perf_counter()
     from mlx_lm import load
 
-    from tqbench.demo import (SHIPPED_DEMO, SHIPPED_SPEC, corpus_files, encode_files, is_heldout, special_ids,
-                              stdlib_root)
-    from tqbench.modelstats import trace_routing
+    from tqbench.demo import SHIPPED_DEMO, SHIPPED_SPEC, special_ids
     from tqbench.tokenizer import load_encoding
+    from training.corpus import corpus_files, encode_files, is_heldout, stdlib_root
+    from training.modelstats import trace_routing
     root = stdlib_root()
     files = [f for f in corpus_files(root) if is_heldout(f)]
     enc = load_encoding(SHIPPED_DEMO)

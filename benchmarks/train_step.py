@@ -137,7 +137,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     import mlx.core as mx
 
-    from tqbench.demo.delta import chunked_kda_training
+    from training.delta import chunked_kda_training
 
     if a.quick:
         a.batches, a.seq_len, a.warmup, a.steps = "2,4", 32, 1, 2

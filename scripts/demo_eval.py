@@ -44,8 +44,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tqbench.demo import corpus_files, is_heldout, stdlib_root  # noqa: E402
-from tqbench.demo.conversations import (  # noqa: E402
+from tqbench.tokenizer import load_encoding  # noqa: E402
+from training.conversations import (  # noqa: E402
     DocItem,
     build_conversations,
     domain_of,
@@ -53,7 +53,7 @@ from tqbench.demo.conversations import (  # noqa: E402
     render,
     split_items,
 )
-from tqbench.tokenizer import load_encoding  # noqa: E402
+from training.corpus import corpus_files, is_heldout, stdlib_root  # noqa: E402
 
 WINDOW = 128
 THIRD_PARTY = ("click", "diskcache")
@@ -179,7 +179,7 @@ def forward_pass(model, tokens: np.ndarray, window: int = WINDOW, batch: int = 1
     import mlx.core as mx
     import mlx.nn as nn
 
-    from tqbench.modelstats import capture_routing, windows
+    from training.modelstats import capture_routing, windows
 
     x, y = windows(tokens, window, limit)
     nll, trace = [], []
@@ -305,7 +305,7 @@ def copy_probe(model, tok, items: list[DocItem], seed: int = 0, max_tokens: int 
     has memorised) asked "What does {name} do?" under its real name and under a made-up module path
     (tqbench.demo.conversations.renamed / pseudo_module, seeded); per answer, whether it writes the asked name, and
     for the made-up ones whether it writes the real name instead (recall rather than copying)."""
-    from tqbench.demo.conversations import pseudo_module, renamed
+    from training.conversations import pseudo_module, renamed
 
     rng = np.random.default_rng([seed, 33])
     rows = []
@@ -350,7 +350,7 @@ def paired_docstring(base: dict, other: dict, names: set[str] | None = None) -> 
 
 
 def covering(counts: np.ndarray, share: float) -> int:
-    from tqbench.modelstats import experts_covering
+    from training.modelstats import experts_covering
 
     return experts_covering(counts, share)
 
@@ -437,7 +437,7 @@ def routing_report(trace: np.ndarray, sources: dict[str, tuple[int, int]],
                    segments: dict[str, list[tuple[int, int]]], E: int, layer_ids: list[int], window: int) -> dict:
     """Routing statistics of one model's trace over all evaluated texts (`sources`: name -> (start, end) in the
     trace; `segments`: domain -> its (start, end) pieces)."""
-    from tqbench.modelstats import random_jaccard
+    from training.modelstats import random_jaccard
 
     k = trace.shape[-1]
     counts = np.stack([np.bincount(t.reshape(-1), minlength=E) for t in trace])

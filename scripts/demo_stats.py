@@ -30,16 +30,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tqbench.demo import (  # noqa: E402
-    SHIPPED_DEMO,
-    SHIPPED_SPEC,
-    corpus_files,
-    encode_files,
-    is_heldout,
-    special_ids,
-    stdlib_root,
-)
+from tqbench.demo import SHIPPED_DEMO, SHIPPED_SPEC, special_ids  # noqa: E402
 from tqbench.tokenizer import load_encoding  # noqa: E402
+from training.corpus import corpus_files, encode_files, is_heldout, stdlib_root  # noqa: E402
 
 DOCS_JSON = ROOT / "docs" / "demo-model.json"
 WINDOW = 128  # the training sequence length
@@ -85,7 +78,7 @@ def round_dict(d: dict, n: int = 4) -> dict:
 
 def routing_section(trace: np.ndarray, tokens: np.ndarray) -> dict:
     """The routing statistics of a held-out trace (`[moe layers, tokens, k]`), for docs/demo-model.json."""
-    from tqbench.modelstats import routing_summary
+    from training.modelstats import routing_summary
 
     moe_ids = [i for i in range(SHIPPED_SPEC.num_hidden_layers) if SHIPPED_SPEC.is_moe(i)]
     doc_ends = (np.flatnonzero(tokens == special_ids(SHIPPED_SPEC)["eos_token_id"]) + 1).tolist()
@@ -115,7 +108,7 @@ def main(argv=None) -> None:
     import mlx.core as mx
     from mlx_lm import generate, load
 
-    from tqbench.modelstats import perplexity, trace_routing
+    from training.modelstats import perplexity, trace_routing
 
     root = stdlib_root()
     tokens, files = heldout_tokens(root)

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def prompts(max_chars: int, max_lines: int) -> list[tuple[str, str]]:
     """(file, its first lines) for each held-out file of the demo corpus (the running interpreter's stdlib)."""
-    from tqbench.demo import corpus_files, is_heldout, stdlib_root
+    from training.corpus import corpus_files, is_heldout, stdlib_root
 
     root = stdlib_root()
     out = []
@@ -53,8 +53,8 @@ def questions(n: int) -> list[str]:
     """`n` seeded chat questions about documented functions and methods of the held-out files."""
     import numpy as np
 
-    from tqbench.demo import corpus_files, is_heldout, stdlib_root
-    from tqbench.demo.conversations import mine_stdlib, question
+    from training.conversations import mine_stdlib, question
+    from training.corpus import corpus_files, is_heldout, stdlib_root
 
     if n <= 0:
         return []

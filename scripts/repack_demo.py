@@ -56,7 +56,7 @@ def compare_models(old: Path, new: Path, n_windows: int, window: int = 128, batc
     from mlx_lm import load
 
     from demo_stats import heldout_tokens
-    from tqbench.modelstats import perplexity, windows
+    from training.modelstats import perplexity, windows
 
     tokens, _ = heldout_tokens()
     models = {k: load(str(p))[0] for k, p in (("old", old), ("new", new))}

@@ -66,18 +66,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the project's engine, also where it is not installed (the GPU machine)
 
-from tqbench.demo import (  # noqa: E402
-    DEMO_SPECS,
-    SHIPPED_DEMO,
-    TRAINED_SPEC,
-    corpus_files,
-    encode_files,
-    is_heldout,
-    source_config,
-    special_ids,
-    stdlib_root,
-)
+from tqbench.demo import DEMO_SPECS, SHIPPED_DEMO, TRAINED_SPEC, source_config, special_ids  # noqa: E402
 from tqbench.tokenizer import load_encoding, read_tiktoken_model, train_bpe, write_tokenizer  # noqa: E402
+from training.corpus import corpus_files, encode_files, is_heldout, stdlib_root  # noqa: E402
 
 SPEC = TRAINED_SPEC
 DOCS_JSON = ROOT / "docs" / "demo-model.json"  # the shipped demo's record (the second, chat demo since v4)
@@ -142,7 +133,7 @@ def prepare(work: Path, stdlib: Path | None, a: argparse.Namespace | None = None
     if spec_name == "chat":
         code_files = list(train_files)
         if getattr(a, "code_tests", False):  # the test suites as more training code (not held out; BPE unchanged)
-            from tqbench.demo.corpus import test_files
+            from training.corpus import test_files
 
             tests = [f for f in test_files(root) if not is_heldout(f)]
             code_files += tests
@@ -165,7 +156,7 @@ def prepare_chat(work: Path, root: Path, files: list[str], enc, code_docs: list[
     conversations shuffled together, --chat-share of the tokens chat); writes val_chat.npy and documents.json."""
     from collections import Counter
 
-    from tqbench.demo.conversations import (
+    from training.conversations import (
         build_conversations,
         domain_of,
         encode_conversation,
@@ -444,8 +435,8 @@ def training_step(model, moes: list, a: argparse.Namespace):
     import mlx.nn as nn
     import mlx.optimizers as optim
 
-    from tqbench.demo.flat_adamw import FlatAdamW
-    from tqbench.modelstats import capture_routing
+    from training.flat_adamw import FlatAdamW
+    from training.modelstats import capture_routing
 
     E = moes[0].e_score_correction_bias.shape[-1]
     band = tuple(float(v) for v in a.bias_band)
@@ -508,7 +499,7 @@ def train(work: Path, a: argparse.Namespace) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from tqbench.modelstats import experts_covering, perplexity, windows
+    from training.modelstats import experts_covering, perplexity, windows
 
     train_ids = np.load(work / "train.npy").astype(np.int32)
     val_ids = np.load(work / "val.npy").astype(np.int32)
@@ -908,7 +899,7 @@ def main(argv=None) -> None:
     if a.stage in ("train", "all"):
         from contextlib import nullcontext
 
-        from tqbench.demo.delta import chunked_kda_training
+        from training.delta import chunked_kda_training
 
         if a.kda_chunk < 1 or a.kda_chunk & (a.kda_chunk - 1):
             raise SystemExit(f"--kda-chunk: a power of two, not {a.kda_chunk}")

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tqbench.demo import CHAT_SPEC, TRAINED_SPEC, DemoSpec, corpus_files, demo_tokenizer_ranks, is_heldout
-from tqbench.demo import stdlib_root, tensor_plan
-from tqbench.demo.conversations import (
+from tqbench.demo import CHAT_SPEC, TRAINED_SPEC, DemoSpec, demo_tokenizer_ranks, tensor_plan
+from tqbench.tokenizer import CHAT_TEMPLATE, load_encoding, write_tokenizer
+from training.conversations import (
     CALL,
     RICH,
     WHAT,
@@ -37,7 +37,7 @@ from tqbench.demo.conversations import (
     split_items,
     turn,
 )
-from tqbench.tokenizer import CHAT_TEMPLATE, load_encoding, write_tokenizer
+from training.corpus import corpus_files, is_heldout, stdlib_root
 
 ROOT_DIR = Path(__file__).resolve().parent.parent
 
@@ -338,7 +338,7 @@ def test_docitem_owner_and_short():
 
 
 def test_test_files_are_the_test_suites_only(tmp_path):
-    from tqbench.demo.corpus import test_files
+    from training.corpus import test_files
 
     for rel, data in {"json/__init__.py": b"x = 1\n", "test/test_json.py": b"def test(): pass\n",
                       "ctypes/tests/t.py": b"y = 2\n", "idlelib/idle_test/h.py": b"z = 3\n",

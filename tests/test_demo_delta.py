@@ -1,4 +1,4 @@
-"""The chunked gated delta rule used to train the demo (tqbench.demo.delta) against mlx-lm's per-time-step loop:
+"""The chunked gated delta rule used to train the demo (training.delta) against mlx-lm's per-time-step loop:
 the same outputs, final states and gradients, and the same loss and gradients of a real kimi_k3 model in training."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from mlx_lm.models import kimi_k3
 from mlx_lm.models.gated_delta import gated_delta_ops
 
 from tqbench.demo import TRAINED_SPEC, source_config
-from tqbench.demo.delta import chunked_gated_delta, chunked_kda_training
+from training.delta import chunked_gated_delta, chunked_kda_training
 
 
 def inputs(B=2, T=37, H=2, Dk=8, Dv=6, seed=0, lower=-5.0):

@@ -29,7 +29,7 @@ from demo_eval import (  # noqa: E402
     words,
 )
 
-from tqbench.modelstats import consecutive_jaccard, random_trace  # noqa: E402
+from training.modelstats import consecutive_jaccard, random_trace  # noqa: E402
 
 
 def test_docstring_win_counts_content_words():
@@ -123,7 +123,7 @@ def test_paired_docstring_counts_and_exact_sign_test():
 def test_selection_functions_never_meet_the_test():
     """The selection set comes from the same eligible pool (held out, docstring in no training text) and never holds
     a function the test would ask about, at any test size; it is seeded and in name order."""
-    from tqbench.demo.conversations import DocItem
+    from training.conversations import DocItem
 
     items = [DocItem(f"m{f}.py", f"m{f}", f"m{f}", kind, f"m{f}.fn{j}", f"m{f}.fn{j}()", f"Doc of m{f} fn{j} here.")
              for f in range(12) for j, kind in enumerate(["function"] * 7 + ["method"] * 2 + ["class"])]
@@ -144,7 +144,7 @@ def test_selection_functions_never_meet_the_test():
 def test_the_test_is_the_first_draw_of_any_larger_one_and_pairs_split_on_it():
     """`--functions N` above 30 asks the test's 30 functions and more of the same draw, so the pairs can be split into
     the test's functions and the others; the split counts only the named functions."""
-    from tqbench.demo.conversations import DocItem
+    from training.conversations import DocItem
 
     items = [DocItem(f"m{f}.py", f"m{f}", f"m{f}", "function", f"m{f}.fn{j}", f"m{f}.fn{j}()", f"Doc {f} {j} here.")
              for f in range(30) for j in range(6)]
@@ -163,9 +163,9 @@ def test_the_test_is_the_first_draw_of_any_larger_one_and_pairs_split_on_it():
 def test_copy_probe_asks_each_function_under_its_real_and_a_made_up_module():
     """The shipped demo, two training functions: each asked twice, the counts are the rows' (the model's answers are
     whatever they are; what the probe records about them is checked)."""
-    from tqbench.demo import stdlib_root
-    from tqbench.demo.conversations import mine_stdlib, split_items
     from tqbench.demo.install import SHIPPED_DEMO
+    from training.conversations import mine_stdlib, split_items
+    from training.corpus import stdlib_root
 
     items = split_items(mine_stdlib(stdlib_root(), ["json/__init__.py", "shlex.py"]))[0]
     picked = pick_functions(items, "", 2, 0)

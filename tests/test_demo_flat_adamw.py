@@ -1,4 +1,4 @@
-"""FlatAdamW (tqbench.demo.flat_adamw) against MLX's own optimizers: the same parameter groups through
+"""FlatAdamW (training.flat_adamw) against MLX's own optimizers: the same parameter groups through
 `mlx.optimizers.MultiOptimizer` of `AdamW`s, after `mlx.optimizers.clip_grad_norm`, must give the same parameters,
 step after step, and a saved and reloaded state must continue exactly as an unbroken run."""
 
@@ -8,7 +8,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from tqbench.demo.flat_adamw import FlatAdamW
+from training.flat_adamw import FlatAdamW
 
 ROUTER = lambda path, p: path.endswith("gate.weight")  # noqa: E731
 MATRIX = lambda path, p: p.ndim >= 2 and "norm" not in path  # noqa: E731
@@ -131,7 +131,7 @@ def test_a_saved_state_continues_exactly():
 def test_the_norm_of_a_long_vector_is_exact_to_float32_rounding():
     """The clip norm of all 22 M parameters' gradients is one long sum: blocked, it agrees with a float64 sum (a plain
     float32 sum of the whole vector on MLX's CPU came out 0.8% low on the demo's gradients)."""
-    from tqbench.demo.flat_adamw import sum_of_squares
+    from training.flat_adamw import sum_of_squares
 
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(22_175_768) * rng.choice([1e-4, 1e-2, 1.0], 22_175_768, p=[0.9, 0.09, 0.01]))

@@ -18,23 +18,20 @@ from tqbench.demo import (
     SHIPPED_DEMO,
     SHIPPED_SPEC,
     DemoSpec,
-    corpus_files,
     demo_tokenizer_ranks,
-    encode_files,
     ensure_demo,
-    is_heldout,
     mlx_weights,
     source_config,
     special_ids,
-    stdlib_root,
     write_checkpoint,
     write_source,
 )
-from tqbench.modelstats import perplexity
 from tqbench.quant.mxfp4 import pack_mxfp4, unpack_mxfp4
 from tqbench.shards.header import read_header
 from tqbench.tokenizer import load_encoding
 from tqbench.shards.writer import from_bf16, to_bf16
+from training.corpus import corpus_files, encode_files, is_heldout, stdlib_root
+from training.modelstats import perplexity
 
 pytestmark = pytest.mark.slow  # trains/loads the shipped demo and generates with it
 

@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 
 from tqbench.demo import DemoSpec, source_config, write_source
-from tqbench.modelstats import capture_routing, moe_blocks, trace_routing
+from training.modelstats import capture_routing, moe_blocks, trace_routing
 
 SPEC = DemoSpec()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -13,6 +14,9 @@ import pytest
 pytestmark = pytest.mark.slow  # builds the wheel and installs it in a fresh venv
 
 ROOT = Path(__file__).resolve().parent.parent
+# The code that trained the demo, now the top-level training/ package, and where its modules were before.
+TRAINING_MODULES_BEFORE = ("tqbench/modelstats.py", "tqbench/demo/conversations.py", "tqbench/demo/corpus.py",
+                           "tqbench/demo/delta.py", "tqbench/demo/flat_adamw.py")
 
 
 def _package_files() -> set[str]:
@@ -42,6 +46,32 @@ def test_wheel_holds_every_package_file(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = _package_files() - names
     assert not missing, sorted(missing)[:20]
+
+
+def _imported_packages(source: bytes) -> set[str]:
+    """The top-level packages a module's absolute imports name."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_wheel_leaves_the_training_code_out(wheel):
+    """The demo's training code stays in the repository: the wheel has no training/ and none of its modules' old
+    paths, nothing in the wheel imports it, and the wheel still has the shipped checkpoint and what installs it."""
+    archive = zipfile.ZipFile(wheel)
+    names = set(archive.namelist())
+    assert (ROOT / "training" / "__init__.py").is_file()
+    assert not [n for n in names if n.startswith("training/")]
+    assert not names & set(TRAINING_MODULES_BEFORE)
+    assert not [n for n in names if n.endswith(".py") and "training" in _imported_packages(archive.read(n))]
+    checkpoint = {f.relative_to(ROOT).as_posix() for f in (ROOT / "tqbench" / "demo" / "checkpoint").iterdir()
+                  if f.is_file()}
+    assert "tqbench/demo/checkpoint/config.json" in checkpoint and checkpoint <= names
+    assert {"tqbench/demo/__init__.py", "tqbench/demo/install.py", "tqbench/cli/main.py"} <= names
 
 
 def test_wheel_stays_under_30_mb(wheel):

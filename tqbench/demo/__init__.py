@@ -10,13 +10,11 @@ tried on it and `mlx_lm.load` runs it. Two kinds share one writer (`write_checkp
   from its own seed, so the files are byte-identical for a given spec and seed.
 
 One concept per module: `install` (the shipped checkpoint and its cached copy), `spec` (the shape, its config and
-tensors), `weights` (random weights, the inverse of mlx-lm's name mapping), `tokenizer` (the random demo's BPE),
-`corpus` (the shipped demo's training text), `conversations` (the chat demo's conversations mined from the standard
-library and the mixed code + chat stream; imported on its own) and `writer` (the checkpoint writer). Nothing here
-imports MLX.
+tensors), `weights` (random weights, the inverse of mlx-lm's name mapping), `tokenizer` (the random demo's BPE) and
+`writer` (the checkpoint writer). Nothing here imports MLX. The code that trained the shipped demo (its corpus, its
+conversations, its optimizer) is the top-level `training` package, which the wheel does not carry.
 """
 
-from tqbench.demo.corpus import CORPUS_SKIP_DIRS, HELDOUT_EVERY, corpus_files, encode_files, is_heldout, stdlib_root
 from tqbench.demo.install import DEMO_VERSION, SHIPPED_DEMO, demo_path, ensure_demo
 from tqbench.demo.spec import (
     CHAT_SPEC,
@@ -35,29 +33,23 @@ from tqbench.demo.writer import build_atomically, split_shards, write_checkpoint
 
 __all__ = [
     "CHAT_SPEC",
-    "CORPUS_SKIP_DIRS",
     "DEMO_CORPUS",
     "DEMO_SPECS",
     "DEMO_VERSION",
-    "HELDOUT_EVERY",
     "SHIPPED_DEMO",
     "SHIPPED_SPEC",
     "TRAINED_SPEC",
     "DemoSpec",
     "WeightSource",
     "build_atomically",
-    "corpus_files",
     "demo_path",
     "demo_tokenizer_ranks",
-    "encode_files",
     "ensure_demo",
-    "is_heldout",
     "mlx_weights",
     "random_weights",
     "source_config",
     "special_ids",
     "split_shards",
-    "stdlib_root",
     "tensor_plan",
     "text_config",
     "write_checkpoint",

@@ -12,7 +12,8 @@ import numpy as np
 
 # Skipped besides site-packages: test suites, and generated data rather than code (codec tables, pydoc's topic texts,
 # the build's sysconfig data and config directory).
-CORPUS_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "pydoc_data"})
+CORPUS_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings",
+                              "pydoc_data"})
 HELDOUT_EVERY = 20  # one file in 20 (by a hash of its relative path) is held out for validation
 
 

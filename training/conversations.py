@@ -19,9 +19,9 @@ signature and its docstring (the first paragraph or two, bounded). Everything is
   `apply_chat_template` (and so mlx-lm's tokenizer wrapper) renders it; every turn ends with the eos `<|end_of_msg|>`;
 - `mix_stream`: code documents and conversations shuffled into one token stream with a given share of chat tokens.
 
-The split is the code corpus's: an item is held out when its file is (`tqbench.demo.is_heldout`), so conversations about
-held-out modules never reach training. Every item and document carries a domain: the top-level package or module of
-its file (`asyncio`, `email`, `json`, ...)."""
+The split is the code corpus's: an item is held out when its file is (`training.corpus.is_heldout`), so conversations
+about held-out modules never reach training. Every item and document carries a domain: the top-level package or module
+of its file (`asyncio`, `email`, `json`, ...)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tqbench.demo.corpus import corpus_files, is_heldout, stdlib_root
 from tqbench.tokenizer import CHAT_TEMPLATE
+from training.corpus import corpus_files, is_heldout, stdlib_root
 
 MAX_DOC_CHARS = 400  # an answer's docstring part: the first paragraph, the second too while the total stays below this
 MAX_SIGNATURE_CHARS = 480  # longer signatures (huge default literals) are skipped
