@@ -4,7 +4,7 @@ closes at least a third of LRU's gap to Belady at every budget (gap_closed = (po
 rate) and beats the best fixed set.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python benchmarks/policies.py \\
-        --work /tmp/policies --out docs/bench-policies-cpu.json
+        --work /tmp/policies --out results/bench-policies-cpu.json
     python benchmarks/policies.py --trace a.npy --trace b.npy   # your own traces, int [moe layers, tokens, k]
     python benchmarks/policies.py --quick                       # a smoke run (a minute or two)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Measure the shipped demo model on held-out Python and record it in docs/demo-model.json ("eval").
+"""Measure the shipped demo model on held-out Python and record it in results/demo-model.json ("eval").
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python scripts/demo_stats.py
 
@@ -41,7 +41,7 @@ from tqbench.demo import (  # noqa: E402
 )
 from tqbench.tokenizer import load_encoding  # noqa: E402
 
-DOCS_JSON = ROOT / "docs" / "demo-model.json"
+RECORD_JSON = ROOT / "results" / "demo-model.json"
 WINDOW = 128  # the training sequence length
 SLICE_WINDOWS = 8
 PROMPTS = ["def fibonacci(n):\n", "def fibonacci(n):", "class Stack:\n    def __init__(self):\n",
@@ -84,7 +84,7 @@ def round_dict(d: dict, n: int = 4) -> dict:
 
 
 def routing_section(trace: np.ndarray, tokens: np.ndarray) -> dict:
-    """The routing statistics of a held-out trace (`[moe layers, tokens, k]`), for docs/demo-model.json."""
+    """The routing statistics of a held-out trace (`[moe layers, tokens, k]`), for results/demo-model.json."""
     from tqbench.modelstats import routing_summary
 
     moe_ids = [i for i in range(SHIPPED_SPEC.num_hidden_layers) if SHIPPED_SPEC.is_moe(i)]
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--limit", type=int, default=None, help="held-out windows to use (default: all); for a quick look")
-    p.add_argument("--out", type=Path, default=DOCS_JSON, help="the JSON document to update")
+    p.add_argument("--out", type=Path, default=RECORD_JSON, help="the JSON document to update")
     p.add_argument("--reuse-trace", action="store_true", help="reuse --work's routing-trace.npy of an earlier run")
     a = p.parse_args(argv)
 

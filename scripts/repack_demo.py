@@ -3,7 +3,7 @@
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python scripts/repack_demo.py
     # tqbench/demo/checkpoint in place; prints what changed, compares old and new on held-out windows, and records
-    # both in docs/demo-model.json ("checkpoint": bytes and "repack")
+    # both in results/demo-model.json ("checkpoint": bytes and "repack")
 
 For when the packer's rule changes and the float weights of `scripts/train_demo.py` are gone (they are not shipped):
 every expert matrix is decoded exactly (`unpack_mxfp4`) and packed again (`pack_mxfp4`); every other tensor, the
@@ -76,7 +76,8 @@ def main(argv=None) -> None:
     p.add_argument("--src", type=Path, default=SHIPPED_DEMO)
     p.add_argument("--dest", type=Path, default=None, help="default: --src, replaced atomically")
     p.add_argument("--check-windows", type=int, default=128, help="held-out windows to compare on (0: no check)")
-    p.add_argument("--docs", type=Path, default=ROOT / "docs" / "demo-model.json", help="the JSON document to update")
+    p.add_argument("--docs", type=Path, default=ROOT / "results" / "demo-model.json",
+                   help="the JSON document to update")
     p.add_argument("--no-docs", action="store_true")
     a = p.parse_args(argv)
     dest = a.dest or a.src

@@ -7,8 +7,8 @@
 Two recipes (`--spec`): `code` (default; `tqbench.demo.TRAINED_SPEC`, 64 experts top-4, the standard library's code
 alone, exactly the first demo's run) and `chat` (`tqbench.demo.CHAT_SPEC`, 448 experts top-8, code mixed with
 conversations mined from the standard library by `tqbench.demo.conversations`, --chat-share of the tokens; work
-directory build/demo-train-chat; exported into the package and docs/demo-model.json, the first demo's into its work
-directory and docs/demo-model-v1.json, unless --dest and --docs say otherwise). The recipe is recorded in
+directory build/demo-train-chat; exported into the package and results/demo-model.json, the first demo's into its work
+directory and results/demo-model-v1.json, unless --dest and --docs say otherwise). The recipe is recorded in
 corpus.json by prepare; train and export refuse a different --spec.
 
 Stages, each reading and writing files under --work (default build/demo-train):
@@ -80,8 +80,8 @@ from tqbench.demo import (  # noqa: E402
 from tqbench.tokenizer import load_encoding, read_tiktoken_model, train_bpe, write_tokenizer  # noqa: E402
 
 SPEC = TRAINED_SPEC
-DOCS_JSON = ROOT / "docs" / "demo-model.json"  # the shipped demo's record (the second, chat demo since v4)
-DOCS_V1_JSON = ROOT / "docs" / "demo-model-v1.json"  # the first demo's record, kept for comparison
+RECORD_JSON = ROOT / "results" / "demo-model.json"  # the shipped demo's record (the second, chat demo since v4)
+RECORD_V1_JSON = ROOT / "results" / "demo-model-v1.json"  # the first demo's record, kept for comparison
 FLOAT_SHARD_BYTES = 12 * 2**20  # float weights are saved in pieces below this size
 PACKED_FILE = "experts-mxfp4.safetensors"  # --save-experts bf16: the experts' exact mxfp4 bytes
 
@@ -745,7 +745,7 @@ def export(work: Path, dest: Path, check: bool = True, weights: Path | None = No
     return out
 
 
-def write_docs_training(work: Path, exported: dict | None, docs: Path = DOCS_JSON) -> None:
+def write_docs_training(work: Path, exported: dict | None, docs: Path = RECORD_JSON) -> None:
     """Write the run's training record into `docs`. A `lineage` (the runs a fine-tune started from, added to the
     record by hand) is kept when the record written is the same run's, so exporting again does not lose it."""
     doc = json.loads(docs.read_text()) if docs.exists() else {}
@@ -775,12 +775,12 @@ def write_docs_training(work: Path, exported: dict | None, docs: Path = DOCS_JSO
 # --bias-band 0.5 2. v6: the stdlib's test suites as more code (--code-tests, a 16.5 M-token stream) and the chunked
 # KDA recurrence (0.15 s a step on the H200), 5,683 steps (what --steps 0 --time-budget 1050 fixed there); v5 was
 # --no-code-tests --kda loop --steps 1000.
-CODE_DEFAULTS = {"work": ROOT / "build" / "demo-train", "dest": None, "docs": DOCS_V1_JSON, "steps": 583,
+CODE_DEFAULTS = {"work": ROOT / "build" / "demo-train", "dest": None, "docs": RECORD_V1_JSON, "steps": 583,
                  "save_experts": "float32",
                  "batch": 128, "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [1.0, 1.0], "bias_window": 1,
                  "bias_freeze": 1.0, "chat_share": 0.0, "greetings": 0, "mine": "public", "code_tests": False,
                  "kda": "loop"}
-CHAT_DEFAULTS = {"work": ROOT / "build" / "demo-train-chat", "dest": SHIPPED_DEMO, "docs": DOCS_JSON, "steps": 5683,
+CHAT_DEFAULTS = {"work": ROOT / "build" / "demo-train-chat", "dest": SHIPPED_DEMO, "docs": RECORD_JSON, "steps": 5683,
                  "batch": 64,
                  "save_experts": "bf16",
                  "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [0.25, 4.0], "bias_window": 1,
@@ -798,8 +798,8 @@ def main(argv=None) -> None:
     p.add_argument("--dest", type=Path, default=None,
                    help="default: tqbench/demo/checkpoint (chat), <work>/checkpoint (code)")
     p.add_argument("--docs", type=Path, default=None,
-                   help="the JSON document whose \"training\" is written (default: docs/demo-model.json (chat), "
-                        "docs/demo-model-v1.json (code))")
+                   help="the JSON document whose \"training\" is written (default: results/demo-model.json (chat), "
+                        "results/demo-model-v1.json (code))")
     p.add_argument("--weights", type=Path, default=None,
                    help="export: a folder of saved weights inside --work (step-NNNNN, final) instead of the kept ones")
     p.add_argument("--seed", type=int, default=0)
