@@ -41,11 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tqbench.demo import corpus_files, is_heldout, stdlib_root  # noqa: E402
-from tqbench.demo.conversations import (  # noqa: E402
+from benchmarks.harness import dump_json, log
+from tqbench.demo import corpus_files, is_heldout, stdlib_root
+from tqbench.demo.conversations import (
     DocItem,
     build_conversations,
     domain_of,
@@ -53,7 +51,9 @@ from tqbench.demo.conversations import (  # noqa: E402
     render,
     split_items,
 )
-from tqbench.tokenizer import load_encoding  # noqa: E402
+from tqbench.tokenizer import load_encoding
+
+ROOT = Path(__file__).resolve().parent.parent
 
 WINDOW = 128
 THIRD_PARTY = ("click", "diskcache")
@@ -68,16 +68,6 @@ there these those which when where what who will would should could may might mu
 also each other some such only own same very just more most over under again once here both few nor too off out
 you your our use used uses using return returns returned true false none self cls object value values given
 """.split())
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def dump_json(obj) -> str:
-    """Indented JSON with lists of numbers kept on one line."""
-    text = json.dumps(obj, indent=2)
-    return re.sub(r"\[\s*([-\d.e, \n]+?)\s*\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text) + "\n"
 
 
 # ---- texts ----------------------------------------------------------------------------------------------------------

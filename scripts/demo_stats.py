@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tqbench.demo import (  # noqa: E402
+from benchmarks.harness import dump_json, log
+from tqbench.demo import (
     SHIPPED_DEMO,
     SHIPPED_SPEC,
     corpus_files,
@@ -39,23 +36,15 @@ from tqbench.demo import (  # noqa: E402
     special_ids,
     stdlib_root,
 )
-from tqbench.tokenizer import load_encoding  # noqa: E402
+from tqbench.tokenizer import load_encoding
+
+ROOT = Path(__file__).resolve().parent.parent
 
 RECORD_JSON = ROOT / "results" / "demo-model.json"
 WINDOW = 128  # the training sequence length
 SLICE_WINDOWS = 8
 PROMPTS = ["def fibonacci(n):\n", "def fibonacci(n):", "class Stack:\n    def __init__(self):\n",
            "import os\nimport sys\n\n\ndef main():\n"]
-
-
-def dump_json(obj) -> str:
-    """Indented JSON with lists of numbers kept on one line."""
-    text = json.dumps(obj, indent=2)
-    return re.sub(r"\[\s*([-\d.e, \n]+?)\s*\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text) + "\n"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def heldout_tokens(root: Path | None = None) -> tuple[np.ndarray, list[str]]:
@@ -132,7 +121,6 @@ def main(argv=None) -> None:
 
     floats = sorted(a.work.glob("float-*.safetensors"))
     if floats:
-        sys.path.insert(0, str(ROOT / "scripts"))
         import train_demo
         from train_demo import build_model, load_float
 

@@ -22,20 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from benchmarks.harness import dump_json
+from tqbench.demo import SHIPPED_DEMO, TRAINED_SPEC, write_checkpoint
+from tqbench.quant.mxfp4 import pack_mxfp4, unpack_mxfp4
+from tqbench.shards.header import read_header
+from tqbench.tokenizer import read_tiktoken_model
 
-from tqbench.demo import SHIPPED_DEMO, TRAINED_SPEC, write_checkpoint  # noqa: E402
-from tqbench.quant.mxfp4 import pack_mxfp4, unpack_mxfp4  # noqa: E402
-from tqbench.shards.header import read_header  # noqa: E402
-from tqbench.tokenizer import read_tiktoken_model  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def read_tensors(root: Path) -> dict[str, np.ndarray]:
@@ -132,7 +130,6 @@ def main(argv=None) -> None:
         doc = json.loads(a.docs.read_text())
         doc.setdefault("checkpoint", {})["bytes"] = sum(f.stat().st_size for f in dest.iterdir())
         doc["checkpoint"]["repack"] = record
-        from train_demo import dump_json
 
         a.docs.write_text(dump_json(doc))
         print(f"wrote {a.docs}")

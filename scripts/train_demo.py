@@ -54,19 +54,15 @@ import hashlib
 import json
 import math
 import platform
-import re
 import shutil
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the project's engine, also where it is not installed (the GPU machine)
-
-from tqbench.demo import (  # noqa: E402
+from benchmarks.harness import dump_json, log
+from tqbench.demo import (
     DEMO_SPECS,
     SHIPPED_DEMO,
     TRAINED_SPEC,
@@ -77,23 +73,15 @@ from tqbench.demo import (  # noqa: E402
     special_ids,
     stdlib_root,
 )
-from tqbench.tokenizer import load_encoding, read_tiktoken_model, train_bpe, write_tokenizer  # noqa: E402
+from tqbench.tokenizer import load_encoding, read_tiktoken_model, train_bpe, write_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SPEC = TRAINED_SPEC
 RECORD_JSON = ROOT / "results" / "demo-model.json"  # the shipped demo's record (the second, chat demo since v4)
 RECORD_V1_JSON = ROOT / "results" / "demo-model-v1.json"  # the first demo's record, kept for comparison
 FLOAT_SHARD_BYTES = 12 * 2**20  # float weights are saved in pieces below this size
 PACKED_FILE = "experts-mxfp4.safetensors"  # --save-experts bf16: the experts' exact mxfp4 bytes
-
-
-def dump_json(obj) -> str:
-    """Indented JSON with lists of numbers kept on one line."""
-    text = json.dumps(obj, indent=2)
-    return re.sub(r"\[\s*([-\d.e, \n]+?)\s*\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text) + "\n"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ---- prepare --------------------------------------------------------------------------------------------------------
