@@ -226,8 +226,8 @@ def child_heap(a: dict) -> None:
                  "ShardWritten": "final step (expert map, config, report, index)"}.get(name, name)
         first_unit = first_unit and name != "UnitConverted"
     emit(dict(mode="heap", phases=phases,
-               top_resident_during_units=[dict(where=str(st.traceback), bytes=st.size, count=st.count)
-                             for st in (snap.statistics("lineno")[:12] if snap else [])]))
+              top_resident_during_units=[dict(where=str(st.traceback), bytes=st.size, count=st.count)
+                            for st in (snap.statistics("lineno")[:12] if snap else [])]))
 
 
 def child_raw(a: dict) -> None:

@@ -171,7 +171,7 @@ def child_build(a: dict) -> None:
             fin = ev
     t3 = time.perf_counter()
     emit(dict(mode="build", import_s=t1 - t0, write_source_s=t2 - t1, convert_s=t3 - t2,
-               bytes_out=fin.bytes_out if fin else None))
+              bytes_out=fin.bytes_out if fin else None))
 
 
 # --- decode runs ------------------------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def child_decode(a: dict) -> None:
         del loaded, cache, logits
         mx.clear_cache()
     emit(dict(mode="decode", runs=out, warmups=warmups, mlx_peak=int(mx.get_peak_memory()),
-               device=str(mx.default_device())))
+              device=str(mx.default_device())))
 
 
 CHILDREN = {"build": child_build, "decode": child_decode}

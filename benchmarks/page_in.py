@@ -121,11 +121,11 @@ def child(a: dict) -> None:
              if k.startswith("miss_") and k not in ("miss_timed",) and getattr(s, "miss_timed", 0)}
     st.close()
     emit(dict(workers=workers, buffers=buffers, expert_bytes=eb, misses=misses, page_in_s=seconds,
-                gbps_on_misses=gbps, raw_gbps=raw_gbps, ratio=gbps / raw_gbps, raw1_gbps=raw1_gbps,
-                ratio_best_raw=gbps / max(raw_gbps, raw1_gbps), reads_in_flight=a.get("reads_in_flight", 0),
-                ms_per_miss=seconds / misses * 1e3,
-                raw_ms_per_expert=raw_s_per_expert * 1e3, miss_split_ms=split, device=str(mx.default_device()),
-                gpu_prefetch=bool(getattr(st, "prefetch", None) and st.prefetch.active)))
+              gbps_on_misses=gbps, raw_gbps=raw_gbps, ratio=gbps / raw_gbps, raw1_gbps=raw1_gbps,
+              ratio_best_raw=gbps / max(raw_gbps, raw1_gbps), reads_in_flight=a.get("reads_in_flight", 0),
+              ms_per_miss=seconds / misses * 1e3,
+              raw_ms_per_expert=raw_s_per_expert * 1e3, miss_split_ms=split, device=str(mx.default_device()),
+              gpu_prefetch=bool(getattr(st, "prefetch", None) and st.prefetch.active)))
 
 
 def summarize(rows: list[dict]) -> dict:

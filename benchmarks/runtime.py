@@ -658,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         quality: dict[str, dict] = {}
         for m in models:
             x = measure("quality", dict(path=m["path"], windows=inputs["windows_path"], batch=cfg["batch"],
-                                          argmax_out=str(work / f"argmax-{m['label']}.npy")), a.timeout)
+                                        argmax_out=str(work / f"argmax-{m['label']}.npy")), a.timeout)
             x["model"] = m["label"]
             quality[m["label"]] = x
             print(f"  quality {m['label']:<20} ppl {x['perplexity']:.3f}  top-1 {x['top1_accuracy']:.4f}  "
@@ -674,8 +674,8 @@ def main(argv: list[str] | None = None) -> int:
                 order = order[::-1]
             for m in order:
                 x = measure("speed", dict(path=m["path"], prompt=inputs["prompt_path"], eos=inputs["eos"],
-                                            gen_tokens=cfg["gen_tokens"], warmup_tokens=cfg["warmup_tokens"]),
-                              a.timeout)
+                                          gen_tokens=cfg["gen_tokens"], warmup_tokens=cfg["warmup_tokens"]),
+                            a.timeout)
                 x.update(model=m["label"], repeat=rep)
                 speed.append(x)
                 print(f"  [{rep + 1}/{cfg['repeats']}] {m['label']:<20} load {x['load_s']:.2f}s  prefill "
@@ -686,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["profile"] = {}
             for m in models:
                 x = measure("profile", dict(path=m["path"], prompt=inputs["prompt_path"], tokens=PROFILE_TOKENS),
-                              a.timeout)
+                            a.timeout)
                 doc["profile"][m["label"]] = x
                 print(f"  profile {m['label']:<20} {x['plain_ms_per_token']:.1f} ms/token", flush=True)
         doc["summary"] = summarize(models, speed, floors, quality)

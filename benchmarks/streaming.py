@@ -476,10 +476,10 @@ def child_trace(a: dict) -> None:
     np.save(a["out"], trace)
     moe = [i for i in range(SHIPPED_SPEC.num_hidden_layers) if SHIPPED_SPEC.is_moe(i)]
     emit(dict(mode="trace", shape=list(trace.shape), heldout_files=len(files), heldout_tokens=int(len(stream)),
-               tokens_sha256=hashlib.sha256(tokens.astype(np.uint32).tobytes()).hexdigest(),
-               moe_layers=moe, num_experts=SHIPPED_SPEC.num_experts, top_k=SHIPPED_SPEC.num_experts_per_token,
-               trace_seconds=seconds, tokens_per_s=trace.shape[1] / seconds, total_seconds=time.perf_counter() - t0,
-               stdlib=str(root), demo=str(SHIPPED_DEMO)))
+              tokens_sha256=hashlib.sha256(tokens.astype(np.uint32).tobytes()).hexdigest(),
+              moe_layers=moe, num_experts=SHIPPED_SPEC.num_experts, top_k=SHIPPED_SPEC.num_experts_per_token,
+              trace_seconds=seconds, tokens_per_s=trace.shape[1] / seconds, total_seconds=time.perf_counter() - t0,
+              stdlib=str(root), demo=str(SHIPPED_DEMO)))
 
 
 def streamer_stats(streamer) -> dict:
@@ -566,7 +566,7 @@ def child_decode(a: dict) -> None:
             st.close()
         out.append(x)
     emit(dict(mode="decode", import_s=import_s, prompt_tokens=int(prompt.size), runs=out,
-               mlx_peak=int(mx.get_peak_memory())))
+              mlx_peak=int(mx.get_peak_memory())))
 
 
 CHILDREN = {"trace": child_trace, "decode": child_decode}
