@@ -25,15 +25,14 @@ import argparse
 import json
 import re
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from k3_gpu import QUICK_SPEC, SPEC, _emit, build_model, machine_info, run_child  # noqa: E402
+from harness import emit, machine_info, run_child
+from k3_gpu import QUICK_SPEC, SPEC, build_model
 
 SCHEMA = "tqbench.bench.compile/1"
 RUNS = ("mlx fresh", "nvrtc fresh", "mlx warm", "nvrtc warm")
@@ -96,10 +95,10 @@ def child_first_tokens(a: dict) -> None:
             step(f"{name}: token {i}", lambda: mx.argmax(model(tok, cache=cache)[:, -1], axis=-1))
     loaded.streamer.close()
     specs = kernels._compiled.cache_info().currsize
-    _emit(dict(import_s=import_s, load_s=load_s, steps=steps, tokens=tokens, kernel_specs=specs,
-               nvrtc=dict(compiled=cubin.STATS.compiled, compile_s=cubin.STATS.compile_s, loaded=cubin.STATS.loaded),
-               nvrtc_error=kernels.NVRTC_ERROR, self_check_warnings=list(kernels._dispatcher.warnings),
-               device=str(mx.default_device()), mlx=mx.__version__))
+    emit(dict(import_s=import_s, load_s=load_s, steps=steps, tokens=tokens, kernel_specs=specs,
+              nvrtc=dict(compiled=cubin.STATS.compiled, compile_s=cubin.STATS.compile_s, loaded=cubin.STATS.loaded),
+              nvrtc_error=kernels.NVRTC_ERROR, self_check_warnings=list(kernels._dispatcher.warnings),
+              device=str(mx.default_device()), mlx=mx.__version__))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             env = dict(MLX_PTX_CACHE_DIR=str(d / "mlx"), TQBENCH_CACHE_DIR=str(d / "tqbench"))
             args = dict(path=model["path"], build=build, prompts=prompts, budget_bytes=int(cfg["budget_gb"] * 1e9))
             before = _mlx_modules(d / "mlx")["count"]
-            res = run_child("first", args, a.timeout, script=script, env=env)
+            res = run_child(script, "first", args, a.timeout, env=env)
             res["mlx_modules"] = _mlx_modules(d / "mlx")
             res["mlx_modules"]["compiled_here"] = res["mlx_modules"]["count"] - before
             doc["runs"][run] = res

@@ -30,11 +30,9 @@ What it does, all in one run on one disk (the work directory):
 from __future__ import annotations
 
 import os
-import platform
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import with_openblas  # noqa: E402
+from harness import with_openblas
 
 if __name__ == "__main__":
     with_openblas()
@@ -44,18 +42,16 @@ import json  # noqa: E402
 import math  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from measure import current_rss_bytes, drop_cache, openblas_mapped, peak_rss_bytes, resident_fraction  # noqa: E402,E501
+from harness import drop_cache, emit, machine_info, median, peak_rss_bytes, resident_fraction, run_child  # noqa: E402
 
 SCHEMA = "tqbench.bench.convert/1"
 BLOCK = 16 * 2**20
 MiB = 2**20
-RESULT_MARK = "BENCH-RESULT "
+SCRIPT = Path(__file__).resolve()  # the children run this file
 
 # Every tensor shape is fixed by these; the sizes vary only the layer and expert counts.
 BASE_SPEC = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, routed_expert_hidden_size=256,
@@ -77,13 +73,6 @@ def source_files(src: Path) -> list[Path]:
 
 def tree_bytes(root: Path) -> int:
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-
-
-def _emit(result: dict) -> None:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    result.update(peak_rss=peak_rss_bytes(), rss_at_exit=current_rss_bytes(), openblas_mapped=openblas_mapped(),
-                  cpu_seconds_total=ru.ru_utime + ru.ru_stime, pid=os.getpid())
-    print(RESULT_MARK + json.dumps(result), flush=True)
 
 
 # --- children --------------------------------------------------------------------------------------------------------
@@ -146,7 +135,7 @@ def child_convert(a: dict) -> None:
         Path(a["profile"]).with_suffix(".txt").write_text(buf.getvalue())
     if stages is not None:
         out["stages"] = {k: dict(seconds=v[0], calls=v[1]) for k, v in stages.items()}
-    _emit(out)
+    emit(out)
 
 
 def _short(file: str) -> str:
@@ -236,9 +225,9 @@ def child_heap(a: dict) -> None:
         label = {"ConvertStarted": "open first shard writer + first unit", "UnitConverted": "units + shard close",
                  "ShardWritten": "final step (expert map, config, report, index)"}.get(name, name)
         first_unit = first_unit and name != "UnitConverted"
-    _emit(dict(mode="heap", phases=phases,
-               top_resident_during_units=[dict(where=str(st.traceback), bytes=st.size, count=st.count)
-                             for st in (snap.statistics("lineno")[:12] if snap else [])]))
+    emit(dict(mode="heap", phases=phases,
+              top_resident_during_units=[dict(where=str(st.traceback), bytes=st.size, count=st.count)
+                            for st in (snap.statistics("lineno")[:12] if snap else [])]))
 
 
 def child_raw(a: dict) -> None:
@@ -273,7 +262,7 @@ def child_raw(a: dict) -> None:
         os.close(out)
     seconds = time.perf_counter() - t0
     os.unlink(a["dst"])
-    _emit(dict(mode="raw", seconds=seconds, read_bytes=read, written_bytes=written))
+    emit(dict(mode="raw", seconds=seconds, read_bytes=read, written_bytes=written))
 
 
 def child_floor(a: dict) -> None:
@@ -283,26 +272,13 @@ def child_floor(a: dict) -> None:
     from tqbench.source.checkpoint import open_checkpoint
     import_s = time.perf_counter() - t0
     ckpt = open_checkpoint(a["src"])
-    _emit(dict(mode="floor", import_s=import_s, tensors=len(ckpt.tensors)))
+    emit(dict(mode="floor", import_s=import_s, tensors=len(ckpt.tensors)))
 
 
 CHILDREN = {"convert": child_convert, "raw": child_raw, "floor": child_floor, "heap": child_heap}
 
 
 # --- parent ----------------------------------------------------------------------------------------------------------
-
-
-def run_child(mode: str, args: dict, timeout: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, json.dumps(args)]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_MARK)]
-    if p.returncode or not lines:
-        raise RuntimeError(f"{mode} child failed (exit {p.returncode}):\n{p.stderr[-4000:]}{p.stdout[-2000:]}")
-    result = json.loads(lines[-1][len(RESULT_MARK):])
-    result["process_wall_s"] = wall
-    return result
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -342,42 +318,6 @@ def build_source(work: Path, layers: int, experts: int, seed: int) -> dict:
 def prepare_measurement(files: list[Path], drop: bool) -> dict:
     dropped = drop_cache(files) if drop else False
     return dict(cache_dropped=dropped, source_resident_before=resident_fraction(files))
-
-
-def machine_info(work: Path) -> dict:
-    info: dict = dict(cpu_count=os.cpu_count(), platform=platform.platform(), machine=platform.machine(),
-                      python=platform.python_version(), ld_preload=os.environ.get("LD_PRELOAD"),
-                      openblas_preloaded="libopenblas" in os.environ.get("LD_PRELOAD", ""),
-                      work_dir=str(work))
-    try:
-        import mlx.core as mx
-        import numpy as np
-        info.update(mlx_version=mx.__version__, mlx_device=str(mx.default_device()), numpy_version=np.__version__)
-    except Exception as e:  # pragma: no cover
-        info["mlx_version"] = f"unavailable: {e}"
-    try:
-        info["mem_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        pass
-    try:
-        st = os.statvfs(work)
-        info["work_fs_free_bytes"] = st.f_bavail * st.f_frsize
-    except OSError:
-        pass
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout
-        info["git_commit"], info["git_dirty"] = head.strip() or None, bool(dirty.strip())
-    except OSError:
-        pass
-    return info
-
-
-def median(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def summarize(models: list[dict], recipes: list[str], ms: list[dict]) -> dict:
@@ -549,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(repeats):
             for m in models:
                 files = source_files(Path(m["path"]))
-                x = run_child("floor", dict(src=m["path"]), a.timeout)
+                x = run_child(SCRIPT, "floor", dict(src=m["path"]), a.timeout)
                 x.update(model=m["name"], repeat=rep)
                 ms.append(x)
                 for r in recipes:
@@ -560,16 +500,17 @@ def main(argv: list[str] | None = None) -> int:
                             dst = work / f"out-{m['name']}-{r}"
                             shutil.rmtree(dst, ignore_errors=True)
                             pre = prepare_measurement(files, drop)
-                            x = run_child("convert", dict(src=m["path"], dst=str(dst), recipe=r,
-                                                          shard_size=shard_size), a.timeout)
+                            x = run_child(SCRIPT, "convert", dict(src=m["path"], dst=str(dst), recipe=r,
+                                                                  shard_size=shard_size), a.timeout)
                             out_bytes[key] = x["output_bytes"]
                             shutil.rmtree(dst, ignore_errors=True)
                         else:
                             runs = []
                             for _ in range(a.raw_runs):
                                 pre = prepare_measurement(files, drop)
-                                y = run_child("raw", dict(files=[str(f) for f in files], write_bytes=out_bytes[key],
-                                                          dst=str(work / "raw-copy.bin")), a.timeout)
+                                y = run_child(SCRIPT, "raw", dict(files=[str(f) for f in files],
+                                                                  write_bytes=out_bytes[key],
+                                                                  dst=str(work / "raw-copy.bin")), a.timeout)
                                 y.update(pre)
                                 runs.append(y)
                             x = dict(sorted(runs, key=lambda y: y["seconds"])[len(runs) // 2])  # the median run
@@ -602,13 +543,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"profiling {m['name']} {r} ...", flush=True)
             dst = work / "out-profile"
             shutil.rmtree(dst, ignore_errors=True)
-            x = run_child("convert", dict(src=m["path"], dst=str(dst), recipe=r, shard_size=shard_size,
-                                          profile=str(prof)), a.timeout)
+            x = run_child(SCRIPT, "convert", dict(src=m["path"], dst=str(dst), recipe=r, shard_size=shard_size,
+                                                  profile=str(prof)), a.timeout)
             shutil.rmtree(dst, ignore_errors=True)
             stages = {}
             for rr in recipes:
-                y = run_child("convert", dict(src=m["path"], dst=str(dst), recipe=rr, shard_size=shard_size,
-                                              stages=True), a.timeout)
+                y = run_child(SCRIPT, "convert", dict(src=m["path"], dst=str(dst), recipe=rr, shard_size=shard_size,
+                                                      stages=True), a.timeout)
                 shutil.rmtree(dst, ignore_errors=True)
                 stages[y["recipe"]] = dict(run_seconds=y["seconds"], stages=y["stages"])
             heap = {}
@@ -616,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                               max(models, key=lambda m: m["source_bytes"])["name"]: None}):
                 src_m = next(z for z in models if z["name"] == mm)
                 print(f"python heap by phase {mm} {r} ...", flush=True)
-                h = run_child("heap", dict(src=src_m["path"], dst=str(dst), recipe=r, shard_size=shard_size),
+                h = run_child(SCRIPT, "heap", dict(src=src_m["path"], dst=str(dst), recipe=r, shard_size=shard_size),
                               a.timeout)
                 shutil.rmtree(dst, ignore_errors=True)
                 heap[mm] = dict(phases=h["phases"], top_resident_during_units=h["top_resident_during_units"],

@@ -23,9 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert import build_source, machine_info, run_child, source_files  # noqa: E402
-from measure import drop_cache, output_digest, with_openblas  # noqa: E402
+from convert import SCRIPT as CONVERT, build_source, source_files
+from harness import drop_cache, machine_info, output_digest, run_child, with_openblas
 
 SCHEMA = "tqbench.bench.convert-read-ahead/1"
 
@@ -62,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                     dst = work / "out"
                     shutil.rmtree(dst, ignore_errors=True)
                     drop_cache(files)
-                    r = run_child("convert", dict(src=m["path"], dst=str(dst), recipe=recipe, shard_size=5 * 2**30,
-                                                  read_ahead=arena if mode == "arena" else 0), 1800)
+                    r = run_child(CONVERT, "convert", dict(src=m["path"], dst=str(dst), recipe=recipe,
+                                                           shard_size=5 * 2**30,
+                                                           read_ahead=arena if mode == "arena" else 0), 1800)
                     digest = output_digest(dst)
                     shutil.rmtree(dst, ignore_errors=True)
                     rows.append(dict(recipe=recipe, round=rnd, mode=mode, seconds=r["seconds"],

@@ -36,8 +36,7 @@ import os
 import platform
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import add_size_options, sizes, with_openblas  # noqa: E402
+from harness import add_size_options, sizes, with_openblas
 
 if __name__ == "__main__":
     with_openblas()

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -57,12 +56,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers next to this script
-from measure import add_size_options, drop_cache, output_digest, sizes  # noqa: E402
+from harness import add_size_options, drop_cache, emit, machine_info, output_digest, run_child, sizes
 
 SCHEMA = "tqbench.bench.k3gpu/1"
 RECIPE = "tq3a-tqTe-down4-g64"
-RESULT_MARK = "BENCH-RESULT "
+SCRIPT = Path(__file__).resolve()  # the build and decode children run this file
 K3_MOE_LAYERS, K3_EXPERT_BYTES = 92, 10_960_896
 SEED_PROMPT_A, SEED_PROMPT_B, SEED_PROMPT_W = 11, 12, 13  # W: the compile warm-up's prompt
 
@@ -82,10 +80,6 @@ DEFAULTS = dict(layers=9, experts=384, budget_gb=6.0, workers=4, prompt=4, token
 QUICK = dict(layers=3, experts=16, budget_gb=0.004, workers=2, prompt=3, tokens=4, warmup=1, pin_share=0.5,
              convert_layers=2, convert_experts=4, convert_pairs=1, convert_modes="arena,bytes,compare",
              raw_bytes=8 * 2**20)
-
-
-def _emit(result: dict) -> None:
-    print(RESULT_MARK + json.dumps(result), flush=True)
 
 
 def is_routed_expert(name: str) -> bool:
@@ -176,8 +170,8 @@ def child_build(a: dict) -> None:
         if isinstance(ev, ConvertFinished):
             fin = ev
     t3 = time.perf_counter()
-    _emit(dict(mode="build", import_s=t1 - t0, write_source_s=t2 - t1, convert_s=t3 - t2,
-               bytes_out=fin.bytes_out if fin else None))
+    emit(dict(mode="build", import_s=t1 - t0, write_source_s=t2 - t1, convert_s=t3 - t2,
+              bytes_out=fin.bytes_out if fin else None))
 
 
 # --- decode runs ------------------------------------------------------------------------------------------------------
@@ -192,12 +186,12 @@ def child_decode(a: dict) -> None:
     from tqbench.runtime.routing import set_active_experts
     from tqbench.stream.stats import MISS_TIMES
     from tqbench.stream.streamer import StreamConfig
-    from streaming import _stats  # the streamer's counters, as the streaming benchmark takes them
+    from streaming import streamer_stats  # the streamer's counters, as the streaming benchmark takes them
 
     from tqbench import cubin
 
     def _counters(st) -> dict:  # and where the misses' time went
-        return dict(_stats(st), **{k: getattr(st.stats, k) for k in MISS_TIMES})
+        return dict(streamer_stats(st), **{k: getattr(st.stats, k) for k in MISS_TIMES})
 
     prompts = {k: mx.array(np.array(v, dtype=np.uint32))[None] for k, v in a["prompts"].items()}
     profile: dict[tuple[int, int], int] = {}
@@ -288,23 +282,11 @@ def child_decode(a: dict) -> None:
         out.append(r)
         del loaded, cache, logits
         mx.clear_cache()
-    _emit(dict(mode="decode", runs=out, warmups=warmups, mlx_peak=int(mx.get_peak_memory()),
-               device=str(mx.default_device())))
+    emit(dict(mode="decode", runs=out, warmups=warmups, mlx_peak=int(mx.get_peak_memory()),
+              device=str(mx.default_device())))
 
 
 CHILDREN = {"build": child_build, "decode": child_decode}
-
-
-def run_child(mode: str, args: dict, timeout: float, script: Path | None = None, env: dict | None = None) -> dict:
-    cmd = [sys.executable, str(script or Path(__file__).resolve()), "--child", mode, json.dumps(args)]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_MARK)]
-    if p.returncode or not lines:
-        raise RuntimeError(f"{mode} child failed (exit {p.returncode}):\n{p.stderr[-4000:]}{p.stdout[-2000:]}")
-    result = json.loads(lines[-1][len(RESULT_MARK):])
-    result["process_wall_s"] = time.perf_counter() - t0
-    return result
 
 
 # --- parts ------------------------------------------------------------------------------------------------------------
@@ -348,8 +330,8 @@ def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
         dst = work / f"convert-out-{i}"
         drop_cache(files)
         kw, env = modes[mode]
-        runs.append(run_child("convert", dict(src=str(src), dst=str(dst), recipe=RECIPE, shard_size=5 * 2**30,
-                                              stages=True, **kw), timeout, convert_py, env))
+        runs.append(run_child(convert_py, "convert", dict(src=str(src), dst=str(dst), recipe=RECIPE,
+                                                          shard_size=5 * 2**30, stages=True, **kw), timeout, env))
         runs[-1].update(mode=mode, first=i == 0, round=rnd, output_digest=output_digest(dst),
                         output_bytes=sum(f.stat().st_size for f in dst.iterdir() if f.is_file()))
         if i < len(order) - 1:
@@ -357,8 +339,8 @@ def part_convert(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
                 f.unlink()
             dst.rmdir()
     drop_cache(files)
-    raw = run_child("raw", dict(files=[str(f) for f in files], dst=str(work / "raw.bin"),
-                                write_bytes=runs[-1]["output_bytes"]), timeout, convert_py)
+    raw = run_child(convert_py, "raw", dict(files=[str(f) for f in files], dst=str(work / "raw.bin"),
+                                            write_bytes=runs[-1]["output_bytes"]), timeout)
     timed = runs[1:]
     warm = {m: statistics.median(r["seconds"] for r in timed if r["mode"] == m) for m in names}
     by_round = [{r["mode"]: r["seconds"] for r in timed if r["round"] == i} for i in range(len(rounds))]
@@ -384,7 +366,7 @@ def build_model(work: Path, spec_kw: dict, cfg: dict, timeout: float) -> dict:
         for d in (src, dst):
             if d.exists():
                 subprocess.run(["rm", "-rf", str(d)], check=True)
-        info.update(run_child("build", dict(spec=spec, src=str(src), dst=str(dst)), timeout), reused=False)
+        info.update(run_child(SCRIPT, "build", dict(spec=spec, src=str(src), dst=str(dst)), timeout), reused=False)
         subprocess.run(["rm", "-rf", str(src)], check=True)
         marker.write_text(json.dumps(spec))
     from tqbench.stream.store import ExpertStore
@@ -526,20 +508,6 @@ def combine(docs: list[dict], names: list[str]) -> dict:
     return out
 
 
-def machine_info() -> dict:
-    info = dict(cpu_count=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
-                date=time.strftime("%Y-%m-%d"))
-    try:
-        import mlx.core as mx
-        info.update(mlx=mx.__version__, device=str(mx.default_device()))
-        if mx.cuda.is_available():
-            info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                                         capture_output=True, text=True).stdout.strip()
-    except Exception as e:  # a machine without MLX's GPU build still reports the rest
-        info["mlx_error"] = str(e)
-    return info
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -618,8 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         starts = []
         for i in range(2):  # the second fresh process finds MLX's compiled kernels in its disk cache
             drop_cache(files)
-            res = run_child("decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
-                                           tokens=cfg["tokens"], runs=[dict(label="resident", prompt="B")]),
+            res = run_child(SCRIPT, "decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
+                                                   tokens=cfg["tokens"], runs=[dict(label="resident", prompt="B")]),
                             a.timeout)
             r = res["runs"][0]
             starts.append(dict(load_s=r["load_s"], first_forward_s=r["prefill_s"],
@@ -652,8 +620,8 @@ def main(argv: list[str] | None = None) -> int:
         chosen = set(a.runs.split(","))
         runs = [r for r, key in zip(runs, "ABW8LFX12R") if key in chosen]
         drop_cache(files)
-        res = run_child("decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
-                                       tokens=cfg["tokens"], runs=runs, compile_warmup=True), a.timeout)
+        res = run_child(SCRIPT, "decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
+                                               tokens=cfg["tokens"], runs=runs, compile_warmup=True), a.timeout)
         for w in res["warmups"]:
             log(f"compile warm-up (top-k {w['top_k'] or 'native'}): {w['seconds']:.1f} s, of which the prompt "
                 f"{w['prefill_s']:.1f} s, waiting on reads {w['stall_s']:.1f} s, tqbench's kernels compiled by NVRTC "

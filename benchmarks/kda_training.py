@@ -18,12 +18,10 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+from harness import REPO
 
 
 def timed(fn, repeats: int) -> float:
@@ -81,7 +79,7 @@ def training_steps(B: int, T: int, steps: int) -> dict:
     import mlx.nn as nn
     import mlx.optimizers as optim
 
-    import train_demo
+    from scripts import train_demo
     from tqbench.demo import CHAT_SPEC
     from training.delta import chunked_kda_training
 
@@ -120,7 +118,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="small shapes, few repeats (a CPU smoke run)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "kda_training.json")
+    p.add_argument("--out", type=Path, default=REPO / "bench-results" / "kda_training.json")
     a = p.parse_args(argv)
     import mlx.core as mx
 

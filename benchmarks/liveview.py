@@ -34,11 +34,9 @@ Writes JSON (`--out`, default bench-results/liveview.json, schema tqbench.bench.
 from __future__ import annotations
 
 import os
-import platform
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import add_size_options, sizes, with_openblas  # noqa: E402
+from harness import REPO, add_size_options, emit, machine_info, run_child, sizes, with_openblas
 
 if __name__ == "__main__":
     with_openblas()
@@ -52,22 +50,14 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from measure import openblas_mapped, peak_rss_bytes  # noqa: E402
-
 SCHEMA = "tqbench.bench.liveview/1"
-RESULT_MARK = "BENCH-RESULT "
 OVERHEAD_GOAL = 0.05
-REPO = Path(__file__).resolve().parent.parent
+RELEVANT = ("tui", "tqbench/stream", "tqbench/runtime", "benchmarks/liveview.py")  # what the measurement runs
 DEFAULTS = dict(repeats=3, pairs=8, budget_share=0.35, workers=4, prompt="def parse_args(argv):", size="100x30")
 QUICK = dict(DEFAULTS, repeats=1, pairs=2)
 
 
 # --- children ----------------------------------------------------------------------------------------------------------
-
-def _emit(result: dict) -> None:
-    result.update(peak_rss=peak_rss_bytes(), openblas=openblas_mapped())
-    print(RESULT_MARK + json.dumps(result), flush=True)
-
 
 def _figures(done, before: dict, after: dict) -> dict:
     """A reply's decode rate and text, and its page-ins: StreamStats after it minus before it."""
@@ -102,7 +92,7 @@ def child_engine(a: dict) -> None:
                                 cpu_s=time.process_time() - cpu))
     finally:
         session.close()
-    _emit(dict(replies=replies))
+    emit(dict(replies=replies))
 
 
 def child_tui(a: dict) -> None:
@@ -185,25 +175,20 @@ def child_tui(a: dict) -> None:
                                     paused=view.paused))
             return dict(replies=replies)
 
-    _emit(asyncio.run(run()))
+    emit(asyncio.run(run()))
 
 
 CHILDREN = {"engine": child_engine, "tui": child_tui}
 
 
-def run_child(kind: str, args: dict, work: Path, timeout: float = 900) -> dict:
+def measure(kind: str, args: dict, work: Path, timeout: float = 900) -> dict:
     """One measurement in a fresh process with its own empty tqbench cache directory."""
     cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
-    env = dict(os.environ, TQBENCH_CACHE_DIR=str(cache), PYTHONPATH=str(REPO))
     try:
-        proc = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(args)], capture_output=True,
-                              text=True, timeout=timeout, env=env, cwd=REPO)
+        return run_child(Path(__file__).resolve(), kind, args, timeout, cwd=REPO,
+                         env=dict(TQBENCH_CACHE_DIR=str(cache), PYTHONPATH=str(REPO)))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
-    raise RuntimeError(f"{kind} child failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 # --- parent ------------------------------------------------------------------------------------------------------------
@@ -220,18 +205,9 @@ def convert_demo(work: Path) -> Path:
 
 
 def machine() -> dict:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout.strip()
-
-    import mlx.core as mx
     import textual
 
-    return dict(cpu_count=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
-                mlx_version=mx.__version__, textual_version=textual.__version__,
-                openblas_preloaded="libopenblas" in os.environ.get("LD_PRELOAD", ""), load_average=os.getloadavg(),
-                git_commit=git("rev-parse", "HEAD") or None,
-                git_dirty_relevant=git("status", "--porcelain", "--", "tui", "tqbench/stream", "tqbench/runtime",
-                                       "benchmarks/liveview.py").splitlines())
+    return dict(machine_info(relevant=RELEVANT), textual_version=textual.__version__)
 
 
 def summarize(runs: list[dict], repeats: int) -> dict:
@@ -299,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             # view/paused pairs, the order alternating: view paused, paused view, view paused, ...
             sequence = [m for k in range(cfg["pairs"]) for m in (("view", "paused"), ("paused", "view"))[(i + k) % 2]]
             for kind in ("tui", "engine"):
-                for r in run_child(kind, dict(base, sequence=sequence), work)["replies"]:
+                for r in measure(kind, dict(base, sequence=sequence), work)["replies"]:
                     doc["runs"].append(dict(r, repeat=i))
                     print(f"repeat {i}: {r['mode']:<6} {r['decode_tps']:6.1f} tok/s  {r['misses']:4} misses  "
                           f"{r.get('view_batches', '-')} batches", flush=True)

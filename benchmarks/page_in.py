@@ -13,9 +13,10 @@ with the page cache bypassed, against raw O_DIRECT reads of the same experts in 
 
 The store is `streaming.py`'s: one file of seeded random bytes after a 1,000-byte prefix (offsets not page aligned, as
 in a real shard) and its `expert_map.json`, one MoE layer of `--experts` experts. Each round runs every variant in a
-fresh process (`after` = this checkout's streamer; `before` = the file given to --before, loaded in place of
-`tqbench/stream/streamer.py`; `in-flight-N` = this checkout's with `StreamConfig.reads_in_flight` N, from
-`--reads-in-flight`, 0 being `after`), alternating which goes first. In each process:
+fresh process (`after` = this checkout's streamer; `before` = the file given to --before, in place of
+`tqbench/stream/streamer.py` in a copy of the package that process imports; `in-flight-N` = this checkout's with
+`StreamConfig.reads_in_flight` N, from `--reads-in-flight`, 0 being `after`), alternating which goes first. In each
+process:
 - raw: the experts' page-aligned ranges, in the order the page-ins will ask for them, read with O_DIRECT by
   `--workers` threads into one aligned buffer each (`streaming.timed_reads`), right before and right after the
   page-ins; their mean is that process's baseline (the disk varies by tens of percent between minutes); and the same
@@ -36,50 +37,44 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import with_openblas  # noqa: E402
+from harness import REPO, emit, run_child, with_openblas
 
 if __name__ == "__main__":
     with_openblas()
 
 import argparse  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 SCHEMA = "tqbench.bench.page_in/1"
-RESULT_MARK = "BENCH-RESULT "
+SCRIPT = Path(__file__).resolve()  # the children run this file
 LAYER = 1
 DEFAULTS = dict(experts=96, expert_bytes=10_960_896, workers=4, calls=30, per_call=8, slots=16, rounds=3)
 QUICK = dict(experts=12, expert_bytes=1 << 20, workers=2, calls=6, per_call=4, slots=6, rounds=1)
 
 
-def load_streamer(path: str | None):
-    """This checkout's streamer module, or the file at `path` loaded in its place (it imports the rest of tqbench)."""
-    if path is None:
-        import tqbench.stream.streamer as streamer
-
-        return streamer
-    spec = importlib.util.spec_from_file_location("tqbench.stream._page_in_streamer", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def package_with_streamer(streamer: Path, dest: Path) -> Path:
+    """A copy of the tqbench package under `dest` with `streamer` as its tqbench/stream/streamer.py; a process with
+    `dest` first on PYTHONPATH runs that streamer with the rest of this checkout."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(REPO / "tqbench", dest / "tqbench", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy2(streamer, dest / "tqbench" / "stream" / "streamer.py")
+    return dest
 
 
-def child(a: dict) -> dict:
+def child(a: dict) -> None:
     import mlx.core as mx
 
+    import tqbench.stream.streamer as S
     from streaming import timed_reads
     from tqbench.stream.store import ALIGN, ExpertStore
 
-    S = load_streamer(a["streamer"])
     root = Path(a["store"])
     store = ExpertStore.open(root)
     lay = store.layers[LAYER]
@@ -125,21 +120,12 @@ def child(a: dict) -> dict:
     split = {k[5:]: getattr(s, k) / s.miss_timed * 1e3 for k in type(s).__dataclass_fields__
              if k.startswith("miss_") and k not in ("miss_timed",) and getattr(s, "miss_timed", 0)}
     st.close()
-    return dict(workers=workers, buffers=buffers, expert_bytes=eb, misses=misses, page_in_s=seconds,
-                gbps_on_misses=gbps, raw_gbps=raw_gbps, ratio=gbps / raw_gbps, raw1_gbps=raw1_gbps,
-                ratio_best_raw=gbps / max(raw_gbps, raw1_gbps), reads_in_flight=a.get("reads_in_flight", 0),
-                ms_per_miss=seconds / misses * 1e3,
-                raw_ms_per_expert=raw_s_per_expert * 1e3, miss_split_ms=split, device=str(mx.default_device()),
-                gpu_prefetch=bool(getattr(st, "prefetch", None) and st.prefetch.active))
-
-
-def run_child(args: dict, timeout: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_MARK)]
-    if p.returncode or not lines:
-        raise RuntimeError(f"page-in child failed (exit {p.returncode}):\n{p.stderr[-4000:]}{p.stdout[-2000:]}")
-    return json.loads(lines[-1][len(RESULT_MARK):])
+    emit(dict(workers=workers, buffers=buffers, expert_bytes=eb, misses=misses, page_in_s=seconds,
+              gbps_on_misses=gbps, raw_gbps=raw_gbps, ratio=gbps / raw_gbps, raw1_gbps=raw1_gbps,
+              ratio_best_raw=gbps / max(raw_gbps, raw1_gbps), reads_in_flight=a.get("reads_in_flight", 0),
+              ms_per_miss=seconds / misses * 1e3,
+              raw_ms_per_expert=raw_s_per_expert * 1e3, miss_split_ms=split, device=str(mx.default_device()),
+              gpu_prefetch=bool(getattr(st, "prefetch", None) and st.prefetch.active)))
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -172,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench-results/page_in.json"))
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
-    p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.child:
-        print(RESULT_MARK + json.dumps(child(json.loads(a.child))), flush=True)
-        return 0
     if a.work is None:
         p.error("--work is required (a directory on the disk to measure)")
     cfg = {k: getattr(a, k) if getattr(a, k) is not None else (QUICK if a.quick else DEFAULTS)[k] for k in DEFAULTS}
@@ -196,13 +178,16 @@ def main(argv: list[str] | None = None) -> int:
 
     store = build_store(a.work / "store", [LAYER], cfg["experts"], cfg["expert_bytes"], seed=a.seed)
     variants = [("after" if g == 0 else f"in-flight-{g}", None, g) for g in gates]
-    variants += [("before", str(Path(a.before).resolve()), 0)] if a.before else []
+    variants += [("before", package_with_streamer(Path(a.before), a.work / "before-code"), 0)] if a.before else []
     rows = []
     for rnd in range(cfg["rounds"]):
-        for variant, path, gate in (variants if rnd % 2 == 0 else variants[::-1]):
-            args = dict(store=store["path"], streamer=path, workers=cfg["workers"], calls=cfg["calls"],
-                        per_call=cfg["per_call"], slots=cfg["slots"], seed=a.seed + rnd, reads_in_flight=gate)
-            row = dict(variant=variant, round=rnd, **run_child(args, a.timeout))
+        for variant, package, gate in (variants if rnd % 2 == 0 else variants[::-1]):
+            args = dict(store=store["path"], workers=cfg["workers"], calls=cfg["calls"], per_call=cfg["per_call"],
+                        slots=cfg["slots"], seed=a.seed + rnd, reads_in_flight=gate)
+            env = None
+            if package:  # the copy of tqbench with the older streamer, before everything else
+                env = dict(PYTHONPATH=os.pathsep.join([str(package), *filter(None, [os.environ.get("PYTHONPATH")])]))
+            row = dict(variant=variant, round=rnd, **run_child(SCRIPT, "page-in", args, a.timeout, env=env))
             rows.append(row)
             print(f"round {rnd} {variant:11s}: {row['gbps_on_misses']:.2f} GB/s on misses, raw "
                   f"{row['raw_gbps']:.2f} GB/s ({row['raw1_gbps']:.2f} with one thread), ratio {row['ratio']:.2f} "
@@ -226,4 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        child(json.loads(sys.argv[3]))
+    else:
+        sys.exit(main())

@@ -4,7 +4,7 @@ closes at least a third of LRU's gap to Belady at every budget (gap_closed = (po
 rate) and beats the best fixed set.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python benchmarks/policies.py \\
-        --work /tmp/policies --out docs/bench-policies-cpu.json
+        --work /tmp/policies --out results/bench-policies-cpu.json
     python benchmarks/policies.py --trace a.npy --trace b.npy   # your own traces, int [moe layers, tokens, k]
     python benchmarks/policies.py --quick                       # a smoke run (a minute or two)
 
@@ -34,11 +34,9 @@ Writes JSON (`--out`, default bench-results/policies.json, schema tqbench.bench.
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import add_size_options, sizes, with_openblas  # noqa: E402
+from harness import add_size_options, machine_info, sizes, with_openblas
 
 if __name__ == "__main__":
     with_openblas()
@@ -53,8 +51,8 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from streaming import (_demo_digest, batches_of, belady_hit_rate, best_fixed_hit_rate, lookup,  # noqa: E402
-                       machine_info, prepare_trace, simulate)
+from streaming import (RELEVANT, batches_of, belady_hit_rate, best_fixed_hit_rate, demo_digest, lookup,  # noqa: E402
+                       prepare_trace, simulate)
 
 SCHEMA = "tqbench.bench.policies/1"
 GOAL = 1 / 3
@@ -190,7 +188,7 @@ def parse_budgets(spec: str, expert_layers: int, working_set: int, k: int) -> li
 def chat_trace(work: Path, tokens: int, window: int) -> tuple[np.ndarray, dict]:
     """The demo's routing over the held-out conversations (one pass, seed 0), cached in `work` while inputs match."""
     out, marker = work / "chat-trace.npy", work / "chat-trace.json"
-    want = dict(demo=_demo_digest(), tokens=tokens, window=window, python=platform.python_version(), seed=0)
+    want = dict(demo=demo_digest(), tokens=tokens, window=window, python=platform.python_version(), seed=0)
     if out.is_file() and marker.is_file():
         info = json.loads(marker.read_text())
         if info.get("inputs") == want:
@@ -310,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     work = a.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     doc: dict = dict(schema=SCHEMA, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=[sys.executable, *sys.argv],
-                     machine=machine_info(work), config=dict(cfg, quick=a.quick, goal=GOAL, old_default=OLD_DEFAULT))
+                     machine=machine_info(work, RELEVANT),
+                     config=dict(cfg, quick=a.quick, goal=GOAL, old_default=OLD_DEFAULT))
     traces: list[tuple[str, np.ndarray, dict]] = []
     if a.trace:
         for f in a.trace:

@@ -20,16 +20,12 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-from measure import peak_rss_bytes  # noqa: E402
+from harness import REPO, peak_rss_bytes
 
 
 def k3_routing(tokens: int, layers: int = 60, experts: int = 896, k: int = 16, carry: float = 1 / 3,
@@ -85,7 +81,7 @@ def main(argv=None) -> None:
     p.add_argument("--warm", type=int, default=100)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="8 layers, 200 slots, 10 warm-up + 20 timed tokens, one run")
-    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "policy_cost.json")
+    p.add_argument("--out", type=Path, default=REPO / "bench-results" / "policy_cost.json")
     a = p.parse_args(argv)
     from tqbench.stream.cache import POLICIES
 

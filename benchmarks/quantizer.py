@@ -31,8 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import peak_rss_bytes, with_openblas  # noqa: E402
+from harness import peak_rss_bytes, with_openblas
 
 SCHEMA = "tqbench.bench.quantizer/1"
 # (name, out, in, codebook): one K3 expert at tq3a-tqTe-down4-g64

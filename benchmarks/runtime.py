@@ -11,8 +11,9 @@ Linux CPU wheel ships a reference BLAS. `--no-openblas` opts out.)
 
 What it does, all in one run:
 
-1. Copies the shipped demo (`tqbench.demo.ensure_demo()`) into the work directory (`source`) and converts it with
-   every recipe (`--recipes`, default tq3a-tqTe-down4-g64,tq4,affine4,src) by `tqbench.convert.convert`.
+1. In one subprocess with step 2, copies the shipped demo (`tqbench.demo.ensure_demo()`) into the work directory
+   (`source`) and converts it with every recipe (`--recipes`, default tq3a-tqTe-down4-g64,tq4,affine4,src) by
+   `tqbench.convert.convert`.
 2. Tokenizes the held-out split (`tqbench.demo.is_heldout`) with the shipped tokenizer and fixes the inputs every model
    sees: a prompt (`--prompt-tokens`, default 512, from the start of the longest held-out file) and quality windows
    (`--windows` x `--window`, default 32 x 256, spread evenly over the held-out stream, each from an empty context).
@@ -37,8 +38,8 @@ import os
 import platform
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import add_size_options, sizes, with_openblas  # noqa: E402
+from harness import (REPO, add_size_options, changed_paths, current_rss_bytes, emit, machine_info, median,
+                     peak_rss_bytes, run_child, sizes, with_openblas)
 
 if __name__ == "__main__":
     with_openblas()
@@ -47,28 +48,24 @@ import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import resource  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from measure import current_rss_bytes, openblas_mapped, peak_rss_bytes  # noqa: E402
-
 SCHEMA = "tqbench.bench.runtime/1"
 MiB = 2**20
-RESULT_MARK = "BENCH-RESULT "
 BASELINE = "source"
 DEFAULT_RECIPES = "tq3a-tqTe-down4-g64,tq4,affine4,src"
 # full / --quick settings
 DEFAULTS = dict(repeats=5, prompt_tokens=512, gen_tokens=128, warmup_tokens=16, windows=32, window=256, batch=8)
 QUICK = dict(repeats=1, prompt_tokens=128, gen_tokens=16, warmup_tokens=4, windows=4, window=128, batch=4)
 PROFILE_TOKENS = 32
-REPO = Path(__file__).resolve().parent.parent
 CHILD_SCRIPT: Path | None = None  # the snapshot's copy of this script (snapshot_code)
-RELEVANT = ("tqbench", "benchmarks/runtime.py", "benchmarks/measure.py", "pyproject.toml")  # what a measurement here depends on in the repo
+CHILD_ENV: dict[str, str] = {}  # the children's PYTHONPATH: the snapshot first
+# what a measurement here depends on in the repo
+RELEVANT = ("tqbench", "benchmarks/runtime.py", "benchmarks/harness.py", "pyproject.toml")
 
 
 # --- helpers shared by parent and children ---------------------------------------------------------------------------
@@ -89,23 +86,20 @@ def code_files() -> dict[str, str]:
 
 
 def snapshot_code(work: Path) -> Path:
-    """A copy of the tqbench package and of this script under `work`, which this process and every child import
-    instead of the tree: other people edit the tree while a run takes minutes, and every measurement of one run must
-    run the same code."""
+    """A copy of the tqbench package, of this script and of the harness under `work`, which every child (the
+    conversions too) imports instead of the tree: other people edit the tree while a run takes minutes, and every
+    measurement of one run must run the same code."""
     dest = work / "code"
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(REPO / "tqbench", dest / "tqbench", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copy2(Path(__file__).resolve(), dest / "runtime.py")
-    shutil.copy2(Path(__file__).resolve().parent / "measure.py", dest / "measure.py")
+    shutil.copy2(Path(__file__).resolve().parent / "harness.py", dest / "harness.py")
     return dest
 
 
 def _emit(result: dict) -> None:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    result.update(peak_rss=peak_rss_bytes(), rss_at_exit=current_rss_bytes(), openblas_mapped=openblas_mapped(),
-                  cpu_seconds_total=ru.ru_utime + ru.ru_stime, pid=os.getpid(), code_files=code_files(),
-                  tqbench_file=getattr(sys.modules.get("tqbench"), "__file__", None))
-    print(RESULT_MARK + json.dumps(result), flush=True)
+    """A child's result, with the code it ran (`code_files`) and where it imported tqbench from."""
+    emit(dict(result, code_files=code_files(), tqbench_file=getattr(sys.modules.get("tqbench"), "__file__", None)))
 
 
 def _imports() -> float:
@@ -361,39 +355,6 @@ def child_profile(a: dict) -> None:
     _emit(out)
 
 
-CHILDREN = {"floor": child_floor, "speed": child_speed, "quality": child_quality, "profile": child_profile}
-
-
-# --- parent ----------------------------------------------------------------------------------------------------------
-
-
-CODE: dict[str, dict[str, set]] = {}  # file -> digest -> the measurements that ran it
-
-
-def code_check() -> tuple[dict[str, str], list[str]]:
-    """The code every child ran (file -> digest) and the files whose digest differed between children."""
-    same = {f: next(iter(d)) for f, d in CODE.items() if len(d) == 1}
-    return same, sorted(f for f, d in CODE.items() if len(d) > 1)
-
-
-def run_child(mode: str, args: dict, timeout: float) -> dict:
-    cmd = [sys.executable, str(CHILD_SCRIPT or Path(__file__).resolve()), "--child", mode, json.dumps(args)]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_MARK)]
-    if p.returncode or not lines:
-        raise RuntimeError(f"{mode} child failed (exit {p.returncode}):\n{p.stderr[-4000:]}{p.stdout[-2000:]}")
-    result = json.loads(lines[-1][len(RESULT_MARK):])
-    result["process_wall_s"] = wall
-    where = result.pop("tqbench_file")
-    if CHILD_SCRIPT is not None and where and not Path(where).resolve().is_relative_to(CHILD_SCRIPT.parent):
-        raise RuntimeError(f"{mode} child imported tqbench from {where}, not from the snapshot {CHILD_SCRIPT.parent}")
-    for f, digest in result.pop("code_files").items():
-        CODE.setdefault(f, {}).setdefault(digest, set()).add(f"{mode} {args.get('path', '')}".strip())
-    return result
-
-
 def tensor_bytes(path: Path) -> tuple[int, int, int]:
     """(packed tensor bytes over the shards, file bytes of the shards, shard count)."""
     from tqbench.shards.header import read_header
@@ -473,58 +434,49 @@ def prepare_inputs(work: Path, cfg: dict) -> dict:
                 prompt_path=str(work / "prompt.npy"), windows_path=str(work / "windows.npz"))
 
 
-def machine_info(work: Path) -> dict:
-    info: dict = dict(cpu_count=os.cpu_count(), platform=platform.platform(), machine=platform.machine(),
-                      python=platform.python_version(), ld_preload=os.environ.get("LD_PRELOAD"),
-                      openblas_preloaded="libopenblas" in os.environ.get("LD_PRELOAD", ""), work_dir=str(work))
+def turboquant_path() -> str:
+    """Which TurboQuant product serves decode: a fused GPU kernel, or the plain-MLX reference (CPU)."""
     try:
-        import mlx.core as mx
-        import numpy as np
-        from importlib.metadata import version
-        info.update(mlx_version=mx.__version__, mlx_lm_version=version("mlx-lm"), mlx_device=str(mx.default_device()),
-                    numpy_version=np.__version__)
-    except Exception as e:  # pragma: no cover
-        info["mlx_version"] = f"unavailable: {e}"
-    try:  # which TurboQuant product serves decode: a fused GPU kernel, or the plain-MLX reference (CPU)
         from tqbench.runtime import kernels
         backend = getattr(kernels, "default_backend", lambda: None)()
-        info["turboquant_path"] = (f"fused {backend} kernels (decode), reference otherwise" if backend else
-                                   "reference (tqbench.runtime.codebook: codes decoded with plain MLX ops per call)")
+        return (f"fused {backend} kernels (decode), reference otherwise" if backend else
+                "reference (tqbench.runtime.codebook: codes decoded with plain MLX ops per call)")
     except Exception as e:  # pragma: no cover
-        info["turboquant_path"] = f"unknown: {e}"
-    try:
-        info["mem_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        info["load_average"] = os.getloadavg()
-    except (ValueError, OSError, AttributeError):
-        pass
-    repo = REPO
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout
-        info["git_commit"], info["git_dirty"] = head.strip() or None, bool(dirty.strip())
-        # what this benchmark runs: uncommitted changes there are part of the measurement
-        mine = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", *RELEVANT],
-                              capture_output=True, text=True).stdout
-        info["git_dirty_relevant"] = [ln[3:] for ln in mine.splitlines()]
-    except OSError:
-        pass
-    return info
+        return f"unknown: {e}"
 
 
-def changed_paths(a: str | None, b: str | None) -> list[str]:
-    """Files under RELEVANT that differ between commits a and b."""
-    repo = REPO
-    if not a or not b:
-        return []
-    out = subprocess.run(["git", "-C", str(repo), "diff", "--name-only", a, b, "--", *RELEVANT],
-                         capture_output=True, text=True).stdout
-    return out.split()
+def child_prepare(a: dict) -> None:
+    """The models and the inputs every measurement uses, made with the snapshot's code."""
+    work = Path(a["work"])
+    models = prepare_models(work, a["recipes"])
+    _emit(dict(models=models, inputs=prepare_inputs(work, a["cfg"]), turboquant_path=turboquant_path()))
 
 
-def median(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
+CHILDREN = {"prepare": child_prepare, "floor": child_floor, "speed": child_speed, "quality": child_quality,
+            "profile": child_profile}
+
+
+# --- parent ----------------------------------------------------------------------------------------------------------
+
+
+CODE: dict[str, dict[str, set]] = {}  # file -> digest -> the measurements that ran it
+
+
+def code_check() -> tuple[dict[str, str], list[str]]:
+    """The code every child ran (file -> digest) and the files whose digest differed between children."""
+    same = {f: next(iter(d)) for f, d in CODE.items() if len(d) == 1}
+    return same, sorted(f for f, d in CODE.items() if len(d) > 1)
+
+
+def measure(mode: str, args: dict, timeout: float) -> dict:
+    """One child's measurement, checked to have run the snapshot's code, whose digests go into CODE."""
+    result = run_child(CHILD_SCRIPT or Path(__file__).resolve(), mode, args, timeout, env=CHILD_ENV)
+    where = result.pop("tqbench_file")
+    if CHILD_SCRIPT is not None and where and not Path(where).resolve().is_relative_to(CHILD_SCRIPT.parent):
+        raise RuntimeError(f"{mode} child imported tqbench from {where}, not from the snapshot {CHILD_SCRIPT.parent}")
+    for f, digest in result.pop("code_files").items():
+        CODE.setdefault(f, {}).setdefault(digest, set()).add(f"{mode} {args.get('path', '')}".strip())
+    return result
 
 
 def _ratio(a, b) -> float | None:
@@ -680,8 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     global CHILD_SCRIPT
     code = snapshot_code(work)
     CHILD_SCRIPT = code / "runtime.py"
-    sys.path.insert(0, str(code))  # before the first tqbench import here
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [os.environ.get("PYTHONPATH")])])
+    CHILD_ENV["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [os.environ.get("PYTHONPATH")])])
     from tqbench.recipe import Recipe
     try:
         for r in recipes:
@@ -692,30 +643,29 @@ def main(argv: list[str] | None = None) -> int:
         raise
     t_start = time.perf_counter()
     doc: dict = dict(schema=SCHEMA, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=[sys.executable, *sys.argv],
-                     machine=machine_info(work),
+                     machine=machine_info(work, RELEVANT),
                      config=dict(cfg, recipes=recipes, baseline=BASELINE, quick=a.quick, profile=a.profile,
                                  generation="mlx_lm.generate.stream_generate, greedy (make_sampler(0.0)), "
                                             "end-of-message masked; one warm-up generation per process first"))
     try:
         print("converting ...", end=" ", flush=True)
-        models = prepare_models(work, recipes)
-        for f, digest in code_files().items():  # the conversions ran in this process
-            CODE.setdefault(f, {}).setdefault(digest, set()).add("convert")
+        prepared = measure("prepare", dict(work=str(work), recipes=recipes, cfg=cfg), a.timeout)
+        models, inputs = prepared["models"], prepared["inputs"]
+        doc["machine"]["turboquant_path"] = prepared["turboquant_path"]
         print(", ".join(f"{m['label']} {m['convert_seconds']:.1f}s" for m in models if m["convert_seconds"]),
               flush=True)
-        inputs = prepare_inputs(work, cfg)
         doc.update(models=models, inputs={k: v for k, v in inputs.items() if not k.endswith("_path")})
         quality: dict[str, dict] = {}
         for m in models:
-            x = run_child("quality", dict(path=m["path"], windows=inputs["windows_path"], batch=cfg["batch"],
-                                          argmax_out=str(work / f"argmax-{m['label']}.npy")), a.timeout)
+            x = measure("quality", dict(path=m["path"], windows=inputs["windows_path"], batch=cfg["batch"],
+                                        argmax_out=str(work / f"argmax-{m['label']}.npy")), a.timeout)
             x["model"] = m["label"]
             quality[m["label"]] = x
             print(f"  quality {m['label']:<20} ppl {x['perplexity']:.3f}  top-1 {x['top1_accuracy']:.4f}  "
                   f"({x['forward_seconds']:.1f}s)", flush=True)
         speed, floors = [], []
         for rep in range(cfg["repeats"]):
-            f = run_child("floor", {}, a.timeout)
+            f = measure("floor", {}, a.timeout)
             f["repeat"] = rep
             floors.append(f)
             k = rep % len(models)
@@ -723,9 +673,9 @@ def main(argv: list[str] | None = None) -> int:
             if rep % 2:
                 order = order[::-1]
             for m in order:
-                x = run_child("speed", dict(path=m["path"], prompt=inputs["prompt_path"], eos=inputs["eos"],
-                                            gen_tokens=cfg["gen_tokens"], warmup_tokens=cfg["warmup_tokens"]),
-                              a.timeout)
+                x = measure("speed", dict(path=m["path"], prompt=inputs["prompt_path"], eos=inputs["eos"],
+                                          gen_tokens=cfg["gen_tokens"], warmup_tokens=cfg["warmup_tokens"]),
+                            a.timeout)
                 x.update(model=m["label"], repeat=rep)
                 speed.append(x)
                 print(f"  [{rep + 1}/{cfg['repeats']}] {m['label']:<20} load {x['load_s']:.2f}s  prefill "
@@ -735,12 +685,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.profile:
             doc["profile"] = {}
             for m in models:
-                x = run_child("profile", dict(path=m["path"], prompt=inputs["prompt_path"], tokens=PROFILE_TOKENS),
-                              a.timeout)
+                x = measure("profile", dict(path=m["path"], prompt=inputs["prompt_path"], tokens=PROFILE_TOKENS),
+                            a.timeout)
                 doc["profile"][m["label"]] = x
                 print(f"  profile {m['label']:<20} {x['plain_ms_per_token']:.1f} ms/token", flush=True)
         doc["summary"] = summarize(models, speed, floors, quality)
-        end = machine_info(work)
+        end = machine_info(work, RELEVANT)
         doc["machine"]["git_commit_end"], doc["machine"]["git_dirty_end"] = end.get("git_commit"), end.get("git_dirty")
         doc["machine"]["load_average_end"] = end.get("load_average")
         same, differ = code_check()
@@ -756,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"measurements mix versions, run again")
         if end.get("git_commit") != doc["machine"].get("git_commit"):
             doc["machine"]["changed_during_run"] = changed_paths(doc["machine"].get("git_commit"),
-                                                                 end.get("git_commit"))
+                                                                 end.get("git_commit"), RELEVANT)
             doc.setdefault("notes", []).append(
                 f"the repository moved from {doc['machine'].get('git_commit')[:10]} to {end.get('git_commit')[:10]} "
                 f"during the run; the measurements ran the copy of the tree taken at the start (code.files)")

@@ -57,8 +57,7 @@ import os
 import platform
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import add_size_options, sizes, with_openblas  # noqa: E402
+from harness import add_size_options, sizes, with_openblas
 
 if __name__ == "__main__":
     with_openblas()
@@ -71,7 +70,6 @@ import json  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -79,13 +77,13 @@ from collections import deque  # noqa: E402
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from measure import drop_cache, peak_rss_bytes, resident_fraction  # noqa: E402
+from harness import changed_paths, drop_cache, emit, machine_info, resident_fraction, run_child  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 SCHEMA = "tqbench.bench.streaming/1"
 MiB = 2**20
-RESULT_MARK = "BENCH-RESULT "
+SCRIPT = Path(__file__).resolve()  # the children run this file
 ALIGN = 4096
 # One K3 expert at tq3a-tqTe-down4-g64, by projection (tqbench.recipe.plan of the K3 skeleton).
 K3_EXPERT_PARTS = (("w1.weight", 2_555_904), ("w3.weight", 2_555_904), ("w2.weight", 5_849_088))
@@ -118,12 +116,6 @@ QUICK = dict(trace_tokens=1024, window=256, budgets="16,64", workers="1,4", miss
 
 
 # --- helpers shared by parent and children ---------------------------------------------------------------------------
-
-
-def _emit(result: dict) -> None:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    result.update(peak_rss=peak_rss_bytes(), cpu_seconds_total=ru.ru_utime + ru.ru_stime, pid=os.getpid())
-    print(RESULT_MARK + json.dumps(result), flush=True)
 
 
 # --- cache policies and bounds on a trace (pure bookkeeping) -------------------------------------------------------
@@ -483,14 +475,15 @@ def child_trace(a: dict) -> None:
     seconds = time.perf_counter() - t1
     np.save(a["out"], trace)
     moe = [i for i in range(SHIPPED_SPEC.num_hidden_layers) if SHIPPED_SPEC.is_moe(i)]
-    _emit(dict(mode="trace", shape=list(trace.shape), heldout_files=len(files), heldout_tokens=int(len(stream)),
-               tokens_sha256=hashlib.sha256(tokens.astype(np.uint32).tobytes()).hexdigest(),
-               moe_layers=moe, num_experts=SHIPPED_SPEC.num_experts, top_k=SHIPPED_SPEC.num_experts_per_token,
-               trace_seconds=seconds, tokens_per_s=trace.shape[1] / seconds, total_seconds=time.perf_counter() - t0,
-               stdlib=str(root), demo=str(SHIPPED_DEMO)))
+    emit(dict(mode="trace", shape=list(trace.shape), heldout_files=len(files), heldout_tokens=int(len(stream)),
+              tokens_sha256=hashlib.sha256(tokens.astype(np.uint32).tobytes()).hexdigest(),
+              moe_layers=moe, num_experts=SHIPPED_SPEC.num_experts, top_k=SHIPPED_SPEC.num_experts_per_token,
+              trace_seconds=seconds, tokens_per_s=trace.shape[1] / seconds, total_seconds=time.perf_counter() - t0,
+              stdlib=str(root), demo=str(SHIPPED_DEMO)))
 
 
-def _stats(streamer) -> dict:
+def streamer_stats(streamer) -> dict:
+    """The streamer's counters as the benchmarks record them."""
     s = streamer.stats
     return dict(hits=s.hits, hits_pinned=s.hits_pinned, hits_cache=s.hits_cache, hits_prefetched=s.hits_prefetched,
                 misses=s.misses,
@@ -548,7 +541,7 @@ def child_decode(a: dict) -> None:
         for r in runs[i % n:] + runs[: i % n]:
             step(r)
     for r in runs:
-        r["before"] = _stats(r["loaded"].streamer) if r["loaded"].streamer else None
+        r["before"] = streamer_stats(r["loaded"].streamer) if r["loaded"].streamer else None
     for i in range(a["tokens"]):
         for r in runs[i % n:] + runs[: i % n]:
             r["times"].append(step(r))
@@ -559,7 +552,7 @@ def child_decode(a: dict) -> None:
                  token_s=r["times"], decode_s=sum(r["times"]), decode_tps=len(r["times"]) / sum(r["times"]),
                  tokens=r["tokens"], weight_bytes=r["loaded"].weight_bytes)
         if st:
-            after = _stats(st)
+            after = streamer_stats(st)
             events = [e for e in st.events if e.token > r["before"]["tokens"]]
             x.update(stream=r["stream"], prewarm=r["prewarm"], before=r["before"], after=after,
                      events=[dict(token=e.token, layer=e.layer, experts=len(e.experts),
@@ -572,8 +565,8 @@ def child_decode(a: dict) -> None:
                      cache_bytes_max=st.stats.cache_bytes_max)
             st.close()
         out.append(x)
-    _emit(dict(mode="decode", import_s=import_s, prompt_tokens=int(prompt.size), runs=out,
-               mlx_peak=int(mx.get_peak_memory())))
+    emit(dict(mode="decode", import_s=import_s, prompt_tokens=int(prompt.size), runs=out,
+              mlx_peak=int(mx.get_peak_memory())))
 
 
 CHILDREN = {"trace": child_trace, "decode": child_decode}
@@ -582,20 +575,7 @@ CHILDREN = {"trace": child_trace, "decode": child_decode}
 # --- parent ----------------------------------------------------------------------------------------------------------
 
 
-def run_child(mode: str, args: dict, timeout: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, json.dumps(args)]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_MARK)]
-    if p.returncode or not lines:
-        raise RuntimeError(f"{mode} child failed (exit {p.returncode}):\n{p.stderr[-4000:]}{p.stdout[-2000:]}")
-    result = json.loads(lines[-1][len(RESULT_MARK):])
-    result["process_wall_s"] = wall
-    return result
-
-
-def _demo_digest() -> str:
+def demo_digest() -> str:
     from tqbench.demo import SHIPPED_DEMO
 
     h = hashlib.sha256()
@@ -610,13 +590,14 @@ def prepare_trace(work: Path, cfg: dict, timeout: float) -> tuple[np.ndarray, di
     """The demo's routing trace, from the work directory while its inputs match, else traced in a fresh process."""
     out = work / "routing-trace.npy"
     marker = work / "routing-trace.json"
-    want = dict(demo=_demo_digest(), tokens=cfg["trace_tokens"], window=cfg["window"], python=platform.python_version())
+    want = dict(demo=demo_digest(), tokens=cfg["trace_tokens"], window=cfg["window"], python=platform.python_version())
     if out.is_file() and marker.is_file():
         info = json.loads(marker.read_text())
         if info.get("inputs") == want:
             info["reused"] = True
             return np.load(out), info
-    info = run_child("trace", dict(tokens=cfg["trace_tokens"], window=cfg["window"], batch=32, out=str(out)), timeout)
+    info = run_child(SCRIPT, "trace", dict(tokens=cfg["trace_tokens"], window=cfg["window"], batch=32, out=str(out)),
+                     timeout)
     info["inputs"] = want
     marker.write_text(json.dumps(info))
     info["reused"] = False
@@ -810,8 +791,8 @@ def run_e2e(work: Path, cfg: dict, quick: bool, timeout: float, notes: list[str]
         raws.append(raw_round(files, eb, raw_bytes, raw_workers, rep * 13))
         drop_cache(files)
         order = runs if rep % 2 == 0 else runs[::-1]
-        x = run_child("decode", dict(path=model["path"], runs=order, prompt=prompt, warmup=cfg["e2e_warmup"],
-                                     tokens=cfg["e2e_tokens"]), timeout)
+        x = run_child(SCRIPT, "decode", dict(path=model["path"], runs=order, prompt=prompt, warmup=cfg["e2e_warmup"],
+                                             tokens=cfg["e2e_tokens"]), timeout)
         x["repeat"] = rep
         children.append(x)
         for r in x["runs"]:
@@ -878,51 +859,6 @@ def run_e2e(work: Path, cfg: dict, quick: bool, timeout: float, notes: list[str]
 
 
 # --- reporting --------------------------------------------------------------------------------------------------------
-
-
-def machine_info(work: Path) -> dict:
-    info: dict = dict(cpu_count=os.cpu_count(), platform=platform.platform(), machine=platform.machine(),
-                      python=platform.python_version(), ld_preload=os.environ.get("LD_PRELOAD"),
-                      openblas_preloaded="libopenblas" in os.environ.get("LD_PRELOAD", ""), work_dir=str(work))
-    try:
-        import mlx.core as mx
-        from importlib.metadata import version
-        info.update(mlx_version=mx.__version__, mlx_lm_version=version("mlx-lm"), mlx_device=str(mx.default_device()),
-                    numpy_version=np.__version__)
-    except Exception as e:  # pragma: no cover
-        info["mlx_version"] = f"unavailable: {e}"
-    try:
-        info["mem_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        info["load_average"] = os.getloadavg()
-        st = os.statvfs(work)
-        info["work_fs_free_bytes"] = st.f_bavail * st.f_frsize
-    except (ValueError, OSError, AttributeError):
-        pass
-    try:
-        dev = subprocess.run(["df", "--output=source,fstype", str(work)], capture_output=True, text=True).stdout
-        info["work_device"] = " ".join(dev.split()[2:]) or None
-    except OSError:
-        pass
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", *RELEVANT],
-                               capture_output=True, text=True).stdout
-        info["git_commit"] = head.strip() or None
-        info["git_dirty_relevant"] = [ln[3:] for ln in dirty.splitlines()]
-    except OSError:
-        pass
-    return info
-
-
-def changed_paths(a: str | None, b: str | None) -> list[str]:
-    """Files under RELEVANT that differ between commits a and b."""
-    if not a or not b:
-        return []
-    repo = Path(__file__).resolve().parent.parent
-    out = subprocess.run(["git", "-C", str(repo), "diff", "--name-only", a, b, "--", *RELEVANT],
-                         capture_output=True, text=True).stdout
-    return out.split()
 
 
 def print_tables(doc: dict) -> None:
@@ -1032,7 +968,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     notes: list[str] = []
     doc: dict = dict(schema=SCHEMA, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=[sys.executable, *sys.argv],
-                     machine=machine_info(work), config=dict(cfg, quick=a.quick, parts=sorted(parts),
+                     machine=machine_info(work, RELEVANT), config=dict(cfg, quick=a.quick, parts=sorted(parts),
                                                              recipe=RECIPE, default_policy=DEFAULT_POLICY,
                                                              ratio_goal=RATIO_GOAL), notes=notes)
     try:
@@ -1053,11 +989,11 @@ def main(argv: list[str] | None = None) -> int:
         if "e2e" in doc:
             goals["streamed_over_resident_at_least_0.9_when_it_fits"] = doc["e2e"]["fits_goal_met"]
         doc["goals"] = goals
-        end = machine_info(work)
+        end = machine_info(work, RELEVANT)
         doc["machine"]["git_commit_end"] = end.get("git_commit")
         doc["machine"]["load_average_end"] = end.get("load_average")
         if end.get("git_commit") != doc["machine"].get("git_commit"):
-            changed = changed_paths(doc["machine"].get("git_commit"), end.get("git_commit"))
+            changed = changed_paths(doc["machine"].get("git_commit"), end.get("git_commit"), RELEVANT)
             doc["machine"]["changed_during_run"] = changed
             notes.append(f"the repository moved from {doc['machine'].get('git_commit')} to {end.get('git_commit')} "
                          "during the run; " + (f"these files the benchmark runs changed: {', '.join(changed)}: "

@@ -19,11 +19,7 @@ spec from its seed; the tokens are random (speed does not depend on them). Peak 
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers next to this script
-from measure import openblas_mapped, peak_rss_bytes, with_openblas  # noqa: E402
+from harness import REPO, openblas_mapped, peak_rss_bytes, with_openblas
 
 if __name__ == "__main__":
     with_openblas()
@@ -35,9 +31,6 @@ import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 
 def count_primitives(*outputs) -> dict[str, int]:
@@ -63,7 +56,7 @@ def measure(batch: int, seq_len: int, warmup: int, steps: int, compiled: bool, k
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    import train_demo
+    from scripts import train_demo
     from tqbench.demo import CHAT_SPEC
 
     train_demo.SPEC = CHAT_SPEC
@@ -132,7 +125,7 @@ def main(argv=None) -> None:
     p.add_argument("--count-ops", action="store_true",
                    help="also count the operations of one uncompiled step's graph (what a backend launches)")
     p.add_argument("--quick", action="store_true", help="batches 2,4 of 32 tokens, 1 warm-up, 2 steps")
-    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "train_step.json")
+    p.add_argument("--out", type=Path, default=REPO / "bench-results" / "train_step.json")
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
     a = p.parse_args(argv)
     import mlx.core as mx

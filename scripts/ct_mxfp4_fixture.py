@@ -7,22 +7,22 @@ compressed-tensors needs torch, which tqbench does not depend on, so this runs i
     /tmp/ctvenv/bin/pip install torch==2.13.0        # first: this pin takes the CPU wheel (a plain `torch` pulls CUDA)
     /tmp/ctvenv/bin/pip install compressed-tensors numpy
     /tmp/ctvenv/bin/python scripts/ct_mxfp4_fixture.py                  # -> tests/data/compressed_tensors_mxfp4.npz
-    /tmp/ctvenv/bin/python scripts/ct_mxfp4_fixture.py --compare 2000   # also a large random comparison, not saved
-    /tmp/ctvenv/bin/python scripts/ct_mxfp4_fixture.py --check-checkpoint tqbench/demo/checkpoint
+    PYTHONPATH=. /tmp/ctvenv/bin/python scripts/ct_mxfp4_fixture.py --compare 2000   # a large random comparison
+    PYTHONPATH=. /tmp/ctvenv/bin/python scripts/ct_mxfp4_fixture.py --check-checkpoint tqbench/demo/checkpoint
 
 Each matrix goes the library's own way for the `MXFP4A16` preset (mxfp4-pack-quantized, group 32, uint8 scales):
 the per-group min/max and scale of `compute_dynamic_scales_and_zp` (what the minmax observer computes), then
 `MXFP4PackedCompressor.compress`, which writes `weight_packed` and `weight_scale`. Matrices marked bf16 are given to
 the library as bfloat16 tensors (the dtype of real checkpoints before quantization); their values are exact in float32.
-`--compare` packs random matrices with both the library and tqbench's packer (imported from this checkout; it needs
-only numpy) and reports the bytes that differ. `--check-checkpoint DIR` decodes every mxfp4 matrix of a checkpoint
-(tqbench's exact decoder) and checks that the library packs the decoded values into the very bytes of the file.
+`--compare` packs random matrices with both the library and tqbench's packer (imported from this checkout, hence
+`PYTHONPATH=.`; it needs only numpy) and reports the bytes that differ. `--check-checkpoint DIR` decodes every mxfp4
+matrix of a checkpoint (tqbench's exact decoder) and checks that the library packs the decoded values into the very
+bytes of the file.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -119,7 +119,6 @@ def matrices() -> dict[str, tuple[np.ndarray, bool]]:
 
 def compare(n: int) -> None:
     """Random matrices at many scales through both packers: how many bytes differ (expected: none)."""
-    sys.path.insert(0, str(ROOT))
     from tqbench.quant.mxfp4 import pack_mxfp4
 
     rng = np.random.default_rng(1)
@@ -148,7 +147,6 @@ def check_checkpoint(root: Path) -> None:
     values."""
     from safetensors.torch import load_file
 
-    sys.path.insert(0, str(ROOT))
     from tqbench.quant.mxfp4 import unpack_mxfp4
 
     tensors = {}

@@ -18,12 +18,10 @@ import collections
 import ctypes
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tqbench.runtime import kernels as K  # noqa: E402
+from tqbench.runtime import kernels as K
 
 
 def nvrtc_cubin(lib: ctypes.CDLL, source: str, options: list[str]) -> bytes:

@@ -6,7 +6,7 @@
 
 - perplexity on the held-out split of the standard library's code (`tqbench.demo.is_heldout`, 128-token windows from
   an empty context, as scripts/demo_stats.py), on third-party Python no demo saw (the installed `click` and `diskcache`
-  packages' sources) and on the held-out conversations (`tqbench.demo.conversations`, rendered with the chat template);
+  packages' sources) and on the held-out conversations (`training.conversations`, rendered with the chat template);
   per domain too (the top-level package of a file);
 - the docstring test: for 30 held-out functions and methods (seeded, at most 4 from one file; none whose docstring
   also appears in a training file), the greedy answer to "What does NAME do?" in the chat template; a win when it
@@ -41,11 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tqbench.tokenizer import load_encoding  # noqa: E402
-from training.conversations import (  # noqa: E402
+from benchmarks.harness import dump_json, log
+from tqbench.tokenizer import load_encoding
+from training.conversations import (
     DocItem,
     build_conversations,
     domain_of,
@@ -53,7 +51,9 @@ from training.conversations import (  # noqa: E402
     render,
     split_items,
 )
-from training.corpus import corpus_files, is_heldout, stdlib_root  # noqa: E402
+from training.corpus import corpus_files, is_heldout, stdlib_root
+
+ROOT = Path(__file__).resolve().parent.parent
 
 WINDOW = 128
 THIRD_PARTY = ("click", "diskcache")
@@ -68,16 +68,6 @@ there these those which when where what who will would should could may might mu
 also each other some such only own same very just more most over under again once here both few nor too off out
 you your our use used uses using return returns returned true false none self cls object value values given
 """.split())
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def dump_json(obj) -> str:
-    """Indented JSON with lists of numbers kept on one line."""
-    text = json.dumps(obj, indent=2)
-    return re.sub(r"\[\s*([-\d.e, \n]+?)\s*\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text) + "\n"
 
 
 # ---- texts ----------------------------------------------------------------------------------------------------------
@@ -303,7 +293,7 @@ def docstring_test(model, tok, picked: list[DocItem], seed: int = 0, max_tokens:
 def copy_probe(model, tok, items: list[DocItem], seed: int = 0, max_tokens: int = 32) -> dict:
     """Whether the model copies a name from the question: each of `items` (training functions, whose real names it
     has memorised) asked "What does {name} do?" under its real name and under a made-up module path
-    (tqbench.demo.conversations.renamed / pseudo_module, seeded); per answer, whether it writes the asked name, and
+    (training.conversations.renamed / pseudo_module, seeded); per answer, whether it writes the asked name, and
     for the made-up ones whether it writes the real name instead (recall rather than copying)."""
     from training.conversations import pseudo_module, renamed
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Measure the shipped demo model on held-out Python and record it in docs/demo-model.json ("eval").
+"""Measure the shipped demo model on held-out Python and record it in results/demo-model.json ("eval").
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python scripts/demo_stats.py
 
@@ -20,35 +20,24 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import dump_json, log
+from tqbench.demo import SHIPPED_DEMO, SHIPPED_SPEC, special_ids
+from tqbench.tokenizer import load_encoding
+from training.corpus import corpus_files, encode_files, is_heldout, stdlib_root
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from tqbench.demo import SHIPPED_DEMO, SHIPPED_SPEC, special_ids  # noqa: E402
-from tqbench.tokenizer import load_encoding  # noqa: E402
-from training.corpus import corpus_files, encode_files, is_heldout, stdlib_root  # noqa: E402
-
-DOCS_JSON = ROOT / "docs" / "demo-model.json"
+RECORD_JSON = ROOT / "results" / "demo-model.json"
 WINDOW = 128  # the training sequence length
 SLICE_WINDOWS = 8
 PROMPTS = ["def fibonacci(n):\n", "def fibonacci(n):", "class Stack:\n    def __init__(self):\n",
            "import os\nimport sys\n\n\ndef main():\n"]
-
-
-def dump_json(obj) -> str:
-    """Indented JSON with lists of numbers kept on one line."""
-    text = json.dumps(obj, indent=2)
-    return re.sub(r"\[\s*([-\d.e, \n]+?)\s*\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text) + "\n"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def heldout_tokens(root: Path | None = None) -> tuple[np.ndarray, list[str]]:
@@ -77,7 +66,7 @@ def round_dict(d: dict, n: int = 4) -> dict:
 
 
 def routing_section(trace: np.ndarray, tokens: np.ndarray) -> dict:
-    """The routing statistics of a held-out trace (`[moe layers, tokens, k]`), for docs/demo-model.json."""
+    """The routing statistics of a held-out trace (`[moe layers, tokens, k]`), for results/demo-model.json."""
     from training.modelstats import routing_summary
 
     moe_ids = [i for i in range(SHIPPED_SPEC.num_hidden_layers) if SHIPPED_SPEC.is_moe(i)]
@@ -101,7 +90,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--limit", type=int, default=None, help="held-out windows to use (default: all); for a quick look")
-    p.add_argument("--out", type=Path, default=DOCS_JSON, help="the JSON document to update")
+    p.add_argument("--out", type=Path, default=RECORD_JSON, help="the JSON document to update")
     p.add_argument("--reuse-trace", action="store_true", help="reuse --work's routing-trace.npy of an earlier run")
     a = p.parse_args(argv)
 
@@ -125,7 +114,6 @@ def main(argv=None) -> None:
 
     floats = sorted(a.work.glob("float-*.safetensors"))
     if floats:
-        sys.path.insert(0, str(ROOT / "scripts"))
         import train_demo
         from train_demo import build_model, load_float
 

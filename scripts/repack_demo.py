@@ -3,7 +3,7 @@
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python scripts/repack_demo.py
     # tqbench/demo/checkpoint in place; prints what changed, compares old and new on held-out windows, and records
-    # both in docs/demo-model.json ("checkpoint": bytes and "repack")
+    # both in results/demo-model.json ("checkpoint": bytes and "repack")
 
 For when the packer's rule changes and the float weights of `scripts/train_demo.py` are gone (they are not shipped):
 every expert matrix is decoded exactly (`unpack_mxfp4`) and packed again (`pack_mxfp4`); every other tensor, the
@@ -22,20 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from benchmarks.harness import dump_json
+from tqbench.demo import SHIPPED_DEMO, TRAINED_SPEC, write_checkpoint
+from tqbench.quant.mxfp4 import pack_mxfp4, unpack_mxfp4
+from tqbench.shards.header import read_header
+from tqbench.tokenizer import read_tiktoken_model
 
-from tqbench.demo import SHIPPED_DEMO, TRAINED_SPEC, write_checkpoint  # noqa: E402
-from tqbench.quant.mxfp4 import pack_mxfp4, unpack_mxfp4  # noqa: E402
-from tqbench.shards.header import read_header  # noqa: E402
-from tqbench.tokenizer import read_tiktoken_model  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def read_tensors(root: Path) -> dict[str, np.ndarray]:
@@ -76,7 +74,8 @@ def main(argv=None) -> None:
     p.add_argument("--src", type=Path, default=SHIPPED_DEMO)
     p.add_argument("--dest", type=Path, default=None, help="default: --src, replaced atomically")
     p.add_argument("--check-windows", type=int, default=128, help="held-out windows to compare on (0: no check)")
-    p.add_argument("--docs", type=Path, default=ROOT / "docs" / "demo-model.json", help="the JSON document to update")
+    p.add_argument("--docs", type=Path, default=ROOT / "results" / "demo-model.json",
+                   help="the JSON document to update")
     p.add_argument("--no-docs", action="store_true")
     a = p.parse_args(argv)
     dest = a.dest or a.src
@@ -131,7 +130,6 @@ def main(argv=None) -> None:
         doc = json.loads(a.docs.read_text())
         doc.setdefault("checkpoint", {})["bytes"] = sum(f.stat().st_size for f in dest.iterdir())
         doc["checkpoint"]["repack"] = record
-        from train_demo import dump_json
 
         a.docs.write_text(dump_json(doc))
         print(f"wrote {a.docs}")

@@ -6,9 +6,9 @@
 
 Two recipes (`--spec`): `code` (default; `tqbench.demo.TRAINED_SPEC`, 64 experts top-4, the standard library's code
 alone, exactly the first demo's run) and `chat` (`tqbench.demo.CHAT_SPEC`, 448 experts top-8, code mixed with
-conversations mined from the standard library by `tqbench.demo.conversations`, --chat-share of the tokens; work
-directory build/demo-train-chat; exported into the package and docs/demo-model.json, the first demo's into its work
-directory and docs/demo-model-v1.json, unless --dest and --docs say otherwise). The recipe is recorded in
+conversations mined from the standard library by `training.conversations`, --chat-share of the tokens; work
+directory build/demo-train-chat; exported into the package and results/demo-model.json, the first demo's into its work
+directory and results/demo-model-v1.json, unless --dest and --docs say otherwise). The recipe is recorded in
 corpus.json by prepare; train and export refuse a different --spec.
 
 Stages, each reading and writing files under --work (default build/demo-train):
@@ -54,37 +54,25 @@ import hashlib
 import json
 import math
 import platform
-import re
 import shutil
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the project's engine, also where it is not installed (the GPU machine)
+from benchmarks.harness import dump_json, log
+from tqbench.demo import DEMO_SPECS, SHIPPED_DEMO, TRAINED_SPEC, source_config, special_ids
+from tqbench.tokenizer import load_encoding, read_tiktoken_model, train_bpe, write_tokenizer
+from training.corpus import corpus_files, encode_files, is_heldout, stdlib_root
 
-from tqbench.demo import DEMO_SPECS, SHIPPED_DEMO, TRAINED_SPEC, source_config, special_ids  # noqa: E402
-from tqbench.tokenizer import load_encoding, read_tiktoken_model, train_bpe, write_tokenizer  # noqa: E402
-from training.corpus import corpus_files, encode_files, is_heldout, stdlib_root  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SPEC = TRAINED_SPEC
-DOCS_JSON = ROOT / "docs" / "demo-model.json"  # the shipped demo's record (the second, chat demo since v4)
-DOCS_V1_JSON = ROOT / "docs" / "demo-model-v1.json"  # the first demo's record, kept for comparison
+RECORD_JSON = ROOT / "results" / "demo-model.json"  # the shipped demo's record (the second, chat demo since v4)
+RECORD_V1_JSON = ROOT / "results" / "demo-model-v1.json"  # the first demo's record, kept for comparison
 FLOAT_SHARD_BYTES = 12 * 2**20  # float weights are saved in pieces below this size
 PACKED_FILE = "experts-mxfp4.safetensors"  # --save-experts bf16: the experts' exact mxfp4 bytes
-
-
-def dump_json(obj) -> str:
-    """Indented JSON with lists of numbers kept on one line."""
-    text = json.dumps(obj, indent=2)
-    return re.sub(r"\[\s*([-\d.e, \n]+?)\s*\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text) + "\n"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ---- prepare --------------------------------------------------------------------------------------------------------
@@ -196,7 +184,7 @@ def prepare_chat(work: Path, root: Path, files: list[str], enc, code_docs: list[
     used = Counter(mixed.kinds)
     info = {
         "source": "ast-mined conversations about the standard library's public modules, functions, classes and "
-                  "methods with docstrings (tqbench.demo.conversations), rendered with the chat template"
+                  "methods with docstrings (training.conversations), rendered with the chat template"
                   + ("; training also on private names and on signature-only items (no docstring: only how to "
                      "call them is asked)" if a.mine in ("wide", "rich") else "")
                   + ("; and on what modules provide, what methods classes have, what functions return and which "
@@ -736,7 +724,7 @@ def export(work: Path, dest: Path, check: bool = True, weights: Path | None = No
     return out
 
 
-def write_docs_training(work: Path, exported: dict | None, docs: Path = DOCS_JSON) -> None:
+def write_docs_training(work: Path, exported: dict | None, docs: Path = RECORD_JSON) -> None:
     """Write the run's training record into `docs`. A `lineage` (the runs a fine-tune started from, added to the
     record by hand) is kept when the record written is the same run's, so exporting again does not lose it."""
     doc = json.loads(docs.read_text()) if docs.exists() else {}
@@ -766,12 +754,12 @@ def write_docs_training(work: Path, exported: dict | None, docs: Path = DOCS_JSO
 # --bias-band 0.5 2. v6: the stdlib's test suites as more code (--code-tests, a 16.5 M-token stream) and the chunked
 # KDA recurrence (0.15 s a step on the H200), 5,683 steps (what --steps 0 --time-budget 1050 fixed there); v5 was
 # --no-code-tests --kda loop --steps 1000.
-CODE_DEFAULTS = {"work": ROOT / "build" / "demo-train", "dest": None, "docs": DOCS_V1_JSON, "steps": 583,
+CODE_DEFAULTS = {"work": ROOT / "build" / "demo-train", "dest": None, "docs": RECORD_V1_JSON, "steps": 583,
                  "save_experts": "float32",
                  "batch": 128, "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [1.0, 1.0], "bias_window": 1,
                  "bias_freeze": 1.0, "chat_share": 0.0, "greetings": 0, "mine": "public", "code_tests": False,
                  "kda": "loop"}
-CHAT_DEFAULTS = {"work": ROOT / "build" / "demo-train-chat", "dest": SHIPPED_DEMO, "docs": DOCS_JSON, "steps": 5683,
+CHAT_DEFAULTS = {"work": ROOT / "build" / "demo-train-chat", "dest": SHIPPED_DEMO, "docs": RECORD_JSON, "steps": 5683,
                  "batch": 64,
                  "save_experts": "bf16",
                  "bias_lr": 1e-2, "bias_schedule": "lr", "bias_band": [0.25, 4.0], "bias_window": 1,
@@ -789,8 +777,8 @@ def main(argv=None) -> None:
     p.add_argument("--dest", type=Path, default=None,
                    help="default: tqbench/demo/checkpoint (chat), <work>/checkpoint (code)")
     p.add_argument("--docs", type=Path, default=None,
-                   help="the JSON document whose \"training\" is written (default: docs/demo-model.json (chat), "
-                        "docs/demo-model-v1.json (code))")
+                   help="the JSON document whose \"training\" is written (default: results/demo-model.json (chat), "
+                        "results/demo-model-v1.json (code))")
     p.add_argument("--weights", type=Path, default=None,
                    help="export: a folder of saved weights inside --work (step-NNNNN, final) instead of the kept ones")
     p.add_argument("--seed", type=int, default=0)
@@ -828,7 +816,7 @@ def main(argv=None) -> None:
     p.add_argument("--greetings", type=int, default=None, help="prepare: small-talk conversations (chat: 400)")
     p.add_argument("--copy-share", type=float, default=0.0,
                    help="prepare (chat): the share of training sessions asked under a made-up module path, so the "
-                        "answer's name must be copied from the question (tqbench.demo.conversations.renamed; every "
+                        "answer's name must be copied from the question (training.conversations.renamed; every "
                         "shipped demo: 0)")
     p.add_argument("--code-tests", action=argparse.BooleanOptionalAction, default=None,
                    help="prepare (chat): also train on the standard library's test suites (about 5 M more code "
@@ -851,13 +839,13 @@ def main(argv=None) -> None:
                    help="windows of the final held-out evaluation (0: the whole split; fewer for a smoke run)")
     p.add_argument("--kda", choices=["loop", "chunked"], default=None,
                    help="train: KDA's recurrence as mlx-lm's per-time-step loop (code; chat up to v5) or tqbench's "
-                        "chunked form (tqbench.demo.delta: the same values; 3.7x faster steps on the H200; chat)")
+                        "chunked form (training.delta: the same values; 3.7x faster steps on the H200; chat)")
     p.add_argument("--kda-chunk", type=int, default=16,
                    help="time steps per chunk of the chunked KDA recurrence (a power of two; the same values up to "
                         "rounding: larger chunks mean fewer, larger operations, 16 for every shipped demo)")
     p.add_argument("--optimizer", choices=["mlx", "flat"], default="mlx",
                    help="mlx: MLX's AdamW per parameter (every shipped demo); flat: the same AdamW and clipping on "
-                        "all parameters as one vector (tqbench.demo.flat_adamw: the same values up to rounding, a "
+                        "all parameters as one vector (training.flat_adamw: the same values up to rounding, a "
                         "few kernels a step instead of ~3,900)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="mx.compile the training step (slow to trace: kimi_k3's KDA loops over time in training)")

@@ -78,7 +78,6 @@ def test_quick_run_writes_consistent_figures(tmp_path):
 
 def test_finish_without_a_b_cold_run_keeps_the_rows_and_skips_the_ratios():
     # `--runs 1,2` has no "B cold" row: the ratios and the projection are that row's, the per-row figures are not
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from k3_gpu import finish
 
     row = dict(label="B cold, 1 worker", stall_s_per_token=0.3, decode_tps=2.5, per_miss_ms={"stall": 9.0})

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "benchmarks")]
 
 
 def test_the_routing_is_k3_shaped_and_carries_a_third_over():

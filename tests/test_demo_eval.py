@@ -3,15 +3,10 @@ within windows, per-domain hot sets and what a profile learned elsewhere serves.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-from demo_eval import (  # noqa: E402
+from demo_eval import (
     copy_probe,
     load_model,
     paired_docstring,

@@ -1,5 +1,5 @@
 """The shipped demo model (trained on the stdlib by scripts/train_demo.py): mlx-lm loads it, it writes Python, its
-experts are exact mxfp4, and the perplexity recorded in docs/demo-model.json is reproduced on held-out text."""
+experts are exact mxfp4, and the perplexity recorded in results/demo-model.json is reproduced on held-out text."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from training.modelstats import perplexity
 
 pytestmark = pytest.mark.slow  # trains/loads the shipped demo and generates with it
 
-DOCS = json.loads((Path(__file__).resolve().parent.parent / "docs" / "demo-model.json").read_text())
+DOCS = json.loads((Path(__file__).resolve().parent.parent / "results" / "demo-model.json").read_text())
 PROMPT = "def fibonacci(n):\n"
 
 

@@ -109,7 +109,7 @@ def test_export_refuses_weights_outside_the_work_folder(td, exported, tmp_path):
 
 
 def test_writing_the_same_runs_record_again_keeps_its_lineage_and_another_runs_drops_it(td, tmp_path):
-    """docs/demo-model.json's `lineage` is added by hand (the runs a fine-tune started from); exporting the same run
+    """results/demo-model.json's `lineage` is added by hand (the runs a fine-tune started from); exporting the same run
     again keeps it, a record of another run does not inherit it."""
     import json
 
