@@ -327,6 +327,10 @@ def test_import_refuses_bad_files_with_one_line(model, tmp_path, capsys, monkeyp
         bad("layers.json", layers): f"made for 6 MoE layers x {E} experts; this model has 7 x {E}",
         bad("counts.json", {**doc, "counts": {"decode": {"1": [1, 2]}, "prefill": {}}}): "layer 1 decode counts",
         bad("negative.json", {**doc, "routings": -5}): "expected a non-negative number",
+        bad("no-model.json", {k: v for k, v in doc.items() if k != "model"}): 'malformed profile: no "model" field',
+        bad("no-top-k.json", {**doc, "model": {k: v for k, v in doc["model"].items() if k != "top_k"}}):
+            'malformed profile: no "model.top_k" field',
+        bad("model-5.json", {**doc, "model": 5}): 'malformed profile: "model" is not an object',
         bad("truncated.json", json.dumps(doc)[:200]): "invalid JSON",
         bad("list.json", [1, 2]): "neither a tqbench profile nor a pin list",
         bad("pins.json", {"pin": [[0, 3]]}): "layer 0 is not one of the model's MoE layers (1..7)",
