@@ -30,7 +30,8 @@ from tqbench.chat.request import ChatRequest, ProfileOptions, StreamRequest
 from tqbench.chat.session import ChatSession
 from tqbench.paths import cache_dir, shipped_profiles
 from tqbench.profile import (DECAY, MATURE, PIN_SHARE, SCHEMA, SHIPPED_PIN_SHARE, Profile, ProfileStore, choose, diff,
-                             hot_set, identify, merge, read_profile)
+                             hot_set, identify, merge, read_profile, summary)
+from tqbench.profile.report import coverage_report, number
 from tqbench.recipe import Recipe
 from tqbench.runtime.chat import ReplyDone, Sampling
 
@@ -325,6 +326,10 @@ def test_import_refuses_bad_files_with_one_line(model, tmp_path, capsys, monkeyp
         bad("layers.json", layers): f"made for 6 MoE layers x {E} experts; this model has 7 x {E}",
         bad("counts.json", {**doc, "counts": {"decode": {"1": [1, 2]}, "prefill": {}}}): "layer 1 decode counts",
         bad("negative.json", {**doc, "routings": -5}): "expected a non-negative number",
+        bad("no-model.json", {k: v for k, v in doc.items() if k != "model"}): 'malformed profile: no "model" field',
+        bad("no-top-k.json", {**doc, "model": {k: v for k, v in doc["model"].items() if k != "top_k"}}):
+            'malformed profile: no "model.top_k" field',
+        bad("model-5.json", {**doc, "model": 5}): 'malformed profile: "model" is not an object',
         bad("truncated.json", json.dumps(doc)[:200]): "invalid JSON",
         bad("list.json", [1, 2]): "neither a tqbench profile nor a pin list",
         bad("pins.json", {"pin": [[0, 3]]}): "layer 0 is not one of the model's MoE layers (1..7)",
@@ -517,12 +522,21 @@ def test_coverage_merge_and_diff_figures():
     assert [a.coverage(1, s) for s in (0.5, 0.8, 0.9, 1.0)] == [1, 2, 3, 4]
     assert hot_set(a, 1) == {0, 1} and hot_set(b, 1) == {2, 1} and hot_set(a, 2) == set()
     d = diff(a, b)
-    one, two = d["layers"]
-    assert (one["common"], one["jaccard"]) == (1, round(1 / 3, 4))
-    assert one["a_covers_b"] == 0.3 and one["b_covers_a"] == 0.4  # b's 30 on {0, 1}; a's 30 + 10 on {1, 2}
-    assert two["jaccard"] == 0.0 and two["a_covers_b"] == 0.0 and two["b_covers_a"] is None
-    assert d["overall"]["jaccard"] == 0.25 and d["overall"]["mean_jaccard"] == round((1 / 3 + 0) / 2, 4)
-    assert diff(a, a)["overall"]["jaccard"] == 1.0
+    one, two = d.layers
+    assert (one.common, one.jaccard) == (1, round(1 / 3, 4))
+    assert one.a_covers_b == 0.3 and one.b_covers_a == 0.4  # b's 30 on {0, 1}; a's 30 + 10 on {1, 2}
+    assert two.jaccard == 0.0 and two.a_covers_b == 0.0 and two.b_covers_a is None
+    assert d.overall.jaccard == 0.25 and d.overall.mean_jaccard == round((1 / 3 + 0) / 2, 4)
+    assert diff(a, a).overall.jaccard == 1.0
+
+    report = coverage_report(summary(a, top=2))  # the rows `tqbench profile show` and the TUI both show
+    assert report.columns == ("layer", "decode", "prefill", "used", "50%", "80%", "90%")
+    one, two, total = report.rows
+    assert (one.label, one.decode, one.experts_used, one.coverage, one.hottest) == ("1", "100", 4, (1, 2, 3),
+                                                                                   "0 50.0%, 1 30.0%")
+    assert two.hottest == "-" and two.coverage == (0, 0, 0) and one.section_end is not two.section_end
+    assert (total.label, total.experts_used, total.coverage, total.hottest) == ("all", 4, (1, 2, 3), "of 16 experts")
+    assert [number(x) for x in (12.5, 1234.0, 150.4, 0.0)] == ["12.5", "1,234", "150", "0"]
 
     c = merge(a, b, 2.0, 0.5)
     np.testing.assert_array_equal(c.decode[1], 2 * a.decode[1] + 0.5 * b.decode[1])
@@ -548,6 +562,9 @@ def test_show_export_merge_diff_reset_commands(model, tmp_path, capsys, monkeypa
     learned = _stored(model)
     r = tqbench(capsys, monkeypatch, "profile", "show", "--model", model, "--json")
     doc = json.loads(r.out)
+    assert list(doc) == ["model", "source", "where", "chat", "mature_at", "warnings", "fingerprint", "geometry",
+                         "routings", "sessions", "decode", "prefill", "coverage", "experts", "layers"]
+    assert list(doc["layers"][0]) == ["layer", "decode", "prefill", "experts_used", "top", "coverage"]
     assert doc["source"] == "learned" and doc["chat"]["source"] == "none" and doc["sessions"] == 1
     assert [x["coverage"]["80"] for x in doc["layers"]] == [learned.coverage(n, 0.8) for n in learned.geometry.layers]
     assert doc["coverage"]["80"] == sum(x["coverage"]["80"] for x in doc["layers"])
@@ -567,7 +584,11 @@ def test_show_export_merge_diff_reset_commands(model, tmp_path, capsys, monkeypa
     assert r.code == 0
     np.testing.assert_allclose(_array(read_profile(tmp_path / "c.json")), 3 * _array(learned), atol=1e-3)
     r = tqbench(capsys, monkeypatch, "profile", "diff", tmp_path / "a.json", tmp_path / "c.json", "--json")
-    assert json.loads(r.out)["overall"]["jaccard"] == 1.0
+    compared = json.loads(r.out)
+    assert list(compared) == ["share", "a", "b", "same_model", "layers", "overall"]
+    assert compared["overall"]["jaccard"] == 1.0
+    assert compared["a"] == {"fingerprint": learned.fingerprint, "routings": round(learned.routings, 3),
+                             "file": str(tmp_path / "a.json")}
     _learn(model, P2, 8)
     _export(model, capsys, monkeypatch, tmp_path / "b.json")
     r = tqbench(capsys, monkeypatch, "profile", "diff", tmp_path / "a.json", tmp_path / "b.json")

@@ -27,6 +27,7 @@ from tqbench.demo import ensure_demo
 from tqbench.layout.names import INDEX_FILE
 from tqbench.paths import cache_dir
 from tqbench.profile import identify, read_file
+from tqbench.profile.report import number
 from tqbench.recipe import Recipe, group_sources, make_plan
 from tqbench.source import open_checkpoint
 from tqbench.state import last_model, remember_model
@@ -37,7 +38,7 @@ from tui.screens.chat import ChatScreen
 from tui.screens.chat_settings import SettingsScreen
 from tui.screens.convert import ConvertScreen
 from tui.screens.help import HelpScreen
-from tui.screens.profile import ProfileScreen, number
+from tui.screens.profile import ProfileScreen
 from tui.screens.recipe import RecipeScreen
 from tui.screens.source import SourceScreen
 from tui.widgets.heat_map import HeatMap
@@ -161,16 +162,16 @@ async def test_source_recipe_convert_chat_profile(tmp_path, monkeypatch):
 
         # ---- Profile: the learned profile of the same model ------------------------------------------------------
         profile = await go(pilot, "h", ProfileScreen)
-        await wait_for(pilot, lambda: profile.doc is not None, "the profile")
+        await wait_for(pilot, lambda: profile.overview is not None, "the profile")
         await settle(pilot)
-        doc = profile.doc
-        assert profile.shown_model.resolve() == dest.resolve() and doc["source"] == "learned"
-        assert doc["routings"] == exported.routings > 0 and doc["sessions"] == 1
+        learned = profile.overview
+        assert profile.shown_model.resolve() == dest.resolve() and learned.source == "learned"
+        assert learned.summary.routings == exported.routings > 0 and learned.summary.sessions == 1
         heat = profile.query_one(HeatMap)
         layers = sorted(counts)
         assert heat.layer_ids == layers and np.array_equal(heat.counts, np.stack([counts[n] for n in layers]))
         shown = screen_text(pilot)
-        assert f"learned: {number(doc['routings'])} routings, 1 session" in shown
+        assert f"learned: {number(learned.summary.routings)} routings, 1 session" in shown
         assert f"{len(layers)} MoE layers x 448 experts, top-8" in shown
 
         await pilot.press("question_mark")

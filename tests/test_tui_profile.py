@@ -214,7 +214,7 @@ async def test_coverage_is_the_engines(demo, tmp_path):
     p = seeded(model, seed=2)
     put(p)
     store = ProfileStore()
-    doc = overview(model, store)  # what `tqbench profile show` prints
+    shown = overview(model, store).summary  # what `tqbench profile show` prints
     store.close()
     app = TqbenchApp(src)
     async with app.run_test(size=SIZE) as pilot:
@@ -223,11 +223,11 @@ async def test_coverage_is_the_engines(demo, tmp_path):
         header = [str(c.label) for c in table.columns.values()]
         assert header[4:7] == ["50%", "80%", "90%"]
         rows = table_rows(table)
-        for row, layer, n in zip(rows, doc["layers"], p.geometry.layers):
-            assert row[0] == str(n) and row[3] == str(layer["experts_used"])
-            assert row[4:7] == [str(layer["coverage"][k]) for k in ("50", "80", "90")]
+        for row, layer, n in zip(rows, shown.layers, p.geometry.layers):
+            assert row[0] == str(n) and row[3] == str(layer.experts_used)
+            assert row[4:7] == [str(c.experts) for c in layer.coverage]
             assert row[4:7] == [str(p.coverage(n, s)) for s in (0.5, 0.8, 0.9)]
-        assert rows[-1][0] == "all" and rows[-1][4:7] == [str(doc["coverage"][k]) for k in ("50", "80", "90")]
+        assert rows[-1][0] == "all" and rows[-1][4:7] == [str(c.experts) for c in shown.coverage]
 
 
 # ---- export and import -----------------------------------------------------------------------------------------------

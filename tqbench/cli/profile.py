@@ -1,8 +1,9 @@
 """`tqbench profile`: look at, share and reset the hot-expert profiles chat sessions learn (tqbench.profile).
 
 Registered in main.py with `app.add_typer(profile_app, name="profile")`. Everything computed here comes from the
-engine (tqbench.profile: overview, merge, diff); this module only renders it: rich tables on a terminal, plain lines
-when piped, `--json` on stdout, one-line errors.
+engine (tqbench.profile: overview, merge, diff; counts and the coverage table as text from tqbench.profile.report, as
+the TUI shows them); this module only renders it: rich tables on a terminal, plain lines when piped, `--json` on
+stdout, one-line errors.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -20,6 +21,9 @@ from rich.text import Text
 
 from tqbench.cli.render import show
 from tqbench.errors import TqbenchError
+
+if TYPE_CHECKING:
+    from tqbench.profile import Overview, ProfileDiff, ProfileStore
 
 profile_app = typer.Typer(
     name="profile",
@@ -64,14 +68,10 @@ def _model(model: Path | None) -> Path:
                        "converts the demo)")
 
 
-def _store():
+def _store() -> ProfileStore:
     from tqbench.profile import ProfileStore
 
     return ProfileStore()
-
-
-def _n(x: float) -> str:
-    return f"{x:,.0f}" if abs(x - round(x)) < 1e-6 or abs(x) >= 100 else f"{x:,.1f}"
 
 
 @profile_app.command("show")
@@ -94,61 +94,57 @@ def show_cmd(
         path = _model(model)
         store = _store()
         try:
-            doc = overview(path, store, file, force, top)
+            ov = overview(path, store, file, force, top)
         finally:
             store.close()
     if as_json:
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(ov.to_dict(), indent=2))
         return
-    show(_out, *overview_renderables(doc))
+    show(_out, *overview_renderables(ov))
 
 
-def overview_renderables(doc: dict) -> list:
-    g = doc["geometry"]
-    head = [Text.assemble(("model    ", "bold"), f"{doc['model']} ({g['model_type']}: {len(g['layers'])} MoE layers x "
-                                                  f"{g['experts']} experts, top-{g['top_k']}; fingerprint "
-                                                  f"{doc['fingerprint']})")]
-    src = doc["source"]
-    if src == "none":
+def overview_renderables(ov: Overview) -> list:
+    from tqbench.profile.report import number, shape
+
+    s = ov.summary
+    head = [Text.assemble(("model    ", "bold"), f"{ov.model} ({shape(s.geometry)}; fingerprint {s.fingerprint})")]
+    if ov.source == "none":
         head.append(Text.assemble(("profile  ", "bold"), "none yet: chat sessions learn one (unless --no-learn)"))
     else:
-        where = {"learned": f"learned ({doc['where']})", "shipped": f"shipped ({doc['where']})",
-                 "file": f"file {doc['where']}"}[src]
-        sessions = f", {doc['sessions']} session{'s' if doc['sessions'] != 1 else ''}" if src == "learned" else ""
-        head.append(Text.assemble(("profile  ", "bold"), f"{where}: {_n(doc['routings'])} routings (decode "
-                                                         f"{_n(doc['decode'])}, prefill {_n(doc['prefill'])}){sessions}"))
-    head.append(Text.assemble(("chat     ", "bold"), _chat_line(doc)))
-    if src == "none":
+        where = {"learned": f"learned ({ov.where})", "shipped": f"shipped ({ov.where})",
+                 "file": f"file {ov.where}"}[ov.source]
+        sessions = f", {s.sessions} session{'s' if s.sessions != 1 else ''}" if ov.source == "learned" else ""
+        head.append(Text.assemble(("profile  ", "bold"), f"{where}: {number(s.routings)} routings (decode "
+                                                         f"{number(s.decode)}, prefill {number(s.prefill)}){sessions}"))
+    head.append(Text.assemble(("chat     ", "bold"), _chat_line(ov)))
+    if ov.source == "none":
         return head
-    return head + [coverage_table(doc)]
+    return head + [coverage_table(ov)]
 
 
-def _chat_line(doc: dict) -> str:
-    chat = doc["chat"]
-    first = {"learned": "starts from the learned profile", "shipped": f"starts from the shipped profile "
-                                                                     f"({chat['where']})",
-             "none": "starts cold (no profile)"}[chat["source"]]
-    if chat["source"] != "learned" and doc["source"] == "learned":
-        first += (f"; the learned profile takes over at {doc['mature_at']:,} routings ({_n(doc['routings'])} so "
+def _chat_line(ov: Overview) -> str:
+    from tqbench.profile.report import CHAT_STARTS, number
+
+    chat = ov.chat
+    first = CHAT_STARTS[chat.source] + (f" ({chat.where})" if chat.source == "shipped" else "")
+    if chat.source != "learned" and ov.source == "learned":
+        first += (f"; the learned profile takes over at {ov.mature_at:,} routings ({number(ov.summary.routings)} so "
                   "far)")
     return first
 
 
-def coverage_table(doc: dict) -> Table:
-    keys = list(doc["coverage"])
-    t = Table(title=f"per layer: experts needed to cover {'/'.join(keys)}% of the routings (decode + "
+def coverage_table(ov: Overview) -> Table:
+    from tqbench.profile.report import coverage_report
+
+    report = coverage_report(ov.summary)
+    t = Table(title=f"per layer: experts needed to cover {'/'.join(report.shares)}% of the routings (decode + "
                     f"prefill), and the hottest experts with their share", title_justify="left")
-    for c in ("layer", "decode", "prefill", "used", *[f"{k}%" for k in keys]):
+    for c in report.columns:
         t.add_column(c, justify="right")
     t.add_column("hottest experts (share)", overflow="fold")
-    for x in doc["layers"]:
-        t.add_row(str(x["layer"]), _n(x["decode"]), _n(x["prefill"]), str(x["experts_used"]),
-                  *[str(x["coverage"][k]) for k in keys],
-                  ", ".join(f"{e} {s:.1%}" for e, s in x["top"]) or "-",
-                  end_section=x is doc["layers"][-1])
-    experts = doc["experts"]
-    t.add_row("all", _n(doc["decode"]), _n(doc["prefill"]), str(sum(x["experts_used"] for x in doc["layers"])),
-              *[str(doc["coverage"][k]) for k in keys], f"of {experts:,} experts")
+    for r in report.rows:
+        t.add_row(r.label, r.decode, r.prefill, str(r.experts_used), *map(str, r.coverage), r.hottest,
+                  end_section=r.section_end)
     return t
 
 
@@ -163,6 +159,7 @@ def export_cmd(
     JSON, schema tqbench.profile/1: the model's fingerprint and geometry, routings, per-layer decode and prefill
     counts and a ranked pin list. `import` and `chat --profile` read it."""
     from tqbench.profile import export_learned
+    from tqbench.profile.report import number
 
     with _one_line_errors():
         path = _model(model)
@@ -174,7 +171,7 @@ def export_cmd(
         if output is None:
             sys.stdout.write(p.to_text())
             return
-    print(f"wrote {output}: the learned profile of {path} ({_n(p.routings)} routings, {p.sessions} "
+    print(f"wrote {output}: the learned profile of {path} ({number(p.routings)} routings, {p.sessions} "
           f"session{'s' if p.sessions != 1 else ''}, {len(p.ranked())} ranked pins)", file=sys.stderr)
 
 
@@ -191,6 +188,7 @@ def import_cmd(
     FILE is validated against the model first: another schema, another geometry, or another model's fingerprint is
     refused with one line (--force accepts the last when the layers and experts match)."""
     from tqbench.profile import MATURE, import_file
+    from tqbench.profile.report import number
 
     with _one_line_errors():
         path = _model(model)
@@ -204,8 +202,8 @@ def import_cmd(
     forced = f" (made for fingerprint {made_for}; --force)" if made_for not in (None, fp) else ""
     when = ("chat starts from it" if p.routings >= MATURE else
             f"chat starts from it once it has {MATURE:,} routings (until then `chat --profile {file}` does)")
-    print(f"imported {file} as the learned profile of {path} (fingerprint {fp}){forced}: {_n(p.routings)} routings, "
-          f"replacing {_n(old.routings)}; {when}", file=sys.stderr)
+    print(f"imported {file} as the learned profile of {path} (fingerprint {fp}){forced}: {number(p.routings)} "
+          f"routings, replacing {number(old.routings)}; {when}", file=sys.stderr)
 
 
 def _fingerprint_in(file: Path) -> str | None:
@@ -231,13 +229,14 @@ def merge_cmd(
     Counts and routings are weighted and summed, pins ranked again; both must have the same layers and experts."""
     from tqbench.convert.journal import write_atomic
     from tqbench.profile import merge, read_profile
+    from tqbench.profile.report import number
 
     with _one_line_errors():
         pa, pb = read_profile(a), read_profile(b)
         c = merge(pa, pb, weight_a, weight_b, force, (str(a), str(b)))
         write_atomic(output, c.to_text().encode())
-    print(f"wrote {output}: {weight_a:g} x {a} ({_n(pa.routings)} routings) + {weight_b:g} x {b} "
-          f"({_n(pb.routings)}) = {_n(c.routings)} routings", file=sys.stderr)
+    print(f"wrote {output}: {weight_a:g} x {a} ({number(pa.routings)} routings) + {weight_b:g} x {b} "
+          f"({number(pb.routings)}) = {number(c.routings)} routings", file=sys.stderr)
 
 
 @profile_app.command("diff")
@@ -256,35 +255,37 @@ def diff_cmd(
 
     with _one_line_errors():
         pa, pb = read_profile(a), read_profile(b)
-        doc = diff(pa, pb, share, (str(a), str(b)))
-    doc["a"]["file"], doc["b"]["file"] = str(a), str(b)
+        comparison = diff(pa, pb, share, (str(a), str(b)))
     if as_json:
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(comparison.to_dict(), indent=2))
         return
-    show(_out, *diff_renderables(doc))
+    show(_out, *diff_renderables(comparison))
 
 
-def diff_renderables(doc: dict) -> list:
-    pct = f"{doc['share']:.0%}"
-    head = [Text.assemble((f"{k}  ", "bold"), f"{doc[k.lower()]['file']} ({_n(doc[k.lower()]['routings'])} routings, "
-                                               f"fingerprint {doc[k.lower()]['fingerprint']})") for k in ("A", "B")]
-    if not doc["same_model"]:
+def diff_renderables(comparison: ProfileDiff) -> list:
+    from tqbench.profile.report import number
+
+    sides = (("A", comparison.a), ("B", comparison.b))
+    head = [Text.assemble((f"{k}  ", "bold"), f"{side.name} ({number(side.routings)} routings, fingerprint "
+                                               f"{side.fingerprint})") for k, side in sides]
+    if not comparison.same_model:
         head.append(Text("the profiles were made for different models (of the same geometry)", style="yellow"))
-    t = Table(title=f"per layer: hot sets (experts covering {pct} of the routings)", title_justify="left")
+    t = Table(title=f"per layer: hot sets (experts covering {comparison.share:.0%} of the routings)",
+              title_justify="left")
     for c in ("layer", "hot A", "hot B", "common", "Jaccard", "A serves B", "B serves A"):
         t.add_column(c, justify="right")
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    for x in doc["layers"]:
-        t.add_row(str(x["layer"]), str(x["hot_a"]), str(x["hot_b"]), str(x["common"]), f(x["jaccard"], ".2f"),
-                  f(x["a_covers_b"], ".1%"), f(x["b_covers_a"], ".1%"), end_section=x is doc["layers"][-1])
-    o = doc["overall"]
-    t.add_row("all", str(o["hot_a"]), str(o["hot_b"]), str(o["common"]), f(o["jaccard"], ".2f"),
-              f(o["a_covers_b"], ".1%"), f(o["b_covers_a"], ".1%"))
+    for x in comparison.layers:
+        t.add_row(str(x.layer), str(x.hot_a), str(x.hot_b), str(x.common), f(x.jaccard, ".2f"),
+                  f(x.a_covers_b, ".1%"), f(x.b_covers_a, ".1%"), end_section=x is comparison.layers[-1])
+    o = comparison.overall
+    t.add_row("all", str(o.hot_a), str(o.hot_b), str(o.common), f(o.jaccard, ".2f"), f(o.a_covers_b, ".1%"),
+              f(o.b_covers_a, ".1%"))
     t.caption = (f"Jaccard: common / either, per layer and over all (layer, expert) pairs (mean of the layers' "
-                 f"{f(o['mean_jaccard'], '.2f')}); A serves B: the share of B's routings on A's hot experts")
+                 f"{f(o.mean_jaccard, '.2f')}); A serves B: the share of B's routings on A's hot experts")
     return head + [t]
 
 
@@ -294,6 +295,7 @@ def reset_cmd(model: ModelOpt = None) -> None:
 
     Shipped profiles and exported files are untouched."""
     from tqbench.profile import identify
+    from tqbench.profile.report import number
 
     with _one_line_errors():
         path = _model(model)
@@ -305,7 +307,7 @@ def reset_cmd(model: ModelOpt = None) -> None:
         finally:
             store.close()
     if gone:
-        print(f"forgot the learned profile of {path} (fingerprint {fp}, {_n(old.routings)} routings)",
+        print(f"forgot the learned profile of {path} (fingerprint {fp}, {number(old.routings)} routings)",
               file=sys.stderr)
     else:
         print(f"no learned profile for {path} (fingerprint {fp}): nothing to forget", file=sys.stderr)

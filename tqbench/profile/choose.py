@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tqbench.profile.fingerprint import Geometry, fingerprint, geometry
 from tqbench.profile.profile import MATURE, Profile, ProfileError, check_fits, from_dict, from_seed_files
 from tqbench.profile.store import ProfileStore
+
+if TYPE_CHECKING:
+    from tqbench.stream.store import ExpertStore
 
 SHIPPED_NAMES = ("tqbench-profile.json", "hot_experts.json")  # looked for in a model directory
 
@@ -25,7 +28,7 @@ class Choice:
     geometry: Geometry
 
 
-def identify(model: str | Path, experts: Any = None) -> tuple[str, Geometry]:
+def identify(model: str | Path, experts: ExpertStore | None = None) -> tuple[str, Geometry]:
     """A model directory's fingerprint and geometry. Raises a one-line TqbenchError for a directory that is no model
     with streamable routed experts."""
     try:
@@ -73,7 +76,7 @@ def read_file(file: str | Path, fp: str, geo: Geometry, force: bool = False, see
 
 
 def choose(model: str | Path, file: str | Path | None = None, force: bool = False,
-           store: ProfileStore | None = None, mature: int | None = None, experts: Any = None,
+           store: ProfileStore | None = None, mature: int | None = None, experts: ExpertStore | None = None,
            cold: bool = False) -> Choice:
     """`experts`: the model's tqbench.stream.ExpertStore when the caller has one open (not read again). `cold`:
     no profile whatever exists (a baseline for comparisons)."""

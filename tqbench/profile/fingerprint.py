@@ -11,7 +11,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tqbench.stream.store import ExpertStore
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ ROUTER_SUFFIXES = (".gate.weight", ".gate.e_score_correction_bias")  # a MoE blo
 ROUTER_SAMPLE = 4096  # bytes read from the start of each router tensor
 
 
-def fingerprint(path: str | Path, store: Any = None) -> str:
+def fingerprint(path: str | Path, store: ExpertStore | None = None) -> str:
     """sha256 (first 16 hex digits) of the config, the expert layout, the tensor table (headers) and the first
     ROUTER_SAMPLE bytes of every router tensor (a few small reads, whatever the model's size)."""
     from tqbench.shards.header import read_header
@@ -66,7 +69,7 @@ def fingerprint(path: str | Path, store: Any = None) -> str:
     return h.hexdigest()[:16]
 
 
-def _open(root: Path) -> Any:
+def _open(root: Path) -> ExpertStore:
     """The model's expert layout (headers or expert_map.json only; no file stays open)."""
     from tqbench.stream.store import ExpertStore
 
@@ -75,7 +78,7 @@ def _open(root: Path) -> Any:
     return store
 
 
-def geometry(path: str | Path, store: Any = None) -> Geometry:
+def geometry(path: str | Path, store: ExpertStore | None = None) -> Geometry:
     from tqbench.source.config import parse_config
 
     root = Path(path)

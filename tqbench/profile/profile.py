@@ -116,12 +116,24 @@ def from_dict(doc: Any, where: str) -> Profile:
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
         raise ProfileError(f"not a tqbench profile (schema {found!r}, expected {SCHEMA!r})", where)
+
+    def field(*keys: str) -> Any:
+        """doc[keys[0]][keys[1]]...; a missing one is named: `no "model.top_k" field`."""
+        value = doc
+        for i, key in enumerate(keys):
+            if not isinstance(value, dict):
+                raise ProfileError(f'malformed profile: "{".".join(keys[:i])}" is not an object', where)
+            if key not in value:
+                raise ProfileError(f'malformed profile: no "{".".join(keys[:i + 1])}" field', where)
+            value = value[key]
+        return value
+
     try:
-        m = doc["model"]
-        geo = Geometry(str(m["model_type"]), tuple(int(n) for n in m["layers"]), int(m["experts"]), int(m["top_k"]))
-        p = Profile.empty(str(doc["fingerprint"]), geo)
+        geo = Geometry(str(field("model", "model_type")), tuple(int(n) for n in field("model", "layers")),
+                       int(field("model", "experts")), int(field("model", "top_k")))
+        p = Profile.empty(str(field("fingerprint")), geo)
         for kind in ("decode", "prefill"):
-            for key, values in doc["counts"][kind].items():
+            for key, values in field("counts", kind).items():
                 n = int(key)
                 if n not in p.decode:
                     raise ProfileError(f"counts for layer {n}, which the profile's model has no MoE layer", where)
@@ -129,11 +141,11 @@ def from_dict(doc: Any, where: str) -> Profile:
                 if a.shape != (geo.experts,) or not np.all(np.isfinite(a)) or (a < 0).any():
                     raise ProfileError(f"layer {n} {kind} counts: expected {geo.experts} non-negative numbers", where)
                 getattr(p, kind)[n] = a
-        p.routings = float(doc["routings"])
+        p.routings = float(field("routings"))
         if not np.isfinite(p.routings) or p.routings < 0:
             raise ProfileError(f"routings {doc['routings']!r}: expected a non-negative number", where)
         p.sessions = int(doc.get("sessions", 0))
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
+    except (AttributeError, TypeError, ValueError) as e:
         raise ProfileError(f"malformed profile ({type(e).__name__}: {e})", where) from None
     return p
 

@@ -8,8 +8,9 @@ each time the screen is shown: chat sessions keep learning."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from textual import on, work
@@ -26,15 +27,15 @@ from tui.screens.open import OpenScreen
 from tui.state import display_path
 from tui.widgets.heat_map import RAMP, HeatMap
 
+if TYPE_CHECKING:
+    from tqbench.profile import Overview, Profile
+
+HOTTEST_SHOWN = 3  # hottest experts per layer in the coverage table (it fits 80 columns)
+
 
 def one_line(e: TqbenchError) -> str:
     """The engine's one-line error, its path as the screen shows paths."""
     return f"{display_path(Path(e.path))}: {e.message}" if e.path else e.message
-
-
-def number(x: float) -> str:
-    """Counts are decayed, so not always whole: 1,234 or 12.5."""
-    return f"{x:,.0f}" if abs(x - round(x)) < 1e-6 or abs(x) >= 100 else f"{x:,.1f}"
 
 
 class ProfileScreen(Screen):
@@ -60,8 +61,8 @@ class ProfileScreen(Screen):
         super().__init__()
         self.model: Path | None = None  # None: the Chat screen's default model
         self.file: Path | None = None  # a profile file shown instead of the model's own profile
-        self.doc: dict[str, Any] | None = None  # tqbench.profile.overview's document of what is shown
-        self.profile = None  # its tqbench.profile.Profile
+        self.overview: Overview | None = None  # tqbench.profile.overview's record of what is shown
+        self.profile: Profile | None = None  # the profile it describes
         self.shown_model: Path | None = None  # the model it was read for (None: a file on its own)
         self.error: str | None = None
         self._load_id = 0
@@ -105,26 +106,26 @@ class ProfileScreen(Screen):
                 self.app.call_from_thread(self._show, load_id, None, None, None)
                 return
             if model is None:
-                doc, p = overview_file(file)
+                shown, p = overview_file(file, HOTTEST_SHOWN)
             else:
                 store = ProfileStore()
                 try:
-                    doc, p = overview_profile(model, store, file)
+                    shown, p = overview_profile(model, store, file, top=HOTTEST_SHOWN)
                 except ProfileError as e:
                     if file is None:
                         raise
                     try:  # another model's file: shown on its own
-                        doc, p = overview_file(file)
+                        shown, p = overview_file(file, HOTTEST_SHOWN)
                     except TqbenchError:
                         raise e from None
-                    doc["warnings"].append(f"not for this model ({e}): shown on its own")
+                    shown = replace(shown, warnings=(*shown.warnings, f"not for this model ({e}): shown on its own"))
                     model = None
                 finally:
                     store.close()
         except TqbenchError as e:
             self.app.call_from_thread(self._fail, load_id, one_line(e))
             return
-        self.app.call_from_thread(self._show, load_id, model, doc, p)
+        self.app.call_from_thread(self._show, load_id, model, shown, p)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """Anything else a worker raised (a locked store, a bug) is one line too."""
@@ -138,65 +139,60 @@ class ProfileScreen(Screen):
             self.refresh_bindings()
             self._set_error(text)
 
-    def _show(self, load_id: int, model: Path | None, doc: dict | None, profile: Any) -> None:
+    def _show(self, load_id: int, model: Path | None, overview: Overview | None, profile: Profile | None) -> None:
         if load_id != self._load_id:
             return
         self._shown_paths = (self.model, self.file)
-        self.doc, self.profile, self.shown_model = doc, profile, model
-        self.query_one("#profile-body").display = doc is not None
+        self.overview, self.profile, self.shown_model = overview, profile, model
+        self.query_one("#profile-body").display = overview is not None
         empty = self.query_one("#profile-empty", Static)
-        empty.display = doc is None
-        self.query_one("#profile-info").display = doc is not None
+        empty.display = overview is None
+        self.query_one("#profile-info").display = overview is not None
         self.refresh_bindings()
-        if doc is None:
+        if overview is None:
             empty.update("No converted model yet: the Chat screen (t) converts the demo, the Convert screen (c) "
                          "converts a checkpoint. Or press o to open a model directory or a profile file.")
             return
-        shown = doc["where"] if doc["source"] == "file" else doc["model"]
+        shown = overview.where if overview.source == "file" else overview.model
         self.sub_title = f"Profile: {display_path(Path(shown))}"
-        self.query_one("#profile-info", Static).update(Content("\n".join(self._info_lines(doc))))
+        self.query_one("#profile-info", Static).update(Content("\n".join(self._info_lines(overview))))
         counts = profile.counts()
         layers = list(profile.geometry.layers)
         heat = self.query_one(HeatMap)
         heat.show(layers, np.stack([counts[n] for n in layers]) if layers else np.zeros((0, 0)))
-        self._fill_table(doc)
+        self._fill_table(overview)
         if self.focused is None:
             heat.focus()
 
-    def _info_lines(self, doc: dict) -> list[str]:
-        g = doc["geometry"]
-        shape = f"{g['model_type']}: {len(g['layers'])} MoE layers x {g['experts']} experts, top-{g['top_k']}"
-        routings = f"{number(doc['routings'])} routings"
-        source, where = doc["source"], doc["where"]
-        if source == "learned":
-            sessions = doc["sessions"]
-            mature = doc["mature_at"]
-            maturity = (f"mature (from {mature:,})" if doc["routings"] >= mature else
-                        f"mature at {mature:,} ({doc['routings'] / mature:.0%} there)")
-            line = f"learned: {routings}, {sessions} session{'s' if sessions != 1 else ''}; {maturity}"
-        elif source == "none":
+    def _info_lines(self, overview: Overview) -> list[str]:
+        from tqbench.profile.report import CHAT_STARTS, number, shape
+
+        s = overview.summary
+        routings = f"{number(s.routings)} routings"
+        if overview.source == "learned":
+            mature = overview.mature_at
+            maturity = (f"mature (from {mature:,})" if s.routings >= mature else
+                        f"mature at {mature:,} ({s.routings / mature:.0%} there)")
+            line = f"learned: {routings}, {s.sessions} session{'s' if s.sessions != 1 else ''}; {maturity}"
+        elif overview.source == "none":
             line = "none yet: chat sessions learn one"
         else:
-            line = f"{source} {display_path(Path(where))}: {routings}"
-        chat = doc["chat"]
-        chat_line = ("-" if chat is None else {"learned": "starts from the learned profile",
-                                                "shipped": "starts from the shipped profile",
-                                                "none": "starts cold (no profile)"}[chat["source"]])
-        model = f"{shape} [{doc['fingerprint']}]" if doc["model"] else f"none: the file on its own ({shape})"
+            line = f"{overview.source} {display_path(Path(overview.where))}: {routings}"
+        chat_line = "-" if overview.chat is None else CHAT_STARTS[overview.chat.source]
+        model = (f"{shape(s.geometry)} [{s.fingerprint}]" if overview.model else
+                 f"none: the file on its own ({shape(s.geometry)})")
         lines = [f"model    {model}", f"profile  {line}", f"chat     {chat_line}"]
-        return lines + [f"warning  {w}" for w in doc["warnings"]]
+        return lines + [f"warning  {w}" for w in overview.warnings]
 
-    def _fill_table(self, doc: dict) -> None:
+    def _fill_table(self, overview: Overview) -> None:
+        from tqbench.profile.report import coverage_report
+
         table = self.query_one("#coverage", DataTable)
         table.clear(columns=True)
-        keys = list(doc["coverage"])
-        names = ["layer", "decode", "prefill", "used", *[f"{k}%" for k in keys], "hottest (share)"]
-        rows = [[str(x["layer"]), number(x["decode"]), number(x["prefill"]), f"{x['experts_used']:,}",
-                 *[f"{x['coverage'][k]:,}" for k in keys], ", ".join(f"{e} {s:.1%}" for e, s in x["top"][:3]) or "-"]
-                for x in doc["layers"]]
-        rows.append(["all", number(doc["decode"]), number(doc["prefill"]),  # counts with separators, as decode's
-                     f"{sum(x['experts_used'] for x in doc['layers']):,}",
-                     *[f"{doc['coverage'][k]:,}" for k in keys], f"of {doc['experts']:,} experts"])
+        report = coverage_report(overview.summary)
+        names = [*report.columns, "hottest (share)"]
+        rows = [[r.label, r.decode, r.prefill, f"{r.experts_used:,}", *(f"{c:,}" for c in r.coverage), r.hottest]
+                for r in report.rows]
         # Widths fixed from the contents (what DataTable's automatic width gives): an automatic width is updated after
         # the rows arrive, and a row drawn before that kept a cell cut to its header's width on a loaded machine.
         for i, name in enumerate(names):
@@ -206,6 +202,8 @@ class ProfileScreen(Screen):
 
     @on(HeatMap.Moved)
     def _cell_moved(self) -> None:
+        from tqbench.profile.report import number
+
         heat = self.query_one(HeatMap)
         line = self.query_one("#heat-cell", Static)
         if not heat.layer_ids:
@@ -288,6 +286,7 @@ class ProfileScreen(Screen):
     @work(thread=True, group="share", exit_on_error=False, description="export the profile")
     def _export(self, model: Path, dest: Path) -> None:
         from tqbench.profile import ProfileStore, export_learned
+        from tqbench.profile.report import number
 
         try:
             store = ProfileStore()
@@ -319,6 +318,7 @@ class ProfileScreen(Screen):
     @work(thread=True, group="share", exit_on_error=False, description="import a profile")
     def _import(self, model: Path, file: Path) -> None:
         from tqbench.profile import ProfileStore, import_file
+        from tqbench.profile.report import number
 
         try:
             store = ProfileStore()

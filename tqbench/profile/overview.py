@@ -1,0 +1,73 @@
+"""What `tqbench profile show` (and the TUI's Profile screen) reports about a model's profiles: the profile shown, where
+it comes from, its summary, and what a chat without --profile starts from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqbench.profile.choose import choose, identify, read_file, read_profile
+from tqbench.profile.profile import MATURE, Profile
+from tqbench.profile.store import ProfileStore
+from tqbench.profile.summary import ProfileSummary, summary
+
+
+@dataclass(frozen=True)
+class ChatStart:
+    """The profile a chat without --profile starts from."""
+
+    source: str  # "learned", "shipped", "none"
+    where: str | None  # the store or file it comes from
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "where": self.where}
+
+
+@dataclass(frozen=True)
+class Overview:
+    model: str | None  # None: a profile file shown on its own
+    source: str  # of the profile shown: "file", "learned", "shipped", "none"
+    where: str | None  # the file or store it comes from
+    chat: ChatStart | None  # None without a model
+    mature_at: int  # routings before a learned profile is used over a shipped one
+    warnings: tuple[str, ...]  # e.g. an unreadable store entry
+    summary: ProfileSummary  # of the profile shown (an empty one when there is none)
+
+    def to_dict(self) -> dict:
+        """`tqbench profile show --json`: these keys, then the summary's."""
+        return {"model": self.model, "source": self.source, "where": self.where,
+                "chat": None if self.chat is None else self.chat.to_dict(), "mature_at": self.mature_at,
+                "warnings": list(self.warnings), **self.summary.to_dict()}
+
+
+def overview(model: str | Path, store: ProfileStore, file: str | Path | None = None, force: bool = False,
+             top: int = 8) -> Overview:
+    """What `tqbench profile show` reports for a model: the profile shown (`file` if given, else the learned one if
+    it has any routings, else what a chat would start from), and what a chat without --profile starts from."""
+    return overview_profile(model, store, file, force, top)[0]
+
+
+def overview_profile(model: str | Path, store: ProfileStore, file: str | Path | None = None, force: bool = False,
+                     top: int = 8) -> tuple[Overview, Profile]:
+    """`overview`, and the profile it describes (an empty one when there is none)."""
+    fp, geo = identify(model)
+    chat = choose(model, store=store)
+    if file is not None:
+        p, source, where = read_file(file, fp, geo, force), "file", str(file)
+    else:
+        learned = store.load(fp, geo)
+        if learned.routings > 0:
+            p, source, where = learned, "learned", str(store.directory)
+        else:
+            p, source, where = chat.profile, chat.source, chat.where
+    if p is None:
+        p = Profile.empty(fp, geo)
+    return Overview(str(model), source, where, ChatStart(chat.source, chat.where), MATURE, tuple(store.warnings),
+                    summary(p, top)), p
+
+
+def overview_file(file: str | Path, top: int = 8) -> tuple[Overview, Profile]:
+    """A profile file of ours on its own, no model to check it against: `overview`'s record (model and chat None)
+    and the profile."""
+    p = read_profile(file)
+    return Overview(None, "file", str(file), None, MATURE, (), summary(p, top)), p
