@@ -22,11 +22,12 @@ from tqbench import units
 from tqbench.convert import destination_status, layout
 from tqbench.layout.names import REPORT
 from tqbench.demo import DemoSpec, write_source
+from tqbench.destination import default_dest
 from tqbench.events import ConvertFinished, ShardWritten, UnitConverted
 from tqbench.recipe import Recipe
 from tui.app import TqbenchApp
 from tui.screens.confirm import ConfirmScreen
-from tui.screens.convert import ConvertScreen, default_dest
+from tui.screens.convert import ConvertScreen
 from tui.widgets.layer_table import LayerTable
 
 SIZE = (80, 24)
@@ -241,7 +242,7 @@ async def test_cancel_leaves_a_resumable_output_and_reopening_resumes_it(src, di
         await pilot.press("r")
         await wait_for(pilot, lambda: screen.shards_done == 1, "the first shard")
         await pilot.press("x")
-        assert screen._stopping and "stopping" in status_text(screen)
+        assert screen.run.stopping and "stopping" in status_text(screen)
         gate.set()  # the engine converts one more unit, sees the stop and closes the generator
         await settle(pilot)
         assert not screen.running
@@ -413,7 +414,8 @@ async def test_ctrl_u_then_typing_at_once_replaces_the_shard_size(src):
         burst(pilot, "ctrl+u", *str(SHARD), "enter")
         await settle(pilot)
         assert field.value == str(SHARD)
-        assert status_text(screen).startswith(f"new output: {len(layout(src, Recipe.parse(RECIPE), SHARD).files)} shards")
+        shards = len(layout(src, Recipe.parse(RECIPE), SHARD).files)
+        assert status_text(screen).startswith(f"new output: {shards} shards")
 
 
 @pytest.mark.slow
