@@ -8,9 +8,10 @@ ConvertStarted, latest UnitConverted, shards written and ConvertFinished.
 
 What the destination allows is the engine's (tqbench.destination): a new output or a resumable one starts with `r`;
 a conflict (another recipe or source) or a complete output only with `f`, after a confirmation; files that are no
-conversion never. Cancel (`x` / escape) stops a run after the unit in progress: the output keeps only whole shards
-and resumes later. Reopening the screen or coming back to it checks the destination again and offers to resume
-(`r`).
+conversion never. `r` pressed while the output is being checked starts the run when the check ends, if the
+destination allows it (`x` drops it). Cancel (`x` / escape) stops a run after the unit in progress: the output keeps
+only whole shards and resumes later. Reopening the screen or coming back to it checks the destination again and
+offers to resume (`r`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class ConvertScreen(Screen):
         self.status = None  # tqbench.convert.DestinationStatus
         self._input_error: str | None = None
         self._check_timer = None
+        self._start_queued = False  # r was pressed while the output was being checked
         # the last run
         self.started = None  # tqbench.events.ConvertStarted
         self.finished_event = None  # tqbench.events.ConvertFinished
@@ -102,7 +104,8 @@ class ConvertScreen(Screen):
 
     @property
     def checking(self) -> bool:
-        return self.check.busy
+        """The output is being checked, or was typed and is checked once typing pauses."""
+        return self.check.busy or self._check_timer is not None
 
     @property
     def form(self) -> ConvertForm:
@@ -139,6 +142,7 @@ class ConvertScreen(Screen):
         self.checkpoint, self.recipe = ckpt, recipe
         if changed:
             self._note = None
+            self._start_queued = False
         self.sub_title = f"Convert: {display_path(ckpt.path)}"
         if changed:
             self.form.show_source(ckpt)
@@ -152,6 +156,7 @@ class ConvertScreen(Screen):
     def _field_changed(self, event: Input.Changed) -> None:
         event.stop()
         self._note = None  # it was about the destination or shard size before
+        self._start_queued = False  # it was for the output typed before
         if self._check_timer is not None:
             self._check_timer.stop()
         self._check_timer = self.set_timer(CHECK_DELAY, self._recheck)
@@ -179,6 +184,7 @@ class ConvertScreen(Screen):
         except OutputError as e:
             self._input_error = str(e)
             self.status = None
+            self._start_queued = False
             self.check.cancel()
             self._show_status()
             return
@@ -194,6 +200,11 @@ class ConvertScreen(Screen):
             self.progress.show_summary(self.finished_event, self.started)  # the finished run's table stays
         else:
             self.progress.show_layout(Tally(message.layout.layer_units, message.status.finished).snapshot())
+        if self._start_queued:
+            self._start_queued = False
+            if can_start(self.status):
+                self._start(replace=False)
+                return
         self._show_status()
 
     def _result_shown(self) -> bool:
@@ -206,6 +217,7 @@ class ConvertScreen(Screen):
         if self.check.failed(message.request_id):
             self.status = None
             self._input_error = message.message
+            self._start_queued = False
             self._show_status()
 
     # ---- the status line ------------------------------------------------------------------------------------------
@@ -223,7 +235,7 @@ class ConvertScreen(Screen):
         if self._input_error:
             return Content.styled(f"error: {self._input_error}", "bold $text-error")
         if self.check.busy or self.status is None:
-            return checking_line(len(self.checkpoint.tensors))
+            return checking_line(len(self.checkpoint.tensors), self._start_queued)
         return check_line(self.status, self.check.layout)
 
     # ---- starting, cancelling -------------------------------------------------------------------------------------
@@ -234,16 +246,25 @@ class ConvertScreen(Screen):
         if action == "start":
             if self.running:
                 return False
+            if self.checkpoint is not None and not self._input_error and self.checking:
+                return True  # starts when the check ends (action_start queues it)
             return True if ready and can_start(self.status) else None
         if action == "force":
             return not self.running and ready and can_replace(self.status)
         if action == "cancel":
-            return self.running
+            return self.running or self._start_queued
         return True
 
     def action_start(self) -> None:
-        if self.check_action("start", ()):
-            self._start(replace=False)
+        if not self.check_action("start", ()):
+            return
+        if self.checking:
+            self._start_queued = True
+            if self._check_timer is not None:  # typed, not checked yet: check now
+                self._recheck()
+            self._show_status()
+            return
+        self._start(replace=False)
 
     def action_force(self) -> None:
         if not self.check_action("force", ()):
@@ -277,7 +298,10 @@ class ConvertScreen(Screen):
         self._show_status()
 
     def action_cancel(self) -> None:
-        if self.running and not self.run.stopping:
+        if self._start_queued:
+            self._start_queued = False
+            self._show_status()
+        elif self.running and not self.run.stopping:
             self.run.stop()
             self._show_status()
 

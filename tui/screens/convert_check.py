@@ -46,8 +46,10 @@ def check_line(s, lay) -> Content:
     return Content.styled(f"conflict: the output {s.detail}.  f: replace it", "bold $text-error")
 
 
-def checking_line(tensors: int) -> Content:
-    return Content.styled(f"checking the output (planning {tensors:,} tensors)...", "$text-muted")
+def checking_line(tensors: int, start_queued: bool) -> Content:
+    """While a check runs; `start_queued`: r was pressed meanwhile, and the run starts when the check allows it."""
+    then = "  r: starts when checked (x: don't)" if start_queued else ""
+    return Content.styled(f"checking the output (planning {tensors:,} tensors)...{then}", "$text-muted")
 
 
 class OutputCheck:
