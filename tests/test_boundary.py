@@ -52,7 +52,7 @@ def test_one_engine_thread_module():
     assert not (tui / "background.py").exists()
     users = sorted(str(p.relative_to(ROOT.parent)) for p in [*tui.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]
                    if "tqbench.engine" in p.read_text())
-    assert "tqbench/cli/convert.py" in users and "tui/screens/convert.py" in users
+    assert "tqbench/cli/convert.py" in users and "tui/screens/convert_run.py" in users
 
 
 def _imports(path: Path) -> set[str]:

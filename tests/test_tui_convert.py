@@ -1,6 +1,6 @@
 """The Convert screen, driven with Pilot: real conversions of a tiny seeded demo source, checked against the engine's
 `tqbench.convert.convert` run directly (files byte for byte, totals, per-layer aggregates), plus cancel, resume,
-conflicts and quitting mid-run.
+conflicts, quitting mid-run and `r` pressed while the output is still being checked.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from tqbench import units
 from tqbench.convert import destination_status, layout
 from tqbench.layout.names import REPORT
 from tqbench.demo import DemoSpec, write_source
+from tqbench.destination import default_dest
 from tqbench.events import ConvertFinished, ShardWritten, UnitConverted
 from tqbench.recipe import Recipe
 from tui.app import TqbenchApp
 from tui.screens.confirm import ConfirmScreen
-from tui.screens.convert import ConvertScreen, default_dest
+from tui.screens.convert import ConvertScreen
 from tui.widgets.layer_table import LayerTable
 
 SIZE = (80, 24)
@@ -241,7 +242,7 @@ async def test_cancel_leaves_a_resumable_output_and_reopening_resumes_it(src, di
         await pilot.press("r")
         await wait_for(pilot, lambda: screen.shards_done == 1, "the first shard")
         await pilot.press("x")
-        assert screen._stopping and "stopping" in status_text(screen)
+        assert screen.run.stopping and "stopping" in status_text(screen)
         gate.set()  # the engine converts one more unit, sees the stop and closes the generator
         await settle(pilot)
         assert not screen.running
@@ -413,7 +414,8 @@ async def test_ctrl_u_then_typing_at_once_replaces_the_shard_size(src):
         burst(pilot, "ctrl+u", *str(SHARD), "enter")
         await settle(pilot)
         assert field.value == str(SHARD)
-        assert status_text(screen).startswith(f"new output: {len(layout(src, Recipe.parse(RECIPE), SHARD).files)} shards")
+        shards = len(layout(src, Recipe.parse(RECIPE), SHARD).files)
+        assert status_text(screen).startswith(f"new output: {shards} shards")
 
 
 @pytest.mark.slow
@@ -458,6 +460,95 @@ async def test_layout_fits_80x24(src):
         for w in (table, screen.query_one("#convert-status"), screen.query_one("#convert-rate"),
                   screen.query_one("#dest")):
             assert w.region.right <= 80 and w.region.height
+
+
+# ---- r while the output is being checked ----------------------------------------------------------------------------
+
+def held_status(gate: threading.Event):
+    """tqbench.convert.destination_status held until `gate` is set (on the check's thread), so a test presses keys
+    while the screen checks its output."""
+    real = tqbench.convert.destination_status
+
+    def status(lay, dest):
+        assert gate.wait(20), "the test never opened the gate"
+        return real(lay, dest)
+    return status
+
+
+async def open_while_checking(pilot) -> ConvertScreen:
+    await settle(pilot)
+    await pilot.press("c")
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, ConvertScreen) and pilot.app.screen.checking,
+                   "the check of the output")
+    screen = pilot.app.screen
+    assert status_text(screen).startswith("checking the output (planning ")
+    return screen
+
+
+async def test_start_pressed_while_checking_is_queued_and_x_drops_it(src, monkeypatch):
+    gate = threading.Event()
+    monkeypatch.setattr(tqbench.convert, "destination_status", held_status(gate))
+    app = TqbenchApp(src)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            screen = await open_while_checking(pilot)
+            assert "r Start" in screen_lines(app)[-1] and "x Cancel" not in screen_lines(app)[-1]
+            await pilot.press("r")
+            await pilot.pause()
+            assert not screen.running
+            assert status_text(screen).endswith("...  r: starts when checked (x: don't)")
+            assert "x Cancel" in screen_lines(app)[-1]
+            await pilot.press("x")
+            await pilot.pause()
+            assert status_text(screen).endswith("tensors)...")
+            gate.set()
+            await settle(pilot)
+            assert not screen.running and screen.started is None
+            assert status_text(screen).startswith("new output: 1 shard")
+    finally:
+        gate.set()
+    assert not default_dest(src, RECIPE).exists()
+
+
+async def test_start_pressed_while_checking_a_directory_that_is_no_conversion_never_starts(src, monkeypatch):
+    dest = default_dest(src, RECIPE)
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine\n")
+    gate = threading.Event()
+    monkeypatch.setattr(tqbench.convert, "destination_status", held_status(gate))
+    app = TqbenchApp(src)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            screen = await open_while_checking(pilot)
+            await pilot.press("r")
+            gate.set()
+            await settle(pilot)
+            assert not screen.running and screen.started is None
+            assert status_text(screen).startswith("not an output: ")
+            assert screen.check_action("cancel", ()) is False  # nothing is waiting any more
+    finally:
+        gate.set()
+    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.slow
+async def test_start_pressed_while_checking_starts_when_the_check_ends(src, monkeypatch):
+    gate = threading.Event()
+    monkeypatch.setattr(tqbench.convert, "destination_status", held_status(gate))
+    app = TqbenchApp(src)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            screen = await open_while_checking(pilot)
+            await pilot.press("r")
+            await pilot.pause()
+            assert not screen.running and screen.started is None
+            gate.set()
+            await settle(pilot)  # the check ends, the run starts and finishes
+            assert screen.finished_event is not None and status_text(screen).startswith("complete:")
+    finally:
+        gate.set()
+    dest = default_dest(src, RECIPE)
+    assert destination_status(layout(src, Recipe.parse(RECIPE)), dest).state == "complete"
 
 
 # ---- snapshot -------------------------------------------------------------------------------------------------------

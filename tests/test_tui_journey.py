@@ -90,7 +90,7 @@ async def test_source_recipe_convert_chat_profile(tmp_path, monkeypatch):
         # ---- Convert: the Recipe screen's recipe, into a directory typed here ------------------------------------
         screen = await go(pilot, "c", ConvertScreen)
         assert screen.recipe == Recipe.parse(RECIPE)
-        await wait_for(pilot, lambda: screen.status is not None and not screen._checking, "the destination check")
+        await wait_for(pilot, lambda: screen.status is not None and not screen.checking, "the destination check")
         await pilot.press("shift+tab", "shift+tab")  # from the table back to the output field
         assert app.focused is screen.query_one("#dest", Input)
         await pilot.press("ctrl+u", *OUTPUT, "enter")
