@@ -13,7 +13,7 @@ a quarter of its 3,136 expert-layers by default), page cache on (this measures h
 domains the demo was trained on); a session is one conversation of `--turns` questions ("What does
 email.message.Message.get do?" about that domain's documented functions and methods, seeded, none asked twice),
 greedy `--tokens` per reply, each session a fresh engine session and expert cache, as a new `tqbench chat` process
-would be. Every variant replays the same sessions in the same order through the engine (`tqbench.runtime.session`):
+would be. Every variant replays the same sessions in the same order through the engine (`tqbench.chat.session.ChatSession`):
 
 - cold: `--cold --no-learn`, no profile;
 - shipped: the profile shipped for the demo (`profiles/demo-tq4.json`, made from held-out code files), no learning;
@@ -71,21 +71,20 @@ def questions(domain: str, n: int, rng: np.random.Generator) -> list[str]:
 
 def run_session(model: str, turns: list[str], tokens: int, budget: int, opts) -> dict:
     """One chat session through the engine; its streaming figures and the experts it routed (for the seed rule)."""
-    from tqbench.engine import Session
+    from tqbench.chat.request import ChatRequest, StreamRequest
+    from tqbench.chat.session import ChatSession
     from tqbench.runtime.chat import ReplyDone, Sampling
-    from tqbench.runtime.session import open_model, reply, stream_stats
     from tqbench.stream.stats import PageIn
-    from tqbench.stream.streamer import StreamConfig
 
-    s = Session()
+    s = ChatSession()
     counts: dict[int, dict[int, int]] = {}
     generated = 0
     try:
-        with s.submit(lambda s: open_model(s, model, streaming=StreamConfig(budget, workers=2, page_cache="on"),
-                                           profile=opts)) as job:
+        with s.open(ChatRequest(model, stream=StreamRequest(f"{budget}B", workers=2, page_cache="on"),
+                                profile=opts)) as job:
             loaded = job.result()[-1]
         for text in turns:
-            with s.submit(lambda s: reply(s, text, Sampling(max_tokens=tokens))) as job:
+            with s.reply(text, Sampling(max_tokens=tokens)) as job:
                 for ev in job.result():
                     if isinstance(ev, PageIn):
                         layer = counts.setdefault(ev.layer, {})
@@ -93,10 +92,10 @@ def run_session(model: str, turns: list[str], tokens: int, budget: int, opts) ->
                             layer[e] = layer.get(e, 0) + 1
                     elif isinstance(ev, ReplyDone):
                         generated += ev.generated_tokens
-        st = s.call(stream_stats)
+        st = s.stats().to_dict()
     finally:
         s.close()  # the learner's last save
-    return dict(profile=loaded.profile, generated=generated, hits=st["hits"], hits_pinned=st["hits_pinned"],
+    return dict(profile=loaded.profile.to_dict() if loaded.profile else None, generated=generated, hits=st["hits"], hits_pinned=st["hits_pinned"],
                 misses=st["misses"], hit_rate=st["hit_rate"], critical_bytes=st["critical_bytes"],
                 preload_bytes=st["preload_bytes"], preload_s=st["preload_s"], slots=st["slots"],
                 pinned=st["pinned"], counts=counts)
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqbench.profile import ProfileStore
     from tqbench.profile.share import export_learned, import_file
     from tqbench.recipe import Recipe
-    from tqbench.runtime.session import ProfileOptions
+    from tqbench.chat.request import ProfileOptions
 
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What a training step of the demo costs with mlx-lm's per-time-step KDA loop against tqbench's chunked gated delta
-rule (`tqbench.demo.delta`), on whatever device MLX uses (the lent H200 with MLX's CUDA build is where it matters).
+rule (`training.delta`), on whatever device MLX uses (the lent H200 with MLX's CUDA build is where it matters).
 
     python benchmarks/kda_training.py --out bench-results/kda.json      # --quick for a CPU smoke run
 

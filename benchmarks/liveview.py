@@ -17,7 +17,7 @@ Linux CPU wheel ships a reference BLAS. `--no-openblas` opts out.)
      after ctrl+r (a new conversation: the same reply again; the expert cache stays warm): one with the view drawing
      every batch of page-ins (`view`), one with the view paused by v (`paused`: the worker posts the same batches,
      the screen holds them until v resumes, nothing is drawn). The order within a pair alternates (view first, then paused first, ...);
-   - `engine`: `tqbench.runtime.session` directly, the same settings, warm-up and as many replies after a reset each.
+   - `engine`: `tqbench.chat.session.ChatSession` directly, the same settings, warm-up and as many replies after a reset each.
 3. Reported per reply: decode tok/s (ReplyDone.decode_tps, the engine's own figure), tokens, the reply's misses, hits
    and stall (StreamStats after it minus before it), the batches the view received, the CPU seconds its handler took
    and the map spent drawing its lines (`render_line`; the compositor's own work is not in it), both as the UI
@@ -59,36 +59,35 @@ QUICK = dict(DEFAULTS, repeats=1, pairs=2)
 
 # --- children ----------------------------------------------------------------------------------------------------------
 
-def _figures(done, before: dict, after: dict) -> dict:
+def _figures(done, before, after) -> dict:
     """A reply's decode rate and text, and its page-ins: StreamStats after it minus before it."""
+    b, a = before.to_dict(), after.to_dict()  # tqbench.chat.records.StreamReport
     return dict(decode_tps=done.decode_tps, tokens=done.generated_tokens, text=done.text,
-                misses=after["misses"] - before["misses"], hits=after["hits"] - before["hits"],
-                stall_s=round(after["stall_s"] - before["stall_s"], 4))
+                misses=a["misses"] - b["misses"], hits=a["hits"] - b["hits"],
+                stall_s=round(a["stall_s"] - b["stall_s"], 4))
 
 
 def child_engine(a: dict) -> None:
-    import tqbench.runtime.session as api
-    from tqbench.engine import Session
-    from tui.screens.chat_settings import ChatOptions, stream_config
+    from tqbench.chat.request import ChatRequest, StreamRequest
+    from tqbench.chat.session import ChatSession
 
-    cfg = stream_config(a["model"], ChatOptions(budget=a["budget"], workers=a["workers"]))
-    session = Session()
+    session = ChatSession()
     try:
-        with session.submit(lambda s: api.open_model(s, a["model"], streaming=cfg)) as job:
-            loaded = job.result()[-1]
+        with session.open(ChatRequest(a["model"], stream=StreamRequest(a["budget"], workers=a["workers"]))) as job:
+            job.result()
 
         def reply():
-            with session.submit(lambda s: api.reply(s, a["prompt"], loaded.sampling)) as job:
+            with session.reply(a["prompt"]) as job:
                 return job.result()[-1]
 
         reply()  # warm-up
         replies = []
         for _ in a["sequence"]:
-            session.call(api.reset)
-            before = session.call(api.stream_stats)
+            session.reset()
+            before = session.stats()
             cpu = time.process_time()
             done = reply()
-            replies.append(dict(mode="engine", **_figures(done, before, session.call(api.stream_stats)),
+            replies.append(dict(mode="engine", **_figures(done, before, session.stats()),
                                 cpu_s=time.process_time() - cpu))
     finally:
         session.close()
@@ -97,12 +96,12 @@ def child_engine(a: dict) -> None:
 
 def child_tui(a: dict) -> None:
     import asyncio
+    from dataclasses import replace
 
     from tqbench.state import remember_model
     from tui.app import TqbenchApp
     from tui.screens.chat import ChatScreen
-    from tui.screens.chat_settings import ChatOptions
-
+    from tqbench.chat.request import StreamRequest
     from tui.widgets.expert_map import ExpertMapView
 
     remember_model(Path(a["model"]))
@@ -140,10 +139,10 @@ def child_tui(a: dict) -> None:
             await pilot.press("t")
             screen = app.screen
             await until(pilot, lambda: screen.loaded is not None or screen.error is not None)
-            screen.options = ChatOptions(budget=a["budget"], workers=a["workers"])
+            screen.request = replace(screen.request, stream=StreamRequest(a["budget"], workers=a["workers"]))
             screen.load()
             await until(pilot, lambda: screen.loaded is not None or screen.error is not None)
-            if screen.error or screen.experts is None:
+            if screen.error or screen.experts.experts is None:
                 raise RuntimeError(f"not streaming: {screen.error}")
 
             async def reply() -> None:
@@ -164,11 +163,11 @@ def child_tui(a: dict) -> None:
                 await until(pilot, lambda: not screen._resetting)
                 if view.paused != (mode == "paused"):
                     screen.action_pause_view()
-                before = screen.stream
+                before = screen.chat.stats()
                 handled.update(batches=0, events=0, seconds=0.0, render_s=0.0)
                 cpu, ui = time.process_time(), time.thread_time()  # this coroutine runs on the app's thread
                 await reply()
-                replies.append(dict(mode=mode, **_figures(screen.last_done, before, screen.stream),
+                replies.append(dict(mode=mode, **_figures(screen.last_done, before, screen.chat.stats()),
                                     cpu_s=time.process_time() - cpu, ui_cpu_s=time.thread_time() - ui,
                                     view_batches=handled["batches"], view_events=handled["events"],
                                     view_handler_s=handled["seconds"], view_render_s=handled["render_s"],
@@ -269,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         mb = model_bytes(model)
         budget = int(cfg["budget_share"] * mb.experts) + cfg["workers"] * mb.one_expert  # + the read buffers
         doc["config"].update(budget_bytes=budget, expert_bytes=mb.experts)
-        base = dict(model=str(model), budget=str(budget), workers=cfg["workers"], prompt=cfg["prompt"],
+        base = dict(model=str(model), budget=f"{budget}B", workers=cfg["workers"], prompt=cfg["prompt"],
                     size=cfg["size"])
         for i in range(cfg["repeats"]):
             # view/paused pairs, the order alternating: view paused, paused view, view paused, ...

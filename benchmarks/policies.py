@@ -9,11 +9,11 @@ rate) and beats the best fixed set.
     python benchmarks/policies.py --quick                       # a smoke run (a minute or two)
 
 Workloads (unless --trace is given): the shipped demo (7 MoE layers x 448 experts, top-8) run teacher-forced over
-`--tokens` tokens cut into `--window`-token windows from an empty context (`tqbench.modelstats.trace_routing`), so
+`--tokens` tokens cut into `--window`-token windows from an empty context (`training.modelstats.trace_routing`), so
 each position is routed as a decode of that text would route it:
 - `code`: the held-out split of the code corpus (benchmarks/streaming.py's trace; reused from --work while its inputs
   match),
-- `chat`: the held-out conversations (`tqbench.demo.conversations`, one pass, seed 0, through the demo's chat template).
+- `chat`: the held-out conversations (`training.conversations`, one pass, seed 0, through the demo's chat template).
 
 Budgets (cache slots = expert-layers; --budgets takes integers, fractions of the expert-layers like 1/16, and `ws/2`:
 half of one token's routed experts over all layers, below one token's working set, where LRU hits nothing). For each,

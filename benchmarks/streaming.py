@@ -14,7 +14,7 @@ Part 1, routing-trace replay (no model runs during the replay):
 
 1. Trace: the shipped demo (7 MoE layers x 64 experts, top-4: 448 expert-layers) run teacher-forced over the first
    `--trace-tokens` tokens of the held-out split (`tqbench.demo.is_heldout`), cut into `--window`-token windows each
-   from an empty context (`tqbench.modelstats.trace_routing`, in a fresh subprocess). A causal model routes position t
+   from an empty context (`training.modelstats.trace_routing`, in a fresh subprocess). A causal model routes position t
    from the tokens before it, so this is the routing a decode of that text would produce, token by token, at batch
    speed. Kept in the work directory and reused while its inputs match.
 2. Store: one file of seeded random bytes holding layers x experts x `--expert-bytes` (default 10,960,896 bytes, one
@@ -92,7 +92,7 @@ STORE_PREFIX = 1000  # bytes before the first expert: offsets are not page align
 DEFAULT_POLICY = "lrfu"
 DEFAULT_LAM = 0.01  # tqbench.stream.cache.LRFU's default
 RATIO_GOAL = 0.9
-RELEVANT = ("tqbench/stream", "tqbench/runtime", "tqbench/demo", "tqbench/modelstats.py", "tqbench/convert",
+RELEVANT = ("tqbench/stream", "tqbench/runtime", "tqbench/demo", "training/modelstats.py", "tqbench/convert",
             "benchmarks/streaming.py")
 RECIPE = "tq3a-tqTe-down4-g64"
 # The end-to-end model: K3's routed experts at half size in each direction (K3: latent 3584, intermediate 3072;
@@ -725,7 +725,7 @@ def run_replay(work: Path, cfg: dict, trace: np.ndarray, info: dict, notes: list
     return dict(trace=dict(info, tokens=tokens, routings=int(sum(len(e) for tk in batches for _, e in tk)),
                            layer_calls=tokens * len(layer_ids), expert_layers=expert_layers,
                            top_k=int(trace.shape[-1]), replay_start_token=warm,
-                           method="teacher-forced over held-out windows (tqbench.modelstats.trace_routing)"),
+                           method="teacher-forced over held-out windows (training.modelstats.trace_routing)"),
                 store=store_info, direct=direct, hit_rates=hit_rows, lam_sweep=dict(lams=lams, rows=lam_rows,
                 default_lam=DEFAULT_LAM), raw=raws, raw_best_gbps=raw_best, raw_best_workers=best_workers,
                 disk=disk_rows, disk_summary=disk_summary, **disk_verdict(hit_rows, disk_rows, disk_summary))

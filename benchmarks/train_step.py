@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="also time the mx.compile'd step at each batch size")
     p.add_argument("--optimizers", default="mlx",
-                   help="comma-separated: mlx (MLX's AdamW per parameter), flat (tqbench.demo.flat_adamw); each batch "
+                   help="comma-separated: mlx (MLX's AdamW per parameter), flat (training.flat_adamw); each batch "
                         "size is timed with each, in turn")
     p.add_argument("--kda-chunks", default="16",
                    help="comma-separated: time steps per chunk of the chunked KDA recurrence (powers of two); each "

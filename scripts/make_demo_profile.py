@@ -7,7 +7,7 @@
 What it does, all through the engine a `tqbench chat` session uses:
 1. converts the demo (`tqbench.demo.ensure_demo()`: the shipped checkpoint, whichever generation it is) with the
    recipe into a temporary directory, as `tqbench chat` does the first time;
-2. opens it with learning on (`tqbench.runtime.session.open_model`, a temporary profile store) and, for every
+2. opens it with learning on (`tqbench.chat.session.ChatSession`, a temporary profile store) and, for every
    held-out file of the demo corpus (`tqbench.demo.is_heldout`: text the model never trained on), sends the file's
    first lines as a plain-text prompt (no chat template) and decodes up to --tokens greedy tokens, starting a new
    conversation for each file; then, in a second session with the chat template, asks --questions "What does NAME
@@ -78,14 +78,14 @@ def main() -> None:
     out = args.out or ROOT / "profiles" / f"demo-{args.recipe}.json"
 
     from tqbench.convert import convert
-    from tqbench.convert.journal import write_atomic
+    from tqbench.atomic import write_bytes
     from tqbench.demo import demo_path, ensure_demo
-    from tqbench.engine import Session
+    from tqbench.chat.request import ChatRequest, ProfileOptions
+    from tqbench.chat.session import ChatSession
     from tqbench.profile import ProfileStore, identify
     from tqbench.profile.profile import dumps
     from tqbench.recipe import Recipe
     from tqbench.runtime.chat import Sampling
-    from tqbench.runtime.session import ProfileOptions, open_model, reply, reset
 
     texts = prompts(args.chars, args.lines)
     t0 = time.perf_counter()
@@ -94,15 +94,15 @@ def main() -> None:
         list(convert(ensure_demo(), model, Recipe.parse(args.recipe)))
         fp, geo = identify(model)
         store_dir = Path(tmp) / "store"
-        session = Session()
+        session = ChatSession()
         try:
             opts = ProfileOptions(store=str(store_dir), pin_share=0.0)
-            with session.submit(lambda s: open_model(s, str(model), chat_template=False, profile=opts)) as job:
+            with session.open(ChatRequest(str(model), chat_template=False, profile=opts)) as job:
                 job.result()
             sampling = Sampling(max_tokens=args.tokens)
             for i, (rel, text) in enumerate(texts):
-                session.call(reset)
-                with session.submit(lambda s: reply(s, text, sampling)) as job:
+                session.reset()
+                with session.reply(text, sampling) as job:
                     done = job.result()[-1]
                 print(f"[{i + 1}/{len(texts)}] {rel}: {done.prompt_tokens} prompt tokens, {done.generated_tokens} "
                       f"generated", file=sys.stderr)
@@ -110,11 +110,11 @@ def main() -> None:
             # DECAY) asks about held-out functions in its chat template, one question per conversation
             asked = questions(args.questions)
             if asked:
-                with session.submit(lambda s: open_model(s, str(model), chat_template=True, profile=opts)) as job:
+                with session.open(ChatRequest(str(model), chat_template=True, profile=opts)) as job:
                     job.result()
                 for i, q in enumerate(asked):
-                    session.call(reset)
-                    with session.submit(lambda s: reply(s, q, sampling)) as job:
+                    session.reset()
+                    with session.reply(q, sampling) as job:
                         job.result()
                     if (i + 1) % 16 == 0:
                         print(f"[{i + 1}/{len(asked)}] questions", file=sys.stderr)
@@ -134,7 +134,7 @@ def main() -> None:
                 f"held-out functions and methods; {args.tokens} greedy tokens each",
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, dumps(doc).encode())
+    write_bytes(out, dumps(doc).encode())
     shown = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
     print(f"wrote {shown}: fingerprint {fp}, {p.routings:,.0f} routings over {len(texts)} code prompts and "
           f"{len(asked)} questions "

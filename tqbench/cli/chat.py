@@ -168,14 +168,14 @@ def _open(chat_session: ChatSession, request, err: Console, quiet: bool) -> Mode
 
 
 def _write_stats(chat_session: ChatSession, file: Path) -> None:
-    from tqbench.convert.journal import write_atomic
+    from tqbench.atomic import write_json
 
     try:
         stats = chat_session.stats()
     except Exception:  # noqa: BLE001 - nothing loaded: nothing to write
         return
     if stats is not None:
-        write_atomic(file, (json.dumps(stats.to_dict(), indent=2) + "\n").encode())
+        write_json(file, stats.to_dict())
 
 
 def _typed(err: Console) -> Iterator[str]:

@@ -227,14 +227,14 @@ def merge_cmd(
     """Merge two profiles: C = W_A x A + W_B x B.
 
     Counts and routings are weighted and summed, pins ranked again; both must have the same layers and experts."""
-    from tqbench.convert.journal import write_atomic
+    from tqbench.atomic import write_bytes
     from tqbench.profile import merge, read_profile
     from tqbench.profile.report import number
 
     with _one_line_errors():
         pa, pb = read_profile(a), read_profile(b)
         c = merge(pa, pb, weight_a, weight_b, force, (str(a), str(b)))
-        write_atomic(output, c.to_text().encode())
+        write_bytes(output, c.to_text().encode())
     print(f"wrote {output}: {weight_a:g} x {a} ({number(pa.routings)} routings) + {weight_b:g} x {b} "
           f"({number(pb.routings)}) = {number(c.routings)} routings", file=sys.stderr)
 

@@ -11,9 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from tqbench.atomic import write_json
-# Still imported from here by the CLI's chat and profile commands, tqbench.profile.share and scripts/, until they
-# import tqbench.atomic.write_bytes themselves.
-from tqbench.atomic import write_bytes as write_atomic  # noqa: F401
 
 JOURNAL = ".tqbench-convert.json"
 

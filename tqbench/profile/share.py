@@ -13,14 +13,14 @@ from tqbench.profile.store import ProfileStore
 def export_learned(model: str | Path, store: ProfileStore, dest: str | Path | None = None) -> Profile:
     """The model's learned profile, written atomically to `dest` if given (as `Profile.to_text`). Raises ProfileError
     (one line) when nothing was learned yet, OSError when `dest` cannot be written."""
-    from tqbench.convert.journal import write_atomic
+    from tqbench.atomic import write_bytes
 
     fp, geo = identify(model)
     p = store.load(fp, geo)
     if p.routings <= 0:
         raise ProfileError(f"no learned profile for this model yet (fingerprint {fp}): chat with it first", model)
     if dest is not None:
-        write_atomic(Path(dest), p.to_text().encode())
+        write_bytes(Path(dest), p.to_text().encode())
     return p
 
 
