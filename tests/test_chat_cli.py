@@ -133,7 +133,8 @@ def test_streaming_flags_write_stats_json(model, tmp_path, capsys, monkeypatch):
     assert doc["disk_bytes_per_s_on_misses"] == doc["critical_bytes"] / doc["stall_s"]
     assert doc["disk_bytes_per_s"] > 0 and doc["disk_source"].startswith("measured")
     bad = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--cache-budget-gb", "lots")
-    assert bad.code == 1 and bad.err.splitlines()[-1] == ("tqbench: error: cache budget 'lots': give fit, auto, off or a size (8GB, 512MB; a bare number is GB)")
+    assert bad.code == 1 and bad.err.splitlines()[-1] == ("tqbench: error: cache budget 'lots': give fit, auto, off or "
+                                                          "a size (8GB, 512MB; a bare number is GB)")
     many = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--max-tokens", "2",
                    "--max-active-experts", "1")
     k = SHIPPED_SPEC.num_experts_per_token

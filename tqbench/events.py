@@ -1,7 +1,9 @@
 """Events the engine yields to its faces. All are frozen dataclasses holding plain values (no lazy MLX arrays).
 
-The CLI renders them with rich; the TUI's thread workers post them as Textual messages. Later features (conversion,
-streaming, chat) add their events here so every face reads one vocabulary.
+The CLI renders them with rich; the TUI's thread workers post them as Textual messages. This module holds the
+opening and conversion events; the others live beside what yields them: a chat's in tqbench.runtime.models
+(ModelChosen), tqbench.chat.session (StreamPlan), tqbench.chat.records (ModelLoaded and the summaries),
+tqbench.runtime.chat (ReplyStarted, TokenOut, ReplyDone) and tqbench.stream.stats (PageIn).
 """
 
 from __future__ import annotations

@@ -31,9 +31,12 @@ def chat(
                                                   help="Answer this one message and exit.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(
         "--max-tokens", min=1, help="Most tokens per reply (default: generation_config.json's, else 512).")] = None,
-    temp: Annotated[Optional[float], typer.Option("--temp", min=0.0, help="Sampling temperature (0: greedy).")] = None,
-    top_p: Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (0: off).")] = None,
-    top_k: Annotated[Optional[int], typer.Option("--top-k", min=0, help="Sample among the k likeliest (0: off).")] = None,
+    temp: Annotated[Optional[float], typer.Option("--temp", min=0.0,
+                                                  help="Sampling temperature (0: greedy).")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0,
+                                                   help="Nucleus sampling mass (0: off).")] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", min=0,
+                                                 help="Sample among the k likeliest (0: off).")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")] = None,
     system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="A system message.")] = None,
     no_chat_template: Annotated[bool, typer.Option(

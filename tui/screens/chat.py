@@ -9,8 +9,8 @@ The engine owns the chat (tqbench.chat): the screen keeps a ChatRequest (the str
 ChatSession whose jobs run on the engine thread; thread workers relay their typed events as messages
 (tui.screens.chat_relay), and every line the screen shows about the model, a reply or the experts comes from
 tqbench.chat.report. A reply streams into the transcript: its worker posts the whole text so far at most every
-STREAM_INTERVAL (queued copies merge), so a fast model never floods the UI. Esc stops a reply (the engine closes it after the token in
-progress); the partial reply stays, marked as stopped, and is part of the conversation (the engine keeps it), so the
+STREAM_INTERVAL (queued copies merge), so a fast model never floods the UI. Esc stops a reply (the engine closes it
+after the token in progress); the partial reply stays, marked as stopped, and is part of the conversation (the engine keeps it), so the
 next turn continues from it. Sending while a reply runs is refused with a notice (nothing is queued). ctrl+r forgets
 the conversation.
 

@@ -47,7 +47,8 @@ class SettingsScreen(ModalScreen[ChatRequest | None]):
             box.border_subtitle = "enter applies · esc cancels"  # the Chat screen's footer below is not this dialog's
             with Horizontal(classes="row"):
                 yield Label("expert cache budget")
-                yield Input(o.budget, placeholder="fit, auto, off or a size (8GB, 512MB)", id="opt-budget", compact=True)
+                yield Input(o.budget, placeholder="fit, auto, off or a size (8GB, 512MB)", id="opt-budget",
+                            compact=True)
             with Horizontal(classes="row"):
                 yield Label("max active experts")
                 yield Input(str(active), type="integer", id="opt-active", compact=True)
