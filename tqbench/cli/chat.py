@@ -132,7 +132,7 @@ def chat(
 def _open(chat_session: ChatSession, request, err: Console, quiet: bool) -> ModelLoaded:
     """Open the chat: the demo's conversion progress when it has to be converted first, then the model's lines."""
     from tqbench.chat.session import StreamPlan
-    from tqbench.cli.convert import _render, _render_plain
+    from tqbench.cli.convert import render_progress
     from tqbench.runtime.models import ModelChosen
 
     loaded = None
@@ -151,7 +151,7 @@ def _open(chat_session: ChatSession, request, err: Console, quiet: bool) -> Mode
         for ev in events:
             if not isinstance(ev, (ModelChosen, StreamPlan, ModelLoaded)):  # the demo's conversion comes first
                 err.print("no model given and none converted yet: converting the demo first", markup=False)
-                (_render if err.is_terminal else _render_plain)(conversion(ev), err)
+                render_progress(conversion(ev), err)
                 if not after:
                     continue
                 ev = after.pop()

@@ -16,7 +16,7 @@ from rich.table import Table
 from tqbench import units
 from tqbench.cli import options
 from tqbench.cli.render import show
-from tqbench.cli.plan import _recipes
+from tqbench.cli.plan import recipes_from
 from tqbench.engine import submit
 from tqbench.errors import TqbenchError
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
@@ -57,7 +57,7 @@ def convert(
 
     err = Console(stderr=True, highlight=False)
     try:
-        recipes = _recipes([recipe] if recipe else None,
+        recipes = recipes_from([recipe] if recipe else None,
                            dict(bits=bits, group_size=group_size, attn_bits=attn_bits, mlp_bits=mlp_bits,
                                 ternary_experts=ternary_experts, expert_down_bits=expert_down_bits,
                                 mlp_group_size=mlp_group_size, rotation=not no_rotation, seed=seed, format=fmt,
@@ -74,7 +74,7 @@ def convert(
                     if isinstance(ev, ConvertFinished):
                         remember_model(mlx_path)
                 return
-            finished = _render(events, err)
+            finished = render_progress(events, err)
     except TqbenchError as e:
         print(f"tqbench: error: {e}", file=sys.stderr)
         raise typer.Exit(e.exit_code) from None
@@ -96,7 +96,7 @@ def _where(ev: UnitConverted) -> str:
     return where + (f" err {ev.rel_error:.3f}" if ev.rel_error is not None else "")
 
 
-def _render(events, err: Console) -> ConvertFinished:
+def render_progress(events, err: Console) -> ConvertFinished:
     if not err.is_terminal:
         return _render_plain(events, err)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),

@@ -74,7 +74,7 @@ def plan(
     """
     err = Console(stderr=True, highlight=False)
     try:
-        recipes = _recipes(recipe, dict(bits=bits, group_size=group_size, attn_bits=attn_bits, mlp_bits=mlp_bits,
+        recipes = recipes_from(recipe, dict(bits=bits, group_size=group_size, attn_bits=attn_bits, mlp_bits=mlp_bits,
                                         ternary_experts=ternary_experts, expert_down_bits=expert_down_bits,
                                         mlp_group_size=mlp_group_size, rotation=not no_rotation, seed=seed,
                                         format=fmt, expert_format=expert_format))
@@ -114,7 +114,7 @@ def plan(
         raise typer.Exit(ExitCode.INCOMPLETE)
 
 
-def _recipes(names: list[str] | None, flags: dict) -> list[Recipe]:
+def recipes_from(names: list[str] | None, flags: dict) -> list[Recipe]:
     """The named recipes, then one from the flags when any flag differs from its default (or nothing was named)."""
     recipes = [Recipe.parse(n) for n in names or []]
     defaults = dict(bits=None, group_size=None, attn_bits=None, mlp_bits=None, ternary_experts=False,
