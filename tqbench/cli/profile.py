@@ -23,7 +23,7 @@ from tqbench.cli.render import show
 from tqbench.errors import TqbenchError
 
 if TYPE_CHECKING:
-    from tqbench.profile import Overview, ProfileDiff, ProfileStore
+    from tqbench.profile import Overview, ProfileDiff
 
 profile_app = typer.Typer(
     name="profile",
@@ -68,12 +68,6 @@ def _model(model: Path | None) -> Path:
                        "converts the demo)")
 
 
-def _store() -> ProfileStore:
-    from tqbench.profile import ProfileStore
-
-    return ProfileStore()
-
-
 @profile_app.command("show")
 def show_cmd(
     model: ModelOpt = None,
@@ -91,12 +85,7 @@ def show_cmd(
     from tqbench.profile import overview
 
     with _one_line_errors():
-        path = _model(model)
-        store = _store()
-        try:
-            ov = overview(path, store, file, force, top)
-        finally:
-            store.close()
+        ov = overview(_model(model), None, file, force, top)
     if as_json:
         print(json.dumps(ov.to_dict(), indent=2))
         return
@@ -163,11 +152,7 @@ def export_cmd(
 
     with _one_line_errors():
         path = _model(model)
-        store = _store()
-        try:
-            p = export_learned(path, store, output)
-        finally:
-            store.close()
+        p = export_learned(path, None, output)
         if output is None:
             sys.stdout.write(p.to_text())
             return
@@ -192,11 +177,7 @@ def import_cmd(
 
     with _one_line_errors():
         path = _model(model)
-        store = _store()
-        try:
-            p, old = import_file(path, file, store, force)
-        finally:
-            store.close()
+        p, old = import_file(path, file, None, force)
     fp = p.fingerprint  # the model's (read_file keys a profile to the model it is imported into)
     made_for = _fingerprint_in(file)
     forced = f" (made for fingerprint {made_for}; --force)" if made_for not in (None, fp) else ""
@@ -294,20 +275,14 @@ def reset_cmd(model: ModelOpt = None) -> None:
     """Forget a model's learned profile.
 
     Shipped profiles and exported files are untouched."""
-    from tqbench.profile import identify
+    from tqbench.profile import forget_learned
     from tqbench.profile.report import number
 
     with _one_line_errors():
         path = _model(model)
-        fp, geo = identify(path)
-        store = _store()
-        try:
-            old = store.load(fp, geo)
-            gone = store.reset(fp)
-        finally:
-            store.close()
-    if gone:
-        print(f"forgot the learned profile of {path} (fingerprint {fp}, {number(old.routings)} routings)",
+        f = forget_learned(path)
+    if f.gone:
+        print(f"forgot the learned profile of {path} (fingerprint {f.fingerprint}, {number(f.routings)} routings)",
               file=sys.stderr)
     else:
-        print(f"no learned profile for {path} (fingerprint {fp}): nothing to forget", file=sys.stderr)
+        print(f"no learned profile for {path} (fingerprint {f.fingerprint}): nothing to forget", file=sys.stderr)

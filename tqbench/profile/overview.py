@@ -3,12 +3,14 @@ it comes from, its summary, and what a chat without --profile starts from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqbench.profile.choose import choose, identify, read_file, read_profile
 from tqbench.profile.profile import MATURE, Profile
-from tqbench.profile.store import ProfileStore
+from tqbench.errors import TqbenchError
+from tqbench.profile.profile import ProfileError
+from tqbench.profile.store import ProfileStore, opened
 from tqbench.profile.summary import ProfileSummary, summary
 
 
@@ -40,16 +42,22 @@ class Overview:
                 "warnings": list(self.warnings), **self.summary.to_dict()}
 
 
-def overview(model: str | Path, store: ProfileStore, file: str | Path | None = None, force: bool = False,
+def overview(model: str | Path, store: ProfileStore | None = None, file: str | Path | None = None, force: bool = False,
              top: int = 8) -> Overview:
     """What `tqbench profile show` reports for a model: the profile shown (`file` if given, else the learned one if
     it has any routings, else what a chat would start from), and what a chat without --profile starts from."""
     return overview_profile(model, store, file, force, top)[0]
 
 
-def overview_profile(model: str | Path, store: ProfileStore, file: str | Path | None = None, force: bool = False,
-                     top: int = 8) -> tuple[Overview, Profile]:
-    """`overview`, and the profile it describes (an empty one when there is none)."""
+def overview_profile(model: str | Path, store: ProfileStore | None = None, file: str | Path | None = None,
+                     force: bool = False, top: int = 8) -> tuple[Overview, Profile]:
+    """`overview`, and the profile it describes (an empty one when there is none). `store` None: the user's."""
+    with opened(store) as store:
+        return _overview_profile(model, store, file, force, top)
+
+
+def _overview_profile(model: str | Path, store: ProfileStore, file: str | Path | None, force: bool,
+                      top: int) -> tuple[Overview, Profile]:
     fp, geo = identify(model)
     chat = choose(model, store=store)
     if file is not None:
@@ -71,3 +79,22 @@ def overview_file(file: str | Path, top: int = 8) -> tuple[Overview, Profile]:
     and the profile."""
     p = read_profile(file)
     return Overview(None, "file", str(file), None, MATURE, (), summary(p, top)), p
+
+
+def profile_view(model: str | Path | None, file: str | Path | None, top: int = 8,
+                 store: ProfileStore | None = None) -> tuple[Overview, Profile] | None:
+    """What the Profile screen shows: the model's overview (`file` checked against it), or `file` on its own when
+    there is no model, or when the file is another model's (then a warning says so and the overview's model is
+    None). None when there is neither."""
+    if model is None:
+        return overview_file(file, top) if file is not None else None
+    try:
+        return overview_profile(model, store, file, top=top)
+    except ProfileError as e:
+        if file is None:
+            raise
+        try:
+            shown, p = overview_file(file, top)
+        except TqbenchError:
+            raise e from None
+        return replace(shown, warnings=(*shown.warnings, f"not for this model ({e}): shown on its own")), p

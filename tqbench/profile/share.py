@@ -3,20 +3,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqbench.profile.choose import identify, read_file
 from tqbench.profile.profile import Profile, ProfileError
-from tqbench.profile.store import ProfileStore
+from tqbench.profile.store import ProfileStore, opened
 
 
-def export_learned(model: str | Path, store: ProfileStore, dest: str | Path | None = None) -> Profile:
+def export_learned(model: str | Path, store: ProfileStore | None = None, dest: str | Path | None = None) -> Profile:
     """The model's learned profile, written atomically to `dest` if given (as `Profile.to_text`). Raises ProfileError
     (one line) when nothing was learned yet, OSError when `dest` cannot be written."""
     from tqbench.atomic import write_bytes
 
     fp, geo = identify(model)
-    p = store.load(fp, geo)
+    with opened(store) as store:
+        p = store.load(fp, geo)
     if p.routings <= 0:
         raise ProfileError(f"no learned profile for this model yet (fingerprint {fp}): chat with it first", model)
     if dest is not None:
@@ -24,12 +26,28 @@ def export_learned(model: str | Path, store: ProfileStore, dest: str | Path | No
     return p
 
 
-def import_file(model: str | Path, file: str | Path, store: ProfileStore,
+def import_file(model: str | Path, file: str | Path, store: ProfileStore | None = None,
                 force: bool = False) -> tuple[Profile, Profile]:
     """Replace the model's learned profile with `file`, validated first (read_file: nothing is stored when it fails).
     Returns (the imported profile, the learned one it replaced)."""
     fp, geo = identify(model)
     p = read_file(file, fp, geo, force)
-    old = store.load(fp, geo)
-    store.put(p)
+    with opened(store) as store:
+        old = store.load(fp, geo)
+        store.put(p)
     return p, old
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    fingerprint: str
+    routings: float  # of the learned profile forgotten (0 when there was none)
+    gone: bool  # there was one to forget
+
+
+def forget_learned(model: str | Path, store: ProfileStore | None = None) -> Forgotten:
+    """Forget the model's learned profile (`tqbench profile reset`); shipped profiles and files stay."""
+    fp, geo = identify(model)
+    with opened(store) as store:
+        old = store.load(fp, geo)
+        return Forgotten(fp, old.routings, store.reset(fp))

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import sqlite3
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from tqbench.paths import cache_dir
 from tqbench.profile.fingerprint import Geometry
@@ -70,3 +72,16 @@ class ProfileStore:
 
     def close(self) -> None:
         self._cache.close()
+
+
+@contextmanager
+def opened(store: ProfileStore | None) -> Iterator[ProfileStore]:
+    """`store` as it is, or the user's store opened for the call and closed after it: the faces never open one."""
+    if store is not None:
+        yield store
+        return
+    own = ProfileStore()
+    try:
+        yield own
+    finally:
+        own.close()

@@ -8,7 +8,6 @@ each time the screen is shown: chat sessions keep learning."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,35 +96,20 @@ class ProfileScreen(Screen):
 
     @work(thread=True, exclusive=True, group="profile", exit_on_error=False, description="read the profile")
     def _load(self, load_id: int, model: Path | None, file: Path | None) -> None:
-        from tqbench.profile import ProfileError, ProfileStore, overview_file, overview_profile
+        from tqbench.profile import profile_view
         from tqbench.runtime.models import default_model
 
         try:
             model = model or default_model()
-            if model is None and file is None:
-                self.app.call_from_thread(self._show, load_id, None, None, None)
-                return
-            if model is None:
-                shown, p = overview_file(file, HOTTEST_SHOWN)
-            else:
-                store = ProfileStore()
-                try:
-                    shown, p = overview_profile(model, store, file, top=HOTTEST_SHOWN)
-                except ProfileError as e:
-                    if file is None:
-                        raise
-                    try:  # another model's file: shown on its own
-                        shown, p = overview_file(file, HOTTEST_SHOWN)
-                    except TqbenchError:
-                        raise e from None
-                    shown = replace(shown, warnings=(*shown.warnings, f"not for this model ({e}): shown on its own"))
-                    model = None
-                finally:
-                    store.close()
+            view = profile_view(model, file, HOTTEST_SHOWN)
         except TqbenchError as e:
             self.app.call_from_thread(self._fail, load_id, one_line(e))
             return
-        self.app.call_from_thread(self._show, load_id, model, shown, p)
+        if view is None:
+            self.app.call_from_thread(self._show, load_id, None, None, None)
+            return
+        shown, p = view  # the file on its own when it is another model's (shown.model None)
+        self.app.call_from_thread(self._show, load_id, model if shown.model is not None else None, shown, p)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """Anything else a worker raised (a locked store, a bug) is one line too."""
@@ -285,15 +269,11 @@ class ProfileScreen(Screen):
 
     @work(thread=True, group="share", exit_on_error=False, description="export the profile")
     def _export(self, model: Path, dest: Path) -> None:
-        from tqbench.profile import ProfileStore, export_learned
+        from tqbench.profile import export_learned
         from tqbench.profile.report import number
 
         try:
-            store = ProfileStore()
-            try:
-                p = export_learned(model, store, dest)
-            finally:
-                store.close()
+            p = export_learned(model, None, dest)
         except TqbenchError as e:
             self.app.call_from_thread(self._set_error, one_line(e))
             return
@@ -317,15 +297,11 @@ class ProfileScreen(Screen):
 
     @work(thread=True, group="share", exit_on_error=False, description="import a profile")
     def _import(self, model: Path, file: Path) -> None:
-        from tqbench.profile import ProfileStore, import_file
+        from tqbench.profile import import_file
         from tqbench.profile.report import number
 
         try:
-            store = ProfileStore()
-            try:
-                p, _ = import_file(model, file, store)
-            finally:
-                store.close()
+            p, _ = import_file(model, file)
         except TqbenchError as e:
             self.app.call_from_thread(self._set_error, one_line(e))
             return
