@@ -146,11 +146,11 @@ def child_tui(a: dict) -> None:
                 raise RuntimeError(f"not streaming: {screen.error}")
 
             async def reply() -> None:
-                turn = screen._turn_id
+                turn = screen.turns.turn_id
                 screen.chat_input.value = a["prompt"]
                 screen.chat_input.focus()
                 await pilot.press("enter")
-                await until(pilot, lambda: screen._turn_id > turn and not screen.replying)
+                await until(pilot, lambda: screen.turns.turn_id > turn and not screen.replying)
                 await pilot.pause()
                 if screen.error:
                     raise RuntimeError(screen.error)
@@ -160,7 +160,7 @@ def child_tui(a: dict) -> None:
             replies = []
             for mode in a["sequence"]:
                 await pilot.press("ctrl+r")  # a new conversation: the same reply again; the expert cache stays warm
-                await until(pilot, lambda: not screen._resetting)
+                await until(pilot, lambda: not screen.turns.resetting)
                 if view.paused != (mode == "paused"):
                     screen.action_pause_view()
                 before = screen.chat.stats()

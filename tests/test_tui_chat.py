@@ -173,7 +173,7 @@ async def test_replies_match_the_engine_reuse_the_cache_and_reset(model_dir, eng
         assert second.text.strip().splitlines()[-1].strip()[:40] in shown  # the end of the reply is in view
 
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: not screen._resetting, "the reset")
+        await wait_for(pilot, lambda: not screen.turns.resetting, "the reset")
         await pilot.pause()
         assert screen.transcript.turns == [] and "conversation reset" in status(screen)
         assert "A new conversation. Type a message below" in screen_text(pilot)
@@ -208,7 +208,7 @@ async def test_escape_stops_a_reply_and_the_conversation_goes_on(model_dir, engi
         await send(pilot, screen, "another", wait=False)  # refused while a reply runs: nothing queued
         assert screen.chat_input.value == "another" and len(screen.transcript.turns) == 2
         await pilot.press("escape")
-        assert screen._stopping and "stopping" in status(screen)
+        assert screen.turns.stopping and "stopping" in status(screen)
         gate.set()
         await wait_for(pilot, lambda: not screen.replying, "the stopped reply")
         await pilot.pause()
