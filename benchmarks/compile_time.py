@@ -97,7 +97,7 @@ def child_first_tokens(a: dict) -> None:
     specs = kernels._compiled.cache_info().currsize
     emit(dict(import_s=import_s, load_s=load_s, steps=steps, tokens=tokens, kernel_specs=specs,
               nvrtc=dict(compiled=cubin.STATS.compiled, compile_s=cubin.STATS.compile_s, loaded=cubin.STATS.loaded),
-              nvrtc_error=kernels.NVRTC_ERROR, self_check_warnings=list(kernels._dispatcher.warnings),
+              nvrtc_error=kernels.NVRTC_ERROR, self_check_warnings=list(kernels.dispatcher.warnings),
               device=str(mx.default_device()), mlx=mx.__version__))
 
 

@@ -195,7 +195,7 @@ def check(results: list, quick: bool = False) -> float:
     n, out = 896, 136  # 3-bit rows of 90 words, ternary 45: misaligned rows; a partial 160-code unit
     for levels in K.LEVELS:
         for g in ((64,) if quick else K.GROUPS):
-            w, s, cb = K._random_case(levels, g, n, out, 6, key=levels * 10 + g)
+            w, s, cb = K.random_case(levels, g, n, out, 6, key=levels * 10 + g)
             for rows in ((1, 3) if quick else (1, 2, 3, 4)):
                 x = mx.random.normal((rows, n), key=mx.random.key(rows + g))
                 got = np.array(K.fused_matmul(x, w[1], s[1], cb, backend), np.float64)
@@ -227,9 +227,9 @@ def check(results: list, quick: bool = False) -> float:
             worst = max(worst, err)
             results.append(dict(kind="check", op="dispatch", levels=levels, group=GROUP, rows=1, n=n, out=out,
                                 rel_error=err))
-    checked = {str(k): v for k, v in K._dispatcher.checked.items()}
-    results.append(dict(kind="self_check", results=checked, warnings=list(K._dispatcher.warnings)))
-    print(f"dispatch self-checks: {checked}; warnings: {K._dispatcher.warnings}", flush=True)
+    checked = {str(k): v for k, v in K.dispatcher.checked.items()}
+    results.append(dict(kind="self_check", results=checked, warnings=list(K.dispatcher.warnings)))
+    print(f"dispatch self-checks: {checked}; warnings: {K.dispatcher.warnings}", flush=True)
     # the reference path on the GPU (float32 matmul, TF32 unless MLX_ENABLE_TF32=0) for comparison
     w, s, cb = tq_weights(16, 4096, 7168, (), key=8)
     x = mx.random.normal((1, 7168), key=mx.random.key(4))

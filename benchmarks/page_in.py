@@ -23,7 +23,7 @@ process:
   with one thread (`raw1_gbps`): some disks read faster with one read in flight than with several, so the ratio to
   the better of the two (`ratio_best_raw`) is the one against the disk's bandwidth;
 - page-in: `--calls` demand page-ins of `--per-call` distinct experts each (seeded random sets: one layer's misses),
-  through `Streamer._page_in` with `--workers` workers and a pool of `--slots` slots (LRU), so every read, staging
+  through `Streamer.page_in` with `--workers` workers and a pool of `--slots` slots (LRU), so every read, staging
   buffer, slot copy and (on CUDA) slot prefetch is the streamer's own; between page-ins a computation reads every
   pool array, as a layer would (on CUDA the pages go back to the GPU), and is evaluated outside the timing;
 - results: GB/s on misses (expert bytes / seconds in page-ins), the ratio to raw (goal >= 0.9), ms per miss against
@@ -99,14 +99,14 @@ def child(a: dict) -> None:
     order = [aligned(e) for e in calls[0][:workers]] + [aligned(e) for call in calls for e in call]
     got1, raw1, _ = timed_reads(order, workers)
     one1, one_s1, _ = timed_reads(order[workers - 1:], 1)
-    st._page_in(LAYER, pool, [e for e in range(a["per_call"]) if e not in calls[0]], {}, set(), timed=False)
+    st.page_in(LAYER, pool, [e for e in range(a["per_call"]) if e not in calls[0]], {}, set(), timed=False)
     seconds, misses = 0.0, 0
     for i, call in enumerate(calls):
         st._tick = i + 2
         missing = [e for e in call if (LAYER, e) not in pool.cache]
         locked = {(LAYER, e) for e in call if (LAYER, e) in pool.cache}
         t0 = time.perf_counter()
-        st._page_in(LAYER, pool, missing, {}, locked)
+        st.page_in(LAYER, pool, missing, {}, locked)
         seconds += time.perf_counter() - t0
         misses += len(missing)
         mx.eval(sum(mx.sum(arr.reshape(arr.shape[0], -1)[:, :1024].astype(mx.float32)) for arr in pool.arrays.values()))

@@ -32,7 +32,7 @@ Part 1, routing-trace replay (no model runs during the replay):
    off/on, and fan-out whose loop waits only on pending reads, "fan*"): every miss is read with
    `ExpertStore.read_direct` (O_DIRECT) by a thread pool into page-aligned staging buffers, as many as the streamer
    has (`read_buffers`: two per worker), and placed into the cache as its read completes: the loop of
-   `Streamer._page_in` without the slot copy, which the streamer's worker makes right after the read (with fan-out
+   `Streamer.page_in` without the slot copy, which the streamer's worker makes right after the read (with fan-out
    each expert's aligned range is cut into `workers` pieces by `ExpertStore.direct_pieces`). Before every replay the
    store file's pages are dropped (posix_fadvise DONTNEED) and after it `mincore` measures how much of it is cached.
    Throughput on misses = expert bytes read / seconds spent in page-ins, divided by this disk's raw O_DIRECT bandwidth
@@ -319,7 +319,7 @@ def raw_direct(files: list[Path], chunk: int, total: int, workers: int, start: i
 
 
 class Reader:
-    """The streamer's page-in loop (Streamer._page_in + _submit, direct or buffered) without the slot copy: misses
+    """The streamer's page-in loop (Streamer.page_in + _submit, direct or buffered) without the slot copy: misses
     are read by `workers` threads into page-aligned staging buffers, as many as the streamer has
     (`read_buffers(workers)`), and placed into the cache as their reads complete.
 
@@ -352,9 +352,9 @@ class Reader:
         n = store.layers[layer].nbytes
         if not self.fanout:
             return [ex.submit(store.read, layer, e, buf)], n
-        from tqbench.stream.streamer import _read_pieces
+        from tqbench.stream.streamer import read_pieces
 
-        return [ex.submit(_read_pieces, store, piece, buf) for piece in store.split(layer, e, self.workers)], n
+        return [ex.submit(read_pieces, store, piece, buf) for piece in store.split(layer, e, self.workers)], n
 
     def page_in(self, layer: int, missing: list[int], cache, now: int, locked: set) -> None:
         t0 = time.perf_counter()

@@ -281,7 +281,7 @@ def _rel(a, b) -> float:
 
 
 def _case(levels, group, n, out, experts=1, key=0, symmetric=False):
-    w, s, cb = K._random_case(levels, group, n, out, experts, key=key)
+    w, s, cb = K.random_case(levels, group, n, out, experts, key=key)
     if symmetric:
         cb = mx.array(published_codebook({3: "T", 4: "2", 8: "3", 16: "4"}[levels]))
     return w, s, cb
@@ -315,13 +315,13 @@ def test_without_nvrtc_or_a_driver_mlx_builds_the_cuda_kernels(monkeypatch, caps
     """Where the NVRTC build cannot run (here: no CUDA driver), the reason is kept and said once, and MLX's own
     cuda_kernel builds every kernel from then on (on this CPU build of MLX that refuses too: no CUDA back-end)."""
     monkeypatch.setattr(K, "NVRTC_ERROR", None)
-    monkeypatch.setattr(K._dispatcher, "warnings", [])
+    monkeypatch.setattr(K.dispatcher, "warnings", [])
     with pytest.raises(RuntimeError, match="No CUDA back-end"):
         K.compiled(K.make_spec(8, 64, 896, 48, 1, 1, False), "cuda")
     assert K.NVRTC_ERROR is not None and "libcuda" in K.NVRTC_ERROR
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("tqbench: NVRTC cannot build the CUDA kernels (OSError: ")
-    assert K._dispatcher.warnings == [err.strip()]  # kept with the self-checks' warnings
+    assert K.dispatcher.warnings == [err.strip()]  # kept with the self-checks' warnings
 
     def never(spec):
         raise AssertionError("NVRTC tried again")
@@ -453,7 +453,7 @@ def test_emulated_layouts(monkeypatch, levels, layout) -> None:
 
 
 def _inputs(levels=8, group=64, n=896, out=48, experts=6):
-    w, s, cb = K._random_case(levels, group, n, out, experts, key=11)
+    w, s, cb = K.random_case(levels, group, n, out, experts, key=11)
     return w, s, cb
 
 
@@ -556,7 +556,7 @@ def test_large_batches_and_odd_shapes_use_the_reference() -> None:
     x = mx.random.normal((9, 896), key=mx.random.key(7))  # prefill: more than MAX_ROWS rows
     assert mx.array_equal(d.matmul(x, w[0], s[0], cb), ref.matmul(x, w[0], s[0], cb))
     assert mm.calls == 0
-    w2, s2, cb2 = K._random_case(8, 64, 896, 50, 1, key=1)  # out % 4 != 0
+    w2, s2, cb2 = K.random_case(8, 64, 896, 50, 1, key=1)  # out % 4 != 0
     x = mx.random.normal((1, 896), key=mx.random.key(8))
     assert mx.array_equal(d.matmul(x, w2[0], s2[0], cb2), ref.matmul(x, w2[0], s2[0], cb2))
     assert mm.calls == 0

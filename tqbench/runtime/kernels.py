@@ -73,7 +73,7 @@ def compiled(spec: Spec, dialect: str):
             return _compiled(spec, dialect, "nvrtc")
         except (RuntimeError, OSError, AttributeError) as e:  # no NVRTC, no driver, an MLX without precompiled kernels
             NVRTC_ERROR = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-            _dispatcher.warn(f"tqbench: NVRTC cannot build the CUDA kernels ({NVRTC_ERROR}); MLX builds them instead, "
+            dispatcher.warn(f"tqbench: NVRTC cannot build the CUDA kernels ({NVRTC_ERROR}); MLX builds them instead, "
                              "again in every process")
     return _compiled(spec, dialect, "mlx")
 
@@ -191,7 +191,7 @@ def default_backend() -> str | None:
     return None
 
 
-def _random_case(levels: int, group: int, n: int, out: int, experts: int, key: int):
+def random_case(levels: int, group: int, n: int, out: int, experts: int, key: int):
     """Random packed weights, scales and a codebook (random levels: the kernel must not assume the published ones)."""
     from tqbench.quant.turboquant import codes_per_word, pack
 
@@ -257,7 +257,7 @@ class Dispatcher:
         """Kernel vs reference on a small random case whose rows are misaligned and whose last unit is partial."""
         try:
             n, out, experts = 896, 48, 6  # 3-bit rows 90 words, ternary 45: misaligned; 5.6 units
-            weight, scales, book = _random_case(levels, group, n, out, experts, key=1234 + levels + group)
+            weight, scales, book = random_case(levels, group, n, out, experts, key=1234 + levels + group)
             scales, book = scales.astype(sdtype), book.astype(bdtype)
             errs = []
             # The reference runs on the CPU: a GPU's float32 matmul may use TF32 (MLX_ENABLE_TF32 defaults to 1),
@@ -318,13 +318,13 @@ class Dispatcher:
         return ref.gather_matmul(x_rot, weight, scales, codebook, indices, sorted_indices)
 
 
-_dispatcher = Dispatcher()
+dispatcher = Dispatcher()  # the process's: benchmarks read its self-checks and warnings
 
 
 def matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array) -> mx.array:
-    return _dispatcher.matmul(x_rot, weight, scales, codebook)
+    return dispatcher.matmul(x_rot, weight, scales, codebook)
 
 
 def gather_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, indices: mx.array,
                   sorted_indices: bool = False) -> mx.array:
-    return _dispatcher.gather_matmul(x_rot, weight, scales, codebook, indices, sorted_indices)
+    return dispatcher.gather_matmul(x_rot, weight, scales, codebook, indices, sorted_indices)

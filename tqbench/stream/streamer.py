@@ -192,7 +192,7 @@ class Streamer:
             missing = [e for e in experts if (layer, e) not in pool.cache]
             slots: dict[int, int] = {}
             locked = {(layer, e) for e in experts if (layer, e) in pool.cache} | set(pool.cache.pinned)
-            self.stats.preload_bytes += self._page_in(layer, pool, missing, slots, locked, timed=False)
+            self.stats.preload_bytes += self.page_in(layer, pool, missing, slots, locked, timed=False)
             pool.cache.pin((layer, e) for e in experts)
             pinned += len(experts)
         self.stats.pinned = pinned
@@ -298,7 +298,7 @@ class Streamer:
         pinned = [e for e in experts if (layer, e) in pool.cache.pinned]
         room = pool.slots - len(pool.cache.pinned) + len(pinned)
         if len(experts) <= room:
-            read_bytes += self._page_in(layer, pool, missing, slots, locked)
+            read_bytes += self.page_in(layer, pool, missing, slots, locked)
             stall = time.perf_counter() - t0
             if self._guess is not None and not self._prefill:
                 self._start_ahead()  # the next layer's reads overlap this layer's compute
@@ -318,7 +318,7 @@ class Streamer:
                 chunk_slots = {e: slots[e] for e in chunk if e in slots}
                 need = [e for e in chunk if e not in chunk_slots]
                 t1 = time.perf_counter()
-                read_bytes += self._page_in(layer, pool, need, chunk_slots, {(layer, e) for e in chunk_slots})
+                read_bytes += self.page_in(layer, pool, need, chunk_slots, {(layer, e) for e in chunk_slots})
                 stall += time.perf_counter() - t1
                 for e, s in chunk_slots.items():
                     lut[e] = s
@@ -331,7 +331,7 @@ class Streamer:
         self._count(layer, experts, served, read_bytes, stall)
         return y
 
-    def _page_in(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int], locked: set,
+    def page_in(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int], locked: set,
                  timed: bool = True) -> int:
         """Read `missing` experts (in parallel, into the staging buffers) and write each into its slot as it arrives.
         The slots are chosen first, in expert order (so evictions do not depend on which read finishes first), and on
@@ -432,7 +432,7 @@ class Streamer:
         if not self.config.fanout:
             return self._go([(store.read, layer, expert, buf)], times, copy)
         pieces = store.split(layer, expert, self._workers)
-        return self._go([(_read_pieces, store, piece, buf) for piece in pieces], times, copy)
+        return self._go([(read_pieces, store, piece, buf) for piece in pieces], times, copy)
 
     def _go(self, reads: list[tuple], times: list | None, copy: _Copy | None = None) -> list[Future]:
         """Submit `reads` ((fn, *args) each); each future gives (reads made, seconds spent copying)."""
@@ -569,7 +569,7 @@ class _MissClock:
         s.miss_after_reads_s += end - last
 
 
-def _read_pieces(store: ExpertStore, piece: list[tuple[int, int, int, int]], buf: np.ndarray) -> int:
+def read_pieces(store: ExpertStore, piece: list[tuple[int, int, int, int]], buf: np.ndarray) -> int:
     for file, offset, into, length in piece:
         store.read_range(file, offset, buf, into, length)
     return len(piece)
