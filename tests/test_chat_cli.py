@@ -89,6 +89,10 @@ def test_bad_model_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
     r = tqbench(capsys, monkeypatch, "chat", "--model", tmp_path, "--prompt", "hi")
     assert r.code == 1 and r.out == ""
     assert r.err.splitlines()[-1] == f"tqbench: error: {tmp_path}: no config.json: not a model directory"
+    for given, line in ((tmp_path / "nope" / "model", "no such model directory"),
+                        (Path(__file__), "not a directory (give the model's directory)")):
+        r = tqbench(capsys, monkeypatch, "chat", "--model", given, "--prompt", "hi")
+        assert r.code == 1 and r.out == "" and r.err.splitlines()[-1] == f"tqbench: error: {given}: {line}"
 
 
 def test_a_fresh_process_shows_no_library_chatter(model):
@@ -135,6 +139,19 @@ def test_streaming_flags_write_stats_json(model, tmp_path, capsys, monkeypatch):
     bad = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--cache-budget-gb", "lots")
     assert bad.code == 1 and bad.err.splitlines()[-1] == ("tqbench: error: cache budget 'lots': give fit, auto, off or "
                                                           "a size (8GB, 512MB; a bare number is GB)")
+    # --stats-json is checked before any work: a missing directory, a directory, a model that runs resident
+    missing = tmp_path / "no-such-dir" / "stats.json"
+    r = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--stats-json", missing)
+    assert r.code == 1 and r.out == "" and "loading" not in r.err
+    assert r.err == f"tqbench: error: {missing.parent}: --stats-json: no such directory\n"
+    r = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--stats-json", tmp_path)
+    assert r.code == 1 and r.err == f"tqbench: error: {tmp_path}: --stats-json: this is a directory; give a file\n"
+    resident = tmp_path / "resident.json"
+    r = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--stats-json", resident)
+    assert r.code == 2 and r.out == "" and not resident.exists()
+    assert r.err.splitlines()[-1] == ("tqbench: error: --stats-json writes streaming statistics, and this model's "
+                                      "experts run resident (fits): stream them with --cache-budget-gb, or leave "
+                                      "out --stats-json")
     many = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--max-tokens", "2",
                    "--max-active-experts", "1")
     k = SHIPPED_SPEC.num_experts_per_token

@@ -218,6 +218,17 @@ def test_trust_rule(tmp_path):
     with pytest.raises(LoadError, match=r"moonshotai/Kimi-K3: not a local model directory.*--trust-remote-code"):
         trust_decision("moonshotai/Kimi-K3", False)
     assert trust_decision("moonshotai/Kimi-K3", True) is True
+    # a path someone typed is said to be missing, or not a directory, before any word of hubs or remote code
+    for missing in (tmp_path / "nope", tmp_path / "nope" / "model", "./nope", "~/nope-tqbench", "a/b/c"):
+        for trust in (False, True):
+            with pytest.raises(LoadError) as e:
+                trust_decision(str(missing), trust)
+            assert str(e.value) == f"{missing}: no such model directory"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model")
+    with pytest.raises(LoadError) as e:
+        trust_decision(str(notes), False)
+    assert str(e.value) == f"{notes}: not a directory (give the model's directory)"
 
 
 def test_load_errors_are_one_line(tmp_path):

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from tqbench.chat import report
 from tqbench.chat.records import ModelLoaded
-from tqbench.errors import ExitCode, TqbenchError
+from tqbench.errors import ExitCode, TqbenchError, UsageError
 
 if TYPE_CHECKING:  # importing them loads MLX: done when a chat starts
     from tqbench.chat.session import ChatSession
@@ -107,7 +107,9 @@ def chat(
                           reads_in_flight),
             max_active_experts,
             ProfileOptions(str(profile) if profile else None, not no_learn, pin_share, profile_force, cold=cold))
-        loaded = _open(chat_session, request, err, quiet=as_json)
+        if stats_json is not None:
+            _check_stats_file(stats_json)
+        loaded = _open(chat_session, request, err, quiet=as_json, streaming_stats=stats_json is not None)
         if not as_json:
             err.print(report.loaded_line(loaded), markup=False)
             if loaded.profile is not None:
@@ -129,8 +131,17 @@ def chat(
         chat_session.close()
 
 
-def _open(chat_session: ChatSession, request, err: Console, quiet: bool) -> ModelLoaded:
-    """Open the chat: the demo's conversion progress when it has to be converted first, then the model's lines."""
+def _check_stats_file(file: Path) -> None:
+    """--stats-json's file can be written once the chat is over: checked before any work."""
+    if file.is_dir():
+        raise TqbenchError("--stats-json: this is a directory; give a file", file)
+    if not file.parent.is_dir():
+        raise TqbenchError("--stats-json: no such directory", file.parent)
+
+
+def _open(chat_session: ChatSession, request, err: Console, quiet: bool, streaming_stats: bool) -> ModelLoaded:
+    """Open the chat: the demo's conversion progress when it has to be converted first, then the model's lines.
+    `streaming_stats`: --stats-json was given, so a model whose experts stay resident is refused before it loads."""
     from tqbench.chat.session import StreamPlan
     from tqbench.cli.convert import render_progress
     from tqbench.runtime.models import ModelChosen
@@ -161,6 +172,9 @@ def _open(chat_session: ChatSession, request, err: Console, quiet: bool) -> Mode
                 if not quiet:
                     err.print(f"loading {ev.path} ...", markup=False)
             elif isinstance(ev, StreamPlan):
+                if streaming_stats and ev.config is None:
+                    raise UsageError(f"--stats-json writes streaming statistics, and this model's experts run resident "
+                                     f"({ev.reason}): stream them with --cache-budget-gb, or leave out --stats-json")
                 if ev.note and not quiet:
                     err.print(ev.note, markup=False)
             else:

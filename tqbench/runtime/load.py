@@ -80,11 +80,20 @@ def needs_remote_code(path: Path) -> bool:
     return False
 
 
+def looks_like_hub_id(given: str) -> bool:
+    """`owner/name`: what a hub id looks like, not a path someone typed (`/abs/dir`, `./dir`, `~/dir`, `a/b/c`)."""
+    return given.count("/") == 1 and not given.startswith(("/", ".", "~")) and all(given.split("/"))
+
+
 def trust_decision(given: str, trust_remote_code: bool) -> bool:
     """The trust rule for code that ships with a model: an explicit --trust-remote-code, or a local directory the user
     named whose config says kimi_k3 (Moonshot's tokenizer is such code). Anything else that needs code is refused:
     raises LoadError. Returns whether to let the tokenizer loader run that code."""
     path = Path(given).expanduser()
+    if path.exists() and not path.is_dir():
+        raise LoadError("not a directory (give the model's directory)", given)
+    if not path.is_dir() and not looks_like_hub_id(str(given)):
+        raise LoadError("no such model directory", given)
     if not path.is_dir():
         if not trust_remote_code:
             raise LoadError("not a local model directory; a hub model id would run code from the hub, so it is only "
