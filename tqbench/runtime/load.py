@@ -26,8 +26,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqbench.errors import TqbenchError
 from tqbench.layout.names import mlx_module_path
 from tqbench.layout.quantization import QuantizationBlock
-from tqbench.quant.turboquant import rotation_block
+from tqbench.quant.turboquant import hadamard_ok, rotation_block
 from tqbench.runtime.layers import TurboQuantConcat, TurboQuantLinear, TurboQuantSwitchLinear
+from tqbench.source.checkpoint import check_shards
 from tqbench.source.naming import PROJECTIONS
 
 TRUSTED_TYPES = ("kimi_k3",)  # model types whose local tokenizer code is run without asking
@@ -157,7 +158,7 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
     if not path.is_dir():
         raise LoadError("not a local model directory (tqbench runs local checkpoints only)", given)
     config = _read_config(path)
-    rotations = _recorded_rotations(config)
+    rotations = _recorded_rotations(config, path / "config.json")
     swapped: list[str] = []
 
     try:
@@ -167,6 +168,7 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
                         path) from None
     if not any(path.glob("model*.safetensors")):
         raise LoadError("no model*.safetensors weight files", path)
+    check_shards(path)
 
     def classes(config: dict[str, Any]):
         model_class, args_class = mu._get_classes(config)
@@ -227,9 +229,9 @@ def _without_turboquant(quant: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _recorded_rotations(config: dict[str, Any]) -> dict[str, int | None]:
+def _recorded_rotations(config: dict[str, Any], config_file: Path) -> dict[str, int | None]:
     """mlx-lm module path -> rotation block, for TurboQuant modules whose rotation the config records (tqbench)."""
-    block = QuantizationBlock.from_config(config.get("quantization"))
+    block = QuantizationBlock.from_config(config.get("quantization"), config_file)
     if block is None:
         return {}
     out = {}
@@ -349,6 +351,9 @@ def swap_turboquant(model: nn.Module, weights: dict[str, mx.array], rotations: d
             raise LoadError(f"tensor {p}.scales: {scales.shape[-1]} groups do not divide the input width {n}", path)
         group = n // scales.shape[-1]
         block = rotations[p] if p in rotations else _rotation_from_signs(signs)
+        if block is not None and (n % block or not hadamard_ok(block)):
+            raise LoadError(f"module {p}: the recorded rotation block {block} does not rotate its input width {n}",
+                            path)
         bias = f"{p}.bias" in weights
         try:
             if weight.ndim == 3:

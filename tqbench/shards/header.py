@@ -111,8 +111,8 @@ def read_header(path: Path, name: str | None = None) -> ShardHeader:
     tensors = []
     for key, value in _items(text, path):
         if key == "__metadata__":
-            if not isinstance(value, dict):
-                raise CheckpointError("__metadata__ is not a JSON object", path)
+            if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+                raise CheckpointError("__metadata__ is not a JSON object of strings", path)
             metadata = value
         else:
             tensors.append(_entry(path, name, key, value, data_start, shapes))

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from itertools import chain
 import math
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from tqbench.errors import CheckpointError
+from tqbench.errors import CheckpointError, ExitCode
 from tqbench.layout.quantization import ModuleQuant, QuantizationBlock
 from tqbench.events import CheckpointOpened, ShardScanned
 from tqbench.source.config import ModelConfig, read_config
-from tqbench.source.index import read_index
+from tqbench.source.index import ShardIndex, read_index
 from tqbench.source.naming import Role, TensorName, classify
-from tqbench.shards.header import DTYPE_SIZES, INDEX_FILE, TensorSpec, read_header
+from tqbench.shards.header import DTYPE_SIZES, INDEX_FILE, ShardHeader, TensorSpec, read_header
 
 
 # Quantization side tensors: they store scales and tables, not parameters.
@@ -97,6 +98,12 @@ class Shard:
     tensors: int  # how many
 
 
+class IncompleteCheckpoint(CheckpointError):
+    """Shards the index names are not there: what is present can be inspected, not run."""
+
+    exit_code = ExitCode.INCOMPLETE
+
+
 @dataclass(frozen=True)
 class MissingShard:
     file: str
@@ -136,18 +143,42 @@ def scan_checkpoint(path: str | Path) -> Iterator[ShardScanned | CheckpointOpene
         raise CheckpointError("not a directory" if root.exists() else "no such directory", root)
     config = read_config(root)
     index = read_index(root)
-    if index is None:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"no {INDEX_FILE} and no *.safetensors files: not a model checkpoint", root)
-    else:
-        files = sorted(index.files)
+    files = shard_files(root, index)
 
     table = _Table()
     shards, missing, tensors = [], [], []
-    for i, file in enumerate(files, 1):
+    for i, header in enumerate(shard_headers(root, index, files), 1):
+        if isinstance(header, MissingShard):
+            missing.append(header)
+            continue
+        tensors.extend(table.add(root, t) for t in header.tensors)
+        shards.append(Shard(header.file, header.path, header.file_size, header.data_start, header.metadata,
+                            len(header.tensors)))
+        del header
+        yield ShardScanned(i, len(files), shards[-1].file, shards[-1].tensors)
+
+    table.check_experts(root, config, (n for m in missing for n in m.tensors))
+    table.resolve(config, root / "config.json")
+    yield CheckpointOpened(Checkpoint(root, config, tuple(shards), tuple(tensors), tuple(missing),
+                                      index.total_size if index else None))
+
+
+def shard_files(root: Path, index: ShardIndex | None) -> list[str]:
+    """The shard files of a checkpoint: those its index names, else every *.safetensors file in it."""
+    if index is not None:
+        return sorted(index.files)
+    files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no {INDEX_FILE} and no *.safetensors files: not a model checkpoint", root)
+    return files
+
+
+def shard_headers(root: Path, index: ShardIndex | None, files: list[str]) -> Iterator[ShardHeader | MissingShard]:
+    """Each shard's validated header (read_header: JSON, dtypes, offsets, the file long enough for its tensors) and
+    checked against the index; a MissingShard for a file the index names that is not there."""
+    for file in files:
         if not (root / file).is_file():
-            missing.append(MissingShard(file, tuple(sorted(index.names(file)))))
+            yield MissingShard(file, tuple(sorted(index.names(file))) if index else ())
             continue
         header = read_header(root / file, file)
         if index is not None and not index.matches(file, (t.name for t in header.tensors)):
@@ -155,16 +186,37 @@ def scan_checkpoint(path: str | Path) -> Iterator[ShardScanned | CheckpointOpene
             if lost is not None:
                 raise CheckpointError(f"index maps tensor {lost!r} to {file}, but that shard does not contain it",
                                       index.path)
-        tensors.extend(table.add(root, t) for t in header.tensors)
-        shards.append(Shard(file, header.path, header.file_size, header.data_start, header.metadata,
-                            len(header.tensors)))
-        del header
-        yield ShardScanned(i, len(files), file, shards[-1].tensors)
+        yield header
 
-    table.check_experts(root, config, (n for m in missing for n in m.tensors))
-    table.resolve(config)
-    yield CheckpointOpened(Checkpoint(root, config, tuple(shards), tuple(tensors), tuple(missing),
-                                      index.total_size if index else None))
+
+def check_shards(path: str | Path) -> None:
+    """What a loader needs before it reads a byte (MLX's own loader stops with a traceback on a truncated shard or a
+    garbage header): every shard present, each header valid, every tensor inside its file, the index right. Headers
+    only, as `inspect` reads them. Raises CheckpointError, or IncompleteCheckpoint (exit 3) naming the missing
+    shards."""
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors")) + [root / INDEX_FILE]
+    seen = tuple((f.name, st.st_size, st.st_mtime_ns, st.st_ino) for f in files if (st := _stat(f)) is not None)
+    if _checked.get(root.resolve()) == seen:
+        return  # checked already, in this process, and not changed since (a chat checks before its plan and load)
+    index = read_index(root)
+    missing = [h for h in shard_headers(root, index, shard_files(root, index)) if isinstance(h, MissingShard)]
+    if missing:
+        names = ", ".join(m.file for m in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        tensors = sum(len(m.tensors) for m in missing)
+        raise IncompleteCheckpoint(f"{len(missing)} shard(s) missing: {names} (the index puts {tensors:,} tensors "
+                                   "there); it cannot run without them", root)
+    _checked[root.resolve()] = seen
+
+
+_checked: dict[Path, tuple] = {}  # directory -> its files' (name, size, mtime, inode) when check_shards passed
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:
+        return None
 
 
 _EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
@@ -233,7 +285,7 @@ class _Table:
                 f"config.json declares {config.num_experts} routed experts per layer, but no tensor name was "
                 "recognised as a routed expert (unknown expert naming)", root)
 
-    def resolve(self, config: ModelConfig) -> None:
+    def resolve(self, config: ModelConfig, config_file: Path) -> None:
         """Fill in every Kind's format and parameters, and the attention kind of layers' generic tensors."""
         kinds = list(self.kinds.values())
         # Attention kind is a property of the layer: o_proj of a KDA layer is KDA too. The config's kda_layers win.
@@ -247,7 +299,7 @@ class _Table:
         modules: dict[str, dict[str, TensorSpec]] = defaultdict(dict)
         for k in kinds:
             modules[k.name.module].setdefault(k.name.param, TensorSpec(k.name.name, k.dtype, k.shape, k.shard))
-        block = QuantizationBlock.from_config(config.quantization)
+        block = QuantizationBlock.from_config(config.quantization, config_file)
         resolved: dict[int, TensorName] = {}
         for k in kinds:
             n = k.name
