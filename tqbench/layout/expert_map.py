@@ -8,6 +8,7 @@ every expert of the layer. Written by the conversion (`build`), read by runtimes
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -15,6 +16,7 @@ from typing import Any, Iterable, Sequence
 from tqbench.errors import CheckpointError
 from tqbench.layout.names import EXPERT_MAP
 from tqbench.layout.units import Unit
+from tqbench.shards.header import DTYPE_SIZES
 
 
 def build(shards: Iterable[Iterable[Unit]], files: Sequence[str], header_lengths: Sequence[int]) -> dict[str, Any]:
@@ -77,19 +79,20 @@ class ExpertMap:
             raise CheckpointError(f"cannot read the expert map: {e.strerror}", path) from None
         except ValueError as e:
             raise CheckpointError(f"invalid JSON ({e})", path) from None
-        try:
-            files = tuple(str(f) for f in doc["files"])
-            layers = {}
-            for key, d in doc["layers"].items():
-                tensors = {k: TensorRange(int(t["offset"]), int(t["bytes"]), str(t["dtype"]), tuple(t["shape"]))
-                           for k, t in d["tensors"].items()}
-                locations = tuple((int(f), int(o)) for f, o in d["experts"])
-                layer = LayerExperts(int(key), str(d["prefix"]), int(d["length"]), tensors, locations)
-                _check_layer(path, layer, files)
-                layers[layer.layer] = layer
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"malformed expert map ({type(e).__name__}: {e})", path) from None
-        return cls(root, files, layers)
+        if not isinstance(doc, dict):
+            raise CheckpointError("malformed expert map: not a JSON object", path)
+        files, layers_doc = doc.get("files"), doc.get("layers")
+        if not isinstance(files, list) or not files or not all(_inside(root, f) for f in files):
+            raise CheckpointError('malformed expert map: "files" is not a list of file names in its directory', path)
+        if not isinstance(layers_doc, dict):
+            raise CheckpointError('malformed expert map: "layers" is not an object of layers', path)
+        sizes = [_size(root / f) for f in files]
+        layers = {}
+        for key, d in layers_doc.items():
+            layer = _layer(path, key, d)
+            _check_layer(path, layer, files, sizes)
+            layers[layer.layer] = layer
+        return cls(root, tuple(files), layers)
 
     def locate(self, layer: int, expert: int) -> tuple[Path, int, int]:
         """(file path, absolute offset, length) of one expert's bytes."""
@@ -102,12 +105,63 @@ class ExpertMap:
         return (f"{lay.prefix}.{expert}.{k}" for k in lay.tensors)
 
 
-def _check_layer(path: Path, layer: LayerExperts, files: tuple[str, ...]) -> None:
+def _layer(path: Path, key: str, d: Any) -> LayerExperts:
+    """One layer's entry, checked field by field (a wrong one is named, never a KeyError)."""
+    def wrong(what: str) -> CheckpointError:
+        return CheckpointError(f"malformed expert map: layer {key}: {what}", path)
+
+    if not (isinstance(key, str) and key.isdigit()) or not isinstance(d, dict):
+        raise CheckpointError(f"malformed expert map: layer {key!r} is not a layer number with an object", path)
+    prefix, length, tensors, experts = d.get("prefix"), d.get("length"), d.get("tensors"), d.get("experts")
+    if not isinstance(prefix, str) or not prefix.endswith(".experts"):
+        raise wrong(f'"prefix" {prefix!r} is not a module name ending in .experts')
+    if not _count(length):
+        raise wrong(f'"length" {length!r} is not a byte count')
+    if not isinstance(tensors, dict) or not tensors:
+        raise wrong('"tensors" is not an object of tensor ranges')
+    ranges = {}
+    for name, t in tensors.items():
+        t = t if isinstance(t, dict) else {}
+        offset, nbytes, dtype, shape = t.get("offset"), t.get("bytes"), t.get("dtype"), t.get("shape")
+        if not (_count(offset) and _count(nbytes) and dtype in DTYPE_SIZES and isinstance(shape, list)
+                and all(_count(n) for n in shape)):
+            raise wrong(f"tensor {name!r} is not {{offset, bytes, dtype, shape}}: {t!r}"[:300])
+        if math.prod(shape) * DTYPE_SIZES[dtype] != nbytes:
+            raise wrong(f"tensor {name!r}: {nbytes} bytes, but shape {shape} x {dtype} needs "
+                        f"{math.prod(shape) * DTYPE_SIZES[dtype]}")
+        ranges[name] = TensorRange(offset, nbytes, dtype, tuple(shape))
+    if not isinstance(experts, list) or not all(isinstance(x, list) and len(x) == 2 and all(map(_count, x))
+                                                 for x in experts):
+        raise wrong('"experts" is not a list of [file index, offset] pairs')
+    return LayerExperts(int(key), prefix, length, ranges, tuple((f, o) for f, o in experts))
+
+
+def _check_layer(path: Path, layer: LayerExperts, files: list[str], sizes: list[int]) -> None:
     end = 0
     for name, t in sorted(layer.tensors.items(), key=lambda kv: kv[1].offset):
         if t.offset < end or t.offset + t.nbytes > layer.length:
             raise CheckpointError(f"layer {layer.layer}: tensor {name!r} lies outside its expert's bytes", path)
         end = t.offset + t.nbytes
     for e, (fi, offset) in enumerate(layer.locations):
-        if not 0 <= fi < len(files) or offset < 0:
-            raise CheckpointError(f"layer {layer.layer}: expert {e} points to file {fi} offset {offset}", path)
+        if not 0 <= fi < len(files):
+            raise CheckpointError(f"layer {layer.layer}: expert {e} points to file {fi} (the map names "
+                                  f"{len(files)})", path)
+        if offset + layer.length > sizes[fi]:
+            raise CheckpointError(f"layer {layer.layer}: expert {e}'s bytes [{offset}, {offset + layer.length}) run "
+                                  f"past the end of {files[fi]} ({sizes[fi]} bytes)", path)
+
+
+def _count(x: Any) -> bool:
+    """A whole number >= 0 (not a bool)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _inside(root: Path, file: Any) -> bool:
+    return isinstance(file, str) and bool(file) and (root / file).resolve().parent == root.resolve()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as e:
+        raise CheckpointError(f"cannot read an expert file: {e.strerror}", path) from None

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
+from tqbench.errors import CheckpointError
 from tqbench.layout.names import EXPERT_MAP, mlx_module_path
 
 METHOD = "tqbench"
@@ -80,15 +82,21 @@ class QuantizationBlock:
     expert_map: str
 
     @classmethod
-    def from_config(cls, quant: Mapping[str, Any] | None) -> QuantizationBlock | None:
-        """None when the block is absent or another tool's."""
+    def from_config(cls, quant: Mapping[str, Any] | None,
+                    source: str | Path | None = None) -> QuantizationBlock | None:
+        """None when the block is absent or another tool's. Raises CheckpointError (naming `source`, the config
+        file, and the entry) when an entry is not what a conversion writes."""
         if not isinstance(quant, Mapping) or quant.get("method") != METHOD:
             return None
-        modules = {}
-        for name, e in (quant.get("modules") or {}).items():
-            modules[name] = ModuleQuant(e["format"], e.get("bits"), bool(e.get("ternary")), int(e["group_size"]),
-                                        e.get("rotation"))
-        return cls(dict(quant.get("recipe") or {}), modules, str(quant.get("expert_map", EXPERT_MAP)))
+        entries = quant.get("modules") or {}
+        if not isinstance(entries, Mapping):
+            raise CheckpointError("quantization.modules is not an object of module entries", source)
+        modules = {name: _module_quant(name, e, source) for name, e in entries.items()}
+        recipe, expert_map = quant.get("recipe") or {}, quant.get("expert_map", EXPERT_MAP)
+        if not isinstance(recipe, Mapping) or not isinstance(expert_map, str):
+            raise CheckpointError("quantization.recipe is not an object or quantization.expert_map not a file name",
+                                  source)
+        return cls(dict(recipe), modules, expert_map)
 
     def module(self, name: str) -> ModuleQuant | None:
         """The entry of a module; a per-expert module (`...experts.7.w1`) finds its layer's `experts.*` entry."""
@@ -96,3 +104,32 @@ class QuantizationBlock:
         if q is None and ".experts." in name:
             q = self.modules.get(_EXPERT_NUMBER.sub(".experts.*.", name + ".")[:-1])
         return q
+
+
+FORMATS = ("turboquant", "affine", "mxfp4")
+ROTATIONS = ("hadamard", "blockwise-hadamard", "none")
+
+
+def _module_quant(name: str, e: Any, source: str | Path | None) -> ModuleQuant:
+    """One `modules` entry, checked field by field."""
+    def wrong(what: str) -> CheckpointError:
+        return CheckpointError(f"quantization.modules[{name!r}]: {what}", source)
+
+    if not isinstance(e, Mapping):
+        raise wrong("not an object")
+    fmt, bits, group, rotation = e.get("format"), e.get("bits"), e.get("group_size"), e.get("rotation")
+    if fmt not in FORMATS:
+        raise wrong(f"format {fmt!r} is none of {', '.join(FORMATS)}")
+    if bits is not None and not (_whole(bits) and 1 <= bits <= 8):
+        raise wrong(f"bits {bits!r} is not a whole number from 1 to 8")
+    if not (_whole(group) and group > 0):
+        raise wrong(f"group_size {group!r} is not a positive whole number")
+    if rotation is not None:
+        kind, block = (rotation.get("kind"), rotation.get("block")) if isinstance(rotation, Mapping) else (None, None)
+        if kind not in ROTATIONS or not (block is None or (_whole(block) and block > 0)):
+            raise wrong(f"rotation {rotation!r} is not {{\"kind\": {' | '.join(ROTATIONS)}, \"block\": a length}}")
+    return ModuleQuant(fmt, bits, bool(e.get("ternary")), group, dict(rotation) if rotation is not None else None)
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
