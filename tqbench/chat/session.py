@@ -77,12 +77,17 @@ def plan_streaming(path: str | Path, request: StreamRequest) -> StreamPlan:
 
 def expert_layout(path: str | Path) -> ExpertStore | None:
     """The model's routed-expert layout (an ExpertStore, closed), or None when it has none to stream."""
+    from tqbench.layout.names import EXPERT_MAP
     from tqbench.stream.store import StoreError
 
-    try:
-        store = ExpertStore.open(Path(path))
-    except (StoreError, TqbenchError, OSError):
-        return None
+    root = Path(path)
+    if (root / EXPERT_MAP).is_file():
+        store = ExpertStore.from_expert_map(root)  # a broken map is an error (named), not "no experts"
+    else:
+        try:
+            store = ExpertStore.from_stacked(root)
+        except (StoreError, TqbenchError, OSError):
+            return None
     store.close()
     return store
 
@@ -173,6 +178,7 @@ class ChatSession:
     def _load(self, request: ChatRequest) -> Iterator:
         from tqbench.runtime.load import load
         from tqbench.runtime.models import choose_model
+        from tqbench.source.checkpoint import check_shards
 
         if request.model is None:
             chosen = None
@@ -186,6 +192,8 @@ class ChatSession:
         else:
             path = request.model
             yield ModelChosen(path, "given")
+        if Path(path).expanduser().is_dir():  # (load names a path that is no directory)
+            check_shards(path)  # before the plan reads the expert map: a missing shard is named, as inspect does
         plan = plan_streaming(path, request.stream)
         yield plan
         t0 = time.perf_counter()

@@ -146,7 +146,7 @@ def _open(chat_session: ChatSession, request, err: Console, quiet: bool, streami
     from tqbench.cli.convert import render_progress
     from tqbench.runtime.models import ModelChosen
 
-    loaded = None
+    loaded, chosen = None, ""
     with chat_session.open(request) as job:
         events = iter(job)
         after: list = []  # the event that ended the conversion's rendering
@@ -167,14 +167,15 @@ def _open(chat_session: ChatSession, request, err: Console, quiet: bool, streami
                     continue
                 ev = after.pop()
             if isinstance(ev, ModelChosen):
+                chosen = ev.path
                 if request.model is None:
                     err.print(f"model: {ev.path} ({ev.why})", markup=False)
-                if not quiet:
-                    err.print(f"loading {ev.path} ...", markup=False)
-            elif isinstance(ev, StreamPlan):
+            elif isinstance(ev, StreamPlan):  # comes before the model loads
                 if streaming_stats and ev.config is None:
                     raise UsageError(f"--stats-json writes streaming statistics, and this model's experts run resident "
                                      f"({ev.reason}): stream them with --cache-budget-gb, or leave out --stats-json")
+                if not quiet:
+                    err.print(f"loading {chosen} ...", markup=False)
                 if ev.note and not quiet:
                     err.print(ev.note, markup=False)
             else:
