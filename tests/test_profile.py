@@ -693,3 +693,32 @@ def test_chat_with_a_malformed_profile_file_says_which_field(model, tmp_path, ca
         assert r.code == 1 and "Traceback" not in r.err and r.out == "", r.err
         assert r.err.splitlines()[-1] == f"tqbench: error: {f}: {why}"
         assert _stored(model).routings == 0  # the chat did not run, so learned nothing
+
+
+def test_an_overviews_stamp_changes_with_the_store_and_the_file(model, tmp_path):
+    """profile_stamp reads again what an overview was read from: equal while nothing changed, different once a
+    session commits (another process's save, as here through the real store) or the file shown is rewritten."""
+    from tqbench.profile import overview, profile_stamp
+
+    shown = overview(model)
+    assert shown.stamp == profile_stamp(shown) == profile_stamp(shown)  # nothing changed: no reload
+    fp, geo = identify(model)
+    delta = Profile.empty(fp, geo)
+    delta.decode[geo.layers[0]][3] = 5
+    delta.routings = 5.0
+    store = ProfileStore()
+    try:
+        store.commit(delta, first=True)
+    finally:
+        store.close()
+    assert profile_stamp(shown) != shown.stamp and profile_stamp(shown).learned == (5.0, 1)
+    again = overview(model)
+    assert again.stamp == profile_stamp(again) and again.summary.routings == 5.0
+
+    f = tmp_path / "hot.json"
+    f.write_text(_stored(model).to_text())
+    with_file = overview(model, file=f)
+    assert with_file.stamp == profile_stamp(with_file)
+    f.write_text(_stored(model).to_text() + "\n")  # the same profile, rewritten
+    assert profile_stamp(with_file).file != with_file.stamp.file
+    assert profile_stamp(with_file).learned == with_file.stamp.learned
