@@ -82,7 +82,10 @@ def test_diff_export_and_merge_lines(wide, tmp_path, capsys, monkeypatch):
     assert (r.code, r.err) == (1, "tqbench: error: missing/a.json: No such file or directory\n")
     r = tqbench(capsys, monkeypatch, "profile", "merge", "a.json", "a.json", "-o", "sub/../c.json")
     assert (r.code, r.err) == (1, "tqbench: error: sub/../c.json: No such file or directory\n")
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["a.json"] and "Traceback" not in r.err
+    (tmp_path / "adir").mkdir()
+    r = tqbench(capsys, monkeypatch, "profile", "export", "--model", wide, "-o", "adir")
+    assert (r.code, r.err) == (1, "tqbench: error: adir: Is a directory\n")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["a.json", "adir"] and not any((tmp_path / "adir").iterdir())
     r = tqbench(capsys, monkeypatch, "profile", "merge", "a.json", "a.json", "-o", "c.json")
     assert r.err == (f"wrote {tmp_path / 'c.json'}: 1 x a.json ({number(p.routings)} routings) + 1 x a.json "
                      f"({number(p.routings)}) = {number(2 * p.routings)} routings\n")

@@ -43,19 +43,16 @@ ModelOpt = Annotated[Optional[Path], typer.Option(
 
 
 @contextlib.contextmanager
-def _one_line_errors() -> Iterator[None]:
+def _one_line_errors(output: Path | None = None) -> Iterator[None]:
+    """TqbenchError and OSError as one line. An OSError comes from writing `output`, which it names as the user gave it
+    (the error's own file name is the temporary file beside it, tqbench.atomic, or none at all)."""
     try:
         yield
     except TqbenchError as e:
         print(f"tqbench: error: {e}", file=sys.stderr)
         raise typer.Exit(e.exit_code) from None
-    except OSError as e:  # writing an output file: named as given, not as its temporary file (tqbench.atomic)
-        from tqbench.atomic import temp_target
-
-        name = str(e.filename)
-        target = temp_target(os.path.basename(name))
-        print(f"tqbench: error: {os.path.join(os.path.dirname(name), target) if target else name}: "
-              f"{e.strerror or e}", file=sys.stderr)
+    except OSError as e:
+        print(f"tqbench: error: {output if output is not None else e.filename}: {e.strerror or e}", file=sys.stderr)
         raise typer.Exit(1) from None
 
 
@@ -155,7 +152,7 @@ def export_cmd(
     from tqbench.profile import export_learned
     from tqbench.profile.report import count, number
 
-    with _one_line_errors():
+    with _one_line_errors(output):
         path = _model(model)
         p = export_learned(path, None, output)
         if output is None:
@@ -218,7 +215,7 @@ def merge_cmd(
     from tqbench.profile import merge, read_profile
     from tqbench.profile.report import number
 
-    with _one_line_errors():
+    with _one_line_errors(output):
         pa, pb = read_profile(a), read_profile(b)
         c = merge(pa, pb, weight_a, weight_b, force, (str(a), str(b)))
         write_bytes(output, c.to_text().encode())
