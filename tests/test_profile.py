@@ -598,3 +598,127 @@ def test_show_export_merge_diff_reset_commands(model, tmp_path, capsys, monkeypa
     assert r.code == 0 and "forgot the learned profile" in r.err and _stored(model).routings == 0
     r = tqbench(capsys, monkeypatch, "profile", "export", "--model", model)
     assert r.code == 1 and "no learned profile for this model yet" in r.err and r.err.count("\n") == 1
+
+
+# ---- a malformed profile file: one line naming the field -------------------------------------------------------------
+
+def _good_doc(model: Path) -> dict:
+    """A profile document of ours for `model`, counts in every layer."""
+    fp, geo = identify(model)
+    p = Profile.empty(fp, geo)
+    for n in geo.layers:
+        p.decode[n][:] = np.arange(geo.experts)
+    p.routings, p.sessions = float(sum(a.sum() for a in p.decode.values())), 3
+    return p.to_dict()
+
+
+def _without(doc: dict, *keys: str) -> dict:
+    out = json.loads(json.dumps(doc))
+    inner = out
+    for k in keys[:-1]:
+        inner = inner[k]
+    del inner[keys[-1]]
+    return out
+
+
+def _with(doc: dict, value, *keys: str) -> dict:
+    out = json.loads(json.dumps(doc))
+    inner = out
+    for k in keys[:-1]:
+        inner = inner[k]
+    inner[keys[-1]] = value
+    return out
+
+
+MALFORMED = {  # file name: (how the good document is spoiled, what the error line says after "FILE: ")
+    "no-fingerprint": (lambda d: _without(d, "fingerprint"), 'malformed profile: no "fingerprint" field'),
+    "no-layers": (lambda d: _without(d, "model", "layers"), 'malformed profile: no "model.layers" field'),
+    "no-experts": (lambda d: _without(d, "model", "experts"), 'malformed profile: no "model.experts" field'),
+    "no-model-type": (lambda d: _without(d, "model", "model_type"), 'malformed profile: no "model.model_type" field'),
+    "no-counts": (lambda d: _without(d, "counts"), 'malformed profile: no "counts" field'),
+    "no-prefill": (lambda d: _without(d, "counts", "prefill"), 'malformed profile: no "counts.prefill" field'),
+    "no-routings": (lambda d: _without(d, "routings"), 'malformed profile: no "routings" field'),
+    "experts-text": (lambda d: _with(d, "64", "model", "experts"),
+                     'malformed profile: "model.experts" is not a positive whole number'),
+    "experts-huge": (lambda d: _with(d, 10 ** 12, "model", "experts"),
+                     'malformed profile: "model.experts" is 1,000,000,000,000, more than any model has (1,048,576 at '
+                     'most)'),
+    "layers-number": (lambda d: _with(d, 7, "model", "layers"),
+                      'malformed profile: "model.layers" is not a list of distinct layer numbers'),
+    "top-k-null": (lambda d: _with(d, None, "model", "top_k"),
+                   'malformed profile: "model.top_k" is not a non-negative whole number'),
+    "fingerprint-number": (lambda d: _with(d, 12, "fingerprint"), 'malformed profile: "fingerprint" is not a string'),
+    "decode-list": (lambda d: _with(d, [], "counts", "decode"), 'malformed profile: "counts.decode" is not an object'),
+    "decode-key": (lambda d: _with(d, {"x": [0] * E}, "counts", "decode"),
+                   'malformed profile: "counts.decode" has the key "x", which is no layer number'),
+    "decode-text": (lambda d: _with(d, ["a"] * E, "counts", "decode", "1"),
+                    f"layer 1 decode counts: expected {E} non-negative numbers"),
+    "routings-text": (lambda d: _with(d, "many", "routings"), 'routings "many": expected a non-negative number'),
+    "sessions-negative": (lambda d: _with(d, -1, "sessions"),
+                          'malformed profile: "sessions" is not a non-negative whole number'),
+    "usage-experts-text": (lambda d: {"version": 1, "num_experts": str(E), "counts": {"1": [1] * E}},
+                           'malformed usage profile: "num_experts" is not a positive whole number'),
+    "usage-routings-text": (lambda d: {"version": 1, "num_experts": E, "routings": "x", "counts": {"1": [1] * E}},
+                            'malformed usage profile: "routings" is not a non-negative number'),
+    "pin-half": (lambda d: {"pin": [[1, 2.5]]}, "pin 0: [1, 2.5] is not [layer, expert]"),
+}
+
+
+def test_a_malformed_profile_names_what_is_wrong_in_one_line(model, tmp_path, capsys, monkeypatch):
+    """`profile import` (and `diff`, which reads a file on its own): each spoiled field is named in the one error line,
+    never a KeyError/TypeError/ValueError, and the learned profile stays as it was."""
+    good = _good_doc(model)
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    assert tqbench(capsys, monkeypatch, "profile", "import", tmp_path / "good.json", "--model", model).code == 0
+    before = _array(_stored(model))
+    for name, (spoil, why) in MALFORMED.items():
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps(spoil(good)))
+        r = tqbench(capsys, monkeypatch, "profile", "import", f, "--model", model)
+        assert (r.code, r.out, r.err) == (1, "", f"tqbench: error: {f}: {why}\n"), name
+        if "usage" not in name and "pin" not in name:  # ours: the same line where a file is read on its own
+            r = tqbench(capsys, monkeypatch, "profile", "diff", f, tmp_path / "good.json")
+            assert (r.code, r.out, r.err) == (1, "", f"tqbench: error: {f}: {why}\n"), name
+    np.testing.assert_array_equal(_array(_stored(model)), before)  # nothing replaced the learned profile
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["good.json", *(f"{n}.json" for n in MALFORMED)])
+
+
+def test_chat_with_a_malformed_profile_file_says_which_field(model, tmp_path, capsys, monkeypatch):
+    """`chat --profile FILE` reads the file as import does: the same line, before anything is learned."""
+    for name in ("no-routings", "experts-text"):
+        spoil, why = MALFORMED[name]
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps(spoil(_good_doc(model))))
+        r = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--max-tokens", "1", "--profile", f)
+        assert r.code == 1 and "Traceback" not in r.err and r.out == "", r.err
+        assert r.err.splitlines()[-1] == f"tqbench: error: {f}: {why}"
+        assert _stored(model).routings == 0  # the chat did not run, so learned nothing
+
+
+def test_an_overviews_stamp_changes_with_the_store_and_the_file(model, tmp_path):
+    """profile_stamp reads again what an overview was read from: equal while nothing changed, different once a
+    session commits (another process's save, as here through the real store) or the file shown is rewritten."""
+    from tqbench.profile import overview, profile_stamp
+
+    shown = overview(model)
+    assert shown.stamp == profile_stamp(shown) == profile_stamp(shown)  # nothing changed: no reload
+    fp, geo = identify(model)
+    delta = Profile.empty(fp, geo)
+    delta.decode[geo.layers[0]][3] = 5
+    delta.routings = 5.0
+    store = ProfileStore()
+    try:
+        store.commit(delta, first=True)
+    finally:
+        store.close()
+    assert profile_stamp(shown) != shown.stamp and profile_stamp(shown).learned == (5.0, 1)
+    again = overview(model)
+    assert again.stamp == profile_stamp(again) and again.summary.routings == 5.0
+
+    f = tmp_path / "hot.json"
+    f.write_text(_stored(model).to_text())
+    with_file = overview(model, file=f)
+    assert with_file.stamp == profile_stamp(with_file)
+    f.write_text(_stored(model).to_text() + "\n")  # the same profile, rewritten
+    assert profile_stamp(with_file).file != with_file.stamp.file
+    assert profile_stamp(with_file).learned == with_file.stamp.learned

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from textual.widgets import DataTable, Input
 
 from tqbench.convert import convert
 from tqbench.demo import DemoSpec, write_source
-from tqbench.profile import Profile, ProfileStore, identify, overview, read_file
+from tqbench.profile import Profile, ProfileStore, default_export_file, identify, overview, read_file
 from tqbench.recipe import Recipe
 from tqbench.runtime.chat import Sampling
 from tqbench.chat.request import ChatRequest, ProfileOptions
@@ -23,6 +24,7 @@ from tqbench.chat.session import ChatSession
 from tqbench.state import remember_model
 from tui.app import TqbenchApp
 from tui.screens.help import HelpScreen
+from tui.screens.open import OpenScreen
 from tui.screens.profile import ProfileScreen
 from tui.widgets.heat_map import RAMP, HeatMap
 from tui_helpers import screen_lines, settle, stable_screen_lines
@@ -258,6 +260,31 @@ async def test_export_writes_what_the_engine_reads_back(demo, tmp_path):
     assert (tmp_path / "out.json").read_text() == p.to_text()  # `tqbench profile export`'s file
 
 
+async def test_export_proposes_the_engines_default_file_and_names_it_in_full(demo, tmp_path, monkeypatch):
+    """e proposes the file the Chat screen's e writes (the cache directory's profile-exports/, made when missing);
+    what is written is named by its absolute path, whatever the working directory."""
+    src, model, text = demo
+    monkeypatch.chdir(tmp_path)
+    remember_model(model)
+    p = learned_into_store(model, text, tmp_path)
+    out = Path(os.environ["TQBENCH_CACHE_DIR"]) / "profile-exports" / f"{model.name}.json"
+    assert not out.parent.exists()
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_profile(pilot)
+        await pilot.press("e")
+        await settle(pilot)
+        assert app.screen.query_one("#open-path", Input).value == str(out) == str(default_export_file(model))
+        await pilot.press("enter")
+        await settle(pilot)
+        assert screen.error is None and out.read_text() == p.to_text()
+        assert list(app._notifications)[-1].message == f"wrote {out}: {p.routings:,.0f} routings"
+        await pilot.press("e")
+        await type_path(pilot, Path("mine.json"))  # a relative name: named in full too
+        assert list(app._notifications)[-1].message == f"wrote {tmp_path / 'mine.json'}: {p.routings:,.0f} routings"
+        assert (tmp_path / "mine.json").read_text() == p.to_text()
+
+
 async def test_import_replaces_the_learned_profile_and_a_corrupt_file_changes_nothing(demo, tmp_path, monkeypatch):
     src, model, _ = demo
     monkeypatch.chdir(tmp_path)  # the error names the file as typed: corrupt.json
@@ -322,6 +349,57 @@ async def test_a_path_that_is_neither_keeps_what_is_shown(demo, tmp_path):
             assert screen.error.startswith(f"{bad}: ") and "\n" not in screen.error
             assert (screen.model, screen.file) == (None, None) and "Model's profile" not in screen_lines(app)[-1]
             assert np.array_equal(screen.query_one(HeatMap).cells, cells)
+
+
+async def wait_for(pilot, condition, what: str, seconds: float = 30) -> None:
+    for _ in range(int(seconds / 0.02)):
+        if condition():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_the_screen_follows_the_store_and_waits_for_an_open_dialog(demo, tmp_path, monkeypatch):
+    """Another session's save shows while the screen is shown (the coverage table's cursor row kept); none is read
+    while a dialog is open over the screen, and the dialog's closing reads it; coming back to the screen reads it."""
+    import tui.screens.profile as profile_screen
+
+    monkeypatch.setattr(profile_screen, "POLL_S", 0.2)
+    src, model, _ = demo
+    remember_model(model)
+    first, second, third, fourth = (seeded(model, seed=10 + i, sessions=1 + i) for i in range(4))
+    put(first)
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_profile(pilot)
+        heat = screen.query_one(HeatMap)
+        table = screen.query_one("#coverage", DataTable)
+        assert np.array_equal(heat.cells, matrix(first))
+        table.focus()
+        await pilot.press("down", "down")
+        assert table.cursor_row == 2
+
+        put(second)  # as a chat session in another process saves
+        await wait_for(pilot, lambda: np.array_equal(heat.cells, matrix(second)), "the second profile")
+        await settle(pilot)
+        assert f"learned: {second.routings:,.0f} routings, 2 sessions" in "\n".join(screen_lines(app)[:5])
+        assert table.cursor_row == 2 and table_rows(table)[2][0] == str(second.geometry.layers[2])
+
+        await pilot.press("o")  # a dialog over the screen: nothing is read under it
+        await settle(pilot)
+        put(third)
+        await pilot.pause(1.0)  # five polls
+        assert isinstance(app.screen, OpenScreen) and np.array_equal(heat.cells, matrix(second))
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: np.array_equal(heat.cells, matrix(third)), "the third profile")
+
+        await pilot.press("s")  # another screen, then back
+        await settle(pilot)
+        put(fourth)
+        await pilot.press("h")
+        await wait_for(pilot, lambda: np.array_equal(heat.cells, matrix(fourth)), "the fourth profile")
+        await settle(pilot)
+        assert f"learned: {fourth.routings:,.0f} routings, 4 sessions" in "\n".join(screen_lines(app)[:5])
 
 
 async def test_without_a_converted_model_the_screen_says_how_to_get_one(tmp_path):

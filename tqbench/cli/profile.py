@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Iterator, Optional
@@ -42,14 +43,16 @@ ModelOpt = Annotated[Optional[Path], typer.Option(
 
 
 @contextlib.contextmanager
-def _one_line_errors() -> Iterator[None]:
+def _one_line_errors(output: Path | None = None) -> Iterator[None]:
+    """TqbenchError and OSError as one line. An OSError comes from writing `output`, which it names as the user gave it
+    (the error's own file name is the temporary file beside it, tqbench.atomic, or none at all)."""
     try:
         yield
     except TqbenchError as e:
         print(f"tqbench: error: {e}", file=sys.stderr)
         raise typer.Exit(e.exit_code) from None
-    except OSError as e:  # writing an output file
-        print(f"tqbench: error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+    except OSError as e:
+        print(f"tqbench: error: {output if output is not None else e.filename}: {e.strerror or e}", file=sys.stderr)
         raise typer.Exit(1) from None
 
 
@@ -93,7 +96,7 @@ def show_cmd(
 
 
 def overview_renderables(ov: Overview) -> list:
-    from tqbench.profile.report import number, shape
+    from tqbench.profile.report import count, number, shape
 
     s = ov.summary
     head = [Text.assemble(("model    ", "bold"), f"{ov.model} ({shape(s.geometry)}; fingerprint {s.fingerprint})")]
@@ -102,7 +105,7 @@ def overview_renderables(ov: Overview) -> list:
     else:
         where = {"learned": f"learned ({ov.where})", "shipped": f"shipped ({ov.where})",
                  "file": f"file {ov.where}"}[ov.source]
-        sessions = f", {s.sessions} session{'s' if s.sessions != 1 else ''}" if ov.source == "learned" else ""
+        sessions = f", {count(s.sessions)} session{'s' if s.sessions != 1 else ''}" if ov.source == "learned" else ""
         head.append(Text.assemble(("profile  ", "bold"), f"{where}: {number(s.routings)} routings (decode "
                                                          f"{number(s.decode)}, prefill {number(s.prefill)}){sessions}"))
     head.append(Text.assemble(("chat     ", "bold"), _chat_line(ov)))
@@ -132,8 +135,7 @@ def coverage_table(ov: Overview) -> Table:
         t.add_column(c, justify="right")
     t.add_column("hottest experts (share)", overflow="fold")
     for r in report.rows:
-        t.add_row(r.label, r.decode, r.prefill, str(r.experts_used), *map(str, r.coverage), r.hottest,
-                  end_section=r.section_end)
+        t.add_row(*r.cells(), r.hottest, end_section=r.section_end)
     return t
 
 
@@ -148,16 +150,17 @@ def export_cmd(
     JSON, schema tqbench.profile/1: the model's fingerprint and geometry, routings, per-layer decode and prefill
     counts and a ranked pin list. `import` and `chat --profile` read it."""
     from tqbench.profile import export_learned
-    from tqbench.profile.report import number
+    from tqbench.profile.report import count, number
 
-    with _one_line_errors():
+    with _one_line_errors(output):
         path = _model(model)
         p = export_learned(path, None, output)
         if output is None:
             sys.stdout.write(p.to_text())
             return
-    print(f"wrote {output}: the learned profile of {path} ({number(p.routings)} routings, {p.sessions} "
-          f"session{'s' if p.sessions != 1 else ''}, {len(p.ranked())} ranked pins)", file=sys.stderr)
+    print(f"wrote {os.path.abspath(output)}: the learned profile of {path} ({number(p.routings)} routings, "
+          f"{count(p.sessions)} session{'s' if p.sessions != 1 else ''}, {count(len(p.ranked()))} ranked pins)",
+          file=sys.stderr)
 
 
 @profile_app.command("import")
@@ -212,12 +215,12 @@ def merge_cmd(
     from tqbench.profile import merge, read_profile
     from tqbench.profile.report import number
 
-    with _one_line_errors():
+    with _one_line_errors(output):
         pa, pb = read_profile(a), read_profile(b)
         c = merge(pa, pb, weight_a, weight_b, force, (str(a), str(b)))
         write_bytes(output, c.to_text().encode())
-    print(f"wrote {output}: {weight_a:g} x {a} ({number(pa.routings)} routings) + {weight_b:g} x {b} "
-          f"({number(pb.routings)}) = {number(c.routings)} routings", file=sys.stderr)
+    print(f"wrote {os.path.abspath(output)}: {weight_a:g} x {a} ({number(pa.routings)} routings) + {weight_b:g} x "
+          f"{b} ({number(pb.routings)}) = {number(c.routings)} routings", file=sys.stderr)
 
 
 @profile_app.command("diff")
@@ -244,7 +247,7 @@ def diff_cmd(
 
 
 def diff_renderables(comparison: ProfileDiff) -> list:
-    from tqbench.profile.report import number
+    from tqbench.profile.report import count, number
 
     sides = (("A", comparison.a), ("B", comparison.b))
     head = [Text.assemble((f"{k}  ", "bold"), f"{side.name} ({number(side.routings)} routings, fingerprint "
@@ -260,10 +263,10 @@ def diff_renderables(comparison: ProfileDiff) -> list:
         return "-" if x is None else format(x, fmt)
 
     for x in comparison.layers:
-        t.add_row(str(x.layer), str(x.hot_a), str(x.hot_b), str(x.common), f(x.jaccard, ".2f"),
+        t.add_row(str(x.layer), count(x.hot_a), count(x.hot_b), count(x.common), f(x.jaccard, ".2f"),
                   f(x.a_covers_b, ".1%"), f(x.b_covers_a, ".1%"), end_section=x is comparison.layers[-1])
     o = comparison.overall
-    t.add_row("all", str(o.hot_a), str(o.hot_b), str(o.common), f(o.jaccard, ".2f"), f(o.a_covers_b, ".1%"),
+    t.add_row("all", count(o.hot_a), count(o.hot_b), count(o.common), f(o.jaccard, ".2f"), f(o.a_covers_b, ".1%"),
               f(o.b_covers_a, ".1%"))
     t.caption = (f"Jaccard: common / either, per layer and over all (layer, expert) pairs (mean of the layers' "
                  f"{f(o.mean_jaccard, '.2f')}); A serves B: the share of B's routings on A's hot experts")

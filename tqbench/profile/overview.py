@@ -1,8 +1,10 @@
 """What `tqbench profile show` (and the TUI's Profile screen) reports about a model's profiles: the profile shown, where
-it comes from, its summary, and what a chat without --profile starts from."""
+it comes from, its summary, and what a chat without --profile starts from; and a stamp of what it was read from, which
+`profile_stamp` reads again cheaply, so a face that keeps an overview on screen knows when it is out of date."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,6 +28,16 @@ class ChatStart:
 
 
 @dataclass(frozen=True)
+class ProfileStamp:
+    """What an overview was read from, as far as it changes under a face: the model's learned profile (routings,
+    sessions; None without a model) and the profile file shown (size, modification time; None without one, or when it
+    cannot be read)."""
+
+    learned: tuple[float, int] | None
+    file: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
 class Overview:
     model: str | None  # None: a profile file shown on its own
     source: str  # of the profile shown: "file", "learned", "shipped", "none"
@@ -34,6 +46,7 @@ class Overview:
     mature_at: int  # routings before a learned profile is used over a shipped one
     warnings: tuple[str, ...]  # e.g. an unreadable store entry
     summary: ProfileSummary  # of the profile shown (an empty one when there is none)
+    stamp: ProfileStamp  # read before the profiles themselves: a change while they were read shows as a newer stamp
 
     def to_dict(self) -> dict:
         """`tqbench profile show --json`: these keys, then the summary's."""
@@ -59,11 +72,13 @@ def overview_profile(model: str | Path, store: ProfileStore | None = None, file:
 def _overview_profile(model: str | Path, store: ProfileStore, file: str | Path | None, force: bool,
                       top: int) -> tuple[Overview, Profile]:
     fp, geo = identify(model)
+    file_stamp = None if file is None else _file_stamp(file)
+    learned = store.load(fp, geo)
+    stamp = ProfileStamp((learned.routings, learned.sessions), file_stamp)
     chat = choose(model, store=store)
     if file is not None:
         p, source, where = read_file(file, fp, geo, force), "file", str(file)
     else:
-        learned = store.load(fp, geo)
         if learned.routings > 0:
             p, source, where = learned, "learned", str(store.directory)
         else:
@@ -71,14 +86,15 @@ def _overview_profile(model: str | Path, store: ProfileStore, file: str | Path |
     if p is None:
         p = Profile.empty(fp, geo)
     return Overview(str(model), source, where, ChatStart(chat.source, chat.where), MATURE, tuple(store.warnings),
-                    summary(p, top)), p
+                    summary(p, top), stamp), p
 
 
 def overview_file(file: str | Path, top: int = 8) -> tuple[Overview, Profile]:
     """A profile file of ours on its own, no model to check it against: `overview`'s record (model and chat None)
     and the profile."""
+    stamp = ProfileStamp(None, _file_stamp(file))
     p = read_profile(file)
-    return Overview(None, "file", str(file), None, MATURE, (), summary(p, top)), p
+    return Overview(None, "file", str(file), None, MATURE, (), summary(p, top), stamp), p
 
 
 def profile_view(model: str | Path | None, file: str | Path | None, top: int = 8,
@@ -98,3 +114,23 @@ def profile_view(model: str | Path | None, file: str | Path | None, top: int = 8
         except TqbenchError:
             raise e from None
         return replace(shown, warnings=(*shown.warnings, f"not for this model ({e}): shown on its own")), p
+
+
+def profile_stamp(ov: Overview, store: ProfileStore | None = None) -> ProfileStamp:
+    """`ov.stamp` read again, cheaply (the model's learned entry in the store and the file's metadata; no model file
+    is read): when it differs from `ov.stamp`, a chat session learned or the file changed, and `ov` is out of date.
+    `store` None: the user's."""
+    learned = None
+    if ov.model is not None:
+        with opened(store) as store:
+            p = store.load(ov.summary.fingerprint, ov.summary.geometry)
+        learned = (p.routings, p.sessions)
+    return ProfileStamp(learned, _file_stamp(ov.where) if ov.source == "file" else None)
+
+
+def _file_stamp(file: str | Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(file)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns

@@ -11,6 +11,7 @@ profile's memory to token counts rather than to work.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ PREFILL_WEIGHT = 1.0
 # one shipped with the model (made from other text). benchmarks/profile.py, the same sessions after a domain switch:
 # cold 31.7%, learned at 0.1 34.8%, at 0.6 38.6%; the shipped profile at 0.1 29.6% (below cold).
 PIN_SHARE, SHIPPED_PIN_SHARE = 0.5, 0.1
+MAX_EXPERTS = 1 << 20  # per layer: a profile claiming more is malformed (its counts would not fit in memory)
 
 
 class ProfileError(TqbenchError):
@@ -112,42 +114,100 @@ def _list(a: np.ndarray) -> list:
 
 
 def from_dict(doc: Any, where: str) -> Profile:
-    """Our schema; raises ProfileError naming `where` and what is wrong."""
+    """Our schema; raises ProfileError naming `where` and the field that is missing or wrong."""
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
-        raise ProfileError(f"not a tqbench profile (schema {found!r}, expected {SCHEMA!r})", where)
+        raise ProfileError(f"not a tqbench profile (schema {_brief(repr(found))}, expected {SCHEMA!r})", where)
+
+    def malformed(what: str) -> ProfileError:
+        return ProfileError(f"malformed profile: {what}", where)
 
     def field(*keys: str) -> Any:
         """doc[keys[0]][keys[1]]...; a missing one is named: `no "model.top_k" field`."""
         value = doc
         for i, key in enumerate(keys):
             if not isinstance(value, dict):
-                raise ProfileError(f'malformed profile: "{".".join(keys[:i])}" is not an object', where)
+                raise malformed(f'"{".".join(keys[:i])}" is not an object')
             if key not in value:
-                raise ProfileError(f'malformed profile: no "{".".join(keys[:i + 1])}" field', where)
+                raise malformed(f'no "{".".join(keys[:i + 1])}" field')
             value = value[key]
         return value
 
-    try:
-        geo = Geometry(str(field("model", "model_type")), tuple(int(n) for n in field("model", "layers")),
-                       int(field("model", "experts")), int(field("model", "top_k")))
-        p = Profile.empty(str(field("fingerprint")), geo)
-        for kind in ("decode", "prefill"):
-            for key, values in field("counts", kind).items():
-                n = int(key)
-                if n not in p.decode:
-                    raise ProfileError(f"counts for layer {n}, which the profile's model has no MoE layer", where)
-                a = np.asarray(values, dtype=np.float64)
-                if a.shape != (geo.experts,) or not np.all(np.isfinite(a)) or (a < 0).any():
-                    raise ProfileError(f"layer {n} {kind} counts: expected {geo.experts} non-negative numbers", where)
-                getattr(p, kind)[n] = a
-        p.routings = float(field("routings"))
-        if not np.isfinite(p.routings) or p.routings < 0:
-            raise ProfileError(f"routings {doc['routings']!r}: expected a non-negative number", where)
-        p.sessions = int(doc.get("sessions", 0))
-    except (AttributeError, TypeError, ValueError) as e:
-        raise ProfileError(f"malformed profile ({type(e).__name__}: {e})", where) from None
+    def whole(*keys: str, least: int, most: int | None = None) -> int:
+        value = field(*keys)
+        if not _is_whole(value) or value < least:
+            raise malformed(f'"{".".join(keys)}" is not a {"positive" if least else "non-negative"} whole number')
+        if most is not None and value > most:
+            raise malformed(f'"{".".join(keys)}" is {int(value):,}, more than any model has ({most:,} at most)')
+        return int(value)
+
+    def text(*keys: str) -> str:
+        value = field(*keys)
+        if not isinstance(value, str):
+            raise malformed(f'"{".".join(keys)}" is not a string')
+        return value
+
+    layers = field("model", "layers")
+    if (not isinstance(layers, list) or not all(_is_whole(n) and n >= 0 for n in layers)
+            or len(set(layers)) != len(layers)):
+        raise malformed('"model.layers" is not a list of distinct layer numbers')
+    geo = Geometry(text("model", "model_type"), tuple(int(n) for n in layers),
+                   whole("model", "experts", least=1, most=MAX_EXPERTS), whole("model", "top_k", least=0))
+    p = Profile.empty(text("fingerprint"), geo)
+    for kind in ("decode", "prefill"):
+        counts = field("counts", kind)
+        if not isinstance(counts, dict):
+            raise malformed(f'"counts.{kind}" is not an object')
+        for key, values in counts.items():
+            n = _layer_number(key)
+            if n is None:
+                raise malformed(f'"counts.{kind}" has the key {json.dumps(key)}, which is no layer number')
+            if n not in p.decode:
+                raise ProfileError(f"counts for layer {n}, which the profile's model has no MoE layer", where)
+            a = _counts(values, geo.experts)
+            if a is None:
+                raise ProfileError(f"layer {n} {kind} counts: expected {geo.experts} non-negative numbers", where)
+            getattr(p, kind)[n] = a
+    routings = _number(field("routings"))
+    if routings is None or routings < 0:
+        raise ProfileError(f"routings {_brief(json.dumps(doc['routings']))}: expected a non-negative number", where)
+    p.routings = routings
+    p.sessions = whole("sessions", least=0) if "sessions" in doc else 0
     return p
+
+
+def _brief(text: str, most: int = 40) -> str:
+    """A value quoted in an error line, cut to `most` characters."""
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
+def _number(value: Any) -> float | None:
+    """A finite JSON number as a float; None for anything else (true and false, NaN, a number past float's range)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _is_whole(value: Any) -> bool:
+    x = _number(value)
+    return x is not None and x.is_integer()
+
+
+def _layer_number(key: str) -> int | None:
+    """A counts key: "3" -> 3; None for a key that is no layer number."""
+    return int(key) if key.isdecimal() and len(key) < 10 else None
+
+
+def _counts(values: Any, experts: int) -> np.ndarray | None:
+    """A layer's counts: `experts` non-negative numbers, else None."""
+    if not isinstance(values, list) or len(values) != experts or any(_number(v) is None for v in values):
+        return None
+    a = np.asarray(values, dtype=np.float64)
+    return None if (a < 0).any() else a
 
 
 def from_seed_files(doc: Any, fingerprint: str, geo: Geometry, where: str) -> Profile | None:
@@ -159,29 +219,33 @@ def from_seed_files(doc: Any, fingerprint: str, geo: Geometry, where: str) -> Pr
     if isinstance(doc.get("pin"), list):
         pins = doc["pin"]
         for rank, pair in enumerate(pins):
-            try:
-                n, e = int(pair[0]), int(pair[1])
-            except (TypeError, ValueError, IndexError):
-                raise ProfileError(f"pin {rank}: {pair!r} is not [layer, expert]", where) from None
+            if not (isinstance(pair, list) and len(pair) == 2 and all(_is_whole(x) for x in pair)):
+                raise ProfileError(f"pin {rank}: {_brief(json.dumps(pair))} is not [layer, expert]", where)
+            n, e = int(pair[0]), int(pair[1])
             _check_key(n, e, geo, where)
             p.decode[n][e] += len(pins) - rank  # hottest first: a descending weight keeps the order
         p.routings = float(sum(a.sum() for a in p.decode.values()))
         return p
     if isinstance(doc.get("counts"), dict) and "num_experts" in doc:
-        try:
-            if int(doc["num_experts"]) != geo.experts:
-                raise ProfileError(f"usage profile for {doc['num_experts']} experts per layer; this model has "
-                                   f"{geo.experts}", where)
-            for key, values in doc["counts"].items():
-                n = int(key)
-                a = np.asarray(values, dtype=np.float64)
-                _check_key(n, 0, geo, where)
-                if a.shape != (geo.experts,) or not np.all(np.isfinite(a)) or (a < 0).any():
-                    raise ProfileError(f"layer {n}: expected {geo.experts} non-negative counts", where)
-                p.decode[n] = a
-            p.routings = float(doc.get("routings") or sum(a.sum() for a in p.decode.values()))
-        except (TypeError, ValueError) as e:  # a key that is no layer number, counts that are no numbers
-            raise ProfileError(f"malformed usage profile ({type(e).__name__}: {e})", where) from None
+        if not _is_whole(doc["num_experts"]) or not 1 <= doc["num_experts"] <= MAX_EXPERTS:
+            raise ProfileError('malformed usage profile: "num_experts" is not a positive whole number', where)
+        if int(doc["num_experts"]) != geo.experts:
+            raise ProfileError(f"usage profile for {int(doc['num_experts'])} experts per layer; this model has "
+                               f"{geo.experts}", where)
+        for key, values in doc["counts"].items():
+            n = _layer_number(key)
+            if n is None:
+                raise ProfileError(f'malformed usage profile: "counts" has the key {json.dumps(key)}, which is no '
+                                   "layer number", where)
+            _check_key(n, 0, geo, where)
+            a = _counts(values, geo.experts)
+            if a is None:
+                raise ProfileError(f"layer {n}: expected {geo.experts} non-negative counts", where)
+            p.decode[n] = a
+        routings = _number(doc.get("routings", 0))
+        if routings is None or routings < 0:
+            raise ProfileError('malformed usage profile: "routings" is not a non-negative number', where)
+        p.routings = routings or float(sum(a.sum() for a in p.decode.values()))
         return p
     return None
 

@@ -1,12 +1,13 @@
 """The profile report: what `tqbench profile show` and the TUI's Profile screen both show of an overview, as text.
 
-`number` writes a routing count, `shape` a model's MoE geometry, CHAT_STARTS what a chat starts from, and
-`coverage_report(summary)` the coverage table: one row per MoE layer, then the total (`all`). Each face lays the rows
-out its own way (a rich table, plain lines, a DataTable) and formats no count itself.
+`number` writes a routing count, `count` any other count (experts, sessions, pins), `shape` a model's MoE geometry,
+CHAT_STARTS what a chat starts from, and `coverage_report(summary)` the coverage table: one row per MoE layer, then the
+total (`all`), whose `cells()` are the texts of its columns. Each face lays the rows out its own way (a rich table,
+plain lines, a DataTable) and formats no count itself.
 
-Formats: counts are decayed, so not always whole: with thousands separators, whole when within 1e-6 of a whole number
-or at least 100, else to one decimal (1,234 or 12.5); a hot expert as `252 0.7%` (its share of the layer's routings).
-Experts stay integers, which the CLI prints bare and the TUI with separators.
+Formats: every count has thousands separators. Routing counts are decayed, so not always whole: whole when within 1e-6
+of a whole number or at least 100, else to one decimal (1,234 or 12.5); a hot expert as `252 0.7%` (its share of the
+layer's routings); experts, sessions and pins are whole (3,136).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ def number(x: float) -> str:
     return f"{x:,.0f}" if abs(x - round(x)) < 1e-6 or abs(x) >= 100 else f"{x:,.1f}"
 
 
+def count(n: int) -> str:
+    """A whole count: 3,136."""
+    return f"{n:,}"
+
+
 def shape(g: Geometry) -> str:
     """`kimi_k3: 7 MoE layers x 448 experts, top-8`."""
     return f"{g.model_type}: {len(g.layers)} MoE layers x {g.experts} experts, top-{g.top_k}"
@@ -39,6 +45,10 @@ class CoverageRow:
     coverage: tuple[int, ...]  # the experts covering each of the report's shares
     hottest: str  # `252 0.7%, 87 0.7%` (as many as the summary lists), `-` for none; the total row: `of 3,136 experts`
     section_end: bool = False  # the last layer's row: the total follows
+
+    def cells(self) -> tuple[str, ...]:
+        """The texts of the report's columns (`CoverageReport.columns`), the hottest experts not included."""
+        return (self.label, self.decode, self.prefill, count(self.experts_used), *map(count, self.coverage))
 
 
 @dataclass(frozen=True)

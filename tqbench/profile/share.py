@@ -1,19 +1,34 @@
 """Sharing a model's learned profile: export it to a file, import a file in its place (`tqbench profile export` and
-`import`, and the TUI's Profile screen)."""
+`import`, and the TUI's Chat and Profile screens). An export the user did not name goes to `default_export_file`."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqbench.paths import cache_dir
 from tqbench.profile.choose import identify, read_file
 from tqbench.profile.profile import Profile, ProfileError
 from tqbench.profile.store import ProfileStore, opened
 
 
+def _exports_directory() -> Path:
+    """Where exports go unless the user names a file: `profile-exports` in the user cache directory (absolute)."""
+    return Path(os.path.abspath(cache_dir() / "profile-exports"))
+
+
+def default_export_file(model: str | Path) -> Path:
+    """The file a face exports the model's learned profile to unless the user names one (the Chat screen's e, the
+    Profile screen's e as its proposal): `profile-exports/<the model directory's name>.json` in the user cache
+    directory, absolute."""
+    return _exports_directory() / f"{Path(os.path.abspath(model)).name}.json"
+
+
 def export_learned(model: str | Path, store: ProfileStore | None = None, dest: str | Path | None = None) -> Profile:
     """The model's learned profile, written atomically to `dest` if given (as `Profile.to_text`). Raises ProfileError
-    (one line) when nothing was learned yet, OSError when `dest` cannot be written."""
+    (one line) when nothing was learned yet, OSError when `dest` cannot be written. The exports directory is made
+    when missing; any other directory must exist (a mistyped one is refused, not created)."""
     from tqbench.atomic import write_bytes
 
     fp, geo = identify(model)
@@ -22,7 +37,10 @@ def export_learned(model: str | Path, store: ProfileStore | None = None, dest: s
     if p.routings <= 0:
         raise ProfileError(f"no learned profile for this model yet (fingerprint {fp}): chat with it first", model)
     if dest is not None:
-        write_bytes(Path(dest), p.to_text().encode())
+        dest = Path(dest)
+        if Path(os.path.abspath(dest)).parent == _exports_directory():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes(dest, p.to_text().encode())
     return p
 
 

@@ -31,8 +31,6 @@ again).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -55,7 +53,6 @@ from tui.screens.chat_settings import SettingsScreen
 from tui.screens.chat_turns import (RESET_LINE, RESETTING_LINE, START_HINT, STOPPED_EARLY_LINE, STOPPING_LINE,
                                     WAITING_LINE, ChatTurns, began_line, replying_line)
 from tui.spans import content
-from tui.state import display_path
 from tui.widgets.conversion_bar import ConversionBar
 from tui.widgets.expert_panel import ExpertPanel
 from tui.widgets.inputs import OrderedInput
@@ -388,7 +385,7 @@ class ChatScreen(Screen):
         if message.error is not None:
             self.notify(f"profile not exported: {message.error}", severity="error")
             return
-        where = display_path(Path(message.file))
+        where = message.file  # absolute: the engine's default export file
         self._status(exported_line(where, message.routings))
         self.notify(f"profile exported to {where}")
 

@@ -1,9 +1,9 @@
 """The Chat screen's export of the learned hot-expert profile (e), as `tqbench profile export`: a thread worker writes
-it to a file in the cache directory named after the model, then posts ChatProfileExported."""
+it where the engine puts an export the user did not name (tqbench.profile.default_export_file: the cache directory's
+`profile-exports/`, named after the model), then posts ChatProfileExported with the file's absolute path."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from textual.content import Content
@@ -20,9 +20,9 @@ GROUP = "export"  # the workers' group
 
 def export_profile(screen: Screen, session: Callable[[], ChatSession], model_path: str) -> None:
     """Export the profile that `session` (the screen's ChatSession) learned of the model at `model_path`."""
-    from tqbench.paths import cache_dir
+    from tqbench.profile import default_export_file
 
-    file = str(cache_dir() / "profile-exports" / f"{Path(model_path).name}.json")
+    file = default_export_file(model_path)
 
     def export() -> None:
         try:
@@ -37,6 +37,6 @@ def export_profile(screen: Screen, session: Callable[[], ChatSession], model_pat
 
 
 def exported_line(where: str, routings: float) -> Content:
-    """The status once the profile is written to `where` (as shown)."""
+    """The status once the profile is written to `where` (its absolute path)."""
     return Content.assemble("profile exported to ", (where, "bold"),
                             (f"\n{routings:,.0f} routings; tqbench chat --profile FILE uses it", "$text-muted"))

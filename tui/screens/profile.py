@@ -4,10 +4,14 @@ profile applies and how mature it is, a layer x expert heat map of its counts, t
 
 The model is the one the Chat screen opens (the last converted model, else the demo's conversion); o opens another
 model directory, or a profile file (shown against the model when it fits, else on its own). The profile is read again
-each time the screen is shown: chat sessions keep learning."""
+each time the screen is shown, and while it is shown whenever the engine's stamp of what it was read from changes
+(tqbench.profile.profile_stamp, checked every POLL_S in a worker): chat sessions, here or in another process, keep
+learning. A dialog open over the screen holds that reload back until it closes; the cursors stay where they were.
+e proposes the engine's default export file (tqbench.profile.default_export_file) and names the file written in full."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,9 +31,10 @@ from tui.state import display_path
 from tui.widgets.heat_map import RAMP, HeatMap
 
 if TYPE_CHECKING:
-    from tqbench.profile import Overview, Profile
+    from tqbench.profile import Overview, Profile, ProfileStamp
 
 HOTTEST_SHOWN = 3  # hottest experts per layer in the coverage table (it fits 80 columns)
+POLL_S = 2.0  # how often a shown profile's stamp is read again
 
 
 def one_line(e: TqbenchError) -> str:
@@ -65,6 +70,8 @@ class ProfileScreen(Screen):
         self.shown_model: Path | None = None  # the model it was read for (None: a file on its own)
         self.error: str | None = None
         self._load_id = 0
+        self._loading = False  # a load is in flight (the poll waits for it)
+        self._stale_stamp: ProfileStamp | None = None  # the stamp that last asked for a reload (asked once)
         self._shown_paths: tuple[Path | None, Path | None] = (None, None)  # (model, file) of the last good load
 
     def compose(self) -> ComposeResult:
@@ -82,9 +89,35 @@ class ProfileScreen(Screen):
         self.sub_title = "Profile"
         self.query_one("#profile-body").display = False
         self.query_one("#profile-empty").display = False
+        self.set_interval(POLL_S, self._poll)
 
     def on_screen_resume(self) -> None:
         self.reload(clear=False)  # also back from a dialog: an error it led to stays
+
+    # ---- keeping up with the store ---------------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        """Read the shown profile's stamp again, unless the screen is hidden or covered (a dialog is open) or a load
+        is in flight."""
+        if self.overview is not None and self.app.screen is self and not self._loading:
+            self._check(self._load_id, self.overview)
+
+    @work(thread=True, exclusive=True, group="poll", exit_on_error=False, description="check the profile")
+    def _check(self, load_id: int, shown: Overview) -> None:
+        from tqbench.profile import profile_stamp
+
+        try:
+            stamp = profile_stamp(shown)
+        except TqbenchError:
+            return  # the store cannot be read now: the next reload says so, the screen stays as it is
+        if stamp != shown.stamp:
+            self.app.call_from_thread(self._stale, load_id, stamp)
+
+    def _stale(self, load_id: int, stamp: ProfileStamp) -> None:
+        """The shown profile is out of date: read it again, once per stamp (a reload that fails is not repeated)."""
+        if load_id == self._load_id and self.app.screen is self and not self._loading and stamp != self._stale_stamp:
+            self._stale_stamp = stamp
+            self.reload(clear=False)
 
     # ---- loading ----------------------------------------------------------------------------------------------------
 
@@ -92,6 +125,7 @@ class ProfileScreen(Screen):
         if clear:
             self._set_error(None)
         self._load_id += 1
+        self._loading = True
         self._load(self._load_id, self.model, self.file)
 
     @work(thread=True, exclusive=True, group="profile", exit_on_error=False, description="read the profile")
@@ -114,11 +148,14 @@ class ProfileScreen(Screen):
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """Anything else a worker raised (a locked store, a bug) is one line too."""
         if event.state is WorkerState.ERROR and event.worker.group in ("profile", "share"):
+            if event.worker.group == "profile":
+                self._loading = False
             e = event.worker.error
             self._set_error(" ".join(f"{type(e).__name__}: {e}".split()))
 
     def _fail(self, load_id: int, text: str) -> None:
         if load_id == self._load_id:
+            self._loading = False
             self.model, self.file = self._shown_paths  # what is shown stays shown
             self.refresh_bindings()
             self._set_error(text)
@@ -126,6 +163,7 @@ class ProfileScreen(Screen):
     def _show(self, load_id: int, model: Path | None, overview: Overview | None, profile: Profile | None) -> None:
         if load_id != self._load_id:
             return
+        self._loading = False
         self._shown_paths = (self.model, self.file)
         self.overview, self.profile, self.shown_model = overview, profile, model
         self.query_one("#profile-body").display = overview is not None
@@ -149,7 +187,7 @@ class ProfileScreen(Screen):
             heat.focus()
 
     def _info_lines(self, overview: Overview) -> list[str]:
-        from tqbench.profile.report import CHAT_STARTS, number, shape
+        from tqbench.profile.report import CHAT_STARTS, count, number, shape
 
         s = overview.summary
         routings = f"{number(s.routings)} routings"
@@ -157,7 +195,7 @@ class ProfileScreen(Screen):
             mature = overview.mature_at
             maturity = (f"mature (from {mature:,})" if s.routings >= mature else
                         f"mature at {mature:,} ({s.routings / mature:.0%} there)")
-            line = f"learned: {routings}, {s.sessions} session{'s' if s.sessions != 1 else ''}; {maturity}"
+            line = f"learned: {routings}, {count(s.sessions)} session{'s' if s.sessions != 1 else ''}; {maturity}"
         elif overview.source == "none":
             line = "none yet: chat sessions learn one"
         else:
@@ -172,17 +210,18 @@ class ProfileScreen(Screen):
         from tqbench.profile.report import coverage_report
 
         table = self.query_one("#coverage", DataTable)
+        row = table.cursor_row  # kept when the same profile is read again
         table.clear(columns=True)
         report = coverage_report(overview.summary)
         names = [*report.columns, "hottest (share)"]
-        rows = [[r.label, r.decode, r.prefill, f"{r.experts_used:,}", *(f"{c:,}" for c in r.coverage), r.hottest]
-                for r in report.rows]
+        rows = [[*r.cells(), r.hottest] for r in report.rows]
         # Widths fixed from the contents (what DataTable's automatic width gives): an automatic width is updated after
         # the rows arrive, and a row drawn before that kept a cell cut to its header's width on a loaded machine.
         for i, name in enumerate(names):
             table.add_column(name, width=max(len(name), *(len(r[i]) for r in rows)))
         for r in rows:
             table.add_row(*r)
+        table.move_cursor(row=min(row, len(rows) - 1), animate=False)
 
     @on(HeatMap.Moved)
     def _cell_moved(self) -> None:
@@ -254,10 +293,12 @@ class ProfileScreen(Screen):
         return model
 
     def action_export(self) -> None:
+        from tqbench.profile import default_export_file
+
         model = self._model_or_error()
         if model is None:
             return
-        initial = display_path(Path.cwd() / f"{model.name}-profile.json")
+        initial = str(default_export_file(model))
 
         def chosen(dest: Path | None) -> None:
             if dest is not None:
@@ -280,7 +321,7 @@ class ProfileScreen(Screen):
         except OSError as e:
             self.app.call_from_thread(self._set_error, f"{display_path(dest)}: {e.strerror or e}")
             return
-        self.app.call_from_thread(self._done, f"wrote {display_path(dest)}: {number(p.routings)} routings")
+        self.app.call_from_thread(self._done, f"wrote {os.path.abspath(dest)}: {number(p.routings)} routings")
 
     def action_import(self) -> None:
         model = self._model_or_error()
