@@ -92,10 +92,12 @@ class StreamReport:
     stats: StreamStats  # a copy: the streamer's own keeps counting
     disk: DiskSpeed | None
     profile: ProfileInfo | None
+    learned_routings: int | None = None  # this session's routings added to the learned profile; None: not learning
 
     @classmethod
-    def snapshot(cls, stats: StreamStats, disk: DiskSpeed | None, profile: ProfileInfo | None) -> StreamReport:
-        return cls(copy.deepcopy(stats), disk, profile)
+    def snapshot(cls, stats: StreamStats, disk: DiskSpeed | None, profile: ProfileInfo | None,
+                 learned_routings: int | None = None) -> StreamReport:
+        return cls(copy.deepcopy(stats), disk, profile, learned_routings)
 
     @property
     def hit_rate(self) -> float:
@@ -111,7 +113,7 @@ class StreamReport:
         d = self.stats.to_dict()
         on_misses = d["critical_bytes"] / d["stall_s"] if d["stall_s"] > 0 else None  # as the document rounds it
         return {**d, **disk_fields(self.disk), "disk_bytes_per_s_on_misses": on_misses,
-                "profile": self.profile.to_dict() if self.profile else None}
+                "profile": self.profile.to_dict() if self.profile else None, "learned_routings": self.learned_routings}
 
 
 @dataclass(frozen=True)

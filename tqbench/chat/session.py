@@ -241,7 +241,9 @@ class ChatSession:
         if self._open is None or self._open.conversation.loaded.streamer is None:
             return None
         disk = self._disk[1] if self._disk else None
-        return StreamReport.snapshot(self._open.conversation.loaded.streamer.stats, disk, self._open.loaded.profile)
+        learner = self._open.learner  # it counts a reply's routing before each of its events
+        return StreamReport.snapshot(self._open.conversation.loaded.streamer.stats, disk, self._open.loaded.profile,
+                                     learner.routings if learner is not None else None)
 
     def _export(self, out: Path) -> ProfileExport:
         from tqbench.profile import export_learned

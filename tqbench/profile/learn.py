@@ -29,6 +29,7 @@ class Learner:
         self._saved_once = False
         self._last_save = time.monotonic()
         self.saves = 0
+        self.routings = 0  # counted by this session so far: saved, or saved at the next save
 
     def observe(self, layer: int, indices: mx.array, prefill: bool) -> None:
         self._pending.append((layer, indices, prefill))
@@ -44,6 +45,7 @@ class Learner:
                 ids = np.array(indices).ravel()
                 (self.delta.prefill if prefill else self.delta.decode)[layer] += np.bincount(ids, minlength=experts)
                 self.delta.routings += ids.size
+                self.routings += ids.size
             self._pending.clear()
         if time.monotonic() - self._last_save >= self.every_s:
             self.save()

@@ -2,7 +2,10 @@
 directory), one entry per model fingerprint, stored as JSON text (never pickles: a store entry is data, not code).
 
 Every update is one read-modify-write inside a diskcache transaction (SQLite, locked across processes), so two
-sessions on one model lose no counts. A corrupt or foreign entry reads as empty, with one warning line."""
+sessions on one model lose no counts. A read takes no lock (SQLite gives it the entry as of one save), except when it
+finds no entry: diskcache keeps a large entry (over 32 KB: any real model's) in a file of its own and deletes the old
+file once a save has replaced it, so a read between the two finds the entry gone; that read is made again under the
+lock, which no save holds then. A corrupt or foreign entry reads as empty, with one warning line."""
 
 from __future__ import annotations
 
@@ -35,15 +38,20 @@ class ProfileStore:
         self.warnings: list[str] = []
 
     def load(self, fp: str, geo: Geometry) -> Profile:
+        from diskcache import Timeout
+
         where = f"{self.directory} [{fp}]"
         try:
             raw = self._cache.get(fp)
+            if raw is None:  # no entry, or a save replaced its file under this read
+                with self._cache.transact():
+                    raw = self._cache.get(fp)
             if raw is None:
                 return Profile.empty(fp, geo)
             p = from_dict(json.loads(raw) if isinstance(raw, (str, bytes)) else raw, where)
             check_fits(p, fp, geo, where)
             return p
-        except sqlite3.Error:
+        except (sqlite3.Error, Timeout):
             raise  # the database itself (locked past its timeout, unreadable): never mistaken for an empty entry
         except Exception as e:  # noqa: BLE001 - bad JSON, another schema, a pickle of a class that is gone: all empty
             line = f"tqbench: warning: the learned profile is unreadable and is ignored ({e})"
