@@ -138,6 +138,16 @@ def test_a_chat_session_end_to_end(model, tmp_path):
         assert d["hit_rate"] == round(stats.hit_rate, 4) and d["profile"] == loaded.profile.to_dict()
         assert chat.status().turns == 1 and chat.status().tokens == done.prompt_tokens + 6
         assert "conversation: 1 turn, " in report.stats_lines(loaded, chat.status(), stats)[0]
+        # What the reply taught is in the store once the reply is done, while the session stays open.
+        from tqbench.profile import ProfileStore
+        from tqbench.profile.overview import profile_view
+
+        store = ProfileStore(tmp_path / "store")
+        try:
+            overview, _ = profile_view(model, None, store=store)
+        finally:
+            store.close()
+        assert overview.summary.routings == stats.learned_routings > 0 and overview.summary.sessions == 1
 
         out = tmp_path / "exports" / "hot.json"
         exported = chat.export_profile(out)

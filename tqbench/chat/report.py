@@ -93,7 +93,7 @@ def profile_line(p: ProfileInfo) -> str:
     src = {"file": f"from {p.where}", "learned": f"learned ({p.routings:,} routings)",
            "shipped": f"shipped ({p.where})",
            "none": "none (--cold)" if p.where == "cold" else "none yet"}[p.source]
-    pins = f"; pinned {p.pinned} experts (preloaded in {p.preload_s:.2f} s)" if p.pinned else ""
+    pins = f"; pinned {p.pinned:,} experts (preloaded in {p.preload_s:.2f} s)" if p.pinned else ""
     learn = "learning from this session" if p.learning else "not learning (--no-learn)"
     return f"hot-expert profile: {src}{pins}; {learn}"
 

@@ -236,6 +236,8 @@ class ChatSession:
             if streamer is not None:
                 yield from streamer.drain()
             yield ev
+        if state.learner is not None:
+            state.learner.save()  # what the reply taught is in the store while the chat is idle
 
     def _stats(self) -> StreamReport | None:
         if self._open is None or self._open.conversation.loaded.streamer is None:
