@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 GROUP = "load"  # the workers' group
 
 RESIDENT_HINT = "experts resident: o streams them from disk (with a cache budget) to watch them page in"
-FAILED_HINT = "Convert a model on the Convert screen (c), then come back here (t) to load it."
+FAILED_HINT = "Convert the model again on the Convert screen (c), or another one, then come back here (t) to load it."
 
 
 def choosing_line() -> Content:
