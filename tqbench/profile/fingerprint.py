@@ -83,7 +83,7 @@ def geometry(path: str | Path, store: ExpertStore | None = None) -> Geometry:
 
     root = Path(path)
     raw = json.loads((root / "config.json").read_text())
-    cfg = parse_config(raw)
+    cfg = parse_config(raw, root / "config.json")
     store = store or _open(root)
     layers = tuple(sorted(store.layers))
     experts = max(lay.experts for lay in store.layers.values())

@@ -51,7 +51,7 @@ def read_config(directory: Path) -> ModelConfig:
         raise CheckpointError("not a JSON object", path)
     if not _model_type(raw):
         raise CheckpointError("no model_type (at the top level or under text_config): not a model config", path)
-    return parse_config(raw)
+    return parse_config(raw, path)
 
 
 def _model_type(raw: dict[str, Any]) -> str | None:
@@ -63,20 +63,40 @@ def _model_type(raw: dict[str, Any]) -> str | None:
     return None
 
 
-def parse_config(raw: dict[str, Any]) -> ModelConfig:
+def parse_config(raw: dict[str, Any], source: str | Path | None = None) -> ModelConfig:
+    """The facts tqbench reads, each checked: a count that is not a whole number >= 0 (a string, a list, a negative
+    number) is a CheckpointError naming `source` (the config file) and the field."""
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     linear = text.get("linear_attn_config") or {}
-    kda = tuple(i - 1 for i in linear.get("kda_layers") or ())  # the config lists them 1-indexed
+    if not isinstance(linear, dict):
+        raise CheckpointError("linear_attn_config is not an object", source)
+    kda_layers = linear.get("kda_layers") or []
+    if not isinstance(kda_layers, list) or not all(_count(i) and i > 0 for i in kda_layers):
+        raise CheckpointError(f"linear_attn_config.kda_layers {kda_layers!r} is not a list of layer numbers (from 1)",
+                              source)
+    kda = tuple(i - 1 for i in kda_layers)  # the config lists them 1-indexed
     quant = _first(raw, "quantization_config", "quantization") or _first(text, "quantization_config", "quantization")
+
+    def count(*keys: str, default: Any = None) -> Any:
+        value = _first(text, *keys, default=default)
+        if value is not None and not _count(value):
+            key = next(k for k in keys if text.get(k) is not None)
+            raise CheckpointError(f"{key} {value!r} is not a whole number >= 0", source)
+        return value
+
     return ModelConfig(
         raw=raw,
         model_type=_model_type(raw) or "unknown",
-        hidden_size=_first(text, "hidden_size", "d_model", "n_embd"),
-        num_layers=_first(text, "num_hidden_layers", "n_layer", "num_layers"),
-        vocab_size=_first(text, "vocab_size"),
-        num_experts=int(_first(text, "num_experts", "n_routed_experts", "num_local_experts", default=0) or 0),
-        top_k=int(_first(text, "num_experts_per_token", "num_experts_per_tok", "moe_topk", "top_k", default=0) or 0),
-        first_dense=int(_first(text, "first_k_dense_replace", default=0) or 0),
+        hidden_size=count("hidden_size", "d_model", "n_embd"),
+        num_layers=count("num_hidden_layers", "n_layer", "num_layers"),
+        vocab_size=count("vocab_size"),
+        num_experts=count("num_experts", "n_routed_experts", "num_local_experts", default=0),
+        top_k=count("num_experts_per_token", "num_experts_per_tok", "moe_topk", "top_k", default=0),
+        first_dense=count("first_k_dense_replace", default=0),
         kda_layers=kda,
         quantization=quant if isinstance(quant, dict) else None,
     )
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
