@@ -103,7 +103,11 @@ def demo(
 ) -> None:
     """Print where the built-in demo model lives (a small Kimi-K3-architecture checkpoint), creating it if needed."""
     from tqbench.demo import ensure_demo
+    from tqbench.demo.install import demo_path
+    from tqbench.writable import check_output_dir
 
+    if force or not demo_path().is_dir():  # it is written into the cache directory
+        check_output_dir(demo_path())
     path = ensure_demo(force=force)
     print(json.dumps({"path": str(path)}) if as_json else path)
 

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from tqbench.cli.render import show
 from tqbench.errors import TqbenchError
+from tqbench.writable import check_output_file
 
 if TYPE_CHECKING:
     from tqbench.profile import Overview, ProfileDiff
@@ -151,6 +152,8 @@ def export_cmd(
     from tqbench.profile.report import number
 
     with _one_line_errors():
+        if output is not None:
+            check_output_file(output)
         path = _model(model)
         p = export_learned(path, None, output)
         if output is None:
@@ -213,6 +216,7 @@ def merge_cmd(
     from tqbench.profile.report import number
 
     with _one_line_errors():
+        check_output_file(output)
         pa, pb = read_profile(a), read_profile(b)
         c = merge(pa, pb, weight_a, weight_b, force, (str(a), str(b)))
         write_bytes(output, c.to_text().encode())
