@@ -38,7 +38,8 @@ def chat(
                                                    help="Nucleus sampling mass (0: off).")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", min=0,
                                                  help="Sample among the k likeliest (0: off).")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", min=0, max=2**64 - 1,
+                                                help="Random seed for sampling.")] = None,
     system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="A system message.")] = None,
     no_chat_template: Annotated[bool, typer.Option(
         "--no-chat-template", help="Send turns as plain text (a base model's continuation).")] = False,

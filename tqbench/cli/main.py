@@ -13,9 +13,10 @@ from rich.console import Console
 
 from tqbench import __version__
 from tqbench.cli import render
+from tqbench.cli.options import App
 from tqbench.errors import ExitCode, TqbenchError
 
-app = typer.Typer(
+app = App(
     name="tqbench",
     help="A workbench for running giant Mixture-of-Experts models on one machine with MLX.",
     no_args_is_help=False,
@@ -56,7 +57,7 @@ def inspect(
     by: Annotated[By, typer.Option("--by", help="Group the totals by role, layer or shard.")] = By.role,
     tensors: Annotated[Optional[str], typer.Option("--tensors", metavar="GLOB",
                                                    help="List tensors whose name matches GLOB, e.g. '*layers.3.*'.")] = None,
-    limit: Annotated[int, typer.Option(help="Rows of the tensor table (JSON lists all).")] = 200,
+    limit: Annotated[int, typer.Option(min=0, help="Rows of the tensor table (JSON lists all).")] = 200,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON (stable schema) on stdout.")] = False,
 ) -> None:
     """Read a checkpoint's headers (no tensor data) and report tensors, roles, layers, experts and format.

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from tqbench.cli.options import App
 from tqbench.cli.render import show
 from tqbench.errors import TqbenchError
 from tqbench.writable import check_output_file
@@ -26,7 +27,7 @@ from tqbench.writable import check_output_file
 if TYPE_CHECKING:
     from tqbench.profile import Overview, ProfileDiff
 
-profile_app = typer.Typer(
+profile_app = App(
     name="profile",
     help="Hot-expert profiles: what chat sessions learned about which experts a model needs (show, export, import, "
          "merge, diff, reset).",
@@ -203,8 +204,8 @@ def merge_cmd(
     a: Annotated[Path, typer.Argument(metavar="A", help="A profile file (tqbench's schema).")],
     b: Annotated[Path, typer.Argument(metavar="B", help="Another, of the same layers and experts.")],
     output: Annotated[Path, typer.Option("--output", "-o", metavar="C", help="The merged profile.")],
-    weight_a: Annotated[float, typer.Option("--weight-a", metavar="W", help="A's weight.")] = 1.0,
-    weight_b: Annotated[float, typer.Option("--weight-b", metavar="W", help="B's weight.")] = 1.0,
+    weight_a: Annotated[float, typer.Option("--weight-a", metavar="W", min=0.0, help="A's weight.")] = 1.0,
+    weight_b: Annotated[float, typer.Option("--weight-b", metavar="W", min=0.0, help="B's weight.")] = 1.0,
     force: Annotated[bool, typer.Option("--force", help="Merge profiles of two models of the same geometry (keyed to "
                                                         "A's).")] = False,
 ) -> None:
