@@ -97,3 +97,108 @@ def test_inspect_counts_shards_in_words(tmp_path, capsys, monkeypatch):
     r = tqbench(capsys, monkeypatch, "inspect", one)
     n = len(open_checkpoint(one).tensors)
     assert r.code == 0 and f"{n:,} in 1 shard " in r.out and "1 shards" not in r.out
+
+
+def _commands() -> dict[str, object]:
+    """Every command and group, by its words after `tqbench` ("" for tqbench itself), as click sees them."""
+    import typer
+
+    from tqbench.cli.main import app
+
+    found = {}
+
+    def walk(cmd, words):
+        found[" ".join(words)] = cmd
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, [*words, name])
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+USAGE = {
+    "": "[OPTIONS] COMMAND [ARGS]...",
+    "inspect": "[OPTIONS] PATH",
+    "demo": "[OPTIONS]",
+    "ui": "[OPTIONS] [PATH]",
+    "plan": "[OPTIONS] SRC",
+    "convert": "[OPTIONS]",
+    "chat": "[OPTIONS]",
+    "profile": "[OPTIONS] COMMAND [ARGS]...",
+    "profile show": "[OPTIONS]",
+    "profile export": "[OPTIONS]",
+    "profile import": "[OPTIONS] FILE",
+    "profile merge": "[OPTIONS] A B",
+    "profile diff": "[OPTIONS] A B",
+    "profile reset": "[OPTIONS]",
+}
+
+
+def test_every_usage_line_reads_as_unix_usage(capsys, monkeypatch):
+    """`tqbench plan [OPTIONS] SRC`, not Typer's `{SRC}`: in --help and on a usage error, for every command."""
+    assert sorted(_commands()) == sorted(USAGE)
+    for words, usage in USAGE.items():
+        tail = f"tqbench {words} {usage}" if words else f"tqbench {usage}"  # after the program's name as run
+        r = tqbench(capsys, monkeypatch, *words.split(), "--help")
+        help_line = r.out.splitlines()[0]
+        assert r.code == 0 and help_line.startswith("Usage: ") and help_line.endswith(tail), words
+        r = tqbench(capsys, monkeypatch, *words.split(), "--zzz")
+        assert r.code == 2 and r.err.splitlines()[0] == help_line, words
+        assert r.err.splitlines()[-1] == "Error: No such option: --zzz", words
+        assert "{" not in help_line and "}" not in help_line
+
+
+# Every numeric option of every command, a value out of its range, and what Typer says of it (exit 2).
+RANGES = [
+    ("inspect", "--limit", "-1", "greater than or equal to 0"),
+    *[(command, flag, value, why) for command in ("plan", "convert") for flag, value, why in [
+        ("--bits", "0", "greater than or equal to 1"),
+        ("--group-size", "-64", "greater than or equal to 1"),
+        ("--attn-bits", "-1", "greater than or equal to 1"),
+        ("--mlp-bits", "0", "greater than or equal to 1"),
+        ("--expert-down-bits", "-3", "greater than or equal to 1"),
+        ("--mlp-group-size", "0", "greater than or equal to 1"),
+        ("--seed", "-1", "greater than or equal to 0"),
+    ]],
+    ("convert", "--seed", str(2**31), "less than or equal to 2147483647"),
+    ("plan", "--disk-gbps", "0", "greater than 0"),
+    ("plan", "--disk-gbps", "-2.5", "greater than 0"),
+    ("plan", "--hit-rate", "-0.1", "greater than or equal to 0"),
+    ("plan", "--hit-rate", "1.5", "less than or equal to 1"),
+    ("plan", "--reduced-k", "0", "greater than or equal to 1"),
+    ("plan", "--limit", "-5", "greater than or equal to 0"),
+    ("chat", "--max-tokens", "0", "greater than or equal to 1"),
+    ("chat", "--temp", "-1", "greater than or equal to 0"),
+    ("chat", "--top-p", "1.5", "less than or equal to 1"),
+    ("chat", "--top-k", "-1", "greater than or equal to 0"),
+    ("chat", "--seed", "-1", "greater than or equal to 0"),
+    ("chat", "--prefetch-workers", "0", "greater than or equal to 1"),
+    ("chat", "--reads-in-flight", "-1", "greater than or equal to 0"),
+    ("chat", "--max-active-experts", "-1", "greater than or equal to 0"),
+    ("chat", "--pin-share", "-0.5", "greater than or equal to 0"),
+    ("profile show", "--top", "-1", "greater than or equal to 0"),
+    ("profile merge", "--weight-a", "-1", "greater than or equal to 0"),
+    ("profile merge", "--weight-b", "-0.5", "greater than or equal to 0"),
+    ("profile diff", "--share", "0", "greater than or equal to 0.01"),
+]
+# What each command needs besides the option (never read: the value is refused first).
+REQUIRED = {"inspect": ["ckpt"], "plan": ["ckpt"], "convert": ["--hf-path", "ckpt", "--mlx-path", "out"],
+            "profile merge": ["a.json", "b.json", "--output", "c.json"], "profile diff": ["a.json", "b.json"]}
+
+
+def test_every_numeric_option_has_a_range():
+    """RANGES covers every int and float option there is: a new one gets a range and a line there."""
+    from typer.core import TyperOption
+
+    numeric = {(words, p.opts[0]) for words, cmd in _commands().items() for p in cmd.params
+               if isinstance(p, TyperOption) and p.type_descriptor.annotation in (int, float)}
+    assert numeric == {(command, flag) for command, flag, _, _ in RANGES}
+
+
+@pytest.mark.parametrize("command, flag, value, why", RANGES, ids=[f"{c} {f}={v}" for c, f, v, _ in RANGES])
+def test_a_numeric_option_out_of_range_is_a_usage_error(command, flag, value, why, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = tqbench(capsys, monkeypatch, *command.split(), *REQUIRED.get(command, []), f"{flag}={value}")
+    assert (r.code, r.out) == (2, "")
+    named = "'--group-size' / '-g'" if flag == "--group-size" else f"'{flag}'"  # Typer names both spellings
+    assert r.err.splitlines()[-1] == f"Error: Invalid value for {named}: Input should be {why}"
+    assert "Traceback" not in r.err and list(tmp_path.iterdir()) == []

@@ -6,6 +6,7 @@ conflicts, quitting mid-run and `r` pressed while the output is still being chec
 from __future__ import annotations
 
 import json
+import os
 import threading
 import types
 from collections import defaultdict
@@ -569,3 +570,24 @@ def test_snapshot_finished_conversion(demo_dir, tmp_path, monkeypatch, snap_comp
         await settle(pilot)
 
     assert snap_compare(TqbenchApp(Path("src")), terminal_size=SIZE, run_before=run_before)
+
+
+async def test_an_output_that_cannot_be_made_is_refused_in_one_line(src, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        proc_why = "the file system does not allow it" if os.geteuid() == 0 else "permission denied"
+        for dest, problem in ((notes / "out", f"{notes} is a file, not a directory"),
+                              (notes, "is a file, not a directory"),
+                              (Path("/proc/nope"), f"cannot create the output directory in /proc ({proc_why})")):
+            await set_field(pilot, "#dest", str(dest))
+            assert status_text(screen) == f"error: {dest}: {problem}"
+            assert screen.check_action("start", ()) is None  # shown, disabled
+            await pilot.press("r", "f")
+            await settle(pilot)
+            assert not screen.running and screen.started is None
+    assert notes.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == before
+    assert not Path("/proc/nope").exists()

@@ -12,15 +12,12 @@ from typing import TYPE_CHECKING
 
 from tqbench.errors import TqbenchError
 from tqbench.recipe import parse_size
+from tqbench.writable import OutputError, check_output_dir
 
 if TYPE_CHECKING:
     from tqbench.convert import DestinationStatus
 
 DEFAULT_SHARD_SIZE = "5GiB"  # as a user types it
-
-
-class OutputError(TqbenchError):
-    """A typed output directory or shard size that cannot be used."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +35,8 @@ def default_dest(source: Path, recipe_name: str) -> Path:
 
 def read_output(source: Path, dest: str, shard_size: str) -> Output:
     """The output typed for converting `source`; OutputError (one line) when the directory is missing, the source or
-    inside it, or the shard size is unreadable or not positive."""
+    inside it, cannot be made or written into (`check_output_dir`), or the shard size is unreadable or not
+    positive."""
     dest = dest.strip()
     if not dest:
         raise OutputError("type an output directory")
@@ -52,6 +50,7 @@ def read_output(source: Path, dest: str, shard_size: str) -> Output:
     src, target = source.resolve(), path.resolve()
     if target == src or src in target.parents:
         raise OutputError("the output directory must not be the source or inside it")
+    check_output_dir(path)
     return Output(path, size)
 
 

@@ -15,6 +15,7 @@ from rich.text import Text
 from tqbench.chat import report
 from tqbench.chat.records import ModelLoaded
 from tqbench.errors import ExitCode, TqbenchError, UsageError
+from tqbench.writable import check_output_file
 
 if TYPE_CHECKING:  # importing them loads MLX: done when a chat starts
     from tqbench.chat.session import ChatSession
@@ -37,7 +38,8 @@ def chat(
                                                    help="Nucleus sampling mass (0: off).")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", min=0,
                                                  help="Sample among the k likeliest (0: off).")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", min=0, max=2**64 - 1,
+                                                help="Random seed for sampling.")] = None,
     system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="A system message.")] = None,
     no_chat_template: Annotated[bool, typer.Option(
         "--no-chat-template", help="Send turns as plain text (a base model's continuation).")] = False,
@@ -107,8 +109,8 @@ def chat(
                           reads_in_flight),
             max_active_experts,
             ProfileOptions(str(profile) if profile else None, not no_learn, pin_share, profile_force, cold=cold))
-        if stats_json is not None:
-            _check_stats_file(stats_json)
+        if stats_json is not None:  # it can be written once the chat is over: checked before any work
+            check_output_file(stats_json, "--stats-json")
         loaded = _open(chat_session, request, err, quiet=as_json, streaming_stats=stats_json is not None)
         if not as_json:
             err.print(report.loaded_line(loaded), markup=False)
@@ -129,14 +131,6 @@ def chat(
         if stats_json is not None:
             _write_stats(chat_session, stats_json)
         chat_session.close()
-
-
-def _check_stats_file(file: Path) -> None:
-    """--stats-json's file can be written once the chat is over: checked before any work."""
-    if file.is_dir():
-        raise TqbenchError("--stats-json: this is a directory; give a file", file)
-    if not file.parent.is_dir():
-        raise TqbenchError("--stats-json: no such directory", file.parent)
 
 
 def _open(chat_session: ChatSession, request, err: Console, quiet: bool, streaming_stats: bool) -> ModelLoaded:

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional, TextIO
 
 import typer
 from rich.console import Console
 
 from tqbench import __version__
 from tqbench.cli import render
+from tqbench.cli.options import App
 from tqbench.errors import ExitCode, TqbenchError
 
-app = typer.Typer(
+app = App(
     name="tqbench",
     help="A workbench for running giant Mixture-of-Experts models on one machine with MLX.",
     no_args_is_help=False,
@@ -56,7 +59,7 @@ def inspect(
     by: Annotated[By, typer.Option("--by", help="Group the totals by role, layer or shard.")] = By.role,
     tensors: Annotated[Optional[str], typer.Option("--tensors", metavar="GLOB",
                                                    help="List tensors whose name matches GLOB, e.g. '*layers.3.*'.")] = None,
-    limit: Annotated[int, typer.Option(help="Rows of the tensor table (JSON lists all).")] = 200,
+    limit: Annotated[int, typer.Option(min=0, help="Rows of the tensor table (JSON lists all).")] = 200,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON (stable schema) on stdout.")] = False,
 ) -> None:
     """Read a checkpoint's headers (no tensor data) and report tensors, roles, layers, experts and format.
@@ -103,7 +106,11 @@ def demo(
 ) -> None:
     """Print where the built-in demo model lives (a small Kimi-K3-architecture checkpoint), creating it if needed."""
     from tqbench.demo import ensure_demo
+    from tqbench.demo.install import demo_path
+    from tqbench.writable import check_output_dir
 
+    if force or not demo_path().is_dir():  # it is written into the cache directory
+        check_output_dir(demo_path())
     path = ensure_demo(force=force)
     print(json.dumps({"path": str(path)}) if as_json else path)
 
@@ -140,24 +147,69 @@ def _open_ui(path: Path | None) -> None:
 
 def run() -> None:
     """Console-script entry point: one-line errors and documented exit codes."""
-    try:
-        # Without standalone mode click returns the code of a typer.Exit instead of exiting.
-        code = app(standalone_mode=False)
-        code = code if isinstance(code, int) else ExitCode.OK
-        if code == ExitCode.INTERRUPTED:  # Typer turns Ctrl-C inside a command into Exit(130)
+    with _readers_may_leave():
+        try:
+            # Without standalone mode click returns the code of a typer.Exit instead of exiting.
+            code = app(standalone_mode=False)
+            code = code if isinstance(code, int) else ExitCode.OK
+            if code == ExitCode.INTERRUPTED:  # Typer turns Ctrl-C inside a command into Exit(130)
+                print("tqbench: interrupted", file=sys.stderr)
+            sys.exit(code)
+        except TqbenchError as e:
+            print(f"tqbench: error: {e}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
             print("tqbench: interrupted", file=sys.stderr)
-        sys.exit(code)
-    except TqbenchError as e:
-        print(f"tqbench: error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        print("tqbench: interrupted", file=sys.stderr)
-        sys.exit(ExitCode.INTERRUPTED)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except typer.Abort:  # click's name for Ctrl-C inside a command
-        print("tqbench: interrupted", file=sys.stderr)
-        sys.exit(ExitCode.INTERRUPTED)
-    except typer.TyperException as e:  # usage errors: bad option values, missing arguments
-        e.show()
-        sys.exit(getattr(e, "exit_code", ExitCode.USAGE))
+            sys.exit(ExitCode.INTERRUPTED)
+        except typer.Exit as e:
+            sys.exit(e.exit_code)
+        except typer.Abort:  # click's name for Ctrl-C inside a command
+            print("tqbench: interrupted", file=sys.stderr)
+            sys.exit(ExitCode.INTERRUPTED)
+        except typer.TyperException as e:  # usage errors: bad option values, missing arguments
+            e.show()
+            sys.exit(getattr(e, "exit_code", ExitCode.USAGE))
+
+
+@contextlib.contextmanager
+def _readers_may_leave() -> Iterator[None]:
+    """Run with stdout and stderr that go quiet when their reader goes away (`tqbench inspect ... | head -1`), as Unix
+    tools do: the command carries on and exits with its own code, and what it still writes to the other stream (a
+    reply's summary on stderr after the reply on stdout) gets there."""
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _QuietWhenClosed(sys.stdout), _QuietWhenClosed(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()  # what is still buffered, while a closed pipe is quiet
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = streams
+
+
+class _QuietWhenClosed:
+    """A text stream that, once a write finds no reader (EPIPE), points its file descriptor at /dev/null (the Python
+    docs' "Note on SIGPIPE") and writes there without an error from then on."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)

@@ -56,15 +56,17 @@ def plan(
         metavar="SIZE", help="GPU working-set limit now, e.g. 512000MiB (default: estimated from --memory).")] = None,
     platform: Annotated[Optional[Platform], typer.Option(help="Platform planned for (default: this one).")] = None,
     disk_gbps: Annotated[Optional[float], typer.Option(
+        callback=options.positive,
         help="Disk read bandwidth in GB/s (default: measured once per disk and cached).")] = None,
     hit_rate: Annotated[Optional[float], typer.Option(
+        min=0.0, max=1.0,
         help="Expert-cache hit rate 0..1 for the tok/s ceiling (default: the cached fraction of experts).")] = None,
     reduced_k: Annotated[Optional[int], typer.Option(
-        help="Reduced experts per token (default: half of top-k).")] = None,
+        min=1, help="Reduced experts per token (default: half of top-k).")] = None,
     shard_size: options.ShardSize = "5GiB",
     tensors: Annotated[Optional[str], typer.Option(
         metavar="GLOB", help="List planned output tensors of modules matching GLOB, e.g. '*layers.3.*'.")] = None,
-    limit: Annotated[int, typer.Option(help="Rows of the tensor table (JSON lists all).")] = 50,
+    limit: Annotated[int, typer.Option(min=0, help="Rows of the tensor table (JSON lists all).")] = 50,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plans as JSON (stable schema) on stdout.")] = False,
 ) -> None:
     """Preview the exact converted size of recipes, from shard headers only, and whether each fits.

@@ -20,13 +20,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from tqbench.cli.options import App
 from tqbench.cli.render import show
 from tqbench.errors import TqbenchError
+from tqbench.writable import check_output_file
 
 if TYPE_CHECKING:
     from tqbench.profile import Overview, ProfileDiff
 
-profile_app = typer.Typer(
+profile_app = App(
     name="profile",
     help="Hot-expert profiles: what chat sessions learned about which experts a model needs (show, export, import, "
          "merge, diff, reset).",
@@ -153,6 +155,8 @@ def export_cmd(
     from tqbench.profile.report import count, number
 
     with _one_line_errors(output):
+        if output is not None:
+            check_output_file(output)
         path = _model(model)
         p = export_learned(path, None, output)
         if output is None:
@@ -203,8 +207,8 @@ def merge_cmd(
     a: Annotated[Path, typer.Argument(metavar="A", help="A profile file (tqbench's schema).")],
     b: Annotated[Path, typer.Argument(metavar="B", help="Another, of the same layers and experts.")],
     output: Annotated[Path, typer.Option("--output", "-o", metavar="C", help="The merged profile.")],
-    weight_a: Annotated[float, typer.Option("--weight-a", metavar="W", help="A's weight.")] = 1.0,
-    weight_b: Annotated[float, typer.Option("--weight-b", metavar="W", help="B's weight.")] = 1.0,
+    weight_a: Annotated[float, typer.Option("--weight-a", metavar="W", min=0.0, help="A's weight.")] = 1.0,
+    weight_b: Annotated[float, typer.Option("--weight-b", metavar="W", min=0.0, help="B's weight.")] = 1.0,
     force: Annotated[bool, typer.Option("--force", help="Merge profiles of two models of the same geometry (keyed to "
                                                         "A's).")] = False,
 ) -> None:
@@ -216,6 +220,7 @@ def merge_cmd(
     from tqbench.profile.report import number
 
     with _one_line_errors(output):
+        check_output_file(output)
         pa, pb = read_profile(a), read_profile(b)
         c = merge(pa, pb, weight_a, weight_b, force, (str(a), str(b)))
         write_bytes(output, c.to_text().encode())

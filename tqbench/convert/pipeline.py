@@ -40,6 +40,7 @@ from tqbench.source.checkpoint import Checkpoint, open_checkpoint
 from tqbench.source.reader import ShardReader
 from tqbench.shards import ShardWriter, TensorSpec
 from tqbench.shards.writer import header_length
+from tqbench.writable import check_output_dir
 
 # Source files that are not weights and travel with the model (tokenizer, chat template, generation settings).
 _COPY_MAX_BYTES = 64 * 2**20
@@ -164,7 +165,8 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     the destination have one). `producer_class` computes each unit's tensors (a benchmark may substitute one that
     writes synthetic expert codes). `read_ahead`: see READ_AHEAD (None: `default_read_ahead()`; the output is the
     same for any value). Closing the generator stops cleanly: the shard being written is dropped and the output
-    resumes later."""
+    resumes later. An output directory that cannot be made or written into is refused first (one line)."""
+    check_output_dir(Path(dest))  # before planning or reading a byte
     t0 = time.monotonic()
     keep_mlx_kernels()
     if isinstance(source, Layout):
@@ -253,8 +255,6 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
 def _prepare_dest(src: Path, dst: Path, recipe: Recipe, source_fp: str, plan_fp: str, force: bool) -> Journal:
     if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
         raise ConvertError("the output directory must not be the source or inside it", dst)
-    if dst.exists() and not dst.is_dir():
-        raise ConvertError("exists and is not a directory", dst)
     journal = Journal.load(dst) if dst.is_dir() else None
     same = journal is not None and journal.source == source_fp and journal.plan == plan_fp
     ours = is_conversion(dst)
