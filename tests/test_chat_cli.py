@@ -133,7 +133,7 @@ def test_streaming_flags_write_stats_json(model, tmp_path, capsys, monkeypatch):
             "tokens", "layers"} <= set(doc)
     assert doc["budget_bytes"] == 200_000 and doc["cache_bytes_max"] + doc["staging_bytes"] <= 200_000
     assert doc["tokens"] >= 16 and doc["misses"] > 0 and doc["reads"] >= doc["misses"]
-    # the bandwidth the page-ins got, and this disk's (measured from the model's own shards: nothing cached yet)
+    # the bandwidth the page-ins got, and this disk's (measured now: nothing cached yet; cached for plan and the TUI)
     assert doc["disk_bytes_per_s_on_misses"] == doc["critical_bytes"] / doc["stall_s"]
     assert doc["disk_bytes_per_s"] > 0 and doc["disk_source"].startswith("measured")
     bad = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--cache-budget-gb", "lots")
