@@ -107,7 +107,10 @@ def test_a_fresh_process_shows_no_library_chatter(model):
 def test_without_a_model_chat_converts_the_demo_once_then_opens_the_last_conversion(tmp_path, capsys, monkeypatch):
     first = tqbench(capsys, monkeypatch, "chat", "--prompt", "x", "--max-tokens", "2")
     assert first.code == 0, first.err
-    assert "converting the demo first" in first.err and "(demo, converted now with tq4)" in first.err
+    demo = ensure_demo()
+    dest = demo.parent / f"{demo.name}-tq4-g64"  # where the TUI's Convert screen puts the demo's tq4 conversion too
+    assert "converting the demo first" in first.err and (dest / "config.json").is_file()
+    assert f"model: {dest} (demo, converted now with tq4-g64)" in first.err
     again = tqbench(capsys, monkeypatch, "chat", "--prompt", "x", "--max-tokens", "2")
     assert "converting" not in again.err and "(last converted model)" in again.err
     assert again.out == first.out  # greedy: the same model gives the same answer
