@@ -107,7 +107,10 @@ def test_a_fresh_process_shows_no_library_chatter(model):
 def test_without_a_model_chat_converts_the_demo_once_then_opens_the_last_conversion(tmp_path, capsys, monkeypatch):
     first = tqbench(capsys, monkeypatch, "chat", "--prompt", "x", "--max-tokens", "2")
     assert first.code == 0, first.err
-    assert "converting the demo first" in first.err and "(demo, converted now with tq4)" in first.err
+    demo = ensure_demo()
+    dest = demo.parent / f"{demo.name}-tq4-g64"  # where the TUI's Convert screen puts the demo's tq4 conversion too
+    assert "converting the demo first" in first.err and (dest / "config.json").is_file()
+    assert f"model: {dest} (demo, converted now with tq4-g64)" in first.err
     again = tqbench(capsys, monkeypatch, "chat", "--prompt", "x", "--max-tokens", "2")
     assert "converting" not in again.err and "(last converted model)" in again.err
     assert again.out == first.out  # greedy: the same model gives the same answer
@@ -133,7 +136,7 @@ def test_streaming_flags_write_stats_json(model, tmp_path, capsys, monkeypatch):
             "tokens", "layers"} <= set(doc)
     assert doc["budget_bytes"] == 200_000 and doc["cache_bytes_max"] + doc["staging_bytes"] <= 200_000
     assert doc["tokens"] >= 16 and doc["misses"] > 0 and doc["reads"] >= doc["misses"]
-    # the bandwidth the page-ins got, and this disk's (measured from the model's own shards: nothing cached yet)
+    # the bandwidth the page-ins got, and this disk's (measured now: nothing cached yet; cached for plan and the TUI)
     assert doc["disk_bytes_per_s_on_misses"] == doc["critical_bytes"] / doc["stall_s"]
     assert doc["disk_bytes_per_s"] > 0 and doc["disk_source"].startswith("measured")
     bad = tqbench(capsys, monkeypatch, "chat", "--model", model, "--prompt", "x", "--cache-budget-gb", "lots")

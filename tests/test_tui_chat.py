@@ -283,12 +283,25 @@ async def test_default_model_is_the_demo_converted_first(monkeypatch):
         screen = await open_chat(pilot)
         assert screen.error is None
         dest = demo_converted_path()
+        assert dest == ensure_demo().parent / f"{ensure_demo().name}-tq4-g64"  # as `tqbench chat` converts it
         assert (dest / INDEX_FILE).is_file() and last_model() == dest.resolve()
         assert Path(screen.loaded.path).resolve() == dest.resolve()
-        assert "demo, converted now with tq4" in screen.query_one("#chat-model").text
+        assert "demo, converted now with tq4-g64" in screen.query_one("#chat-model").text
         assert seen and seen[-1].done_in == seen[-1].total_in  # the conversion's progress was shown to its end
         assert not screen.query_one("#chat-bar-row").display
         assert "greedy, up to 64 tokens per reply" in screen_text(pilot)
+
+
+def test_the_demo_conversion_goes_where_the_convert_screen_offers_it(tmp_path):
+    """One recipe, one directory: `tqbench chat`'s demo conversion and the Convert screen's default output for the
+    same recipe are both `<source>-<canonical recipe name>`, however the recipe is spelled."""
+    from tqbench.demo import demo_path
+    from tqbench.destination import default_dest
+
+    src = tmp_path / "src"
+    assert default_dest(src, "tq4") == default_dest(src, "tq4-g64") == tmp_path / "src-tq4-g64"
+    assert demo_converted_path() == default_dest(demo_path(), "tq4-g64")
+    assert demo_converted_path().name == f"{demo_path().name}-tq4-g64"
 
 
 async def test_a_model_that_fails_to_load_is_one_line(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tqbench.errors import TqbenchError
-from tqbench.recipe import parse_size
+from tqbench.recipe import Recipe, parse_size
 from tqbench.writable import OutputError, check_output_dir
 
 if TYPE_CHECKING:
@@ -29,8 +29,9 @@ class Output:
 
 
 def default_dest(source: Path, recipe_name: str) -> Path:
-    """`<source dir>-<recipe name>` next to the source."""
-    return source.parent / f"{source.name}-{recipe_name}"
+    """`<source dir>-<canonical recipe name>` next to the source (`tq4` -> `-tq4-g64`): where a conversion of `source`
+    with that recipe goes unless the user names another directory (the TUI's Convert screen, `tqbench chat`'s demo)."""
+    return source.parent / f"{source.name}-{Recipe.parse(recipe_name).name}"
 
 
 def read_output(source: Path, dest: str, shard_size: str) -> Output:

@@ -1,8 +1,8 @@
 """The machine the Recipe screen plans for: this one by default, or a typed memory size and disk bandwidth.
 
-The disk bandwidth by default is the engine's figure for the checkpoint's disk (tqbench.recipe.fit.disk_speed, as
-`tqbench plan` uses it: the cached measurement, else one short measurement, cached per disk); the Recipe editor runs
-it in a thread worker. This module only reads what the user types.
+The disk bandwidth by default is the engine's one figure for the checkpoint's disk (tqbench.recipe.fit.disk_speed, as
+`tqbench plan` and a streamed chat show it: the cached measurement, else one short measurement, cached per disk); the
+Recipe editor runs it in a thread worker. This module only reads what the user types.
 """
 
 from __future__ import annotations

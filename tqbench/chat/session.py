@@ -299,12 +299,11 @@ def _profile(loaded, opts: ProfileOptions) -> tuple[ProfileInfo | None, object |
 
 
 def _disk_speed(path) -> DiskSpeed | None:
-    """The read bandwidth of the disk holding the model: the measurement `tqbench plan` cached for that disk, else a
-    quick one reading the model's own shards (at most 128 MB, page cache bypassed; nothing written). None when
-    neither works."""
-    from tqbench.recipe.fit import cached_disk_speed, file_read_speed
+    """The read bandwidth of the disk holding the model: the one figure `tqbench plan` and the TUI show for that disk
+    (tqbench.recipe.fit.disk_speed: cached, else measured once and cached). None when it cannot be measured."""
+    from tqbench.recipe.fit import disk_speed
 
     try:
-        return cached_disk_speed(path) or file_read_speed(list(Path(path).glob("*.safetensors")))
+        return disk_speed(path)
     except (OSError, ValueError):
         return None

@@ -20,8 +20,7 @@ from tqbench import units
 from tqbench.cli import options
 from tqbench.cli.render import show
 from tqbench.errors import ExitCode, TqbenchError
-from tqbench.recipe.fit import (GB, Fit, Machine, Verdict, assess, cached_disk_speed, disk_speed, machine,
-                                parse_size)
+from tqbench.recipe.fit import GB, Fit, Machine, assess, cached_disk_speed, disk_speed, machine, parse_size
 from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan
 from tqbench.recipe.recipe import Recipe
 from tqbench.recipe.report import PlanReport, plan_report
@@ -93,7 +92,7 @@ def plan(
         sources = group_sources(ckpt)
         plans = [make_plan(sources, r, shard_bytes) for r in recipes]
         fits = [assess(p.footprint, m, hit_rate, reduced_k) for p in plans]
-        if disk_gbps is None and any(f.verdict is Verdict.STREAMING for f in fits):
+        if disk_gbps is None:
             m = _measured(m, src, err)
             fits = [assess(p.footprint, m, hit_rate, reduced_k) for p in plans]
     except TqbenchError as e:
@@ -128,7 +127,8 @@ def recipes_from(names: list[str] | None, flags: dict) -> list[Recipe]:
 
 
 def _measured(m: Machine, src: Path, err: Console) -> Machine:
-    """This machine's disk bandwidth for the checkpoint's disk (tqbench.recipe.fit.disk_speed: cached per disk)."""
+    """The checkpoint's disk's bandwidth, the figure the TUI and chat show for that disk too
+    (tqbench.recipe.fit.disk_speed: measured once per disk, cached)."""
     try:
         if err.is_terminal and cached_disk_speed(src) is None:
             with err.status("measuring disk read bandwidth (once per disk)"):
@@ -171,7 +171,8 @@ def _pair(n: int) -> str:
 
 
 def _header(p: Plan, m: Machine) -> Group:
-    disk = "-" if m.disk_bytes_per_s is None else f"{m.disk_bytes_per_s / GB:.2f} GB/s ({m.disk_source})"
+    speed = "-" if m.disk_bytes_per_s is None else f"{m.disk_bytes_per_s / GB:.2f} GB/s"
+    disk = f"{speed} ({m.disk_source})"
     limit = _pair(m.gpu_limit_bytes)
     return Group(
         Text.assemble(("source  ", "bold"), p.path, ("   model  ", "bold"), p.model_type,

@@ -22,11 +22,12 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from fractions import Fraction
 from pathlib import Path
 
+from tqbench.atomic import write_json
 from tqbench.errors import TqbenchError
 from tqbench.paths import cache_dir
 
@@ -231,39 +232,43 @@ class DiskSpeed:
     directory: str
     measured_at: float
     cached: bool = False
+    own_files: bool = False  # read from the checkpoint's own files (its directory was not writable), not a test file
 
     @property
     def source(self) -> str:
-        """Where the figure comes from, as both faces say it: `measured, O_DIRECT` or `measured earlier, ...`."""
-        return f"measured{' earlier' if self.cached else ''}, {self.method}"
+        """Where the figure comes from, as every face says it: `measured, O_DIRECT` or `measured earlier, ...`."""
+        files = ", reading the checkpoint's files" if self.own_files else ""
+        return f"measured{' earlier' if self.cached else ''}, {self.method}{files}"
 
 
 def disk_cache_file() -> Path:
     return cache_dir() / "disk.json"
 
 
-def measurement_directory(path: str | Path | None) -> Path:
-    """Where the disk holding `path` is measured: `path` itself when it is a writable directory (the checkpoint's
-    disk), else the temp directory."""
-    if path is not None and os.path.isdir(path) and os.access(path, os.W_OK):
-        return Path(path)
-    return Path(tempfile.gettempdir())
+def disk_key(path: str | Path | None) -> str:
+    """The cache key of the disk holding `path` (the temp directory's when None): its device number."""
+    return str(os.stat(path if path is not None else tempfile.gettempdir()).st_dev)
 
 
 def cached_disk_speed(path: str | Path | None) -> DiskSpeed | None:
-    """The cached measurement for the disk `disk_speed(path)` measures, or None (never measures)."""
-    entry = _read_cache().get(str(os.stat(measurement_directory(path)).st_dev))
-    try:
-        return DiskSpeed(**{**entry, "cached": True}) if isinstance(entry, dict) else None
-    except TypeError:
-        return None
+    """The cached figure for the disk holding `path`, or None (never measures)."""
+    return _cached(_read_cache(), disk_key(path))
 
 
 def disk_speed(path: str | Path | None) -> DiskSpeed:
-    """The read bandwidth of the disk holding `path` (a checkpoint directory), for the disk-bound ceilings: the
-    cached measurement for that disk, else one short measurement (~0.5 s, cached per disk). `tqbench plan` and the
-    TUI's Recipe screen both use this. Raises OSError when the test file cannot be written or read."""
-    return measure_disk(measurement_directory(path))
+    """The one read-bandwidth figure for the disk holding `path` (a checkpoint or model directory), which every face
+    shows: `tqbench plan`, the TUI's Recipe screen and a streamed chat. The cached figure for that disk, else one
+    measurement cached under the disk's device number, so that every directory on the disk gets the same figure: a
+    test file written and read back in `path` (~0.5 s), or, when `path` is not a writable directory, up to as much of
+    its own safetensors files read (nothing written). Raises OSError when neither can be done."""
+    known = cached_disk_speed(path)
+    if known is not None:
+        return known
+    where = Path(path if path is not None else tempfile.gettempdir())
+    if where.is_dir() and os.access(where, os.W_OK):
+        return measure_disk(where)
+    files = sorted(where.glob("*.safetensors")) if where.is_dir() else [where]
+    return _remember(disk_key(where), replace(file_read_speed(files), own_files=True))
 
 
 def measure_disk(directory: str | Path | None = None, size: int = DISK_TEST_BYTES, block: int = DISK_BLOCK,
@@ -274,13 +279,9 @@ def measure_disk(directory: str | Path | None = None, size: int = DISK_TEST_BYTE
     ignores both (tmpfs, some overlays) serves the reads from memory and inflates the figure: `method` says which
     path ran. Results are cached per device in `cache_dir()/disk.json`; `refresh` measures again."""
     directory = Path(directory or tempfile.gettempdir())
-    key = str(os.stat(directory).st_dev)
-    cache = _read_cache()
-    if not refresh and isinstance(cache.get(key), dict):
-        try:
-            return DiskSpeed(**{**cache[key], "cached": True})
-        except TypeError:
-            pass  # an older or foreign entry: measure again
+    key = disk_key(directory)
+    if not refresh and (known := _cached(_read_cache(), key)) is not None:
+        return known
     block = max(mmap.PAGESIZE, block // mmap.PAGESIZE * mmap.PAGESIZE)
     size = max(block, size // block * block)
     fd, tmp = tempfile.mkstemp(prefix=".tqbench-disk-", dir=directory)
@@ -293,22 +294,13 @@ def measure_disk(directory: str | Path | None = None, size: int = DISK_TEST_BYTE
     finally:
         os.close(fd)
         os.unlink(tmp)
-    speed = DiskSpeed(size / seconds, method, size, str(directory), time.time())
-    entry = asdict(speed)
-    entry.pop("cached")
-    cache[key] = entry
-    try:
-        disk_cache_file().parent.mkdir(parents=True, exist_ok=True)
-        disk_cache_file().write_text(json.dumps(cache, indent=2))
-    except OSError:
-        pass  # a read-only cache directory only costs a measurement next time
-    return speed
+    return _remember(key, DiskSpeed(size / seconds, method, size, str(directory), time.time()), refresh)
 
 
 def file_read_speed(files: list[Path], limit: int = DISK_TEST_BYTES, block: int = DISK_BLOCK) -> DiskSpeed:
-    """Sequential read bandwidth from existing files (a converted model's shards): up to `limit` bytes in whole
+    """Sequential read bandwidth from existing files (a checkpoint's shards): up to `limit` bytes in whole
     `block`-sized reads, the page cache bypassed where the OS allows (as measure_disk). Writes nothing and caches
-    nothing: a quick figure for a disk measure_disk has not measured. Raises OSError when nothing can be read."""
+    nothing (disk_speed caches it). Raises OSError when nothing can be read."""
     block = max(mmap.PAGESIZE, block // mmap.PAGESIZE * mmap.PAGESIZE)
     done, seconds, method = 0, 0.0, "O_DIRECT"
     for f in sorted(files, key=lambda f: -os.path.getsize(f)):
@@ -335,6 +327,31 @@ def _read_cache() -> dict:
         return doc if isinstance(doc, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def _cached(cache: dict, key: str) -> DiskSpeed | None:
+    entry = cache.get(key)
+    try:
+        return DiskSpeed(**{**entry, "cached": True}) if isinstance(entry, dict) else None
+    except TypeError:
+        return None  # an older or foreign entry: measured again
+
+
+def _remember(key: str, speed: DiskSpeed, replace_known: bool = False) -> DiskSpeed:
+    """Cache `speed` as its disk's figure and return it. When another process cached a figure for the disk meanwhile
+    (and not `replace_known`), that one is kept and returned, so that every face shows one figure per disk."""
+    cache = _read_cache()
+    if not replace_known and (known := _cached(cache, key)) is not None:
+        return known
+    entry = asdict(speed)
+    entry.pop("cached")
+    cache[key] = entry
+    try:
+        disk_cache_file().parent.mkdir(parents=True, exist_ok=True)
+        write_json(disk_cache_file(), cache, fsync=False)
+    except OSError:
+        pass  # a read-only cache directory only costs a measurement next time
+    return speed
 
 
 def _timed_read(fd: int, path: str, size: int, block: int) -> tuple[str, float]:

@@ -20,10 +20,11 @@ class ModelChosen:
 
 
 def demo_converted_path(recipe: str = DEMO_RECIPE) -> Path:
+    """Where the demo's conversion with `recipe` goes: the directory the TUI's Convert screen offers for it too."""
     from tqbench.demo import demo_path
+    from tqbench.destination import default_dest
 
-    src = demo_path()
-    return src.parent / f"{src.name}-{recipe}"
+    return default_dest(demo_path(), recipe)
 
 
 def default_model(recipe: str = DEMO_RECIPE) -> Path | None:
@@ -49,6 +50,7 @@ def choose_model(recipe: str = DEMO_RECIPE) -> Iterator[ModelChosen | Any]:
     if (dest / INDEX_FILE).is_file():
         yield ModelChosen(str(dest), "demo (converted earlier)")
         return
-    yield from convert(ensure_demo(), dest, Recipe.parse(recipe))
+    chosen = Recipe.parse(recipe)
+    yield from convert(ensure_demo(), dest, chosen)
     remember_model(dest)
-    yield ModelChosen(str(dest), f"demo, converted now with {recipe}")
+    yield ModelChosen(str(dest), f"demo, converted now with {chosen.name}")
