@@ -79,12 +79,12 @@ def test_diff_export_and_merge_lines(wide, tmp_path, capsys, monkeypatch):
                      f"2 sessions, 1,792 ranked pins)\n")
     # A directory that is not there: the file as given (not the temporary file beside it), nothing written.
     r = tqbench(capsys, monkeypatch, "profile", "export", "--model", wide, "-o", "missing/a.json")
-    assert (r.code, r.err) == (1, "tqbench: error: missing/a.json: No such file or directory\n")
+    assert (r.code, r.err) == (1, "tqbench: error: missing: no such directory\n")
     r = tqbench(capsys, monkeypatch, "profile", "merge", "a.json", "a.json", "-o", "sub/../c.json")
-    assert (r.code, r.err) == (1, "tqbench: error: sub/../c.json: No such file or directory\n")
+    assert (r.code, r.err) == (1, "tqbench: error: sub/..: no such directory\n")
     (tmp_path / "adir").mkdir()
     r = tqbench(capsys, monkeypatch, "profile", "export", "--model", wide, "-o", "adir")
-    assert (r.code, r.err) == (1, "tqbench: error: adir: Is a directory\n")
+    assert (r.code, r.err) == (1, "tqbench: error: adir: this is a directory; give a file\n")
     assert sorted(f.name for f in tmp_path.iterdir()) == ["a.json", "adir"] and not any((tmp_path / "adir").iterdir())
     r = tqbench(capsys, monkeypatch, "profile", "merge", "a.json", "a.json", "-o", "c.json")
     assert r.err == (f"wrote {tmp_path / 'c.json'}: 1 x a.json ({number(p.routings)} routings) + 1 x a.json "

@@ -432,7 +432,7 @@ async def test_the_expert_view_shows_what_the_engine_paged_in(model_dir, monkeyp
         shown = screen_text(pilot)
         assert f"hits {stats['hit_rate']:.1%}" in shown and "read per token" in shown and "of 1.00 MB" in shown, shown
         disk = screen.loaded.stream.disk_bytes_per_s  # this disk's measured bandwidth, next to the reply's rate
-        assert disk > 0 and f" of {disk / 1e6:,.0f} MB/s" in shown
+        assert disk > 0 and f" MB/s of {disk / 1e9:.2f} GB/s" in shown
         assert screen.experts.report.to_dict()["disk_bytes_per_s"] == disk
         _, cols, per, _ = screen.query_one(ExpertMapView).geometry()
         assert all(f"L{n} " in shown for n in layout) and f"{m.widest} experts, {per}/cell" in shown

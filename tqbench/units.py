@@ -10,6 +10,11 @@ def gb(n: int | float) -> str:
     return humanize.naturalsize(n, format="%.2f")
 
 
+def bandwidth(bytes_per_s: float) -> str:
+    """A disk's read bandwidth, as every face shows it: `0.83 GB/s`."""
+    return f"{bytes_per_s / 1e9:.2f} GB/s"
+
+
 def gib(n: int | float) -> str:
     """Binary units: 1.42 TiB."""
     return humanize.naturalsize(n, binary=True, format="%.2f")

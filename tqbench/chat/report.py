@@ -136,8 +136,8 @@ def stats_lines(m: ModelLoaded, status: ConversationStatus, report: StreamReport
                      f"over {s.tokens} forward passes")
         got, disk = report.disk_bytes_per_s_on_misses, report.disk
         if got or disk:
-            lines.append("disk: " + (f"{units.gb(got)}/s while waiting on misses" if got else "no misses yet")
-                         + (f", this disk reads {units.gb(disk.bytes_per_s)}/s ({disk.source})" if disk else ""))
+            lines.append("disk: " + (f"{units.bandwidth(got)} while waiting on misses" if got else "no misses yet")
+                         + (f", this disk reads {units.bandwidth(disk.bytes_per_s)} ({disk.source})" if disk else ""))
     return lines
 
 
@@ -167,8 +167,8 @@ def expert_summary(view: ExpertMap, budget: int, rates: ReplyRates | None, repor
         per_token = humanize.naturalsize(rates.bytes_per_token, format="%.1f")
         lines.append((Span(f"{rates.tok_s:.1f} tok/s", "value"), Span(" · ", "muted"), Span(per_token, "value"),
                       Span(" read per token")))
-        of = f" of {disk_bps / 1e6:,.0f}" if disk_bps else ""
-        lines.append((Span("disk "), Span(f"{rates.read_bps / 1e6:.1f}", "value"), Span(f"{of} MB/s")))
+        of = f" of {units.bandwidth(disk_bps)}" if disk_bps else ""
+        lines.append((Span("disk "), Span(f"{rates.read_bps / 1e6:.1f}", "value"), Span(f" MB/s{of}")))
         lines.append((Span("cache "), Span(f"{cache / budget:.0%}" if budget else "-", "value"),
                       Span(f" of {units.gb(budget)}")))
     else:

@@ -171,7 +171,7 @@ def _pair(n: int) -> str:
 
 
 def _header(p: Plan, m: Machine) -> Group:
-    speed = "-" if m.disk_bytes_per_s is None else f"{m.disk_bytes_per_s / GB:.2f} GB/s"
+    speed = "-" if m.disk_bytes_per_s is None else units.bandwidth(m.disk_bytes_per_s)
     disk = f"{speed} ({m.disk_source})"
     limit = _pair(m.gpu_limit_bytes)
     return Group(
