@@ -176,9 +176,8 @@ class ChatSession:
                 old.learner.close()
 
     def _load(self, request: ChatRequest) -> Iterator:
-        from tqbench.runtime.load import load
+        from tqbench.runtime.load import load, preflight
         from tqbench.runtime.models import choose_model
-        from tqbench.source.checkpoint import check_shards
 
         if request.model is None:
             chosen = None
@@ -192,8 +191,7 @@ class ChatSession:
         else:
             path = request.model
             yield ModelChosen(path, "given")
-        if Path(path).expanduser().is_dir():  # (load names a path that is no directory)
-            check_shards(path)  # before the plan reads the expert map: a missing shard is named, as inspect does
+        preflight(path, request.trust_remote_code)  # before the plan reads the expert map (a missing shard: exit 3)
         plan = plan_streaming(path, request.stream)
         yield plan
         t0 = time.perf_counter()

@@ -141,6 +141,29 @@ def quiet_libraries() -> Iterator[None]:
             lg.setLevel(level)
 
 
+def preflight(given: str | Path, trust_remote_code: bool = False) -> tuple[Path, dict[str, Any], bool]:
+    """Everything about a model directory that is checked before MLX reads a byte of it, in the order a user meets
+    it: the trust rule, a directory, its config, an architecture mlx-lm has, weight files, and every shard's header
+    and length (check_shards; once per process while the files are unchanged). Returns (directory, config, whether
+    the tokenizer may run shipped code). Raises LoadError or CheckpointError with one line."""
+    import mlx_lm.utils as mu
+
+    trust = trust_decision(str(given), trust_remote_code)
+    path = Path(given).expanduser()
+    if not path.is_dir():
+        raise LoadError("not a local model directory (tqbench runs local checkpoints only)", given)
+    config = _read_config(path)
+    try:
+        mu._get_classes(config)
+    except ValueError:
+        raise LoadError(f"mlx-lm {_mlx_lm_version()} has no architecture for model_type {model_type(config)!r}",
+                        path) from None
+    if not any(path.glob("model*.safetensors")):
+        raise LoadError("no model*.safetensors weight files", path)
+    check_shards(path)
+    return path, config, trust
+
+
 def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False, streaming: Any = None,
          tokenizer: bool = True) -> Loaded:
     """Load a model directory (tqbench conversion, TurboQuant-MLX build, MLX or source checkpoint) with its tokenizer.
@@ -153,22 +176,9 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
     from tqbench.cubin import keep_mlx_kernels
 
     keep_mlx_kernels()
-    trust = trust_decision(str(given), trust_remote_code)
-    path = Path(given).expanduser()
-    if not path.is_dir():
-        raise LoadError("not a local model directory (tqbench runs local checkpoints only)", given)
-    config = _read_config(path)
+    path, config, trust = preflight(given, trust_remote_code)
     rotations = _recorded_rotations(config, path / "config.json")
     swapped: list[str] = []
-
-    try:
-        mu._get_classes(config)
-    except ValueError:
-        raise LoadError(f"mlx-lm {_mlx_lm_version()} has no architecture for model_type {model_type(config)!r}",
-                        path) from None
-    if not any(path.glob("model*.safetensors")):
-        raise LoadError("no model*.safetensors weight files", path)
-    check_shards(path)
 
     def classes(config: dict[str, Any]):
         model_class, args_class = mu._get_classes(config)
