@@ -84,9 +84,14 @@ def test_expert_map_errors_name_the_file(outputs, tmp_path):
     shutil.copytree(outputs["tq3a-tqTe-down4-g32"], dst)
     doc = json.loads((dst / "expert_map.json").read_text())
     first = next(iter(doc["layers"].values()))
-    first["tensors"][next(iter(first["tensors"]))]["bytes"] = first["length"] + 1
+    name, tensor = next(iter(first["tensors"].items()))
+    tensor["offset"] = first["length"] - 1  # its bytes run past the expert's
     (dst / "expert_map.json").write_text(json.dumps(doc))
-    with pytest.raises(CheckpointError, match=r"expert_map.json: layer \d+: tensor .* outside"):
+    with pytest.raises(CheckpointError, match=rf"expert_map.json: layer \d+: tensor '{name}' lies outside"):
+        ExpertMap.load(dst)
+    tensor["offset"], tensor["bytes"] = 0, first["length"] + 1  # bytes that disagree with its shape
+    (dst / "expert_map.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=rf"layer \d+: tensor '{name}': {first['length'] + 1} bytes, but shape"):
         ExpertMap.load(dst)
     (dst / "expert_map.json").write_text("{")
     with pytest.raises(CheckpointError, match="expert_map.json: invalid JSON"):
