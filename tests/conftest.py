@@ -39,6 +39,20 @@ def small_k3(tmp_path) -> Path:
     return write_skeleton(tmp_path / "small-k3", k3_config(text), k3_tensor_specs(text), shard_size=64 * 1024)
 
 
+def demo_tq4(root: Path, shard_size: int | None = None) -> Path:
+    """The demo converted with tq4 into `root/tq4` (the conversion profiles/demo-tq4.json was made for), with its own
+    cache directory `root/cache` while converting (a module fixture runs outside the per-test one)."""
+    from tqbench.convert import convert
+    from tqbench.demo import ensure_demo
+    from tqbench.recipe import Recipe
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
+        kw = {} if shard_size is None else {"shard_size": shard_size}
+        list(convert(ensure_demo(), root / "tq4", Recipe.parse("tq4"), **kw))
+    return root / "tq4"
+
+
 def file_bytes(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 

@@ -16,18 +16,15 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import Result, tqbench
-from conftest import file_bytes
-from tqbench.convert import convert
+from conftest import demo_tq4, file_bytes
 from tqbench.demo import ensure_demo
 from tqbench.errors import ExitCode
-from tqbench.recipe import Recipe
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
     """The demo converted with tq4 into several shards."""
-    dest = tmp_path_factory.mktemp("bad-model") / "tq4"
-    list(convert(ensure_demo(), dest, Recipe.parse("tq4"), shard_size=4_000_000))
+    dest = demo_tq4(tmp_path_factory.mktemp("bad-model"), shard_size=4_000_000)
     return dest
 
 

@@ -22,9 +22,7 @@ from typing import Any, Callable
 import pytest
 
 from cli_helpers import tqbench
-from tqbench.convert import convert
-from tqbench.demo import ensure_demo
-from tqbench.recipe import Recipe
+from conftest import demo_tq4
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +34,7 @@ SECONDS_PER_RUN = 120  # a run that takes longer has hung
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
     """The demo converted with tq4 into several shards (so a shard can go missing), streaming layout."""
-    dest = tmp_path_factory.mktemp("fuzz") / "tq4"
-    list(convert(ensure_demo(), dest, Recipe.parse("tq4"), shard_size=4_000_000))
+    dest = demo_tq4(tmp_path_factory.mktemp("fuzz"), shard_size=4_000_000)
     assert len(list(dest.glob("model-*.safetensors"))) >= 3
     return dest
 

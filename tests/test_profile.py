@@ -24,15 +24,14 @@ import numpy as np
 import pytest
 
 from cli_helpers import tqbench
-from tqbench.convert import convert
-from tqbench.demo import SHIPPED_SPEC, ensure_demo
+from conftest import demo_tq4
+from tqbench.demo import SHIPPED_SPEC
 from tqbench.chat.request import ChatRequest, ProfileOptions, StreamRequest
 from tqbench.chat.session import ChatSession
 from tqbench.paths import cache_dir, shipped_profiles
 from tqbench.profile import (DECAY, MATURE, PIN_SHARE, SCHEMA, SHIPPED_PIN_SHARE, Profile, ProfileStore, choose, diff,
                              hot_set, identify, merge, read_profile, summary)
 from tqbench.profile.report import coverage_report, number
-from tqbench.recipe import Recipe
 from tqbench.runtime.chat import ReplyDone, Sampling
 
 SMALL_BUDGET = "0.0005"  # GB: a few percent of the demo's tq4 experts
@@ -46,11 +45,7 @@ L = sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers))
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     """A fresh tq4 conversion of the demo (the one profiles/demo-tq4.json was made for)."""
-    root = tmp_path_factory.mktemp("profile")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
-        list(convert(ensure_demo(), root / "tq4", Recipe.parse("tq4")))
-    return root / "tq4"
+    return demo_tq4(tmp_path_factory.mktemp("profile"))
 
 
 def _other(model: Path, dest: Path) -> Path:

@@ -14,13 +14,11 @@ import diskcache
 import numpy as np
 import pytest
 
-from tqbench.convert import convert
-from tqbench.demo import ensure_demo
+from conftest import demo_tq4
 from tqbench.paths import cache_dir, shipped_profiles
 from tqbench.profile import DECAY, Profile, ProfileStore, identify, import_file
 from tqbench.profile.choose import read_file
 from tqbench.profile.fingerprint import Geometry
-from tqbench.recipe import Recipe
 
 # The demo's routing geometry: with counts in every cell the store's entry is over 32 KB, so diskcache keeps it in a
 # file of its own, which each save replaces (the case where a reader once found the file gone).
@@ -96,11 +94,7 @@ def _cells(p: Profile) -> np.ndarray:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     """A fresh tq4 conversion of the demo (the one profiles/demo-tq4.json was made for)."""
-    root = tmp_path_factory.mktemp("concurrency")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
-        list(convert(ensure_demo(), root / "tq4", Recipe.parse("tq4")))
-    return root / "tq4"
+    return demo_tq4(tmp_path_factory.mktemp("concurrency"))
 
 
 # `tqbench chat` saving every 0.25 s, each save logged (its delta, and the state of the store it left); the reply

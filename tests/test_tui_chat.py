@@ -37,7 +37,7 @@ from tui.screens.chat_settings import SettingsScreen
 from tui.state import display_path
 from tui.widgets.expert_map import ExpertMapView
 from tui.widgets.transcript import CURSOR, reply_content
-from tui_helpers import screen_lines, settle
+from tui_helpers import screen_lines, settle, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -108,14 +108,6 @@ def engine_run(model_dir):
 def counts(done: ReplyDone) -> tuple:
     """What a reply must repeat exactly (rates and peak memory vary from run to run)."""
     return done.text, done.prompt_tokens, done.cached_tokens, done.generated_tokens, done.finish_reason
-
-
-async def wait_for(pilot, condition, what: str, seconds: float = 30) -> None:
-    for _ in range(int(seconds / 0.02)):
-        if condition():
-            return
-        await pilot.pause(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def open_chat(pilot) -> ChatScreen:

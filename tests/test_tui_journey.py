@@ -20,7 +20,7 @@ import pytest
 from textual.widgets import Input
 
 from test_tui import write_tiny
-from test_tui_chat import BUDGET, STREAM, engine_page_ins, screen_text, status, wait_for
+from test_tui_chat import BUDGET, STREAM, engine_page_ins, screen_text, status
 from tqbench import units
 from tqbench.convert import convert
 from tqbench.demo import ensure_demo
@@ -42,7 +42,7 @@ from tui.screens.profile import ProfileScreen
 from tui.screens.recipe import RecipeScreen
 from tui.screens.source import SourceScreen
 from tui.widgets.heat_map import HeatMap
-from tui_helpers import settle
+from tui_helpers import settle, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from tui.screens.help import HelpScreen
 from tui.screens.open import OpenScreen
 from tui.screens.profile import ProfileScreen
 from tui.widgets.heat_map import RAMP, HeatMap
-from tui_helpers import screen_lines, settle, stable_screen_lines
+from tui_helpers import screen_lines, settle, stable_screen_lines, wait_for
 
 SIZE = (80, 24)
 
@@ -349,14 +349,6 @@ async def test_a_path_that_is_neither_keeps_what_is_shown(demo, tmp_path):
             assert screen.error.startswith(f"{bad}: ") and "\n" not in screen.error
             assert (screen.model, screen.file) == (None, None) and "Model's profile" not in screen_lines(app)[-1]
             assert np.array_equal(screen.query_one(HeatMap).cells, cells)
-
-
-async def wait_for(pilot, condition, what: str, seconds: float = 30) -> None:
-    for _ in range(int(seconds / 0.02)):
-        if condition():
-            return
-        await pilot.pause(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def test_the_screen_follows_the_store_and_waits_for_an_open_dialog(demo, tmp_path, monkeypatch):

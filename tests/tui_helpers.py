@@ -14,6 +14,15 @@ async def settle(pilot, rounds: int = 50) -> None:
                 return
 
 
+async def wait_for(pilot, condition, what: str, seconds: float = 30) -> None:
+    """Until `condition()` holds, polling every 20 ms; an AssertionError naming `what` after `seconds`."""
+    for _ in range(int(seconds / 0.02)):
+        if condition():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def burst(pilot, *keys: str) -> None:
     """Send keys as one terminal read delivers them: back to back, the app reading none before all are sent (a paste
     without bracketed paste, fast typing). Pilot.press waits for the app after each key, so it never shows an order
