@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tqbench.chat import report
+from tqbench.cli import options
 from tqbench.chat.records import ModelLoaded
 from tqbench.errors import ExitCode, TqbenchError, UsageError
 from tqbench.writable import check_output_file
@@ -43,38 +44,16 @@ def chat(
     system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="A system message.")] = None,
     no_chat_template: Annotated[bool, typer.Option(
         "--no-chat-template", help="Send turns as plain text (a base model's continuation).")] = False,
-    trust_remote_code: Annotated[bool, typer.Option(
-        "--trust-remote-code", help="Allow the model's own tokenizer code (needed for hub ids and non-K3 models "
-                                    "that ship code; a local kimi_k3 directory is trusted).")] = False,
+    trust_remote_code: options.TrustRemoteCode = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line: tokens and a summary per reply.")] = False,
-    cache_budget_gb: Annotated[Optional[str], typer.Option(
-        "--cache-budget-gb", metavar="fit|auto|off|SIZE",
-        help="Stream routed experts from disk with an expert cache of SIZE (8GB, 512MB; a bare number is GB). auto: "
-             "the GPU working-set limit minus the resident weights and a 3 GB reserve; fit (the default): resident "
-             "when the model fits, else auto; off: resident.")] = None,
-    prefetch_workers: Annotated[int, typer.Option("--prefetch-workers", min=1, max=256,
-                                                  help="Threads reading experts from disk.")] = 4,
-    reads_in_flight: Annotated[int, typer.Option(
-        "--reads-in-flight", metavar="N", min=0, max=256,
-        help="At most N expert reads at once; the workers' copies into the cache still overlap them (0: one per "
-             "worker). Some disks read one request at a time fastest.")] = 0,
-    cache_policy: Annotated[str, typer.Option("--cache-policy", metavar="lrfu-next|lrfu|lru",
-                                              help="Which cached expert to evict. lrfu-next also predicts each "
-                                                   "layer's next routing: more hits than lrfu for 2-3x its "
-                                                   "bookkeeping (about 12-16 ms a token at Kimi K3's scale).")
-                                              ] = "lrfu-next",
-    fanout: Annotated[bool, typer.Option("--fanout", help="Split each expert's read across the workers.")] = False,
-    lookahead: Annotated[bool, typer.Option(
-        "--lookahead", help="During decode, read the next layer's likely experts (its router applied to this "
-                            "layer's input) while this layer computes.")] = False,
-    page_cache: Annotated[str, typer.Option(
-        "--page-cache", metavar="auto|on|off",
-        help="Read experts through the OS page cache (on), around it (off: O_DIRECT / F_NOCACHE), or off when the "
-             "model is much larger than memory (auto).")] = "auto",
-    max_active_experts: Annotated[int, typer.Option(
-        "--max-active-experts", metavar="K", min=0,
-        help="Route each token to K experts instead of the model's top-k (0: native). Fewer bytes per token, but it "
-             "changes the model's output.")] = 0,
+    cache_budget_gb: options.CacheBudget = None,
+    prefetch_workers: options.PrefetchWorkers = 4,
+    reads_in_flight: options.ReadsInFlight = 0,
+    cache_policy: options.CachePolicy = "lrfu-next",
+    fanout: options.Fanout = False,
+    lookahead: options.Lookahead = False,
+    page_cache: options.PageCache = "auto",
+    max_active_experts: options.MaxActiveExperts = 0,
     profile: Annotated[Optional[Path], typer.Option(
         "--profile", metavar="FILE", help="Start from this hot-expert profile (tqbench's export, or TurboQuant-MLX's "
                                           "pin list / usage profile) instead of the learned one.")] = None,

@@ -125,12 +125,14 @@ def ui(
 
 from tqbench.cli.chat import chat  # noqa: E402
 from tqbench.cli.convert import convert  # noqa: E402
+from tqbench.cli.eval import eval_model  # noqa: E402
 from tqbench.cli.plan import plan  # noqa: E402
 from tqbench.cli.profile import profile_app  # noqa: E402
 
 app.command()(plan)
 app.command()(convert)
 app.command()(chat)
+app.command(name="eval")(eval_model)
 app.add_typer(profile_app, name="profile")
 
 

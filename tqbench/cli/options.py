@@ -48,3 +48,37 @@ BaseFormat = Annotated[Optional[str], typer.Option("--format", metavar="FORMAT",
 ExpertFormat = Annotated[Optional[str], typer.Option(
     metavar="FORMAT", help="Routed-expert format: turboquant, affine, mxfp4 or source.")]
 ShardSize = Annotated[str, typer.Option(metavar="SIZE", help="Output shard size.")]
+
+
+# ---- running a model: expert streaming and routing (chat, eval) -------------------------------------------------------
+
+CacheBudget = Annotated[Optional[str], typer.Option(
+    "--cache-budget-gb", metavar="fit|auto|off|SIZE",
+    help="Stream routed experts from disk with an expert cache of SIZE (8GB, 512MB; a bare number is GB). auto: "
+         "the GPU working-set limit minus the resident weights and a 3 GB reserve; fit (the default): resident "
+         "when the model fits, else auto; off: resident.")]
+PrefetchWorkers = Annotated[int, typer.Option("--prefetch-workers", min=1, max=256,
+                                              help="Threads reading experts from disk.")]
+ReadsInFlight = Annotated[int, typer.Option(
+    "--reads-in-flight", metavar="N", min=0, max=256,
+    help="At most N expert reads at once; the workers' copies into the cache still overlap them (0: one per "
+         "worker). Some disks read one request at a time fastest.")]
+CachePolicy = Annotated[str, typer.Option("--cache-policy", metavar="lrfu-next|lrfu|lru",
+                                          help="Which cached expert to evict. lrfu-next also predicts each "
+                                               "layer's next routing: more hits than lrfu for 2-3x its "
+                                               "bookkeeping (about 12-16 ms a token at Kimi K3's scale).")]
+Fanout = Annotated[bool, typer.Option("--fanout", help="Split each expert's read across the workers.")]
+Lookahead = Annotated[bool, typer.Option(
+    "--lookahead", help="During decode, read the next layer's likely experts (its router applied to this "
+                        "layer's input) while this layer computes.")]
+PageCache = Annotated[str, typer.Option(
+    "--page-cache", metavar="auto|on|off",
+    help="Read experts through the OS page cache (on), around it (off: O_DIRECT / F_NOCACHE), or off when the "
+         "model is much larger than memory (auto).")]
+MaxActiveExperts = Annotated[int, typer.Option(
+    "--max-active-experts", metavar="K", min=0,
+    help="Route each token to K experts instead of the model's top-k (0: native). Fewer bytes per token, but it "
+         "changes the model's output.")]
+TrustRemoteCode = Annotated[bool, typer.Option(
+    "--trust-remote-code", help="Allow the model's own tokenizer code (needed for hub ids and non-K3 models "
+                                "that ship code; a local kimi_k3 directory is trusted).")]

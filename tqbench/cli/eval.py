@@ -1,0 +1,174 @@
+"""`tqbench eval`: what a model loses, measured. Progress (with ETA) goes to stderr, the tables or `--json` (schema
+tqbench.eval/1) to stdout. The numbers are the engine's (tqbench.eval); this module only renders them.
+
+Registered in main.py with `app.command(name="eval")(eval_model)`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from tqbench import units
+from tqbench.cli import options
+from tqbench.cli.render import show
+from tqbench.errors import TqbenchError
+
+STAGES = {"score": "scoring", "greedy": "generating", "layers": "layers"}
+
+
+def eval_model(
+    model: Annotated[Path, typer.Argument(metavar="MODEL", help="Model directory to evaluate (converted, MLX or "
+                                                                "source checkpoint).")],
+    against: Annotated[Optional[Path], typer.Option(
+        "--against", metavar="SRC", help="Reference model (usually the source checkpoint): per-token KL(SRC || "
+                                         "MODEL), top-1 agreement, top-5 overlap and greedy agreement.")] = None,
+    text: Annotated[Optional[list[Path]], typer.Option(
+        "--text", metavar="FILE", help="Score this UTF-8 text file (repeat for several; default: the demo's held-out "
+                                       "code and chat).")] = None,
+    window: Annotated[int, typer.Option("--window", min=2, max=1 << 20,
+                                        help="Context window in tokens; each window starts from an empty context.")
+                      ] = 256,
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Predicted tokens to score, spread over the texts.")
+                      ] = 4096,
+    prompts: Annotated[int, typer.Option("--prompts", min=0, help="Greedy agreement: prompts (0: skip it).")] = 4,
+    generate: Annotated[int, typer.Option("--generate", min=0, help="Greedy agreement: tokens per prompt.")] = 32,
+    layers: Annotated[bool, typer.Option(
+        "--layers", help="Quick mode: each layer's hidden-state relative error, both models run on SRC's own input "
+                         "to that layer.")] = False,
+    max_active_experts: options.MaxActiveExperts = 0,
+    cache_budget_gb: options.CacheBudget = None,
+    prefetch_workers: options.PrefetchWorkers = 4,
+    reads_in_flight: options.ReadsInFlight = 0,
+    cache_policy: options.CachePolicy = "lrfu-next",
+    fanout: options.Fanout = False,
+    lookahead: options.Lookahead = False,
+    page_cache: options.PageCache = "auto",
+    trust_remote_code: options.TrustRemoteCode = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (stable schema) on stdout.")] = False,
+) -> None:
+    """Measure a model's quality: perplexity, and against a reference model KL, agreement and greedy agreement.
+
+    Both models run on the same token windows; their experts stream from disk with the usual budget flags (the same
+    for both), so models larger than memory and source checkpoints (mxfp4, bf16) are evaluated as they are.
+    --max-active-experts changes MODEL's routing only, so `tqbench eval M --against M --max-active-experts 4`
+    measures a routing setting against native routing.
+    """
+    from tqbench.chat.request import StreamRequest
+    from tqbench.engine import submit
+    from tqbench.eval import EvalProgress, EvalReport, EvalRequest, EvalStarted, evaluate
+    from tqbench.eval.report import report_dict
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        request = EvalRequest(
+            str(model), str(against) if against is not None else None, tuple(str(t) for t in text or ()), window,
+            tokens, prompts, min(32, window), generate, layers, max_active_experts,
+            StreamRequest(cache_budget_gb or "fit", prefetch_workers, cache_policy, fanout, lookahead, page_cache,
+                          reads_in_flight), trust_remote_code).check()
+        report = None
+        with submit(lambda: evaluate(request)) as events:
+            progress = _Progress(err)
+            for ev in events:
+                if isinstance(ev, EvalStarted):
+                    err.print(started_line(ev), markup=False)
+                elif isinstance(ev, EvalProgress):
+                    progress.update(ev)
+                elif isinstance(ev, EvalReport):
+                    report = ev
+            progress.close()
+    except TqbenchError as e:
+        print(f"tqbench: error: {e}", file=sys.stderr)
+        raise typer.Exit(e.exit_code) from None
+    if report is None:
+        raise TqbenchError("the evaluation ended without a result")
+    if as_json:
+        print(json.dumps(report_dict(report), indent=1))
+    else:
+        show(Console(highlight=False), *tables(report))
+
+
+def started_line(ev) -> str:
+    what = f"{ev.model} against {ev.against}" if ev.against else ev.model
+    routing = ""
+    if ev.native_experts and ev.max_active_experts != ev.native_experts:
+        routing = f", {ev.max_active_experts} of {ev.native_experts} experts per token"
+    mode = "layer by layer, " if ev.layers else ""
+    return (f"evaluating {what}: {mode}{ev.tokens:,} tokens in {ev.windows} windows of {ev.window} "
+            f"({', '.join(ev.texts)}){routing}")
+
+
+class _Progress:
+    """A rich bar with ETA on a terminal; piped, a line at each quarter of each stage."""
+
+    def __init__(self, err: Console) -> None:
+        self.err = err
+        self.bar = None
+        self.tasks: dict[str, int] = {}
+        self.said: dict[str, int] = {}
+        if err.is_terminal:
+            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("tokens"), TimeElapsedColumn(), TimeRemainingColumn(), console=err)
+            self.bar.start()
+
+    def update(self, ev) -> None:
+        if self.bar is not None:
+            if ev.stage not in self.tasks:
+                self.tasks[ev.stage] = self.bar.add_task(STAGES[ev.stage], total=ev.total)
+            self.bar.update(self.tasks[ev.stage], completed=ev.done)
+            return
+        quarter = 4 * ev.done // ev.total
+        if quarter > self.said.get(ev.stage, 0):
+            self.said[ev.stage] = quarter
+            eta = f", {ev.eta_s:.0f} s left" if ev.eta_s else ""
+            print(f"{STAGES[ev.stage]} {ev.done:,}/{ev.total:,} tokens ({ev.done / ev.total:.0%}), "
+                  f"{ev.elapsed_s:.0f} s{eta}", file=self.err.file, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _f(v: float | None, digits: int = 4) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def tables(r) -> list:
+    out = []
+    if r.texts:
+        compare = r.against is not None
+        t = Table(title=f"quality of {r.model}" + (f" against {r.against}" if compare else ""), title_justify="left")
+        for c in ("text", "tokens", "perplexity") + (("KL", "top-1 agree", "top-5 overlap") if compare else ()):
+            t.add_column(c, justify="left" if c == "text" else "right")
+        for s in (*r.texts, r.total) if len(r.texts) > 1 else r.texts:
+            row = [s.name, f"{s.tokens:,}", f"{s.perplexity:.3f}"]
+            if compare:
+                row += [_f(s.kl), _f(s.top1_agreement), _f(s.top5_overlap)]
+            t.add_row(*row)
+        notes = [f"window {r.window}", f"model {units.size(r.model_bytes)} resident"]
+        if r.recipe:
+            notes.append(f"recipe {r.recipe}")
+        if r.native_experts:
+            notes.append(f"{r.max_active_experts} of {r.native_experts} experts per token")
+        notes.append(f"{r.seconds:.1f} s")
+        t.caption = "; ".join(notes)
+        out.append(t)
+    if r.greedy is not None:
+        g = r.greedy
+        out.append(f"greedy agreement: {sum(g.alike)} of {g.prompts * g.generated} generated tokens alike before the "
+                   f"first difference ({g.share:.0%}; per prompt {', '.join(map(str, g.alike))} of {g.generated})")
+    if r.layers:
+        t = Table(title=f"layer errors of {r.model} against {r.against} (teacher-forced)", title_justify="left")
+        for c in ("layer", "attention", "mlp", "rel. error"):
+            t.add_column(c, justify="right" if c in ("layer", "rel. error") else "left")
+        for x in r.layers:
+            t.add_row(str(x.layer), x.attention, x.mlp, f"{x.rel_error:.4f}")
+        t.caption = f"window {r.window}; {r.seconds:.1f} s"
+        out.append(t)
+    return out

@@ -1,0 +1,164 @@
+"""What `tqbench eval` is asked and what it reports: frozen records every face renders (the CLI's tables and --json,
+the TUI's Recipe screen)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tqbench.chat.request import StreamRequest
+from tqbench.errors import TqbenchError, UsageError
+
+WINDOW = 256  # tokens of context per window; every window starts from an empty context
+TOKENS = 4096  # predicted tokens, spread over the texts
+PROMPTS = 4  # greedy agreement: prompts, each the start of a window
+PROMPT_TOKENS = 32
+GENERATE = 32  # tokens each model generates from each prompt
+MAX_WINDOW = 1 << 20
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """One evaluation: `model` scored on the texts, and compared per token with `against` when given.
+    `texts`: files of plain text (each one document), or empty for the demo's held-out code and chat."""
+
+    model: str
+    against: str | None = None
+    texts: tuple[str, ...] = ()
+    window: int = WINDOW
+    tokens: int = TOKENS
+    prompts: int = PROMPTS
+    prompt_tokens: int = PROMPT_TOKENS
+    generate: int = GENERATE
+    layers: bool = False  # the quick mode: each layer's hidden-state error on teacher-forced inputs
+    max_active_experts: int = 0  # MODEL's routing (0: its own top-k); `against` always routes natively
+    stream: StreamRequest = field(default_factory=StreamRequest)
+    trust_remote_code: bool = False
+
+    def check(self) -> EvalRequest:
+        self.stream.check()
+        if not 2 <= self.window <= MAX_WINDOW:
+            raise TqbenchError(f"window {self.window}: give 2 to {MAX_WINDOW} tokens")
+        if self.tokens < 1:
+            raise TqbenchError(f"tokens {self.tokens}: give 1 or more")
+        if self.prompts < 0 or self.generate < 0 or self.prompt_tokens < 1:
+            raise TqbenchError("prompts and generated tokens: give 0 or more; prompt tokens: 1 or more")
+        if self.max_active_experts < 0:
+            raise TqbenchError(f"max active experts {self.max_active_experts}: give 0 (the model's own) or more")
+        if self.layers and self.against is None:
+            raise UsageError("--layers compares two models layer by layer: give --against SRC")
+        return self
+
+
+@dataclass(frozen=True)
+class EvalStarted:
+    model: str
+    against: str | None
+    texts: tuple[str, ...]  # the texts' names
+    windows: int
+    window: int
+    tokens: int  # predicted tokens in all
+    max_active_experts: int  # MODEL routes to this many experts (its own top-k when not changed)
+    native_experts: int  # the model's own top-k (0: no routed experts)
+    layers: bool
+
+
+@dataclass(frozen=True)
+class EvalProgress:
+    stage: str  # "score", "greedy" or "layers"
+    done: int  # tokens scored (score, layers) or generated (greedy)
+    total: int
+    elapsed_s: float
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.done <= 0 or self.done >= self.total:
+            return None if self.done <= 0 else 0.0
+        return self.elapsed_s / self.done * (self.total - self.done)
+
+
+@dataclass(frozen=True)
+class TextScore:
+    """Sums over a text's predicted tokens (exact: float64 sums of each window's float32 values); the figures are
+    properties. The comparison fields are None without a reference model."""
+
+    name: str
+    tokens: int
+    windows: int
+    nll_sum: float
+    kl_sum: float | None = None
+    top1_agree: int | None = None
+    top5_overlap_sum: float | None = None  # per token: |top-5 of MODEL & top-5 of SRC| / 5
+
+    @property
+    def loss(self) -> float:
+        return self.nll_sum / self.tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+    @property
+    def kl(self) -> float | None:
+        """Mean KL(SRC || MODEL) per token, in nats."""
+        return None if self.kl_sum is None else self.kl_sum / self.tokens
+
+    @property
+    def top1_agreement(self) -> float | None:
+        return None if self.top1_agree is None else self.top1_agree / self.tokens
+
+    @property
+    def top5_overlap(self) -> float | None:
+        return None if self.top5_overlap_sum is None else self.top5_overlap_sum / self.tokens
+
+    def plus(self, other: TextScore, name: str) -> TextScore:
+        def add(a, b):
+            return None if a is None or b is None else a + b
+
+        return TextScore(name, self.tokens + other.tokens, self.windows + other.windows, self.nll_sum + other.nll_sum,
+                         add(self.kl_sum, other.kl_sum), add(self.top1_agree, other.top1_agree),
+                         add(self.top5_overlap_sum, other.top5_overlap_sum))
+
+
+@dataclass(frozen=True)
+class GreedyAgreement:
+    """Both models generate greedily from the same prompts: how many tokens come out alike."""
+
+    prompts: int
+    generated: int  # tokens each model generated from each prompt
+    alike: tuple[int, ...]  # per prompt: tokens alike before the first difference
+    same_position: tuple[int, ...]  # per prompt: positions where the two tokens are equal
+
+    @property
+    def share(self) -> float:
+        """Tokens generated alike (before the first difference) over tokens generated."""
+        total = self.prompts * self.generated
+        return sum(self.alike) / total if total else 1.0
+
+
+@dataclass(frozen=True)
+class LayerError:
+    """One decoder layer run by both models on the reference model's own input to it (teacher-forced): the relative
+    error of MODEL's output, sqrt(sum |out_M - out_S|^2 / sum |out_S|^2) over every scored token."""
+
+    layer: int
+    attention: str  # the attention module's class, as mlx-lm names it
+    mlp: str
+    rel_error: float
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    model: str
+    against: str | None
+    recipe: str | None  # MODEL's recipe, when tqbench converted it
+    window: int
+    max_active_experts: int
+    native_experts: int
+    texts: tuple[TextScore, ...]
+    total: TextScore | None  # None in the --layers mode
+    greedy: GreedyAgreement | None
+    layers: tuple[LayerError, ...]
+    text_digest: str  # sha256 of the scored token windows: two reports compare only on the same digest
+    seconds: float
+    model_bytes: int  # resident bytes of MODEL (streamed experts not included)

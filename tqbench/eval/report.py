@@ -1,0 +1,36 @@
+"""The stable JSON document of an evaluation (`tqbench eval --json`, schema tqbench.eval/1)."""
+
+from __future__ import annotations
+
+from tqbench.eval.records import EvalReport, GreedyAgreement, TextScore
+
+SCHEMA = "tqbench.eval/1"
+
+
+def score_dict(s: TextScore) -> dict:
+    return {"text": s.name, "tokens": s.tokens, "windows": s.windows, "loss": s.loss, "perplexity": s.perplexity,
+            "kl": s.kl, "top1_agreement": s.top1_agreement, "top5_overlap": s.top5_overlap}
+
+
+def greedy_dict(g: GreedyAgreement) -> dict:
+    return {"prompts": g.prompts, "generated": g.generated, "share_alike": g.share, "alike": list(g.alike),
+            "same_position": list(g.same_position)}
+
+
+def report_dict(r: EvalReport) -> dict:
+    return {
+        "schema": SCHEMA,
+        "model": r.model,
+        "against": r.against,
+        "recipe": r.recipe,
+        "window": r.window,
+        "experts": {"active": r.max_active_experts, "native": r.native_experts},
+        "texts": [score_dict(s) for s in r.texts],
+        "total": score_dict(r.total) if r.total is not None else None,
+        "greedy": greedy_dict(r.greedy) if r.greedy is not None else None,
+        "layers": [{"layer": x.layer, "attention": x.attention, "mlp": x.mlp, "rel_error": x.rel_error}
+                   for x in r.layers],
+        "text_sha256": r.text_digest,
+        "seconds": r.seconds,
+        "model_bytes": r.model_bytes,
+    }

@@ -1,0 +1,172 @@
+"""`evaluate(request)`: the generator behind `tqbench eval` and the Recipe screen's quick eval. Runs on the engine
+thread (tqbench.engine); yields EvalStarted, EvalProgress events and one EvalReport, every number evaluated.
+
+Both models load as a chat loads them (tqbench.runtime.load, experts streamed when asked or when a model does not fit)
+and run window by window on the same token ids, so a model larger than memory is evaluated with one expert cache per
+model and a source checkpoint (mxfp4, bf16) as it is, without converting it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+import numpy as np
+
+from tqbench.errors import TqbenchError
+from tqbench.eval.layers import describe, layer_errors, layer_list
+from tqbench.eval.metrics import window_sums
+from tqbench.eval.records import (EvalProgress, EvalReport, EvalRequest, EvalStarted, GreedyAgreement, LayerError,
+                                  TextScore)
+from tqbench.eval.texts import Windows, default_texts, digest, file_text, plan_windows, token_stream
+
+BATCH_TOKENS = 2048  # tokens per forward pass (whole windows)
+
+
+def evaluate(request: EvalRequest) -> Iterator:
+    request.check()
+    texts = tuple(file_text(t) for t in request.texts) or default_texts()  # a bad file fails before any load
+    t0 = time.perf_counter()
+    model = _load(request.model, request)
+    native = _native_top_k(model.model)
+    active = native
+    if request.max_active_experts:
+        from tqbench.runtime.routing import set_active_experts
+
+        active = set_active_experts(model.model, request.max_active_experts).active
+    ref = _load(request.against, request) if request.against is not None else None
+    try:
+        streams = {t.name: token_stream(t, model.tokenizer) for t in texts}
+        if ref is not None:
+            _same_tokens(texts, streams, ref.tokenizer, request.against)
+        windows = plan_windows(streams, request.window, request.tokens)
+        total = sum(w.tokens for w in windows)
+        yield EvalStarted(str(model.path), str(ref.path) if ref else None, tuple(w.name for w in windows),
+                          sum(len(w.x) for w in windows), request.window, total, active, native, request.layers)
+        if request.layers:
+            scores, greedy = (), None
+            layers = yield from _layers(model.model, ref.model, windows, total)
+            overall = None
+        else:
+            layers = ()
+            scores = yield from _score(model.model, ref.model if ref else None, windows, total)
+            overall = scores[0]
+            for s in scores[1:]:
+                overall = overall.plus(s, "all")
+            greedy = None
+            if ref is not None and request.prompts and request.generate:
+                greedy = yield from _greedy(model.model, ref.model, windows, request)
+        yield EvalReport(str(model.path), str(ref.path) if ref else None, _recipe(model.path), request.window, active,
+                         native, tuple(scores), overall, greedy, tuple(layers), digest(windows),
+                         time.perf_counter() - t0, model.weight_bytes)
+    finally:
+        for m in (model, ref):
+            if m is not None and m.streamer is not None:
+                m.streamer.close()
+
+
+def _load(path: str, request: EvalRequest):
+    from tqbench.chat.session import plan_streaming
+    from tqbench.runtime.load import load, preflight
+
+    preflight(path, request.trust_remote_code)
+    plan = plan_streaming(path, request.stream)
+    return load(path, request.trust_remote_code, streaming=plan.config)
+
+
+def _native_top_k(model) -> int:
+    from tqbench.runtime.routing import _knob
+
+    for _, m in model.named_modules():
+        knob = _knob(m)
+        if knob is not None:
+            return int(getattr(model, "_tqbench_native_top_k", None) or getattr(*knob))
+    return 0
+
+
+def _same_tokens(texts, streams: dict[str, np.ndarray], tokenizer, against: str) -> None:
+    for t in texts:
+        if not np.array_equal(token_stream(t, tokenizer), streams[t.name]):
+            raise TqbenchError(f"its tokenizer reads text {t.name!r} differently from the model's: a per-token "
+                               "comparison needs one vocabulary", against)
+
+
+def _recipe(path: Path) -> str | None:
+    try:
+        return json.loads((path / "convert-report.json").read_text())["recipe"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _batches(windows: list[Windows], window: int):
+    per = max(1, BATCH_TOKENS // window)
+    for w in windows:
+        for i in range(0, len(w.x), per):
+            yield w.name, mx.array(w.x[i: i + per]), mx.array(w.y[i: i + per])
+
+
+def _score(model, ref, windows: list[Windows], total: int) -> Iterator:
+    t0, done = time.perf_counter(), 0
+    sums: dict[str, list] = {w.name: [0, 0, 0.0, 0.0, 0, 0.0] for w in windows}  # tokens windows nll kl top1 top5
+    for name, x, y in _batches(windows, windows[0].x.shape[1]):
+        logits = model(x)
+        s = window_sums(logits, y, ref(x) if ref is not None else None)
+        acc = sums[name]
+        acc[0] += s.tokens
+        acc[1] += int(x.shape[0])
+        acc[2] += s.nll
+        if s.kl is not None:
+            acc[3] += s.kl
+            acc[4] += s.top1
+            acc[5] += s.top5
+        done += s.tokens
+        yield EvalProgress("score", done, total, time.perf_counter() - t0)
+    compare = ref is not None
+    return [TextScore(name, a[0], a[1], a[2], a[3] if compare else None, a[4] if compare else None,
+                      a[5] if compare else None) for name, a in sums.items()]
+
+
+def _greedy(model, ref, windows: list[Windows], request: EvalRequest) -> Iterator:
+    from mlx_lm.generate import generate_step
+
+    prompts = []
+    for i in range(max(len(w.x) for w in windows)):  # the texts' windows in turn: code, chat, code, ...
+        prompts += [w.x[i, : request.prompt_tokens] for w in windows if i < len(w.x)]
+    prompts = prompts[: request.prompts]
+    total, t0 = 2 * len(prompts) * request.generate, time.perf_counter()
+    done, alike, same = 0, [], []
+
+    def argmax(logprobs: mx.array) -> mx.array:
+        return mx.argmax(logprobs, axis=-1)
+
+    for p in prompts:
+        outs = []
+        for m in (model, ref):
+            out = []
+            for tok, _ in generate_step(mx.array(p), m, max_tokens=request.generate, sampler=argmax):
+                out.append(int(tok))
+            outs.append(out)
+            done += request.generate
+            yield EvalProgress("greedy", done, total, time.perf_counter() - t0)
+        a, b = outs
+        first = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
+        alike.append(first)
+        same.append(sum(u == v for u, v in zip(a, b)))
+    return GreedyAgreement(len(prompts), request.generate, tuple(alike), tuple(same))
+
+
+def _layers(model, ref, windows: list[Windows], total: int) -> Iterator:
+    t0, done = time.perf_counter(), 0
+    sums = None
+    for _, x, _ in _batches(windows, windows[0].x.shape[1]):
+        part = layer_errors(model, ref, x)
+        sums = part if sums is None else [(a + c, b + d) for (a, b), (c, d) in zip(sums, part)]
+        done += int(x.size)
+        yield EvalProgress("layers", done, total, time.perf_counter() - t0)
+    out = []
+    for i, (layer, (diff, norm)) in enumerate(zip(layer_list(model), sums)):
+        attn, mlp = describe(layer)
+        out.append(LayerError(i, attn, mlp, (diff / norm) ** 0.5 if norm > 0 else 0.0))
+    return out
