@@ -144,12 +144,12 @@ def tables(r) -> list:
     if r.texts:
         compare = r.against is not None
         t = Table(title=f"quality of {r.model}" + (f" against {r.against}" if compare else ""), title_justify="left")
-        for c in ("text", "tokens", "perplexity") + (("KL", "top-1 agree", "top-5 overlap") if compare else ()):
+        for c in ("text", "tokens", "perplexity") + (("SRC perplexity", "KL", "top-1 agree", "top-5 overlap") if compare else ()):
             t.add_column(c, justify="left" if c == "text" else "right")
         for s in (*r.texts, r.total) if len(r.texts) > 1 else r.texts:
             row = [s.name, f"{s.tokens:,}", f"{s.perplexity:.3f}"]
             if compare:
-                row += [_f(s.kl), _f(s.top1_agreement), _f(s.top5_overlap)]
+                row += [f"{s.ref_perplexity:.3f}", _f(s.kl), _f(s.top1_agreement), _f(s.top5_overlap)]
             t.add_row(*row)
         notes = [f"window {r.window}", f"model {units.size(r.model_bytes)} resident"]
         if r.recipe:

@@ -1,7 +1,7 @@
 """Per-window sums, computed in float32 with MLX and returned as Python numbers (evaluated: nothing lazy leaves).
 
 For targets y and log-probabilities log p_M (the model), log p_S (the reference), over a window's tokens t:
-  nll      = sum_t -log p_M(y_t)                          (perplexity = exp(nll / tokens))
+  nll      = sum_t -log p_M(y_t)                          (perplexity = exp(nll / tokens); ref_nll: of p_S)
   kl       = sum_t sum_v p_S(v) (log p_S(v) - log p_M(v))  KL(S || M): what the reference expects the model to lose
   top1     = #t with argmax p_M = argmax p_S
   top5     = sum_t |top5(p_M) & top5(p_S)| / 5
@@ -18,6 +18,7 @@ import mlx.core as mx
 class WindowSums:
     tokens: int
     nll: float
+    ref_nll: float | None = None
     kl: float | None = None
     top1: int | None = None
     top5: float | None = None
@@ -45,9 +46,11 @@ def window_sums(logits: mx.array, targets: mx.array, reference: mx.array | None 
         mx.eval(nll)
         return WindowSums(int(targets.size), float(nll.item()))
     ls = log_probs(reference)
+    ref_nll = nll_sum(ls, targets)
     kl = (mx.exp(ls) * (ls - lp)).sum()
     top1 = (mx.argmax(lp, axis=-1) == mx.argmax(ls, axis=-1)).sum()
     a, b = top5(lp), top5(ls)
     overlap = (a[..., :, None] == b[..., None, :]).sum().astype(mx.float32) / 5
-    mx.eval(nll, kl, top1, overlap)
-    return WindowSums(int(targets.size), float(nll.item()), float(kl.item()), int(top1.item()), float(overlap.item()))
+    mx.eval(nll, ref_nll, kl, top1, overlap)
+    return WindowSums(int(targets.size), float(nll.item()), float(ref_nll.item()), float(kl.item()), int(top1.item()),
+                      float(overlap.item()))

@@ -34,6 +34,8 @@ class EvalRequest:
     max_active_experts: int = 0  # MODEL's routing (0: its own top-k); `against` always routes natively
     stream: StreamRequest = field(default_factory=StreamRequest)
     trust_remote_code: bool = False
+    store: str | None = None  # where evaluations of conversions against their source are remembered (None: the
+    # user cache; tqbench.eval.store)
 
     def check(self) -> EvalRequest:
         self.stream.check()
@@ -86,6 +88,7 @@ class TextScore:
     tokens: int
     windows: int
     nll_sum: float
+    ref_nll_sum: float | None = None  # the reference model's, on the same tokens
     kl_sum: float | None = None
     top1_agree: int | None = None
     top5_overlap_sum: float | None = None  # per token: |top-5 of MODEL & top-5 of SRC| / 5
@@ -97,6 +100,10 @@ class TextScore:
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss)
+
+    @property
+    def ref_perplexity(self) -> float | None:
+        return None if self.ref_nll_sum is None else math.exp(self.ref_nll_sum / self.tokens)
 
     @property
     def kl(self) -> float | None:
@@ -116,7 +123,7 @@ class TextScore:
             return None if a is None or b is None else a + b
 
         return TextScore(name, self.tokens + other.tokens, self.windows + other.windows, self.nll_sum + other.nll_sum,
-                         add(self.kl_sum, other.kl_sum), add(self.top1_agree, other.top1_agree),
+                         add(self.ref_nll_sum, other.ref_nll_sum), add(self.kl_sum, other.kl_sum), add(self.top1_agree, other.top1_agree),
                          add(self.top5_overlap_sum, other.top5_overlap_sum))
 
 

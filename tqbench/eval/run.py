@@ -58,9 +58,14 @@ def evaluate(request: EvalRequest) -> Iterator:
             greedy = None
             if ref is not None and request.prompts and request.generate:
                 greedy = yield from _greedy(model.model, ref.model, windows, request)
-        yield EvalReport(str(model.path), str(ref.path) if ref else None, _recipe(model.path), request.window, active,
-                         native, tuple(scores), overall, greedy, tuple(layers), digest(windows),
-                         time.perf_counter() - t0, model.weight_bytes)
+        report = EvalReport(str(model.path), str(ref.path) if ref else None, _recipe(model.path), request.window,
+                            active, native, tuple(scores), overall, greedy, tuple(layers), digest(windows),
+                            time.perf_counter() - t0, model.weight_bytes)
+        if ref is not None and overall is not None:
+            from tqbench.eval.store import remember
+
+            remember(report, ref.path, request.store)
+        yield report
     finally:
         for m in (model, ref):
             if m is not None and m.streamer is not None:
@@ -109,7 +114,8 @@ def _batches(windows: list[Windows], window: int):
 
 def _score(model, ref, windows: list[Windows], total: int) -> Iterator:
     t0, done = time.perf_counter(), 0
-    sums: dict[str, list] = {w.name: [0, 0, 0.0, 0.0, 0, 0.0] for w in windows}  # tokens windows nll kl top1 top5
+    sums: dict[str, list] = {w.name: [0, 0, 0.0, 0.0, 0.0, 0, 0.0] for w in windows}  # tokens windows nll, ref:
+    # nll kl top1 top5
     for name, x, y in _batches(windows, windows[0].x.shape[1]):
         logits = model(x)
         s = window_sums(logits, y, ref(x) if ref is not None else None)
@@ -118,14 +124,14 @@ def _score(model, ref, windows: list[Windows], total: int) -> Iterator:
         acc[1] += int(x.shape[0])
         acc[2] += s.nll
         if s.kl is not None:
-            acc[3] += s.kl
-            acc[4] += s.top1
-            acc[5] += s.top5
+            acc[3] += s.ref_nll
+            acc[4] += s.kl
+            acc[5] += s.top1
+            acc[6] += s.top5
         done += s.tokens
         yield EvalProgress("score", done, total, time.perf_counter() - t0)
     compare = ref is not None
-    return [TextScore(name, a[0], a[1], a[2], a[3] if compare else None, a[4] if compare else None,
-                      a[5] if compare else None) for name, a in sums.items()]
+    return [TextScore(name, *a[:3], *(a[3:] if compare else (None,) * 4)) for name, a in sums.items()]
 
 
 def _greedy(model, ref, windows: list[Windows], request: EvalRequest) -> Iterator:

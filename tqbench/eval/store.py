@@ -1,0 +1,112 @@
+"""Evaluations remembered for the Recipe screen: for a source checkpoint (its fingerprint, as conversions record it)
+and a recipe, the latest `tqbench eval` of that recipe's conversion against the source, with the text and token
+count it was measured on. A diskcache store under the user cache (`$TQBENCH_CACHE_DIR/evals`), entries as JSON."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqbench.errors import TqbenchError
+from tqbench.eval.records import EvalReport
+from tqbench.paths import cache_dir
+
+
+@dataclass(frozen=True)
+class RecipeQuality:
+    """What one evaluated recipe lost against its source, on `tokens` tokens of `texts`."""
+
+    recipe: str
+    source_fingerprint: str
+    texts: str  # the texts' names joined by ", " ("code, chat": the demo's held-out texts)
+    tokens: int
+    window: int
+    text_digest: str
+    perplexity: float
+    source_perplexity: float
+    kl: float
+    top1_agreement: float
+    top5_overlap: float
+    greedy_share: float | None
+    active_experts: int
+    native_experts: int
+    when: float  # time.time() of the evaluation
+
+    @property
+    def perplexity_change(self) -> float:
+        """Relative to the source's perplexity (+0.041: 4.1% higher)."""
+        return self.perplexity / self.source_perplexity - 1
+
+
+def quality_of(report: EvalReport, source_fingerprint: str) -> RecipeQuality | None:
+    """The record of a report that compares a tqbench conversion with a reference (None otherwise)."""
+    t = report.total
+    if report.recipe is None or t is None or t.kl is None:
+        return None
+    g = report.greedy
+    return RecipeQuality(report.recipe, source_fingerprint, ", ".join(s.name for s in report.texts), t.tokens,
+                         report.window, report.text_digest, t.perplexity, t.ref_perplexity, t.kl, t.top1_agreement,
+                         t.top5_overlap, g.share if g is not None else None, report.max_active_experts,
+                         report.native_experts, time.time())
+
+
+class EvalStore:
+    def __init__(self, directory: str | Path | None = None):
+        import diskcache
+
+        self.directory = Path(directory) if directory is not None else cache_dir() / "evals"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._cache = diskcache.Cache(str(self.directory))
+        except (OSError, sqlite3.Error) as e:
+            raise TqbenchError(f"the evaluation store cannot be opened ({e})", self.directory) from None
+
+    @staticmethod
+    def _key(q: RecipeQuality) -> str:
+        routing = "" if q.active_experts == q.native_experts else f"|k{q.active_experts}"
+        return f"{q.source_fingerprint}|{q.recipe}{routing}"
+
+    def put(self, q: RecipeQuality) -> None:
+        self._cache.set(self._key(q), json.dumps(asdict(q)))
+
+    def for_source(self, source_fingerprint: str) -> dict[str, RecipeQuality]:
+        """recipe name -> its latest evaluation at native routing, for this source."""
+        out = {}
+        prefix = source_fingerprint + "|"
+        for key in list(self._cache.iterkeys()):
+            if not (isinstance(key, str) and key.startswith(prefix)) or "|k" in key[len(prefix):]:
+                continue
+            try:
+                q = RecipeQuality(**json.loads(self._cache.get(key)))
+            except (TypeError, ValueError):  # an entry of another version: not shown
+                continue
+            out[q.recipe] = q
+        return out
+
+    def close(self) -> None:
+        self._cache.close()
+
+
+def remember(report: EvalReport, against: Path, store_dir: str | Path | None = None) -> RecipeQuality | None:
+    """Store the report when it compares a conversion with the very source it was converted from (the fingerprint
+    in its convert-report.json equals the reference's). Returns what was stored."""
+    from tqbench.convert.pipeline import source_fingerprint
+    from tqbench.source.checkpoint import open_checkpoint
+
+    try:
+        recorded = json.loads((Path(report.model) / "convert-report.json").read_text())["source_fingerprint"]
+        fp = source_fingerprint(open_checkpoint(against))
+    except (OSError, ValueError, KeyError, TypeError, TqbenchError):
+        return None
+    q = quality_of(report, fp)
+    if q is None or recorded != fp:
+        return None
+    store = EvalStore(store_dir)
+    try:
+        store.put(q)
+    finally:
+        store.close()
+    return q
