@@ -97,12 +97,16 @@ def test_the_engine_plans_what_runs(model):
     c = asked.config
     assert asked.reason == "asked" and (c.budget_bytes, c.workers, c.policy, c.fanout, c.lookahead, c.page_cache,
                                         c.reads_in_flight) == (5_000_000, 2, "lru", True, True, "on", 1)
-    # a model whose experts cannot stream (no expert map, no stacked tensors): resident when it fits, refused if asked
+    # a source checkpoint streams its per-expert tensors as stored
     src = write_source(model.parent / "plain", DemoSpec(), seed=0)
-    assert plan_streaming(src, StreamRequest()).reason == "no routed experts"
+    assert plan_streaming(src, StreamRequest()).reason == "fits"
+    assert plan_streaming(src, StreamRequest("1MB")).config.budget_bytes == 1_000_000
+    # a model without routed experts: resident when it fits, refused if streaming is asked
+    dense = write_source(model.parent / "dense", DemoSpec(first_k_dense_replace=DemoSpec().num_hidden_layers))
+    assert plan_streaming(dense, StreamRequest()).reason == "no routed experts"
     with pytest.raises(TqbenchError, match="no routed experts to stream") as e:
-        plan_streaming(src, StreamRequest("auto"))
-    assert e.value.path == str(src)
+        plan_streaming(dense, StreamRequest("auto"))
+    assert e.value.path == str(dense)
 
 
 @pytest.mark.slow  # a model load and a streamed reply (~3 s)

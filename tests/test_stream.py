@@ -434,6 +434,27 @@ def test_pools_split_under_the_array_limit_and_stay_bit_identical(models, reside
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("slots", [10_000, 3])
+def test_a_source_checkpoint_streams_its_per_expert_tensors(models, slots):
+    """The demo as published (compressed-tensors mxfp4, one tensor per expert and projection): each expert is six
+    extents, mxfp4 `weight_packed` read as MLX's uint32 weight, and the output is the resident source's."""
+    src = models[RECIPE].parent / "demo"
+    store = ExpertStore.open(src)
+    lay = store.layers[1]
+    assert lay.experts == E and len(lay.extents[7]) == 6
+    weight = next(p for p in lay.parts if (p.projection, p.param) == ("gate_proj", "weight"))
+    assert weight.dtype == "U32" and weight.nbytes == weight.shape[0] * weight.shape[1] * 4
+    assert lay.nbytes == sum(p.nbytes for p in lay.parts)
+    store.close()
+    want_logits, want_tokens = _run(load(src).model)
+    loaded = load(src, streaming=StreamConfig(staging_bytes(lay.nbytes, 2) + slots * lay.nbytes, 2, "lrfu"))
+    logits, tokens = _run(loaded.model)
+    np.testing.assert_array_equal(logits, want_logits)
+    assert tokens == want_tokens and loaded.streamer.stats.misses > 0
+    loaded.streamer.close()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("slots, fanout", [(10_000, False), (3, True), (1, False)])
 def test_a_stacked_layout_streams_bit_identically(models, resident, expert, tmp_path, slots, fanout):
     """TurboQuant-MLX's stacked layout (experts as slices of `switch_mlp` tensors, no expert map): one extent per

@@ -67,8 +67,8 @@ def plan_streaming(path: str | Path, request: StreamRequest) -> StreamPlan:
     else:
         reason = "asked"
     if experts is None:
-        raise TqbenchError("no routed experts to stream (neither tqbench's expert_map.json nor stacked switch_mlp "
-                           "tensors); run it resident (cache budget fit or off)", path)
+        raise TqbenchError("no routed experts to stream (tqbench's expert_map.json, stacked switch_mlp tensors or "
+                           "per-expert tensors); run it resident (cache budget fit or off)", path)
     nbytes = auto_budget(path, store=experts) if budget == "auto" else int(budget)
     r = request
     return StreamPlan(StreamConfig(nbytes, r.workers, r.policy, r.fanout, r.page_cache, lookahead=r.lookahead,
@@ -85,7 +85,7 @@ def expert_layout(path: str | Path) -> ExpertStore | None:
         store = ExpertStore.from_expert_map(root)  # a broken map is an error (named), not "no experts"
     else:
         try:
-            store = ExpertStore.from_stacked(root)
+            store = ExpertStore.open(root)
         except (StoreError, TqbenchError, OSError):
             return None
     store.close()

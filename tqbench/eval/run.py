@@ -28,6 +28,11 @@ BATCH_TOKENS = 2048  # tokens per forward pass (whole windows)
 def evaluate(request: EvalRequest) -> Iterator:
     request.check()
     texts = tuple(file_text(t) for t in request.texts) or default_texts()  # a bad file fails before any load
+    from tqbench.runtime.load import preflight
+
+    for path in (request.model, request.against):  # both checked before either loads
+        if path is not None:
+            preflight(path, request.trust_remote_code)
     t0 = time.perf_counter()
     model = _load(request.model, request)
     native = _native_top_k(model.model)
@@ -74,9 +79,8 @@ def evaluate(request: EvalRequest) -> Iterator:
 
 def _load(path: str, request: EvalRequest):
     from tqbench.chat.session import plan_streaming
-    from tqbench.runtime.load import load, preflight
+    from tqbench.runtime.load import load
 
-    preflight(path, request.trust_remote_code)
     plan = plan_streaming(path, request.stream)
     return load(path, request.trust_remote_code, streaming=plan.config)
 

@@ -159,12 +159,76 @@ class ExpertStore:
         return cls(root, files, layers)
 
     @classmethod
+    def from_per_expert(cls, root: Path) -> ExpertStore:
+        """A source checkpoint as published (Kimi K3, DeepSeek, Qwen): every expert's projections are tensors of their
+        own (`<moe>.experts.E.w1.weight_packed`, `.weight_scale`, or a plain `.weight`), which mlx-lm stacks into
+        `switch_mlp` at load. An mxfp4 `weight_packed` (uint8, two values a byte) is the same bytes as MLX's uint32
+        mxfp4 weight; its `weight_scale` is MLX's `scales`. An expert is one extent per tensor. Experts stored in a
+        format MLX converts at load (fp8 with block scales) cannot stream as stored: StoreError."""
+        import re
+
+        from tqbench.shards.header import read_header
+        from tqbench.source.checkpoint import shard_files
+        from tqbench.source.index import read_index
+
+        root = Path(root)
+        files = shard_files(root, read_index(root))
+        pattern = re.compile(r"^(?P<moe>.+\.layers\.(?P<layer>\d+)\.[^.]+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\."
+                             r"(?P<param>weight_packed|weight_scale|weight|weight_scale_inv)$")
+        params = {"weight_packed": "weight", "weight_scale": "scales", "weight": "weight"}
+        found: dict[int, dict[int, list]] = {}
+        for fi, f in enumerate(files):
+            for t in read_header(root / f, f).tensors:
+                m = pattern.match(t.name)
+                if not m or m["proj"] not in PROJECTIONS:
+                    continue
+                if m["param"] == "weight_scale_inv":
+                    raise StoreError(f"{t.name}: fp8 experts with block scales cannot stream as stored (MLX converts "
+                                     "them at load): convert the checkpoint first", root)
+                found.setdefault(int(m["layer"]), {}).setdefault(int(m["e"]), []).append((m, fi, t))
+        if not found:
+            raise StoreError("no routed-expert tensors (per expert, stacked, or tqbench's expert_map.json): nothing "
+                             "to stream", root)
+        layers = {}
+        for n, experts in sorted(found.items()):
+            if sorted(experts) != list(range(len(experts))):
+                raise StoreError(f"layer {n}: experts are not numbered 0..{len(experts) - 1}", root)
+            parts, shapes = [], []
+            for m, _, t in sorted(experts[0], key=lambda x: (PROJECTIONS[x[0]["proj"]], params[x[0]["param"]])):
+                param = params[m["param"]]
+                dtype, shape = t.dtype, tuple(t.shape)
+                if m["param"] == "weight_packed":  # MLX's view of the same bytes
+                    dtype, shape = "U32", (*shape[:-1], shape[-1] * DTYPE_SIZES[t.dtype] // 4)
+                offset = parts[-1].offset + parts[-1].nbytes if parts else 0
+                parts.append(Part(PROJECTIONS[m["proj"]], param, dtype, shape, offset, t.nbytes))
+                shapes.append((m["proj"], m["param"], t.dtype, tuple(t.shape)))
+            extents = []
+            for e in range(len(experts)):
+                tensors = {(m["proj"], m["param"]): (fi, t) for m, fi, t in experts[e]}
+                row = []
+                for (proj, param, dtype, shape), part in zip(shapes, parts):
+                    fi, t = tensors.get((proj, param), (None, None))
+                    if t is None or t.dtype != dtype or tuple(t.shape) != shape:
+                        raise StoreError(f"layer {n}: expert {e}'s {proj}.{param} differs from expert 0's", root)
+                    row.append(Extent(fi, t.offset, t.nbytes, part.offset))
+                extents.append(tuple(row))
+            moe = experts[0][0][0]["moe"]
+            layers[n] = LayerLayout(n, moe, len(experts), parts[-1].offset + parts[-1].nbytes, tuple(parts),
+                                    tuple(extents))
+        return cls(root, files, layers)
+
+    @classmethod
     def open(cls, root: Path) -> ExpertStore:
-        """tqbench's layout when `expert_map.json` is there, else a stacked layout."""
+        """tqbench's layout when `expert_map.json` is there, else a stacked layout, else per-expert source tensors."""
         from tqbench.layout.names import EXPERT_MAP
 
         root = Path(root)
-        return cls.from_expert_map(root) if (root / EXPERT_MAP).is_file() else cls.from_stacked(root)
+        if (root / EXPERT_MAP).is_file():
+            return cls.from_expert_map(root)
+        try:
+            return cls.from_stacked(root)
+        except StoreError:
+            return cls.from_per_expert(root)
 
     def _fd(self, i: int) -> int:
         fd = self._fds.get(i)
