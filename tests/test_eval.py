@@ -149,6 +149,8 @@ def test_streamed_experts_score_as_resident(models):
     resident = report_of(request(models["tq4"], models["src"], prompts=0))
     streamed = report_of(request(models["tq4"], models["src"], prompts=0, stream=StreamRequest(budget="0.001")))
     assert streamed.total == resident.total
+    assert resident.model_read_bytes is None and resident.against_read_bytes is None
+    assert streamed.model_read_bytes > 0 and streamed.against_read_bytes > 0
 
 
 def test_fewer_active_experts_against_native_routing(models):

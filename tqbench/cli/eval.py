@@ -156,6 +156,9 @@ def tables(r) -> list:
             notes.append(f"recipe {r.recipe}")
         if r.native_experts:
             notes.append(f"{r.max_active_experts} of {r.native_experts} experts per token")
+        for who, n in (("model", r.model_read_bytes), ("SRC", r.against_read_bytes)):
+            if n is not None:
+                notes.append(f"{who} streamed {units.gb(n)} of experts ({units.gb(n // r.total.tokens)} a token)")
         notes.append(f"{r.seconds:.1f} s")
         t.caption = "; ".join(notes)
         out.append(t)

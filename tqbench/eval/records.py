@@ -169,3 +169,5 @@ class EvalReport:
     text_digest: str  # sha256 of the scored token windows: two reports compare only on the same digest
     seconds: float
     model_bytes: int  # resident bytes of MODEL (streamed experts not included)
+    model_read_bytes: int | None = None  # expert bytes MODEL's streamer read from disk (None: experts resident)
+    against_read_bytes: int | None = None

@@ -33,4 +33,5 @@ def report_dict(r: EvalReport) -> dict:
         "text_sha256": r.text_digest,
         "seconds": r.seconds,
         "model_bytes": r.model_bytes,
+        "read_bytes": {"model": r.model_read_bytes, "against": r.against_read_bytes},
     }

@@ -47,25 +47,27 @@ def evaluate(request: EvalRequest) -> Iterator:
         if ref is not None:
             _same_tokens(texts, streams, ref.tokenizer, request.against)
         windows = plan_windows(streams, request.window, request.tokens)
+        forget = _page_in_sink(model, ref)
         total = sum(w.tokens for w in windows)
         yield EvalStarted(str(model.path), str(ref.path) if ref else None, tuple(w.name for w in windows),
                           sum(len(w.x) for w in windows), request.window, total, active, native, request.layers)
         if request.layers:
             scores, greedy = (), None
-            layers = yield from _layers(model.model, ref.model, windows, total)
+            layers = yield from _layers(model.model, ref.model, windows, total, forget)
             overall = None
         else:
             layers = ()
-            scores = yield from _score(model.model, ref.model if ref else None, windows, total)
+            scores = yield from _score(model.model, ref.model if ref else None, windows, total, forget)
             overall = scores[0]
             for s in scores[1:]:
                 overall = overall.plus(s, "all")
             greedy = None
             if ref is not None and request.prompts and request.generate:
-                greedy = yield from _greedy(model.model, ref.model, windows, request)
+                greedy = yield from _greedy(model.model, ref.model, windows, request, forget)
         report = EvalReport(str(model.path), str(ref.path) if ref else None, _recipe(model.path), request.window,
                             active, native, tuple(scores), overall, greedy, tuple(layers), digest(windows),
-                            time.perf_counter() - t0, model.weight_bytes)
+                            time.perf_counter() - t0, model.weight_bytes, _read_bytes(model),
+                            _read_bytes(ref) if ref is not None else None)
         if ref is not None and overall is not None:
             from tqbench.eval.store import remember
 
@@ -109,6 +111,25 @@ def _recipe(path: Path) -> str | None:
         return None
 
 
+def _read_bytes(loaded) -> int | None:
+    if loaded.streamer is None:
+        return None
+    st = loaded.streamer.stats
+    return st.critical_bytes + st.speculative_bytes + st.preload_bytes
+
+
+def _page_in_sink(*loaded):
+    """Streamed models log a PageIn per layer and pass for a chat's live view; an evaluation shows none: the
+    returned function drops them (called after every pass, so they never pile up)."""
+    streamers = [m.streamer for m in loaded if m is not None and m.streamer is not None]
+
+    def forget() -> None:
+        for s in streamers:
+            s.drain()
+
+    return forget
+
+
 def _batches(windows: list[Windows], window: int):
     per = max(1, BATCH_TOKENS // window)
     for w in windows:
@@ -116,7 +137,7 @@ def _batches(windows: list[Windows], window: int):
             yield w.name, mx.array(w.x[i: i + per]), mx.array(w.y[i: i + per])
 
 
-def _score(model, ref, windows: list[Windows], total: int) -> Iterator:
+def _score(model, ref, windows: list[Windows], total: int, forget) -> Iterator:
     t0, done = time.perf_counter(), 0
     sums: dict[str, list] = {w.name: [0, 0, 0.0, 0.0, 0.0, 0, 0.0] for w in windows}  # tokens windows nll, ref:
     # nll kl top1 top5
@@ -133,12 +154,13 @@ def _score(model, ref, windows: list[Windows], total: int) -> Iterator:
             acc[5] += s.top1
             acc[6] += s.top5
         done += s.tokens
+        forget()
         yield EvalProgress("score", done, total, time.perf_counter() - t0)
     compare = ref is not None
     return [TextScore(name, *a[:3], *(a[3:] if compare else (None,) * 4)) for name, a in sums.items()]
 
 
-def _greedy(model, ref, windows: list[Windows], request: EvalRequest) -> Iterator:
+def _greedy(model, ref, windows: list[Windows], request: EvalRequest, forget) -> Iterator:
     from mlx_lm.generate import generate_step
 
     prompts = []
@@ -159,6 +181,7 @@ def _greedy(model, ref, windows: list[Windows], request: EvalRequest) -> Iterato
                 out.append(int(tok))
             outs.append(out)
             done += request.generate
+            forget()
             yield EvalProgress("greedy", done, total, time.perf_counter() - t0)
         a, b = outs
         first = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
@@ -167,13 +190,14 @@ def _greedy(model, ref, windows: list[Windows], request: EvalRequest) -> Iterato
     return GreedyAgreement(len(prompts), request.generate, tuple(alike), tuple(same))
 
 
-def _layers(model, ref, windows: list[Windows], total: int) -> Iterator:
+def _layers(model, ref, windows: list[Windows], total: int, forget) -> Iterator:
     t0, done = time.perf_counter(), 0
     sums = None
     for _, x, _ in _batches(windows, windows[0].x.shape[1]):
         part = layer_errors(model, ref, x)
         sums = part if sums is None else [(a + c, b + d) for (a, b), (c, d) in zip(sums, part)]
         done += int(x.size)
+        forget()
         yield EvalProgress("layers", done, total, time.perf_counter() - t0)
     out = []
     for i, (layer, (diff, norm)) in enumerate(zip(layer_list(model), sums)):

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""What each recipe costs in quality on the demo model: every recipe kind converted from the shipped demo and
+evaluated against it with `tqbench eval`'s engine (tqbench.eval), and the source at fewer active experts against its
+native routing. Quality is deterministic on one machine (the timings are not: they are recorded, not compared).
+
+    python benchmarks/quality.py --out bench-results/quality.json            # ~25 min on 2 CPU cores
+    python benchmarks/quality.py --quick --out bench-results/quality.json    # 3 recipes, 512 tokens
+
+Per row: the recipe, its bits per weight as `tqbench plan` counts them (every stored byte: codes, scales, biases,
+codebooks, over the model's parameters) and for the quantized parts alone, tensor MB, perplexity of the model and of
+the source on the same tokens, KL(source || model), top-1 agreement, top-5 overlap and greedy agreement.
+Writes JSON (--out) and prints a Markdown table (the README's)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import add_size_options, dump_json, log, machine_info, sizes, with_openblas  # noqa: E402
+
+RECIPES = ["src", "srca-mxfp4e", "tq4", "tq3", "tq2", "tq4a-tqTe", "tq3a-tqTe-down4-g64", "affine4", "affine3",
+           "affine2"]
+DEFAULTS = dict(tokens=4096, window=256, prompts=4, generate=32)
+QUICK = dict(tokens=512, window=256, prompts=1, generate=8)
+QUICK_RECIPES = ["srca-mxfp4e", "tq4", "affine4"]
+
+
+def plan_figures(source: Path, recipe: str) -> dict:
+    from tqbench.recipe import Recipe, group_sources, make_plan
+    from tqbench.source.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(source)
+    p = make_plan(group_sources(ckpt), Recipe.parse(recipe))
+    return dict(recipe=p.recipe.name, bits_per_weight=p.bits_per_weight, tensor_bytes=p.total_bytes,
+                by_role={r.role: r.bits_per_weight for r in p.by_role})
+
+
+def evaluate(model: Path, against: Path, size: dict, active: int = 0) -> dict:
+    from tqbench.eval import EvalReport, EvalRequest, evaluate as run
+    from tqbench.eval.report import report_dict
+
+    req = EvalRequest(str(model), str(against), tokens=size["tokens"], window=size["window"],
+                      prompts=size["prompts"], generate=size["generate"], max_active_experts=active)
+    report = [ev for ev in run(req) if isinstance(ev, EvalReport)][-1]
+    return report_dict(report)
+
+
+def row_line(r: dict) -> str:
+    t = r["eval"]["total"]
+    g = r["eval"]["greedy"]
+    bpw = f"{r['plan']['bits_per_weight']:.2f}" if r.get("plan") else ""
+    mb = f"{r['plan']['tensor_bytes'] / 1e6:.2f}" if r.get("plan") else ""
+    change = t["perplexity"] / t["reference_perplexity"] - 1
+    return (f"| `{r['name']}` | {bpw} | {mb} | {t['perplexity']:.3f} | {change:+.1%} | {t['kl']:.4f} | "
+            f"{t['top1_agreement']:.3f} | {t['top5_overlap']:.3f} | {g['share_alike']:.2f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_options(p, DEFAULTS, QUICK)
+    p.add_argument("--recipe", action="append", help="only these recipes (repeat); default: every kind")
+    p.add_argument("--work", type=Path, default=Path("build/quality"), help="conversions go here (kept: reruns "
+                                                                             "reuse them)")
+    p.add_argument("--out", type=Path, default=Path("bench-results/quality.json"))
+    p.add_argument("--no-openblas", action="store_true")
+    a = p.parse_args(argv)
+    with_openblas()
+    from tqbench.convert import convert
+    from tqbench.demo import SHIPPED_SPEC, ensure_demo
+    from tqbench.layout.names import INDEX_FILE
+    from tqbench.recipe import Recipe
+
+    size = sizes(a, DEFAULTS, QUICK)
+    recipes = a.recipe or (QUICK_RECIPES if a.quick else RECIPES)
+    source = ensure_demo()
+    t0 = time.perf_counter()
+    rows = []
+    for name in recipes:
+        recipe = Recipe.parse(name)
+        dest = a.work / recipe.name
+        if not (dest / INDEX_FILE).is_file():
+            log(f"converting the demo with {recipe.name}")
+            list(convert(source, dest, recipe))
+        log(f"evaluating {recipe.name}")
+        rows.append(dict(name=recipe.name, plan=plan_figures(source, name), eval=evaluate(dest, source, size)))
+        log(row_line(rows[-1]))
+    native = SHIPPED_SPEC.num_experts_per_token
+    for k in ([native // 2, native // 4] if not a.quick else [native // 2]):
+        log(f"evaluating the source at {k} of {native} experts")
+        rows.append(dict(name=f"source, {k} of {native} experts", plan=None, eval=evaluate(source, source, size, k)))
+        log(row_line(rows[-1]))
+    doc = dict(schema="tqbench.bench.quality/1", command=" ".join(sys.argv), size=size,
+               machine=machine_info(a.work, ("tqbench",)), rows=rows, seconds=time.perf_counter() - t0)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(dump_json(doc))
+    print("| recipe | bits/weight | tensor MB | perplexity | vs source | KL | top-1 agree | top-5 overlap | "
+          "greedy alike |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(row_line(r))
+    log(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
