@@ -7,7 +7,7 @@ native routing. Quality is deterministic on one machine (the timings are not: th
     python benchmarks/quality.py --quick --out bench-results/quality.json    # 3 recipes, 512 tokens
 
 Per row: the recipe, its bits per weight as `tqbench plan` counts them (every stored byte: codes, scales, biases,
-codebooks, over the model's parameters) and for the quantized parts alone, tensor MB, perplexity of the model and of
+codebooks, signs) over the Linear layers a recipe quantizes (the table's column) and over the whole model, tensor MB, perplexity of the model and of
 the source on the same tokens, KL(source || model), top-1 agreement, top-5 overlap and greedy agreement.
 Writes JSON (--out) and prints a Markdown table (the README's)."""
 
@@ -22,8 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import add_size_options, dump_json, log, machine_info, sizes, with_openblas  # noqa: E402
 
-RECIPES = ["src", "srca-mxfp4e", "tq4", "tq3", "tq2", "tq4a-tqTe", "tq3a-tqTe-down4-g64", "affine4", "affine3",
-           "affine2"]
+# Every recipe kind, and pairs at equal bits per weight: TurboQuant's codes take b bits (3.2 at 3-bit: ten codes a
+# word) plus a float16 scale per group, MLX affine's b bits plus a float16 scale and bias per group, so tq4-g64 and
+# affine4-g128 both cost 4.25 bits, tq4-g32 and affine4-g64 4.5; tq3-g64 3.45 against affine3-g64's 3.5. The -rms
+# rows are TurboQuant-MLX's scale rule.
+RECIPES = ["src", "srca-mxfp4e", "tq4", "tq4-rms", "tq4-g32", "affine4", "affine4-g128", "tq3", "tq3-rms", "tq3-g128",
+           "affine3", "affine3-g128", "tq2", "affine2", "tq4a-tqTe", "tq3a-tqTe-down4-g64"]
+LINEARS = ("attention", "dense_mlp", "shared_expert", "routed_expert", "latent_proj", "lm_head")
 DEFAULTS = dict(tokens=4096, window=256, prompts=4, generate=32)
 QUICK = dict(tokens=512, window=256, prompts=1, generate=8)
 QUICK_RECIPES = ["srca-mxfp4e", "tq4", "affine4"]
@@ -35,7 +40,9 @@ def plan_figures(source: Path, recipe: str) -> dict:
 
     ckpt = open_checkpoint(source)
     p = make_plan(group_sources(ckpt), Recipe.parse(recipe))
+    linears = [r for r in p.by_role if r.role in LINEARS]
     return dict(recipe=p.recipe.name, bits_per_weight=p.bits_per_weight, tensor_bytes=p.total_bytes,
+                linear_bits_per_weight=8 * sum(r.bytes for r in linears) / sum(r.params for r in linears),
                 by_role={r.role: r.bits_per_weight for r in p.by_role})
 
 
@@ -52,7 +59,7 @@ def evaluate(model: Path, against: Path, size: dict, active: int = 0) -> dict:
 def row_line(r: dict) -> str:
     t = r["eval"]["total"]
     g = r["eval"]["greedy"]
-    bpw = f"{r['plan']['bits_per_weight']:.2f}" if r.get("plan") else ""
+    bpw = f"{r['plan']['linear_bits_per_weight']:.2f}" if r.get("plan") else ""
     mb = f"{r['plan']['tensor_bytes'] / 1e6:.2f}" if r.get("plan") else ""
     change = t["perplexity"] / t["reference_perplexity"] - 1
     return (f"| `{r['name']}` | {bpw} | {mb} | {t['perplexity']:.3f} | {change:+.1%} | {t['kl']:.4f} | "
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                machine=machine_info(a.work, ("tqbench",)), rows=rows, seconds=time.perf_counter() - t0)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(dump_json(doc))
-    print("| recipe | bits/weight | tensor MB | perplexity | vs source | KL | top-1 agree | top-5 overlap | "
+    print("| recipe | bits/weight (Linears) | tensor MB | perplexity | vs source | KL | top-1 agree | top-5 overlap | "
           "greedy alike |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -123,6 +123,7 @@ USAGE = {
     "plan": "[OPTIONS] SRC",
     "convert": "[OPTIONS]",
     "chat": "[OPTIONS]",
+    "eval": "[OPTIONS] MODEL",
     "profile": "[OPTIONS] COMMAND [ARGS]...",
     "profile show": "[OPTIONS]",
     "profile export": "[OPTIONS]",
@@ -175,13 +176,20 @@ RANGES = [
     ("chat", "--reads-in-flight", "-1", "greater than or equal to 0"),
     ("chat", "--max-active-experts", "-1", "greater than or equal to 0"),
     ("chat", "--pin-share", "-0.5", "greater than or equal to 0"),
+    ("eval", "--window", "1", "greater than or equal to 2"),
+    ("eval", "--tokens", "0", "greater than or equal to 1"),
+    ("eval", "--prompts", "-1", "greater than or equal to 0"),
+    ("eval", "--generate", "-1", "greater than or equal to 0"),
+    ("eval", "--max-active-experts", "-1", "greater than or equal to 0"),
+    ("eval", "--prefetch-workers", "0", "greater than or equal to 1"),
+    ("eval", "--reads-in-flight", "-1", "greater than or equal to 0"),
     ("profile show", "--top", "-1", "greater than or equal to 0"),
     ("profile merge", "--weight-a", "-1", "greater than or equal to 0"),
     ("profile merge", "--weight-b", "-0.5", "greater than or equal to 0"),
     ("profile diff", "--share", "0", "greater than or equal to 0.01"),
 ]
 # What each command needs besides the option (never read: the value is refused first).
-REQUIRED = {"inspect": ["ckpt"], "plan": ["ckpt"], "convert": ["--hf-path", "ckpt", "--mlx-path", "out"],
+REQUIRED = {"inspect": ["ckpt"], "plan": ["ckpt"], "eval": ["model"], "convert": ["--hf-path", "ckpt", "--mlx-path", "out"],
             "profile merge": ["a.json", "b.json", "--output", "c.json"], "profile diff": ["a.json", "b.json"]}
 
 

@@ -188,7 +188,7 @@ def test_config_records_the_recipe_and_tokenizer_travels(demo_src, tmp_path):
     assert "quantization_config" not in cfg and q["recipe"]["name"] == "tq3a-tqTe-down4-g64"
     assert q["modules"]["language_model.model.layers.1.block_sparse_moe.switch_mlp.gate_proj"] == {
         "format": "turboquant", "bits": None, "ternary": True, "group_size": 64,
-        "rotation": {"kind": "hadamard", "block": 64}}
+        "rotation": {"kind": "hadamard", "block": 64}, "scales": "search"}
     assert q["modules"]["language_model.model.layers.1.block_sparse_moe.switch_mlp.down_proj"]["bits"] == 4
     for f in ("tiktoken.model", "tokenizer_config.json", "generation_config.json"):
         assert (dst / f).read_bytes() == (demo_src / f).read_bytes()

@@ -165,6 +165,42 @@ def test_the_cuda_kernel_source_holds_the_exact_boundaries_and_levels(kind):
     np.testing.assert_array_equal(consts[2::2], published_levels(kind).astype(np.float16).astype(np.float32)[1:])
 
 
+@pytest.mark.parametrize("kernel", tq.available_quantizer_kernels())
+@pytest.mark.parametrize("kind", ["2", "3", "4", "T"])
+def test_searched_scales_are_each_groups_best_candidate(kind, kernel):
+    """The search rule against numpy: every group's scale is one of the float16 candidates (multiples of its RMS),
+    with the least squared error among them (float64 here); its codes count the boundaries as the RMS rule's do;
+    and no group ends worse than under the RMS rule."""
+    rng = np.random.default_rng(7)
+    w = (rng.standard_t(5, (16, 256)) * rng.uniform(0.05, 2, (16, 1))).astype(np.float32)
+    g = 64
+    q = tq.quantize(mx.array(w), kind, g, None, kernel=kernel, rule="search")
+    book = tq.codebook(kind).astype(np.float32)
+    groups = w.reshape(16, 256 // g, g)
+    rms = np.sqrt((groups.astype(np.float64) ** 2).mean(-1))
+
+    def error(scales: np.ndarray) -> np.ndarray:
+        ratio = groups / scales.astype(np.float32)[..., None]
+        codes = (ratio[..., None] >= published_boundaries(kind)).sum(-1)
+        return ((book[codes] * scales.astype(np.float64)[..., None] - groups) ** 2).sum(-1), codes
+
+    candidates = np.stack([np.maximum(rms * m, 1e-7).astype(np.float16) for m in tq.SEARCH_MULTIPLIERS])
+    errors = np.stack([error(c)[0] for c in candidates])
+    got = np.array(q.scales)
+    assert ((candidates == got).any(0)).all()  # a candidate
+    got_error, got_codes = error(got)
+    assert (got_error <= errors.min(0) * (1 + 1e-5) + 1e-12).all()  # the best one
+    rms_error = error(candidates[list(tq.SEARCH_MULTIPLIERS).index(1.0)])[0]
+    assert (got_error <= rms_error * (1 + 1e-6)).all() and got_error.sum() < 0.99 * rms_error.sum()
+    np.testing.assert_array_equal(np.array(tq.unpack(q.weight, len(book), 256)), got_codes.reshape(16, 256))
+    assert q.rel_error == pytest.approx(math.sqrt(got_error.sum() / (groups.astype(np.float64) ** 2).sum()), rel=1e-4)
+
+
+def test_an_unknown_scale_rule_is_refused():
+    with pytest.raises(ValueError, match="unknown scale rule 'max'"):
+        tq.quantize(mx.zeros((4, 64)), "4", 64, None, rule="max")
+
+
 @pytest.mark.parametrize("kind", ["2", "3", "4", "T"])
 def test_gaussian_error_matches_codebook_mse(kind):
     w = mx.random.normal((256, 3584), key=mx.random.key(3))

@@ -40,6 +40,7 @@ def convert(
     seed: options.Seed = None,
     fmt: options.BaseFormat = None,
     expert_format: options.ExpertFormat = None,
+    scales: options.Scales = None,
     streaming: Annotated[bool, typer.Option(
         "--streaming", help="Lay experts out for streaming (one read per expert). Always on: the only layout "
                             "tqbench writes; accepted for TurboQuant-MLX's command line.")] = True,
@@ -61,7 +62,7 @@ def convert(
                            dict(bits=bits, group_size=group_size, attn_bits=attn_bits, mlp_bits=mlp_bits,
                                 ternary_experts=ternary_experts, expert_down_bits=expert_down_bits,
                                 mlp_group_size=mlp_group_size, rotation=not no_rotation, seed=seed, format=fmt,
-                                expert_format=expert_format))
+                                expert_format=expert_format, scales=scales))
         if len(recipes) != 1:
             raise TqbenchError("give either --recipe NAME or recipe flags, not both")
         size = parse_size(shard_size)

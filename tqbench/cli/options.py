@@ -47,6 +47,10 @@ BaseFormat = Annotated[Optional[str], typer.Option("--format", metavar="FORMAT",
                                                    help="Base tier format: turboquant, affine or source.")]
 ExpertFormat = Annotated[Optional[str], typer.Option(
     metavar="FORMAT", help="Routed-expert format: turboquant, affine, mxfp4 or source.")]
+Scales = Annotated[Optional[str], typer.Option(
+    "--scales", metavar="search|rms",
+    help="TurboQuant group scales: searched per group for the least error (default), or the RMS alone "
+         "(TurboQuant-MLX's rule).")]
 ShardSize = Annotated[str, typer.Option(metavar="SIZE", help="Output shard size.")]
 
 

@@ -49,6 +49,7 @@ def plan(
     seed: options.Seed = None,
     fmt: options.BaseFormat = None,
     expert_format: options.ExpertFormat = None,
+    scales: options.Scales = None,
     memory: Annotated[Optional[str], typer.Option(
         metavar="SIZE", help="Memory to plan for, e.g. 512GB or 64GiB (default: this machine's RAM).")] = None,
     gpu_limit: Annotated[Optional[str], typer.Option(
@@ -78,7 +79,7 @@ def plan(
         recipes = recipes_from(recipe, dict(bits=bits, group_size=group_size, attn_bits=attn_bits, mlp_bits=mlp_bits,
                                         ternary_experts=ternary_experts, expert_down_bits=expert_down_bits,
                                         mlp_group_size=mlp_group_size, rotation=not no_rotation, seed=seed,
-                                        format=fmt, expert_format=expert_format))
+                                        format=fmt, expert_format=expert_format, scales=scales))
         shard_bytes = parse_size(shard_size)
         m = machine(parse_size(memory) if memory else None, parse_size(gpu_limit) if gpu_limit else None,
                     platform.value if platform else None, disk_gbps * GB if disk_gbps is not None else None)
@@ -120,7 +121,7 @@ def recipes_from(names: list[str] | None, flags: dict) -> list[Recipe]:
     recipes = [Recipe.parse(n) for n in names or []]
     defaults = dict(bits=None, group_size=None, attn_bits=None, mlp_bits=None, ternary_experts=False,
                     expert_down_bits=None, mlp_group_size=None, rotation=True, seed=None, format=None,
-                    expert_format=None)
+                    expert_format=None, scales=None)
     if any(v != defaults[k] for k, v in flags.items()) or not recipes:
         recipes.append(Recipe.from_flags(**flags))
     return recipes

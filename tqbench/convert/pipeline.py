@@ -100,7 +100,9 @@ def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SH
     plan = make_plan(group_sources(ckpt), recipe, shard_size, "streaming")
     counts = shard_counts(unit_sizes(plan.modules, "streaming"), shard_size)
     files = tuple(shard_file(i, len(counts)) for i in range(len(counts)))
-    h = hashlib.sha256(f"{plan.recipe.name}|{plan.shard_size}|{plan.layout}\n".encode())
+    # searched TurboQuant scales write other bytes under the same name as the RMS rule's before them
+    rule = "|scales=search" if plan.recipe.uses_turboquant and plan.recipe.scales == "search" else ""
+    h = hashlib.sha256(f"{plan.recipe.name}{rule}|{plan.shard_size}|{plan.layout}\n".encode())
     heads, shard_in, layer_units = [], [], []
     units = with_source_bytes(iter_units(plan.modules, "streaming"))
     for i, shard in enumerate(chunks(units, counts)):
@@ -472,7 +474,7 @@ def converted_config(ckpt: Checkpoint, plan: Plan) -> dict[str, Any]:
         if c.format is Format.TURBOQUANT:
             n = m.source.shape[1]
             modules[m.name] = ModuleQuant("turboquant", None if c.ternary else c.bits, c.ternary, c.group_size,
-                                          tq.rotation_record(n, rotated(plan.recipe, n)))
+                                          tq.rotation_record(n, rotated(plan.recipe, n)), plan.recipe.scales)
         elif c.format is Format.AFFINE:
             modules[m.name] = ModuleQuant("affine", c.bits, False, c.group_size)
         elif c.format is Format.MXFP4:

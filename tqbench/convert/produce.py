@@ -109,7 +109,8 @@ class Producer:
             if c.format is Format.TURBOQUANT:
                 kind = "T" if c.ternary else str(c.bits)
                 signs = self.signs(m, w.shape[-1])
-                q = tq.quantize(w, kind, c.group_size, mx.array(signs) if signs.min() < 0 else None)
+                q = tq.quantize(w, kind, c.group_size, mx.array(signs) if signs.min() < 0 else None,
+                                rule=self.recipe.scales)
                 out = {"weight": to_numpy(q.weight), "scales": to_numpy(q.scales), "codebook": tq.codebook(kind),
                        "signs": signs}
                 err = q.rel_error

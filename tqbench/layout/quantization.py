@@ -33,6 +33,7 @@ class ModuleQuant:
     ternary: bool
     group_size: int
     rotation: dict[str, Any] | None = None  # TurboQuant: {"kind", "block"}
+    scales: str | None = None  # TurboQuant: how group scales were chosen ("search" or "rms"; decoding is the same)
 
     @property
     def mlx_mode(self) -> str:
@@ -40,8 +41,9 @@ class ModuleQuant:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        if d["rotation"] is None:
-            del d["rotation"]
+        for key in ("rotation", "scales"):
+            if d[key] is None:
+                del d[key]
         return d
 
 
@@ -108,6 +110,7 @@ class QuantizationBlock:
 
 FORMATS = ("turboquant", "affine", "mxfp4")
 ROTATIONS = ("hadamard", "blockwise-hadamard", "none")
+SCALE_RULES = ("search", "rms")
 
 
 def _module_quant(name: str, e: Any, source: str | Path | None) -> ModuleQuant:
@@ -128,7 +131,11 @@ def _module_quant(name: str, e: Any, source: str | Path | None) -> ModuleQuant:
         kind, block = (rotation.get("kind"), rotation.get("block")) if isinstance(rotation, Mapping) else (None, None)
         if kind not in ROTATIONS or not (block is None or (_whole(block) and block > 0)):
             raise wrong(f"rotation {rotation!r} is not {{\"kind\": {' | '.join(ROTATIONS)}, \"block\": a length}}")
-    return ModuleQuant(fmt, bits, bool(e.get("ternary")), group, dict(rotation) if rotation is not None else None)
+    scales = e.get("scales")
+    if scales is not None and scales not in SCALE_RULES:
+        raise wrong(f"scales {scales!r} is none of {', '.join(SCALE_RULES)}")
+    return ModuleQuant(fmt, bits, bool(e.get("ternary")), group, dict(rotation) if rotation is not None else None,
+                       scales)
 
 
 def _whole(x: Any) -> bool:

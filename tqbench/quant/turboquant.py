@@ -50,6 +50,12 @@ CODEBOOKS: dict[str, tuple[float, ...]] = {
 # Mean squared error of each codebook on N(0, 1), as published.
 CODEBOOK_MSE = {"2": 0.1175, "3": 0.0345, "4": 0.0095, "T": 0.190}
 
+# How a group's scale is chosen. "rms": the root mean square of its values (TurboQuant-MLX's rule, right for a
+# Gaussian). "search": the scale among SEARCH_MULTIPLIERS x RMS (float16, as stored) with the least squared error for
+# that group; the RMS itself is a candidate and wins ties, so no group gets worse. Decoding is the same for both.
+SCALE_RULES = ("search", "rms")
+SEARCH_MULTIPLIERS = tuple(round(0.6 + 0.05 * i, 2) for i in range(16))  # 0.60 .. 1.35
+
 BASE_SEED = 42
 HADAMARD_FACTORS = (1, 12, 20, 28)  # mx.hadamard_transform handles n = m * 2^k for these m
 MIN_SCALE = 1e-7
@@ -226,7 +232,7 @@ def available_quantizer_kernels() -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=32)
-def _quantizer(kind: str, group: int, kernel: str = "compiled"):
+def _quantizer(kind: str, group: int, kernel: str = "compiled", rule: str = "rms"):
     """Rotated rows -> packed codes, fp16 group scales, squared error and squared norm, by one of QUANTIZER_KERNELS.
 
     The code of a value is the number of codebook boundaries at or below it (a tie takes the upper code). `compiled`
@@ -239,19 +245,51 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled"):
     """
     if kernel not in QUANTIZER_KERNELS:
         raise ValueError(f"unknown quantizer kernel {kernel!r} (one of {', '.join(QUANTIZER_KERNELS)})")
+    if rule not in SCALE_RULES:
+        raise ValueError(f"unknown scale rule {rule!r} (one of {', '.join(SCALE_RULES)})")
     if kernel == "cuda" and "cuda" not in available_quantizer_kernels():
         raise ValueError("the cuda quantizer kernel needs MLX's CUDA build and a GPU as the default device")
     book = [float(v) for v in codebook(kind).astype(np.float32)]
     bounds = [float(v) for v in boundaries(kind)]
     steps = [b - a for a, b in zip(book, book[1:])]
 
-    def scaled(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def group_error(g: mx.array, s32: mx.array) -> mx.array:
+        """Each group's squared error with scales s32 (the codes as `run` computes them)."""
+        v = g / s32
+        recon = mx.full(v.shape, book[0], dtype=mx.float32)
+        for b, step in zip(bounds, steps):
+            recon = recon + mx.where(v >= b, step, 0.0)
+        return mx.sum((recon * s32 - g) ** 2, axis=-1, keepdims=True)
+
+    # On CUDA a compiled graph costs a runtime compile per shape (see quantizer_kernel): prebuilt operations there.
+    error_of = group_error if kernel in ("cuda", "passes") else mx.compile(group_error)
+
+    def grouped(x: mx.array) -> tuple[mx.array, mx.array]:
         g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-        scales = mx.maximum(mx.sqrt(mx.mean(g * g, axis=-1, keepdims=True)), MIN_SCALE).astype(mx.float16)
+        return g, mx.maximum(mx.sqrt(mx.mean(g * g, axis=-1, keepdims=True)), MIN_SCALE)
+
+    def searched(x: mx.array) -> mx.array:
+        """float16 scales (..., groups, 1) by the search rule, evaluated one candidate at a time (outside compile)."""
+        g, rms = grouped(x)
+        scales = rms.astype(mx.float16)
+        best = error_of(g, scales.astype(mx.float32))
+        for m in SEARCH_MULTIPLIERS:
+            if m == 1.0:
+                continue
+            candidate = mx.maximum(rms * m, MIN_SCALE).astype(mx.float16)
+            err = error_of(g, candidate.astype(mx.float32))
+            better = err < best
+            best, scales = mx.where(better, err, best), mx.where(better, candidate, scales)
+            mx.eval(best, scales)  # one candidate's arrays at a time, whatever the matrix
+        return scales
+
+    def scaled(x: mx.array, given: mx.array | None) -> tuple[mx.array, mx.array, mx.array]:
+        g, rms = grouped(x)
+        scales = rms.astype(mx.float16) if given is None else given
         return g, scales, scales.astype(mx.float32)
 
-    def run(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        g, scales, s32 = scaled(x)
+    def run(x: mx.array, given: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        g, scales, s32 = scaled(x, given)
         v = g / s32
         codes = mx.zeros(v.shape, dtype=mx.uint32)
         recon = mx.full(v.shape, book[0], dtype=mx.float32)
@@ -262,25 +300,27 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled"):
         err = mx.sum((recon * s32 - g) ** 2)
         return codes.reshape(x.shape), scales.squeeze(-1), err, mx.sum(g * g)
 
-    def run_compare(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        g, scales, s32 = scaled(x)
+    def run_compare(x: mx.array, given: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        g, scales, s32 = scaled(x, given)
         codes = (mx.expand_dims(g / s32, -1) >= mx.array(bounds, dtype=mx.float32)).sum(-1).astype(mx.uint32)
         recon = mx.array(book, dtype=mx.float32)[codes]
         err = mx.sum((recon * s32 - g) ** 2)
         return codes.reshape(x.shape), scales.squeeze(-1), err, mx.sum(g * g)
 
-    def run_cuda(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        scales = scaled(x)[1].squeeze(-1)
+    def run_cuda(x: mx.array, given: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        scales = scaled(x, given)[1].squeeze(-1)
         words, err, norm = cuda_quantizer.quantize_rows(x, scales, tuple(book), tuple(bounds), group,
                                                         codes_per_word(len(book)))
         return words, scales, err, norm
 
-    if kernel == "cuda":
-        return run_cuda
-    codes_of = run_compare if kernel == "compare" else mx.compile(run) if kernel == "compiled" else run
+    codes_of = {"cuda": run_cuda, "compare": run_compare, "passes": run, "compiled": mx.compile(run)}[kernel]
 
     def packed(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        codes, scales, err, norm = codes_of(x)
+        # rms: the scales are computed inside the kernel's graph; search: chosen first, then given to it
+        out = codes_of(x, searched(x)) if rule == "search" else codes_of(x)
+        if kernel == "cuda":
+            return out
+        codes, scales, err, norm = out
         return pack(codes, len(book)), scales, err, norm
 
     return packed
@@ -309,8 +349,10 @@ def quantizer_kernel() -> str:
     return "compiled"
 
 
-def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, kernel: str | None = None) -> Quantized:
-    """Quantize w (..., out, in); `signs` None means no rotation, else the rotation of rotate().
+def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, kernel: str | None = None,
+             rule: str = "rms") -> Quantized:
+    """Quantize w (..., out, in); `signs` None means no rotation, else the rotation of rotate(). `rule`: how group
+    scales are chosen (SCALE_RULES: "rms", TurboQuant-MLX's, or "search").
 
     `kernel` None picks one for the device (quantizer_kernel); all give the same codes and scales.
     """
@@ -320,7 +362,7 @@ def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, kernel:
     if n % group:
         raise ValueError(f"in dimension {n} is not a multiple of the group size {group}")
     x = rotate(w, signs) if signs is not None else w.astype(mx.float32)
-    packed, scales, err, norm = _quantizer(kind, group, kernel or quantizer_kernel())(x)
+    packed, scales, err, norm = _quantizer(kind, group, kernel or quantizer_kernel(), rule)(x)
     rel = mx.sqrt(err / mx.maximum(norm, 1e-30))
     mx.eval(packed, scales, rel)
     return Quantized(packed, scales, rel.item())

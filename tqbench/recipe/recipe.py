@@ -20,6 +20,8 @@ Name parts, joined by `-` in any order (case-insensitive); `Recipe.name` writes 
     gN                    group size (32, 64 or 128; default 64)
     mlpgN                 routed experts' group size
     norot                 no Hadamard rotation (TurboQuant tiers only)
+    rms                   TurboQuant group scales by the RMS alone (TurboQuant-MLX's rule; default: searched per group,
+                          tqbench.quant.turboquant.SCALE_RULES)
     seedN                 rotation seed (default 42; per layer: seed + crc32(path))
 Without a base part the base is `tq3`. Examples: `tq3a-tqTe-down4-g64` = bits 3, group 64, ternary experts,
 expert down bits 4 (the published Kimi K3 build); `tqTe-mlpg128-g64` reads as `tq3a-tqTe-g64-mlpg128`.
@@ -57,6 +59,8 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_BITS = 3
 DEFAULT_GROUP = 64
 DEFAULT_SEED = 42
+SCALE_RULES = ("search", "rms")  # tqbench.quant.turboquant.SCALE_RULES (importing it loads MLX)
+DEFAULT_SCALES = SCALE_RULES[0]
 
 _PREFIX = {Format.TURBOQUANT: "tq", Format.AFFINE: "affine", Format.SOURCE: "src"}
 _QUANTIZED = (Format.TURBOQUANT, Format.AFFINE)
@@ -75,6 +79,7 @@ class Recipe:
     seed: int = DEFAULT_SEED
     format: Format = Format.TURBOQUANT  # base tier
     expert_format: Format | None = None  # None: format
+    scales: str = DEFAULT_SCALES  # how TurboQuant tiers choose group scales (SCALE_RULES)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -128,6 +133,7 @@ class Recipe:
         seed: int | None = None,
         format: str | Format | None = Format.TURBOQUANT,
         expert_format: str | Format | None = None,
+        scales: str | None = None,
     ) -> Recipe:
         """The CLI flags (`--bits 3 -g 64 --ternary-experts --expert-down-bits 4`) as a recipe."""
         return cls(
@@ -142,6 +148,7 @@ class Recipe:
             seed=DEFAULT_SEED if seed is None else seed,
             format=Format.TURBOQUANT if format is None else _format(format, "format"),
             expert_format=None if expert_format is None else _format(expert_format, "expert format"),
+            scales=DEFAULT_SCALES if scales is None else str(scales).lower(),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,7 +159,8 @@ class Recipe:
                  mlp_bits=self.expert_bits if experts_q and not self.ternary_experts else None,
                  mlp_group_size=self.expert_group_size if experts_q else None,
                  group_size=self.group_size if self.quantizes else None,
-                 format=self.format.value, expert_format=self.experts_format.value)
+                 format=self.format.value, expert_format=self.experts_format.value,
+                 scales=self.scales if self.uses_turboquant else None)
         return {"name": d.pop("name"), **d}
 
 
@@ -213,6 +221,10 @@ def _validate(r: Recipe) -> None:
             raise RecipeError("no rotation (norot) given, but no tier uses TurboQuant")
         if r.seed != DEFAULT_SEED:
             raise RecipeError(f"rotation seed {r.seed} given, but no tier uses TurboQuant")
+        if r.scales != DEFAULT_SCALES:
+            raise RecipeError(f"scale rule {r.scales} given, but no tier uses TurboQuant")
+    if r.scales not in SCALE_RULES:
+        raise RecipeError(f"scale rule {r.scales!r} is not one of {', '.join(SCALE_RULES)}")
     if not 0 <= r.seed < 2**31:
         raise RecipeError(f"seed must be in [0, 2^31), got {r.seed}")
 
@@ -280,14 +292,16 @@ def _name(r: Recipe) -> str:
         parts.append("norot")
     if r.seed != DEFAULT_SEED:
         parts.append(f"seed{r.seed}")
+    if r.scales != DEFAULT_SCALES:
+        parts.append(r.scales)
     return "-".join(parts)
 
 
 _PART = re.compile(
     r"(?P<fmt>tq|affine)(?P<bits>\d+)(?P<tier>[ae]?)|(?P<src>src)(?P<srctier>[ae]?)|(?P<tqte>tqte)|(?P<mxfp4e>mxfp4e)"
-    r"|down(?P<down>\d+)|mlpg(?P<mlpg>\d+)|g(?P<g>\d+)|(?P<norot>norot)|seed(?P<seed>\d+)"
+    r"|down(?P<down>\d+)|mlpg(?P<mlpg>\d+)|g(?P<g>\d+)|(?P<norot>norot)|seed(?P<seed>\d+)|(?P<rms>rms)"
 )
-_KNOWN = "tqN, tqNa, tqNe, tqTe, affineN, affineNa, affineNe, src, srca, srce, mxfp4e, downN, gN, mlpgN, norot, seedN"
+_KNOWN = "tqN, tqNa, tqNe, tqTe, affineN, affineNa, affineNe, src, srca, srce, mxfp4e, downN, gN, mlpgN, norot, seedN, rms"
 
 
 def _parse(name: str) -> Recipe:
@@ -344,6 +358,9 @@ def _parse(name: str) -> Recipe:
         elif g["norot"]:
             once("rotation", part)
             kw["rotation"] = False
+        elif g["rms"]:
+            once("scale rule", part)
+            kw["scales"] = "rms"
         else:
             once("seed", part)
             kw["seed"] = int(g["seed"])
