@@ -15,7 +15,9 @@ the median of `--repeats` calls of the three matrices, GB/s of float32 weights, 
 measured in the same run (kernels alternate per repeat); MLX's peak memory for one matrix; the codes and scales of
 every kernel compared with `passes` (they must be equal). With `--batch B` (default 8) also the same work for B
 experts at once (each projection's B matrices stacked into one call), per expert, against one expert per call: what
-batching experts per MLX call would buy the converter. Peak RSS of the process at the end.
+batching experts per MLX call would buy the converter. `--rules rms,search` times each kernel under each scale rule
+(turboquant.SCALE_RULES; the outputs compared with `passes` under the same rule) and reports search / rms per kernel,
+both measured in the same run. Peak RSS of the process at the end.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="experts per call in the batched timing (1: none)")
     p.add_argument("--kernels", help="comma-separated kernels to time (default: every one this device runs; passes "
                    "is always timed, as the reference)")
+    p.add_argument("--rules", default="rms", help="comma-separated scale rules to time (rms, search)")
     p.add_argument("--quick", action="store_true", help="small matrices, 2 repeats")
     p.add_argument("--out", type=Path, default=Path("bench-results/quantizer.json"))
     p.add_argument("--no-openblas", action="store_true", help="do not re-execute with OpenBLAS in LD_PRELOAD")
@@ -71,8 +74,32 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--kernels: {', '.join(sorted(unknown))} not among {', '.join(kernels)}")
         kernels = [k for k in kernels if k in a.kernels.split(",") or k == "passes"]
 
+    rules = a.rules.split(",")
+    unknown = set(rules) - set(tq.SCALE_RULES)
+    if unknown:
+        p.error(f"--rules: {', '.join(sorted(unknown))} not among {', '.join(tq.SCALE_RULES)}")
+    rows = []
+    for rule in rules:
+        rows += measure(tq, weights, kernels, rule, repeats, batch, nbytes)
+    for r in rows:
+        if len(rules) > 1:
+            rms = next(x for x in rows if x["kernel"] == r["kernel"] and x["rule"] == "rms")
+            r["vs_rms"] = r["median_s"] / rms["median_s"]
+    doc = dict(schema=SCHEMA, date=time.strftime("%Y-%m-%d"), device=str(mx.default_device()), mlx=mx.__version__,
+               platform=platform.platform(), default_kernel=tq.quantizer_kernel(), quick=a.quick,
+               rules=rules, matrices=[dict(name=n, shape=list(w.shape), codebook=kind, rotated=s is not None)
+                         for n, w, kind, s in weights], float32_bytes=nbytes, repeats=repeats, batch=batch, rows=rows,
+               peak_rss=peak_rss_bytes())
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+def measure(tq, weights, kernels: list[str], rule: str, repeats: int, batch: int, nbytes: int) -> list[dict]:
+    """One scale rule: every kernel timed against `passes` under the same rule, outputs compared with its."""
     def one_expert(kernel: str) -> list:
-        return [tq.quantize(w, kind, GROUP, signs, kernel=kernel) for _, w, kind, signs in weights]
+        return [tq.quantize(w, kind, GROUP, signs, kernel=kernel, rule=rule) for _, w, kind, signs in weights]
 
     first, reference, same, peak = {}, one_expert("passes"), {}, {}
     for k in kernels:
@@ -84,13 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         mx.reset_peak_memory()
         base = mx.get_active_memory()
         name, w, kind, signs = weights[-1]
-        tq.quantize(w, kind, GROUP, signs, kernel=k)
+        tq.quantize(w, kind, GROUP, signs, kernel=k, rule=rule)
         peak[k] = mx.get_peak_memory() - base
     stacked = [(name, mx.stack([w] * batch), kind, signs) for name, w, kind, signs in weights] if batch > 1 else []
     mx.eval(*[w for _, w, _, _ in stacked])
 
     def batched(kernel: str) -> list:  # `batch` experts' work in one call per projection
-        return [tq.quantize(w, kind, GROUP, signs, kernel=kernel) for _, w, kind, signs in stacked]
+        return [tq.quantize(w, kind, GROUP, signs, kernel=kernel, rule=rule) for _, w, kind, signs in stacked]
 
     same_batched = {}
     for k in kernels if stacked else []:  # warm-up at the stacked shapes, and each stacked copy's output checked
@@ -111,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for k in kernels:
         med = statistics.median(times[k])
-        rows.append(dict(kernel=k, first_s=first[k], median_s=med, gb_per_s=nbytes / med / 1e9,
+        rows.append(dict(kernel=k, rule=rule, first_s=first[k], median_s=med, gb_per_s=nbytes / med / 1e9,
                          vs_passes=med / statistics.median(times["passes"]),
                          paired_vs_passes=[x / y for x, y in zip(times[k], times["passes"])],
                          peak_memory_one_matrix=peak[k], same_codes_and_scales_as_passes=same[k], times_s=times[k]))
@@ -119,20 +146,12 @@ def main(argv: list[str] | None = None) -> int:
             b = statistics.median(per_expert_batched[k])
             rows[-1].update(batched_median_s_per_expert=b, batched_vs_one=b / med,
                             batched_times_s_per_expert=per_expert_batched[k], batched_same_output=same_batched[k])
-        print(f"{k:<9} first {first[k]:7.3f} s   median {med * 1e3:8.2f} ms per expert ({nbytes / med / 1e9:6.2f} GB/s "
+        print(f"{k:<9} {rule:<6} first {first[k]:7.3f} s   median {med * 1e3:8.2f} ms per expert ({nbytes / med / 1e9:6.2f} GB/s "
               f"of float32)   x{rows[-1]['vs_passes']:.2f} of passes   peak {peak[k] / 2**20:7.1f} MiB   "
               f"same output: {same[k]}" + (f"   {batch} per call: {rows[-1]['batched_median_s_per_expert'] * 1e3:.2f} "
                                            f"ms per expert (x{rows[-1]['batched_vs_one']:.2f})" if stacked else ""),
               flush=True)
-    doc = dict(schema=SCHEMA, date=time.strftime("%Y-%m-%d"), device=str(mx.default_device()), mlx=mx.__version__,
-               platform=platform.platform(), default_kernel=tq.quantizer_kernel(), quick=a.quick,
-               matrices=[dict(name=n, shape=list(w.shape), codebook=kind, rotated=s is not None)
-                         for n, w, kind, s in weights], float32_bytes=nbytes, repeats=repeats, batch=batch, rows=rows,
-               peak_rss=peak_rss_bytes())
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {a.out}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -95,3 +95,67 @@ def quantize_rows(x: mx.array, scales: mx.array, book: tuple[float, ...], bounds
         scalars=[rows, n], grid=(-(-total // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         ensure_row_contiguous=True)
     return w, mx.sum(e), mx.sum(q)
+
+
+SEARCH_KERNEL = "tq_search"
+
+
+def search_source(book: tuple[float, ...], bounds: tuple[float, ...], group: int, multipliers: tuple[float, ...],
+                  min_scale: float, name: str = SEARCH_KERNEL) -> str:
+    """The CUDA source of the search rule's scale choice (turboquant.SCALE_RULES): one thread per group tries each
+    multiplier of the group's RMS (rounded to float16 as MLX rounds, the RMS first so it keeps ties), codes the group
+    with it as `kernel_source` does and keeps the candidate with the least squared error. Arguments: x (rows, n)
+    float32, rms (rows, n / group) float32, then the output scales (rows, n / group) as fp16 bits, rows and n."""
+    order = [1.0] + [m for m in multipliers if m != 1.0]
+    L = [
+        f'extern "C" __global__ void {name}(const float* x, const float* rms, unsigned short* scales, int rows,',
+        "                                   int n) {",
+        "  const unsigned long long gid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;",
+        f"  const unsigned int groups = (unsigned int)n / {group}u;",
+        "  if (gid >= (unsigned long long)rows * groups) return;",
+        "  const unsigned long long row = gid / groups;",
+        f"  const float* xg = x + row * (unsigned long long)n + (gid % groups) * {group}u;",
+        "  const float r = rms[gid];",
+        "  float best_e = __int_as_float(0x7f800000);",
+        "  unsigned short best = 0;",
+        f"  const float ms[{len(order)}] = {{{', '.join(_f32(m) for m in order)}}};",
+        f"  for (int k = 0; k < {len(order)}; ++k) {{",
+        f"    const float scaled = fmaxf(__fmul_rn(r, ms[k]), {_f32(min_scale)});",
+        "    unsigned short h;",
+        '    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(scaled));',
+        "    float s;",
+        '    asm("cvt.f32.f16 %0, %1;" : "=f"(s) : "h"(h));',
+        "    float e = 0.0f;",
+        f"    for (unsigned int j = 0; j < {group}u; ++j) {{",
+        "      const float v = xg[j];",
+        "      const float q = __fdiv_rn(v, s);",
+        f"      float level = {_f32(book[0])};",
+    ]
+    for b, lv in zip(bounds, book[1:]):
+        L.append(f"      if (q >= {_f32(b)}) level = {_f32(lv)};")
+    L += ["      const float d = __fmul_rn(level, s) - v;", "      e += d * d;", "    }",
+          "    if (e < best_e) { best_e = e; best = h; }", "  }", "  scales[gid] = best;", "}"]
+    return "\n".join(L) + "\n"
+
+
+@lru_cache(maxsize=16)
+def _search_cubin(book: tuple[float, ...], bounds: tuple[float, ...], group: int, multipliers: tuple[float, ...],
+                  min_scale: float) -> tuple[str, bytes]:
+    return cached_cubin(f"{SEARCH_KERNEL}_l{len(book)}_g{group}_m{len(multipliers)}",
+                        lambda name: search_source(book, bounds, group, multipliers, min_scale, name))
+
+
+def search_scales(x: mx.array, rms: mx.array, book: tuple[float, ...], bounds: tuple[float, ...], group: int,
+                  multipliers: tuple[float, ...], min_scale: float) -> mx.array:
+    """x (..., n) float32 and its group RMS (..., n / group) -> the searched fp16 scales (..., n / group)."""
+    n = x.shape[-1]
+    lead = x.shape[:-1]
+    total = math.prod(lead) * (n // group)
+    if total >= 2**31:
+        raise ValueError(f"{math.prod(lead)} rows of {n} are too many for one scale search kernel call")
+    name, cubin = _search_cubin(tuple(book), tuple(bounds), group, tuple(multipliers), min_scale)
+    (bits,) = mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=cubin, inputs=[x.astype(mx.float32), rms.astype(mx.float32)],
+        output_shapes=[(*lead, n // group)], output_dtypes=[mx.uint16], scalars=[math.prod(lead), n],
+        grid=(-(-total // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), ensure_row_contiguous=True)
+    return bits.view(mx.float16)

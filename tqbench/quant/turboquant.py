@@ -261,8 +261,7 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled", rule: str = "rms
             recon = recon + mx.where(v >= b, step, 0.0)
         return mx.sum((recon * s32 - g) ** 2, axis=-1, keepdims=True)
 
-    # On CUDA a compiled graph costs a runtime compile per shape (see quantizer_kernel): prebuilt operations there.
-    error_of = group_error if kernel in ("cuda", "passes") else mx.compile(group_error)
+    error_of = group_error if kernel == "passes" else mx.compile(group_error)
 
     def grouped(x: mx.array) -> tuple[mx.array, mx.array]:
         g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
@@ -271,6 +270,9 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled", rule: str = "rms
     def searched(x: mx.array) -> mx.array:
         """float16 scales (..., groups, 1) by the search rule, evaluated one candidate at a time (outside compile)."""
         g, rms = grouped(x)
+        if kernel == "cuda":  # one kernel, every candidate: MLX's operations would take ~45 launches each
+            return cuda_quantizer.search_scales(x, rms.squeeze(-1), tuple(book), tuple(bounds), group,
+                                                SEARCH_MULTIPLIERS, MIN_SCALE)[..., None]
         scales = rms.astype(mx.float16)
         best = error_of(g, scales.astype(mx.float32))
         for m in SEARCH_MULTIPLIERS:
