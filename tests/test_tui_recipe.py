@@ -570,11 +570,11 @@ async def test_quality_rows_show_the_evaluations_of_the_loaded_source():
         assert quality_caption(app) == "quality: 512 tokens of code, chat, window 256"
 
         recipe_keys = dict(next(keys for title, keys in sections(app) if title.startswith("Recipe screen")))
-        assert recipe_keys["v"] == "Quick eval"
-        assert "v Quick eval" in footer(app)
+        assert recipe_keys["v"] == "Eval"
+        assert "v Eval" in footer(app) and footer(app).rstrip().endswith("h Profile")
         screen.query_one("#memory", Input).focus()  # v types in a text field: not offered there
         await pilot.pause()
-        assert "Quick eval" not in footer(app)
+        assert "v Eval" not in footer(app)
 
 
 async def test_a_quick_eval_that_fails_says_why_in_one_line():

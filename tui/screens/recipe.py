@@ -73,7 +73,7 @@ class RecipeScreen(Screen):
         Binding("x", "unpin", "Unpin", show=False),  # shown by the table, where a pinned column is selected
         Binding("delete", "unpin", "Unpin", show=False),
         Binding("e", "edit_pin", "Edit pin", show=False),
-        Binding("v", "quick_eval", "Quick eval"),
+        Binding("v", "quick_eval", "Eval"),  # "Quick eval" would push "h Profile" off an 80-column footer
         Binding("tab", "switch_focus", "Table/editor", show=False),
         Binding("shift+tab", "switch_focus", "Table/editor", show=False),
     ]
