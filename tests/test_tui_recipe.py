@@ -2,11 +2,13 @@
 
 Every cell is checked against the engine's plan report (tqbench.recipe.report.plan_report of make_plan / assess on a
 Recipe parsed from its name; tests/test_report.py checks the report's values) or the real `tqbench plan`, never
-against the screen's own state.
+against the screen's own state. The quality rows are checked against records put into (or left by a real quick eval
+in) the evaluation store of the test's own cache directory.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -14,15 +16,21 @@ from textual.widgets import Input, Static
 
 from cli_helpers import tqbench
 from test_tui import write_tiny
-from tui_helpers import burst, screen_lines, settle
+from tui_helpers import burst, screen_lines, settle, wait_for
 from tqbench import units
+from tqbench.convert.pipeline import source_fingerprint
+from tqbench.demo import ensure_demo
+from tqbench.destination import default_dest
+from tqbench.engine import engine as engine_thread
+from tqbench.eval.store import EvalStore, RecipeQuality
 from tqbench.recipe import Recipe, assess, group_sources, machine, make_plan, parse_size
 from tqbench.recipe.fit import GB, Verdict, cached_disk_speed, disk_cache_file, disk_speed
 from tqbench.recipe.report import plan_report
 from tqbench.source import open_checkpoint
 from tui.app import TqbenchApp
+from tui.screens.help import sections
 from tui.screens.recipe import MAX_PINS, RecipeScreen
-from tui.widgets.plan_table import BPW_HEADING, COMPACT_WIDTH, CURRENT, PlanTable, wrap_name
+from tui.widgets.plan_table import BPW_HEADING, COMPACT_WIDTH, CURRENT, QUALITY_ROWS, PlanTable, wrap_name
 from tui.widgets.recipe_editor import (CONTROLS, INITIAL_RECIPE, CycleSelect, RecipeEditor, controls_from_recipe,
                                        recipe_from_controls)
 
@@ -78,9 +86,11 @@ def flat(text: str) -> str:
 
 
 def column(table: PlanTable, key: str) -> dict[str, str]:
-    """One column's cells by row key (the bpw heading row aside)."""
+    """One column's plan cells by row key (the bpw heading row aside, and the quality rows: the tiny checkpoint was
+    never evaluated)."""
     cells = {str(row.key.value): table.text(str(row.key.value), key) for row in table.ordered_rows}
     assert cells.pop(BPW_HEADING, "") == ""
+    assert [cells.pop(row) for row in QUALITY_ROWS] == ["-"] * len(QUALITY_ROWS)
     for wrapped in ("verdict", "raise the limit"):
         if wrapped in cells:
             cells[wrapped] = " ".join(cells[wrapped].split())
@@ -500,3 +510,131 @@ def test_snapshot_recipe_screen_three_pins(tmp_path, monkeypatch, snap_compare):
         await settle(pilot)
 
     assert snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=SIZE, run_before=run_before)
+
+
+# ---- quality ---------------------------------------------------------------------------------------------------------
+
+def quality(recipe: str, fingerprint: str, perplexity: float, active_experts: int = 8) -> RecipeQuality:
+    return RecipeQuality(recipe, fingerprint, "code, chat", 512, 256, "digest", perplexity, 10.41, 0.15234, 0.87125,
+                         0.9, None, active_experts, 8, time.time())
+
+
+def store_holds(*records: RecipeQuality) -> None:
+    store = EvalStore()  # the test's own cache directory (conftest)
+    try:
+        for q in records:
+            store.put(q)
+    finally:
+        store.close()
+
+
+def notes(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+def quality_column(table: PlanTable, key: str) -> tuple[str, str, str]:
+    return tuple(table.text(row, key) for row in ("perplexity", "kl", "top-1 agreement"))
+
+
+def quality_caption(app) -> str:
+    return str(app.screen.query_one("#quality-line", Static).render())
+
+
+async def test_quality_rows_show_the_evaluations_of_the_loaded_source():
+    demo = ensure_demo()
+    fingerprint = source_fingerprint(open_checkpoint(demo))
+    initial = Recipe.parse(INITIAL_RECIPE).name
+    store_holds(quality(initial, fingerprint, 11.2623),
+                quality("tq4-g64", "another source", 10.5),  # measured on another source: never shown here
+                quality("tq4-g64", fingerprint, 10.0, active_experts=4))  # at another routing: not this recipe's
+    app = TqbenchApp(demo)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await open_recipe_screen(pilot)
+        table = screen.query_one(PlanTable)
+        await wait_for(pilot, lambda: initial in screen.qualities, "the store to be read")
+        await settle(pilot)
+        assert quality_column(table, CURRENT) == ("11.26 (+8.2%)", "0.152", "87.1%")
+        assert quality_caption(app) == "quality: 512 tokens of code, chat, window 256"
+        rows = [str(r.key.value) for r in table.ordered_rows]
+        at = rows.index("perplexity")  # after what decides a recipe (Row.primary), before the details
+        assert rows[at - 1] == "max tok/s reduced" and rows[at:at + 4] == [*QUALITY_ROWS, BPW_HEADING]
+
+        await set_input(pilot, "#recipe-name", "tq4-g64")  # never evaluated on this source at native routing
+        assert quality_column(table, CURRENT) == ("-", "-", "-")
+        assert quality_caption(app) == "quality: none measured on this source (v: quick eval)"
+        await set_input(pilot, "#recipe-name", initial)
+        await pilot.press("plus")  # pinned, then edited: the caption says what the pin's cells were measured on
+        await set_input(pilot, "#recipe-name", "tq4-g64")
+        assert quality_column(table, CURRENT) == ("-", "-", "-")
+        assert quality_column(table, initial) == ("11.26 (+8.2%)", "0.152", "87.1%")
+        assert quality_caption(app) == "quality: 512 tokens of code, chat, window 256"
+
+        recipe_keys = dict(next(keys for title, keys in sections(app) if title.startswith("Recipe screen")))
+        assert recipe_keys["v"] == "Eval"
+        assert "v Eval" in footer(app) and footer(app).rstrip().endswith("h Profile")
+        screen.query_one("#memory", Input).focus()  # v types in a text field: not offered there
+        await pilot.pause()
+        assert "v Eval" not in footer(app)
+
+
+async def test_a_quick_eval_that_fails_says_why_in_one_line():
+    """The engine's error (here: the demo's conversion cannot go where a file is in the way) as one notification."""
+    demo = ensure_demo()
+    dest = default_dest(demo, INITIAL_RECIPE)
+    dest.write_text("not a directory")
+    app = TqbenchApp(demo)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await open_recipe_screen(pilot)
+        await pilot.press("v")
+        await wait_for(pilot, lambda: any("quick eval of" in n for n in notes(app)), "the failure", 60)
+        failure = next(n for n in notes(app) if "quick eval of" in n)
+        assert failure.startswith(f"quick eval of {INITIAL_RECIPE}: ") and str(dest) in failure
+        assert "\n" not in failure and "Traceback" not in failure
+        assert screen._eval_job is None and "quick eval of" not in quality_caption(app)
+    assert dest.read_text() == "not a directory"
+
+
+@pytest.mark.slow
+async def test_quick_eval_fills_the_quality_rows_of_the_demo():
+    """A real quick eval (the demo converted with a recipe, then 256 tokens scored against it): progress under the
+    table, a second press refused, then the rows show what the store remembered; leaving the screen stops the next."""
+    demo = ensure_demo()
+    fingerprint = source_fingerprint(open_checkpoint(demo))
+    name = "affine4-g64"
+    app = TqbenchApp(demo)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await open_recipe_screen(pilot)
+        screen.quick_tokens = 256
+        await set_input(pilot, "#recipe-name", name)
+        table = screen.query_one(PlanTable)
+        assert quality_column(table, CURRENT) == ("-", "-", "-")
+        await pilot.press("v")
+        await wait_for(pilot, lambda: "converting" in quality_caption(app), "the conversion's progress", 60)
+        assert f"quick eval of {name} on the demo: converting" in quality_caption(app)
+        await pilot.press("v")
+        assert notes(app)[-1] == f"a quick eval of {name} is running: one at a time"
+        await pilot.press("question_mark")  # the help over the screen does not stop it
+        await pilot.press("escape")
+        assert screen._eval_job is not None and not screen._eval_job.stopping
+        await wait_for(pilot, lambda: "scor" in quality_caption(app), "the scoring's progress", 120)
+        await wait_for(pilot, lambda: screen._eval_job is None, "the quick eval to end", 180)
+        await settle(pilot)
+
+        store = EvalStore()
+        q = store.for_source(fingerprint)[name]
+        store.close()
+        assert (q.tokens, q.texts, q.window) == (512, "code, chat", 256)  # 256 asked: a whole window of each text
+        assert notes(app)[-1] == (f"{name} on the demo: perplexity {q.perplexity:.2f} ({q.perplexity_change:+.1%} vs "
+                                  f"source), KL {q.kl:.3f}")
+        assert quality_column(table, CURRENT) == (f"{q.perplexity:.2f} ({q.perplexity_change:+.1%})", f"{q.kl:.3f}",
+                                                  f"{q.top1_agreement:.1%}")
+        assert quality_caption(app) == "quality: 512 tokens of code, chat, window 256"
+
+        await set_input(pilot, "#recipe-name", "affine8-g64")
+        await pilot.press("v")
+        await wait_for(pilot, lambda: engine_thread().busy, "the next quick eval to start")
+        await pilot.press("s")  # leaving the screen stops it
+        stopped = "quick eval of affine8-g64 stopped: the Recipe screen was left"
+        await wait_for(pilot, lambda: stopped in notes(app), "the notification")
+        assert screen._eval_job is None
+        await wait_for(pilot, lambda: not engine_thread().busy, "the quick eval to stop", 60)

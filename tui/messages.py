@@ -16,7 +16,8 @@ says explicitly whether it merges:
   load), FilterApplied (the newest filter's rows), RecipeChosen and MachineChosen (the editor's newest recipe or
   machine: held-down keys and fast typing post one per key), ConvertProgress (the per-layer totals are cumulative
   snapshots of a run), ChatConvertProgress (the demo's conversion before a chat: byte counts are cumulative) and
-  ChatReplyProgress (a streaming reply's whole text so far, posted at most every ~50 ms);
+  ChatReplyProgress (a streaming reply's whole text so far, posted at most every ~50 ms), QuickEvalProgress (the
+  Recipe screen shows only where a quick eval is now);
 - never merged, because each one counts: ConvertShardWritten (the screen counts shards written), PlansReady
   (each carries plans the others lack; dropping one would only make the screen plan them again) and ChatExperts
   (a streaming reply's expert page-ins since the last batch; the expert view counts every routing).
@@ -35,6 +36,8 @@ from rich.text import Text
 from textual.message import Message
 
 from tqbench.chat.live import ReplyRates
+from tqbench.eval.records import EvalProgress, EvalStarted
+from tqbench.eval.store import RecipeQuality
 
 if TYPE_CHECKING:
     from tqbench.chat.records import ModelLoaded, StreamReport
@@ -157,6 +160,50 @@ class MachineChosen(Message):
     def can_replace(self, message: Message) -> bool:
         """Merged: the screen assesses for the newest machine only (typing posts one per keystroke)."""
         return isinstance(message, MachineChosen)
+
+
+@dataclass
+class QualitiesRead(Message):
+    """The evaluations remembered for a checkpoint (tqbench.eval.store.remembered), by recipe name."""
+
+    checkpoint: Checkpoint
+    qualities: dict[str, RecipeQuality]
+
+
+@dataclass
+class QuickEvalProgress(Message):
+    """A quick eval (tqbench.eval.quick) moved on: the demo's conversion, then the evaluation (posted at most ~10
+    times a second)."""
+
+    eval_id: int
+    event: ConvertStarted | UnitConverted | ConvertFinished | EvalStarted | EvalProgress
+
+    def can_replace(self, message: Message) -> bool:
+        """Merged: the screen shows where the quick eval is now, which the newest event of the same eval says."""
+        return isinstance(message, QuickEvalProgress) and message.eval_id == self.eval_id
+
+
+@dataclass
+class QuickEvalDone(Message):
+    """A quick eval finished: what the store remembered of it (tqbench.eval.quick.demo_quality; None: nothing)."""
+
+    eval_id: int
+    quality: RecipeQuality | None
+
+
+@dataclass
+class QuickEvalFailed(Message):
+    """A quick eval raised: `message` is one line (a TqbenchError's text)."""
+
+    eval_id: int
+    message: str
+
+
+@dataclass
+class QuickEvalStopped(Message):
+    """A quick eval was stopped (the screen was left): its job is closed on the engine thread."""
+
+    eval_id: int
 
 
 # ---- the Convert screen -----------------------------------------------------------------------------------------------
@@ -347,5 +394,5 @@ class ChatProfileExported(Message):
 
 # Messages that can come in bursts: each defines can_replace itself (see the module docstring).
 HIGH_RATE: tuple[type[Message], ...] = (ScanProgress, FilterApplied, PlansReady, RecipeChosen, MachineChosen,
-                                        ConvertProgress, ConvertShardWritten, ChatConvertProgress, ChatReplyProgress,
-                                        ChatExperts)
+                                        ConvertProgress, ConvertShardWritten, QuickEvalProgress, ChatConvertProgress,
+                                        ChatReplyProgress, ChatExperts)

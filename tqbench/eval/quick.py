@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from tqbench.eval.records import EvalRequest
+from tqbench.eval.store import RecipeQuality
 
 QUICK_TOKENS = 1024
 
@@ -26,3 +27,13 @@ def quick_eval(recipe: str, tokens: int = QUICK_TOKENS, store: str | None = None
     if not (dest / INDEX_FILE).is_file():
         yield from convert(demo, dest, chosen)
     yield from evaluate(EvalRequest(str(dest), str(demo), tokens=tokens, prompts=0, store=store))
+
+
+def demo_quality(recipe: str, store: str | None = None) -> RecipeQuality | None:
+    """What the latest evaluation of `recipe`'s conversion of the demo measured (None: never evaluated)."""
+    from tqbench.demo import ensure_demo
+    from tqbench.eval.store import remembered
+    from tqbench.recipe import Recipe
+    from tqbench.source.checkpoint import open_checkpoint
+
+    return remembered(open_checkpoint(ensure_demo()), store).get(Recipe.parse(recipe).name)

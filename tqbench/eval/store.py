@@ -90,6 +90,17 @@ class EvalStore:
         self._cache.close()
 
 
+def remembered(ckpt, store_dir: str | Path | None = None) -> dict[str, RecipeQuality]:
+    """recipe name -> its latest evaluation against this opened source checkpoint (a tqbench.source.Checkpoint)."""
+    from tqbench.convert.pipeline import source_fingerprint
+
+    store = EvalStore(store_dir)
+    try:
+        return store.for_source(source_fingerprint(ckpt))
+    finally:
+        store.close()
+
+
 def remember(report: EvalReport, against: Path, store_dir: str | Path | None = None) -> RecipeQuality | None:
     """Store the report when it compares a conversion with the very source it was converted from (the fingerprint
     in its convert-report.json equals the reference's). Returns what was stored."""

@@ -17,12 +17,22 @@ fields alike; left/right change a choice control and move the cursor in a text f
 a recipe's column (`x` / delete unpin the selected pinned recipe, `e` loads it into the editor) and up/down scroll.
 The footer names what the arrows do where the focus is (`←→ Change`, `←→ Cursor`, `←→ Recipe`). Leaving the table
 puts its cursor back on the current recipe, so the current column is always in view while editing.
+
+Quality: the table's quality rows show, per recipe, the latest evaluation of its conversion against the loaded source
+that tqbench.eval.store remembers (read in a worker once per checkpoint and after each quick eval; a recipe's cells
+are then a dict lookup), and the line under the table what they were measured on. `v` runs a quick eval of the
+current recipe on the demo (tqbench.eval.quick: the demo converted with it unless done, then scored against the demo)
+on the engine thread, one at a time, its progress on that line; the result comes as a notification, and in the table
+when the loaded source is the demo (an evaluation on the demo is not another source's). Leaving the screen stops it.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from functools import partial
+from pathlib import Path
 
 from textual import work
 from textual.app import ComposeResult
@@ -30,19 +40,28 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Static
+from textual.widgets import Footer, Header, Input, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
+from tqbench.demo import demo_path
+from tqbench.engine import Job, iterate_in_daemon, submit
 from tqbench.errors import TqbenchError
+from tqbench.eval.quick import QUICK_TOKENS
+from tqbench.eval.records import EvalReport
+from tqbench.eval.store import RecipeQuality
+from tqbench.events import UnitConverted
 from tqbench.recipe import Plan, Recipe, assess, group_sources, make_plan
-from tqbench.engine import iterate_in_daemon
-from tui.messages import MachineChosen, PlanFailed, PlansReady, RecipeChosen, SourcesGrouped
+from tui.messages import (MachineChosen, PlanFailed, PlansReady, QualitiesRead, QuickEvalDone, QuickEvalFailed,
+                          QuickEvalProgress, QuickEvalStopped, RecipeChosen, SourcesGrouped)
+from tui.screens.chat_relay import one_line
 from tui.state import display_path
 from tui.widgets.plan_table import CURRENT, PlanTable
+from tui.widgets.quality_line import QualityLine, progress_text
 from tui.widgets.recipe_editor import INITIAL_RECIPE, RecipeEditor
 
 MAX_PINS = 3
 CACHE_PLANS = 12  # plans kept besides the shown ones (a K3 plan holds ~2.6k modules)
+PROGRESS_INTERVAL = 0.1  # seconds between a quick eval's progress messages
 
 
 class RecipeScreen(Screen):
@@ -54,6 +73,7 @@ class RecipeScreen(Screen):
         Binding("x", "unpin", "Unpin", show=False),  # shown by the table, where a pinned column is selected
         Binding("delete", "unpin", "Unpin", show=False),
         Binding("e", "edit_pin", "Edit pin", show=False),
+        Binding("v", "quick_eval", "Eval"),  # "Quick eval" would push "h Profile" off an 80-column footer
         Binding("tab", "switch_focus", "Table/editor", show=False),
         Binding("shift+tab", "switch_focus", "Table/editor", show=False),
     ]
@@ -69,6 +89,11 @@ class RecipeScreen(Screen):
         self._plans: OrderedDict[Recipe, Plan] = OrderedDict()
         self._request_id = 0
         self._plan_lock = threading.Lock()
+        self.qualities: dict[str, RecipeQuality] = {}  # recipe name -> its evaluation against the loaded source
+        self.quick_tokens = QUICK_TOKENS  # tokens a quick eval scores
+        self._eval_id = 0
+        self._eval_job: Job | None = None  # the quick eval running
+        self._eval_recipe = ""
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -77,6 +102,7 @@ class RecipeScreen(Screen):
             with Vertical(id="plan-side"):
                 yield Static("", id="plan-empty")
                 yield PlanTable(id="plan-table")
+                yield QualityLine(id="quality-line")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -94,6 +120,10 @@ class RecipeScreen(Screen):
     def table(self) -> PlanTable:
         return self.query_one(PlanTable)
 
+    @property
+    def quality_line(self) -> QualityLine:
+        return self.query_one(QualityLine)
+
     # ---- the checkpoint and its grouped sources ---------------------------------------------------------------------
 
     def _checkpoint_changed(self, ckpt) -> None:
@@ -103,12 +133,14 @@ class RecipeScreen(Screen):
         if ckpt is self.checkpoint:
             return
         self.checkpoint, self.sources = ckpt, None
+        self.qualities = {}
         self._plans.clear()
         self.shown = []
         self.sub_title = f"Recipe: {display_path(ckpt.path)}"
         self.editor.set_checkpoint_path(ckpt.path)
         self._empty(f"Grouping {len(ckpt.tensors):,} tensors of {display_path(ckpt.path)} into modules...")
         self._group(ckpt)
+        self._read_qualities(ckpt)
 
     @work(thread=True, exclusive=True, group="group", exit_on_error=False, description="group sources")
     def _group(self, ckpt) -> None:
@@ -127,6 +159,110 @@ class RecipeScreen(Screen):
         if message.checkpoint is self.checkpoint:
             self.sources = message.sources
             self._refresh()
+
+    # ---- quality: what the store remembers for the checkpoint, and the quick eval ---------------------------------
+
+    @work(thread=True, exclusive=True, group="quality", exit_on_error=False, description="read evaluations")
+    def _read_qualities(self, ckpt) -> None:
+        from tqbench.eval.store import remembered
+
+        worker = get_current_worker()
+        # On a daemon thread: fingerprinting a K3 checkpoint's 497k tensors takes a while, and quitting never waits.
+        qualities = next(iter(iterate_in_daemon(lambda: [remembered(ckpt)], lambda: worker.is_cancelled)), None)
+        if qualities is not None and not worker.is_cancelled:
+            self.post_message(QualitiesRead(ckpt, qualities))
+
+    def on_qualities_read(self, message: QualitiesRead) -> None:
+        if message.checkpoint is self.checkpoint:
+            self.qualities = message.qualities
+            if self.shown and all(r in self._plans for r in self.wanted):
+                self._show_plans()
+
+    def action_quick_eval(self) -> None:
+        if self._eval_job is not None:
+            self.notify(f"a quick eval of {self._eval_recipe} is running: one at a time", severity="warning")
+            return
+        self._eval_id += 1
+        self._eval_recipe = name = self.recipe.name
+        tokens = self.quick_tokens
+
+        def evaluation():  # on the engine thread: MLX is imported, used and released there
+            from tqbench.eval.quick import quick_eval
+
+            return quick_eval(name, tokens)
+
+        self._eval_job = submit(evaluation)
+        self.quality_line.show_progress(progress_text(name, None))
+        self.run_worker(partial(self._relay_eval, self._eval_id, self._eval_job, name), thread=True,
+                        exclusive=True, group="quick eval", exit_on_error=False, description="quick eval")
+
+    def _relay_eval(self, eval_id: int, job: Job, recipe: str) -> None:
+        """The quick eval's events as messages (conversion progress at most every PROGRESS_INTERVAL), then what the
+        store remembered of it."""
+        from tqbench.eval.quick import demo_quality
+
+        worker = get_current_worker()
+        post = self.post_message
+        finished = False
+        posted = 0.0
+        try:
+            for event in job.items(lambda: worker.is_cancelled):
+                if isinstance(event, EvalReport):
+                    finished = True
+                elif not isinstance(event, UnitConverted) or time.monotonic() - posted >= PROGRESS_INTERVAL:
+                    post(QuickEvalProgress(eval_id, event))  # a skipped unit's figures come with a later one
+                    posted = time.monotonic()
+            job.stop()
+            job.wait()  # closed on the engine thread
+            if not finished:
+                post(QuickEvalStopped(eval_id))
+                return
+            post(QuickEvalDone(eval_id, demo_quality(recipe)))
+        except Exception as e:  # TqbenchError (a recipe the demo cannot take) or a bug: one line either way
+            job.stop()
+            post(QuickEvalFailed(eval_id, one_line(e)))
+
+    def on_quick_eval_progress(self, message: QuickEvalProgress) -> None:
+        if message.eval_id == self._eval_id and self._eval_job is not None:
+            self.quality_line.show_progress(progress_text(self._eval_recipe, message.event))
+
+    def on_quick_eval_done(self, message: QuickEvalDone) -> None:
+        if message.eval_id != self._eval_id:
+            return
+        recipe = self._eval_recipe
+        self._eval_ended()
+        q = message.quality
+        if q is None:
+            self.notify(f"{recipe} on the demo: evaluated, but nothing was remembered", severity="warning")
+            return
+        elsewhere = self.checkpoint is None or Path(self.checkpoint.path).resolve() != demo_path().resolve()
+        self.notify(f"{q.recipe} on the demo: perplexity {q.perplexity:.2f} ({q.perplexity_change:+.1%} vs source), "
+                    f"KL {q.kl:.3f}" + ("; the table shows the loaded source's only" if elsewhere else ""),
+                    timeout=10)
+        if self.checkpoint is not None:
+            self._read_qualities(self.checkpoint)  # the loaded source's: the demo's if it is the demo
+
+    def on_quick_eval_failed(self, message: QuickEvalFailed) -> None:
+        if message.eval_id == self._eval_id:
+            recipe = self._eval_recipe
+            self._eval_ended()
+            self.notify(f"quick eval of {recipe}: {message.message}", severity="error", timeout=10)
+
+    def on_quick_eval_stopped(self, message: QuickEvalStopped) -> None:
+        if message.eval_id == self._eval_id:
+            self._eval_ended()
+
+    def _eval_ended(self) -> None:
+        self._eval_job = None
+        self.quality_line.show_progress(None)
+
+    def on_screen_suspend(self) -> None:
+        """Leaving the screen for another stops a quick eval (a conversion keeps its whole shards and resumes next
+        time); a dialog over it (help) does not."""
+        if self._eval_job is not None and self not in self.app.screen_stack:
+            self._eval_job.stop()
+            self.notify(f"quick eval of {self._eval_recipe} stopped: the Recipe screen was left")
+            self._eval_ended()
 
     # ---- plans ------------------------------------------------------------------------------------------------------
 
@@ -182,7 +318,9 @@ class RecipeScreen(Screen):
             self._plans.move_to_end(r)
         fits = [assess(p.footprint, self.machine) for p in plans]
         self.shown = list(self.wanted)
-        self.table.show([r.name for r in self.wanted], plans, fits)
+        qualities = [self.qualities.get(r.name) for r in self.wanted]
+        self.table.show([r.name for r in self.wanted], plans, fits, qualities)
+        self.quality_line.show_caption(list(zip(self.table.column_names, qualities)))
         self.editor.set_notes(list(plans[0].warnings))
         self.editor.set_busy(False)
         self.editor.set_error("plan", None)
@@ -195,18 +333,23 @@ class RecipeScreen(Screen):
         self.editor.set_error("plan", f"plan: {message.message}")
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
-        """Anything a worker did not turn into a PlanFailed (a bug, an OSError) still ends as one line."""
-        if event.state is WorkerState.ERROR and event.worker.group in ("group", "plan"):
-            error = event.worker.error
-            text = str(error) if isinstance(error, TqbenchError) else f"{type(error).__name__}: {error}"
+        """Anything a worker did not turn into a PlanFailed (a bug, an OSError) still ends as one line; so does a
+        store of evaluations that cannot be read."""
+        if event.state is not WorkerState.ERROR:
+            return
+        text = one_line(event.worker.error)
+        if event.worker.group in ("group", "plan"):
             self.editor.set_busy(False)
             self.editor.set_error("plan", f"plan: {text}")
+        elif event.worker.group == "quality":
+            self.notify(f"evaluations: {text}", severity="error")
 
     def _empty(self, text: str) -> None:
         empty = self.query_one("#plan-empty", Static)
         empty.update(Content(text))
         empty.display = True
         self.table.display = False
+        self.quality_line.show_caption(None)
         self.refresh_bindings()
 
     # ---- editor events ----------------------------------------------------------------------------------------------
@@ -228,6 +371,8 @@ class RecipeScreen(Screen):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ("pin", "unpin", "edit_pin"):
             return None if not self.shown else True  # shown but disabled until the first plan is there
+        if action == "quick_eval":
+            return not isinstance(self.focused, Input)  # v types there
         return True
 
     def action_pin(self) -> None:

@@ -2,10 +2,11 @@
 
 The rows are the engine's plan report (tqbench.recipe.report, the rows `tqbench plan` prints): the same keys, labels
 and cell text. Only the order and line breaks are this table's: what decides a recipe (sizes, bpw, expert page,
-shards, verdict, cache budget, tok/s ceilings: `Row.primary`) comes first so that it fits 80x24, then the details
-(bits per weight by role under a heading, kept bytes, expert bytes per token, the hit rate); long labels, verdicts
-and the sysctl command wrap to the column width. The table's column cursor selects a pinned recipe (to unpin or edit
-it).
+shards, verdict, cache budget, tok/s ceilings: `Row.primary`) comes first so that it fits 80x24, then its quality
+against the source (QUALITY_ROWS, from the evaluations tqbench.eval.store remembers; `-` for a recipe never evaluated
+on this source), then the details (bits per weight by role under a heading, kept bytes, expert bytes per token, the
+hit rate); long labels, verdicts and the sysctl command wrap to the column width. The table's column cursor selects
+a pinned recipe (to unpin or edit it).
 
 Compact mode, when the recipes do not all fit side by side (at 80x24 with two or three pins): sizes show their decimal
 line only (the label column's header says so), the expert page its total only, and every label, cell and recipe name
@@ -26,6 +27,7 @@ from textual.binding import Binding
 from textual.widgets import DataTable
 
 from tqbench import units
+from tqbench.eval.store import RecipeQuality
 from tqbench.recipe.fit import Fit, Verdict
 from tqbench.recipe.plan import Plan
 from tqbench.recipe.report import PlanReport, plan_report
@@ -45,6 +47,7 @@ CURRENT = "current"
 BPW_HEADING = "bpw by role"  # the heading of the per-role bits per weight, which the CLI indents under bits/weight
 COMPACT_WIDTH = 9  # compact mode: labels, cells and names wrap at this width (`585.12 GB`, `streaming`, `max tok/s`)
 FIRST_LINE_ROWS = ("resident", "routed experts", "total", "cache budget", "expert page")  # compact: the first line
+QUALITY_ROWS = {"perplexity": "perplexity", "kl": "KL vs source", "top-1 agreement": "top-1 agreement"}  # key: label
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,29 @@ def verdict_cell(fit: Fit) -> Text:
     return num("\n".join(textwrap.wrap(fit.verdict.value, VERDICT_WIDTH)), VERDICT_STYLE[fit.verdict])
 
 
-def screen_rows(report: PlanReport, fits: list[Fit]) -> list[Row]:
-    """The report's rows in this table's order, with their cells as styled text."""
+def quality_cells(q: RecipeQuality | None) -> dict[str, str]:
+    """One recipe's quality cells by row key: perplexity with its change against the source's, KL(source || recipe)
+    per token in nats, top-1 agreement; `-` when the recipe was never evaluated."""
+    if q is None:
+        return dict.fromkeys(QUALITY_ROWS, "-")
+    return {"perplexity": f"{q.perplexity:.2f} ({q.perplexity_change:+.1%})", "kl": f"{q.kl:.3f}",
+            "top-1 agreement": f"{q.top1_agreement:.1%}"}
+
+
+def quality_rows(qualities: list[RecipeQuality | None]) -> list[Row]:
+    cells = [quality_cells(q) for q in qualities]
+    return [Row(key, label, tuple(num(c[key]) for c in cells)) for key, label in QUALITY_ROWS.items()]
+
+
+def screen_rows(report: PlanReport, fits: list[Fit], qualities: list[RecipeQuality | None]) -> list[Row]:
+    """The report's rows in this table's order, the quality rows after its primary rows, with their cells as styled
+    text."""
     rows: list[Row] = []
     keys = {r.key for r in report.rows}
+    quality = quality_rows(qualities)
     for r in report.primary_first:
+        if not r.primary and quality:
+            rows, quality = rows + quality, []
         if r.parent in keys and not any(x.key == BPW_HEADING for x in rows):
             rows.append(Row(BPW_HEADING, BPW_HEADING, tuple(Text("") for _ in report.recipes)))
         label = r.short_label or r.label
@@ -83,12 +104,13 @@ def screen_rows(report: PlanReport, fits: list[Fit]) -> list[Row]:
         else:
             cells = tuple(num(c) for c in r.cells)
         rows.append(Row(r.key, label, cells))
-    return rows
+    return rows + quality
 
 
-def plan_rows(plans: list[Plan], fits: list[Fit]) -> list[Row]:
-    """The table's rows for recipes side by side: tqbench.recipe.report's rows, as `tqbench plan` prints them."""
-    return screen_rows(plan_report(plans, fits), fits)
+def plan_rows(plans: list[Plan], fits: list[Fit], qualities: list[RecipeQuality | None]) -> list[Row]:
+    """The table's rows for recipes side by side: tqbench.recipe.report's rows, as `tqbench plan` prints them, and
+    the recipes' quality rows."""
+    return screen_rows(plan_report(plans, fits), fits, qualities)
 
 
 def label_header(shard_size: int, compact: bool = False) -> str:
@@ -169,14 +191,16 @@ class PlanTable(DataTable):
         self._shown: tuple | None = None
         self.compact = False  # compact mode (see the module docstring)
 
-    def show(self, names: list[str], plans: list[Plan], fits: list[Fit]) -> None:
-        """Fill the table: `names[0]` is the current recipe, the rest are pinned. Keeps the column cursor on the
-        same recipe (or the nearest column) and, while the table has focus, the scroll position."""
-        self._shown = (names, plans, fits)
+    def show(self, names: list[str], plans: list[Plan], fits: list[Fit],
+             qualities: list[RecipeQuality | None]) -> None:
+        """Fill the table: `names[0]` is the current recipe, the rest are pinned; `qualities` are theirs (None: never
+        evaluated). Keeps the column cursor on the same recipe (or the nearest column) and, while the table has
+        focus, the scroll position."""
+        self._shown = (names, plans, fits, qualities)
         selected = self.selected_name
         old_index = self.cursor_column
         scroll = (self.scroll_x, self.scroll_y)
-        full = plan_rows(plans, fits)
+        full = plan_rows(plans, fits, qualities)
         space = self.size.width - self.styles.scrollbar_size_vertical
         for compact in (False, True):
             rows = compact_rows(full) if compact else full
