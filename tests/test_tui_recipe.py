@@ -180,6 +180,7 @@ async def test_controls_update_the_numbers(tiny, engine):
             (["down", "down", "left"], "tq4-tq4e-down4-g128"),  # experts ternary -> tq4: all 4-bit, named tq4-g128
             (["down", "left", "left"], "tq4a-tq4e-down2-g128"),  # expert down 4 -> 2 (choices: none, 2, 3, 4)
             (["down", "down", "right"], "tq4a-tq4e-down2-g128-norot"),  # rotation on -> off
+            (["down", "right"], "tq4a-tq4e-down2-g128-norot-rms"),  # scales searched -> rms
         ]
         for keys, name in steps:
             await pilot.press(*keys)
@@ -213,7 +214,7 @@ async def test_typed_names_set_the_controls_and_bad_ones_are_refused(tiny, engin
         await pilot.press(*"-norot")  # typed: "-", "-n", ... are bad names for a moment, then it is good again
         await settle(pilot)
         assert controls(app) == {"base": "tq2", "group": "32", "attn": "4", "experts": "tq3", "down": "none",
-                                 "mlpg": "128", "rotation": "off"}
+                                 "mlpg": "128", "rotation": "off", "scales": "search"}
         assert not screen.query_one("#recipe-status").has_class("error")
         name = "tq2-tq4a-tq3e-g32-mlpg128-norot"
         assert column(table, CURRENT) == expected_cells(*engine(name, RESIDENT_MEMORY))
@@ -222,6 +223,7 @@ async def test_typed_names_set_the_controls_and_bad_ones_are_refused(tiny, engin
         assert controls(app)["base"] == "affine4" and controls(app)["experts"] == "mxfp4"
         assert screen.query_one("#down", CycleSelect).disabled and screen.query_one("#mlpg", CycleSelect).disabled
         assert screen.query_one("#rotation", CycleSelect).disabled  # no TurboQuant tier
+        assert screen.query_one("#scales", CycleSelect).disabled
         assert column(table, CURRENT) == expected_cells(*engine("affine4-mxfp4e", RESIDENT_MEMORY))
 
 
@@ -346,7 +348,7 @@ async def test_tab_switches_panes_and_the_footer_says_what_the_arrows_do(tiny):
         await pilot.press("tab", "tab")
         assert app.focused is base
         # Up/down walk the rows, text fields included; left/right move a text field's cursor, and the footer says so.
-        for _ in range(7):
+        for _ in range(8):
             await pilot.press("down")
         assert app.focused is memory and "←→ Cursor" in footer(app) and "↑↓ Row" in footer(app)
         memory.cursor_position = len(memory.value)
@@ -354,7 +356,7 @@ async def test_tab_switches_panes_and_the_footer_says_what_the_arrows_do(tiny):
         await pilot.press("left", "left")
         assert memory.cursor_position == len(memory.value) - 2 and (memory.value, screen.recipe, screen.machine) == before
         await pilot.press("up")
-        assert app.focused is screen.query_one("#rotation")
+        assert app.focused is screen.query_one("#scales")
         await pilot.press("down", "down", "down")  # memory, disk, and no further (no wrapping)
         assert app.focused is screen.query_one("#disk")
         # Back into the editor on the row focused last.
