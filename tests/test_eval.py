@@ -82,6 +82,10 @@ def test_window_sums_match_numpy():
     assert got.kl == pytest.approx(want["kl"], rel=1e-4)
     assert got.top1 == want["top1"] and 0 < got.top1 < 51
     assert got.top5 == pytest.approx(want["top5"]) and 0 < got.top5 < 51
+    lm, ls = (np.log(np.exp(a.astype(np.float64)) / np.exp(a.astype(np.float64)).sum(-1, keepdims=True))
+              for a in (logits, ref))
+    per_window = (np.exp(ls) * (ls - lm)).sum(-1).sum(-1)
+    np.testing.assert_allclose(got.kl_windows, per_window, rtol=1e-4)
 
 
 def test_identical_logits_are_exact():
@@ -99,6 +103,7 @@ def test_report_figures_are_the_sums_over_tokens(models):
     assert t.perplexity == pytest.approx(math.exp(t.nll_sum / t.tokens))
     assert t.kl == pytest.approx(t.kl_sum / t.tokens) and t.kl > 0
     assert t.top1_agreement == t.top1_agree / t.tokens < 1
+    assert len(t.kl_windows) == t.windows and sum(t.kl_windows) == pytest.approx(t.kl_sum)
 
 
 def test_perplexity_against_an_independent_forward_pass(models):

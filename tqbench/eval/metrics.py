@@ -22,6 +22,7 @@ class WindowSums:
     kl: float | None = None
     top1: int | None = None
     top5: float | None = None
+    kl_windows: tuple[float, ...] = ()  # the KL sum of each window in the batch (for a spread across windows)
 
 
 def log_probs(logits: mx.array) -> mx.array:
@@ -47,10 +48,11 @@ def window_sums(logits: mx.array, targets: mx.array, reference: mx.array | None 
         return WindowSums(int(targets.size), float(nll.item()))
     ls = log_probs(reference)
     ref_nll = nll_sum(ls, targets)
-    kl = (mx.exp(ls) * (ls - lp)).sum()
+    per_window = (mx.exp(ls) * (ls - lp)).sum(axis=-1).reshape(-1, targets.shape[-1]).sum(axis=-1)
+    kl = per_window.sum()
     top1 = (mx.argmax(lp, axis=-1) == mx.argmax(ls, axis=-1)).sum()
     a, b = top5(lp), top5(ls)
     overlap = (a[..., :, None] == b[..., None, :]).sum().astype(mx.float32) / 5
-    mx.eval(nll, ref_nll, kl, top1, overlap)
+    mx.eval(nll, ref_nll, kl, top1, overlap, per_window)
     return WindowSums(int(targets.size), float(nll.item()), float(ref_nll.item()), float(kl.item()), int(top1.item()),
-                      float(overlap.item()))
+                      float(overlap.item()), tuple(float(v) for v in per_window.tolist()))

@@ -92,6 +92,7 @@ class TextScore:
     kl_sum: float | None = None
     top1_agree: int | None = None
     top5_overlap_sum: float | None = None  # per token: |top-5 of MODEL & top-5 of SRC| / 5
+    kl_windows: tuple[float, ...] = ()  # each window's KL sum, in scoring order (how much the KL varies by window)
 
     @property
     def loss(self) -> float:
@@ -124,7 +125,7 @@ class TextScore:
 
         return TextScore(name, self.tokens + other.tokens, self.windows + other.windows, self.nll_sum + other.nll_sum,
                          add(self.ref_nll_sum, other.ref_nll_sum), add(self.kl_sum, other.kl_sum), add(self.top1_agree, other.top1_agree),
-                         add(self.top5_overlap_sum, other.top5_overlap_sum))
+                         add(self.top5_overlap_sum, other.top5_overlap_sum), self.kl_windows + other.kl_windows)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ SCHEMA = "tqbench.eval/1"
 
 def score_dict(s: TextScore) -> dict:
     return {"text": s.name, "tokens": s.tokens, "windows": s.windows, "loss": s.loss, "perplexity": s.perplexity,
-            "reference_perplexity": s.ref_perplexity, "kl": s.kl, "top1_agreement": s.top1_agreement, "top5_overlap": s.top5_overlap}
+            "reference_perplexity": s.ref_perplexity, "kl": s.kl, "top1_agreement": s.top1_agreement,
+            "top5_overlap": s.top5_overlap, "kl_windows": list(s.kl_windows)}
 
 
 def greedy_dict(g: GreedyAgreement) -> dict:

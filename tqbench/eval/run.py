@@ -139,8 +139,8 @@ def _batches(windows: list[Windows], window: int):
 
 def _score(model, ref, windows: list[Windows], total: int, forget) -> Iterator:
     t0, done = time.perf_counter(), 0
-    sums: dict[str, list] = {w.name: [0, 0, 0.0, 0.0, 0.0, 0, 0.0] for w in windows}  # tokens windows nll, ref:
-    # nll kl top1 top5
+    sums: dict[str, list] = {w.name: [0, 0, 0.0, 0.0, 0.0, 0, 0.0, ()] for w in windows}  # tokens windows nll, ref:
+    # nll kl top1 top5, per-window kl
     for name, x, y in _batches(windows, windows[0].x.shape[1]):
         logits = model(x)
         s = window_sums(logits, y, ref(x) if ref is not None else None)
@@ -153,11 +153,12 @@ def _score(model, ref, windows: list[Windows], total: int, forget) -> Iterator:
             acc[4] += s.kl
             acc[5] += s.top1
             acc[6] += s.top5
+            acc[7] += s.kl_windows
         done += s.tokens
         forget()
         yield EvalProgress("score", done, total, time.perf_counter() - t0)
     compare = ref is not None
-    return [TextScore(name, *a[:3], *(a[3:] if compare else (None,) * 4)) for name, a in sums.items()]
+    return [TextScore(name, *a[:3], *(a[3:] if compare else (None,) * 4 + ((),))) for name, a in sums.items()]
 
 
 def _greedy(model, ref, windows: list[Windows], request: EvalRequest, forget) -> Iterator:
