@@ -14,6 +14,7 @@ Writes JSON (--out) and prints a Markdown table (the README's)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,9 @@ LINEARS = ("attention", "dense_mlp", "shared_expert", "routed_expert", "latent_p
 DEFAULTS = dict(tokens=4096, window=256, prompts=4, generate=32)
 QUICK = dict(tokens=512, window=256, prompts=1, generate=8)
 QUICK_RECIPES = ["srca-mxfp4e", "tq4", "affine4"]
+# (a, b) compared per window: the KL difference a - b with its spread over the windows both scored
+PAIRS = [("tq4-g64", "affine4-g128"), ("tq4-g32", "affine4-g64"), ("tq3-g64", "affine3-g64"),
+         ("tq3-g128", "affine3-g128"), ("tq4-g64", "tq4-g64-rms"), ("tq3-g64", "tq3-g64-rms")]
 
 
 def plan_figures(source: Path, recipe: str) -> dict:
@@ -66,6 +70,41 @@ def row_line(r: dict) -> str:
             f"{t['top1_agreement']:.3f} | {t['top5_overlap']:.3f} | {g['share_alike']:.2f} |")
 
 
+def paired(rows: list[dict], a: str, b: str) -> dict | None:
+    """KL(a) - KL(b) per token, as the mean over the windows both scored, with a 95% interval from the spread of the
+    per-window differences (the windows are the same tokens for both, so the text's own variation cancels)."""
+    import statistics
+
+    by = {r["name"]: r["eval"] for r in rows}
+    if a not in by or b not in by or by[a]["text_sha256"] != by[b]["text_sha256"]:
+        return None
+    ka = [k for t in by[a]["texts"] for k in t["kl_windows"]]
+    kb = [k for t in by[b]["texts"] for k in t["kl_windows"]]
+    window = by[a]["window"]
+    d = [(x - y) / window for x, y in zip(ka, kb)]
+    mean = statistics.fmean(d)
+    half = 1.96 * statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+    return dict(a=a, b=b, windows=len(d), kl_a=by[a]["total"]["kl"], kl_b=by[b]["total"]["kl"], difference=mean,
+                interval=[mean - half, mean + half], relative=mean / by[b]["total"]["kl"])
+
+
+def print_tables(rows: list[dict], pairs: list[dict]) -> None:
+    print("| recipe | bits/weight (Linears) | tensor MB | perplexity | vs source | KL | top-1 agree | top-5 overlap | "
+          "greedy alike |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(row_line(r))
+    if pairs:
+        bpw = {r["name"]: r["plan"]["linear_bits_per_weight"] for r in rows if r.get("plan")}
+        print()
+        print("| a | b | bits/weight a / b | KL a / b | KL a - b (95% interval over windows) | relative |")
+        print("|---|---|---|---|---|---|")
+        for p in pairs:
+            lo, hi = p["interval"]
+            print(f"| `{p['a']}` | `{p['b']}` | {bpw[p['a']]:.2f} / {bpw[p['b']]:.2f} | {p['kl_a']:.4f} / "
+                  f"{p['kl_b']:.4f} | {p['difference']:+.4f} ({lo:+.4f} .. {hi:+.4f}) | {p['relative']:+.1%} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_options(p, DEFAULTS, QUICK)
@@ -74,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                                                                              "reuse them)")
     p.add_argument("--out", type=Path, default=Path("bench-results/quality.json"))
     p.add_argument("--no-openblas", action="store_true")
+    p.add_argument("--tables", type=Path, metavar="JSON", help="print the tables of an earlier run's JSON and exit")
     a = p.parse_args(argv)
+    if a.tables:
+        doc = json.loads(a.tables.read_text())
+        print_tables(doc["rows"], doc.get("pairs", []))
+        return 0
     with_openblas()
     from tqbench.convert import convert
     from tqbench.demo import SHIPPED_SPEC, ensure_demo
@@ -100,15 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"evaluating the source at {k} of {native} experts")
         rows.append(dict(name=f"source, {k} of {native} experts", plan=None, eval=evaluate(source, source, size, k)))
         log(row_line(rows[-1]))
+    pairs = [p for p in (paired(rows, x, y) for x, y in PAIRS) if p is not None]
     doc = dict(schema="tqbench.bench.quality/1", command=" ".join(sys.argv), size=size,
-               machine=machine_info(a.work, ("tqbench",)), rows=rows, seconds=time.perf_counter() - t0)
+               machine=machine_info(a.work, ("tqbench",)), rows=rows, pairs=pairs, seconds=time.perf_counter() - t0)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(dump_json(doc))
-    print("| recipe | bits/weight (Linears) | tensor MB | perplexity | vs source | KL | top-1 agree | top-5 overlap | "
-          "greedy alike |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(row_line(r))
+    print_tables(rows, pairs)
     log(f"wrote {a.out}")
     return 0
 

@@ -37,3 +37,18 @@ def test_quick_run_times_every_kernel_against_passes(tmp_path):
     assert d["batch"] == 2
     assert d["float32_bytes"] == 4 * (2 * 64 * 256 + 256 * 64)
     assert [m["codebook"] for m in d["matrices"]] == ["T", "T", "4"] and all(m["rotated"] for m in d["matrices"])
+
+
+def test_both_scale_rules_in_one_run(tmp_path):
+    out = tmp_path / "q.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantizer.py"), "--quick", "--rules", "rms,search",
+                        "--kernels", "compiled", "--batch", "1", "--out", str(out)],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["rules"] == ["rms", "search"]
+    rows = {(r["kernel"], r["rule"]): r for r in d["rows"]}
+    assert set(rows) == {(k, rule) for k in ("compiled", "passes") for rule in ("rms", "search")}
+    assert all(r["same_codes_and_scales_as_passes"] for r in rows.values())
+    for (k, rule), r in rows.items():
+        assert r["vs_rms"] == pytest.approx(r["median_s"] / rows[(k, "rms")]["median_s"])
