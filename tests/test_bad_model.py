@@ -124,6 +124,7 @@ def test_metadata_that_is_not_strings(model, capsys, monkeypatch):
     ("format", 0.5, "format 0.5 is none of turboquant, affine, mxfp4"),
     ("group_size", "64", "group_size '64' is not a positive whole number"),
     ("bits", 12, "bits 12 is not a whole number from 1 to 8"),
+    ("scales", "max", "scales 'max' is none of search, rms"),
 ])
 def test_quantization_entry_of_the_wrong_kind(model, field, value, what, capsys, monkeypatch):
     config = json.loads((model / "config.json").read_text())
