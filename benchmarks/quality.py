@@ -47,6 +47,7 @@ def plan_figures(source: Path, recipe: str) -> dict:
     linears = [r for r in p.by_role if r.role in LINEARS]
     return dict(recipe=p.recipe.name, bits_per_weight=p.bits_per_weight, tensor_bytes=p.total_bytes,
                 linear_bits_per_weight=8 * sum(r.bytes for r in linears) / sum(r.params for r in linears),
+                kept_modules=sum(k.modules for k in p.kept), kept_bytes=sum(k.bytes for k in p.kept),
                 by_role={r.role: r.bits_per_weight for r in p.by_role})
 
 
@@ -64,9 +65,10 @@ def row_line(r: dict) -> str:
     t = r["eval"]["total"]
     g = r["eval"]["greedy"]
     bpw = f"{r['plan']['linear_bits_per_weight']:.2f}" if r.get("plan") else ""
+    kept = f"{r['plan']['kept_modules']}" if r.get("plan") else ""
     mb = f"{r['plan']['tensor_bytes'] / 1e6:.2f}" if r.get("plan") else ""
     change = t["perplexity"] / t["reference_perplexity"] - 1
-    return (f"| `{r['name']}` | {bpw} | {mb} | {t['perplexity']:.3f} | {change:+.1%} | {t['kl']:.4f} | "
+    return (f"| `{r['name']}` | {bpw} | {kept} | {mb} | {t['perplexity']:.3f} | {change:+.1%} | {t['kl']:.4f} | "
             f"{t['top1_agreement']:.3f} | {t['top5_overlap']:.3f} | {g['share_alike']:.2f} |")
 
 
@@ -89,9 +91,9 @@ def paired(rows: list[dict], a: str, b: str) -> dict | None:
 
 
 def print_tables(rows: list[dict], pairs: list[dict]) -> None:
-    print("| recipe | bits/weight (Linears) | tensor MB | perplexity | vs source | KL | top-1 agree | top-5 overlap | "
-          "greedy alike |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| recipe | bits/weight (Linears) | kept at source | tensor MB | perplexity | vs source | KL | top-1 agree | "
+          "top-5 overlap | greedy alike |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(row_line(r))
     if pairs:
