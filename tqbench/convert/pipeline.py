@@ -138,7 +138,7 @@ def _conflict(journal: Journal | None, recipe: Recipe) -> str:
     if journal is None:
         return "is not empty and holds no tqbench conversion"
     if journal.recipe == recipe.name:
-        return f"holds a {recipe.name} conversion of another source or shard size"
+        return f"holds a {recipe.name} conversion of another source, shard size or scale rule"
     return f"holds a conversion of another recipe or source ({journal.recipe})"
 
 
