@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import add_size_options, dump_json, log, machine_info, sizes, with_openblas  # noqa: E402
+from benchmarks.harness import (add_size_options, dump_json, log, machine_info, peak_rss_bytes, sizes,  # noqa: E402
+                                with_openblas)
 
 # Every recipe kind, and pairs at equal bits per weight: TurboQuant's codes take b bits (3.2 at 3-bit: ten codes a
 # word) plus a float16 scale per group, MLX affine's b bits plus a float16 scale and bias per group, so tq4-g64 and
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         log(row_line(rows[-1]))
     pairs = [p for p in (paired(rows, x, y) for x, y in PAIRS) if p is not None]
     doc = dict(schema="tqbench.bench.quality/1", command=" ".join(sys.argv), size=size,
-               machine=machine_info(a.work, ("tqbench",)), rows=rows, pairs=pairs, seconds=time.perf_counter() - t0)
+               machine=machine_info(a.work, ("tqbench",)), rows=rows, pairs=pairs, seconds=time.perf_counter() - t0,
+               peak_rss=peak_rss_bytes())
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(dump_json(doc))
     print_tables(rows, pairs)
