@@ -26,23 +26,22 @@ BATCH_TOKENS = 2048  # tokens per forward pass (whole windows)
 
 
 def evaluate(request: EvalRequest) -> Iterator:
+    from tqbench.runtime.load import preflight
+    from tqbench.runtime.routing import native_top_k, set_active_experts
+
     request.check()
     texts = tuple(file_text(t) for t in request.texts) or default_texts()  # a bad file fails before any load
-    from tqbench.runtime.load import preflight
-
     for path in (request.model, request.against):  # both checked before either loads
         if path is not None:
             preflight(path, request.trust_remote_code)
     t0 = time.perf_counter()
-    model = _load(request.model, request)
-    native = _native_top_k(model.model)
-    active = native
-    if request.max_active_experts:
-        from tqbench.runtime.routing import set_active_experts
-
-        active = set_active_experts(model.model, request.max_active_experts).active
-    ref = _load(request.against, request) if request.against is not None else None
+    model = ref = None
     try:
+        model = _load(request.model, request)
+        native = active = native_top_k(model.model)
+        if request.max_active_experts:
+            active = set_active_experts(model.model, request.max_active_experts).active
+        ref = _load(request.against, request) if request.against is not None else None
         streams = {t.name: token_stream(t, model.tokenizer) for t in texts}
         if ref is not None:
             _same_tokens(texts, streams, ref.tokenizer, request.against)
@@ -85,16 +84,6 @@ def _load(path: str, request: EvalRequest):
 
     plan = plan_streaming(path, request.stream)
     return load(path, request.trust_remote_code, streaming=plan.config)
-
-
-def _native_top_k(model) -> int:
-    from tqbench.runtime.routing import _knob
-
-    for _, m in model.named_modules():
-        knob = _knob(m)
-        if knob is not None:
-            return int(getattr(model, "_tqbench_native_top_k", None) or getattr(*knob))
-    return 0
 
 
 def _same_tokens(texts, streams: dict[str, np.ndarray], tokenizer, against: str) -> None:

@@ -38,6 +38,15 @@ def _knob(module: nn.Module) -> tuple[object, str] | None:
     return None
 
 
+def native_top_k(model: nn.Module) -> int:
+    """The top-k the model was trained with (0: no MoE router tqbench knows)."""
+    for _, m in model.named_modules():
+        knob = _knob(m)
+        if knob is not None:
+            return int(getattr(model, "_tqbench_native_top_k", None) or getattr(*knob))
+    return 0
+
+
 def set_active_experts(model: nn.Module, k: int) -> ActiveExperts:
     """Make every MoE layer route to `k` experts (0: native). Raises TqbenchError for a router we cannot change."""
     knobs = []
