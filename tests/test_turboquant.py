@@ -196,6 +196,17 @@ def test_searched_scales_are_each_groups_best_candidate(kind, kernel):
     assert q.rel_error == pytest.approx(math.sqrt(got_error.sum() / (groups.astype(np.float64) ** 2).sum()), rel=1e-4)
 
 
+@pytest.mark.parametrize("kernel", [k for k in tq.available_quantizer_kernels() if k != "cuda"])
+def test_the_search_in_one_graph_equals_one_candidate_at_a_time(kernel, monkeypatch):
+    """Small matrices try every candidate in one graph, large ones one at a time: the same scales and codes."""
+    w = mx.array(np.random.default_rng(3).standard_t(4, (48, 256)).astype(np.float32))
+    at_once = tq.quantize(w, "3", 64, None, kernel=kernel, rule="search")
+    monkeypatch.setattr(tq, "SEARCH_AT_ONCE", 0)
+    in_turn = tq.quantize(w, "3", 64, None, kernel=kernel, rule="search")
+    np.testing.assert_array_equal(np.array(at_once.scales), np.array(in_turn.scales))
+    np.testing.assert_array_equal(np.array(at_once.weight), np.array(in_turn.weight))
+
+
 def test_an_unknown_scale_rule_is_refused():
     with pytest.raises(ValueError, match="unknown scale rule 'max'"):
         tq.quantize(mx.zeros((4, 64)), "4", 64, None, rule="max")

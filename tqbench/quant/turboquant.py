@@ -55,6 +55,7 @@ CODEBOOK_MSE = {"2": 0.1175, "3": 0.0345, "4": 0.0095, "T": 0.190}
 # that group; the RMS itself is a candidate and wins ties, so no group gets worse. Decoding is the same for both.
 SCALE_RULES = ("search", "rms")
 SEARCH_MULTIPLIERS = tuple(round(0.6 + 0.05 * i, 2) for i in range(16))  # 0.60 .. 1.35
+SEARCH_AT_ONCE = 1 << 20  # weights a matrix may have for every candidate to be tried in one graph (16x its floats)
 
 BASE_SEED = 42
 HADAMARD_FACTORS = (1, 12, 20, 28)  # mx.hadamard_transform handles n = m * 2^k for these m
@@ -261,29 +262,45 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled", rule: str = "rms
             recon = recon + mx.where(v >= b, step, 0.0)
         return mx.sum((recon * s32 - g) ** 2, axis=-1, keepdims=True)
 
-    error_of = group_error if kernel == "passes" else mx.compile(group_error)
-
     def grouped(x: mx.array) -> tuple[mx.array, mx.array]:
         g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
         return g, mx.maximum(mx.sqrt(mx.mean(g * g, axis=-1, keepdims=True)), MIN_SCALE)
 
+    order = (1.0, *(m for m in SEARCH_MULTIPLIERS if m != 1.0))  # the RMS first: it keeps ties
+
+    def candidates_of(rms: mx.array, mults) -> mx.array:
+        return mx.maximum(rms * mults, MIN_SCALE).astype(mx.float16)
+
+    def best_at_once(g: mx.array, rms: mx.array) -> mx.array:
+        """Every candidate in one graph: (..., groups, candidates, group) values, for matrices up to SEARCH_AT_ONCE."""
+        cands = candidates_of(rms, mx.array(order, dtype=mx.float32))  # (..., groups, candidates)
+        err = group_error(mx.expand_dims(g, -2), cands.astype(mx.float32)[..., None]).squeeze(-1)
+        pick = mx.argmin(err, axis=-1, keepdims=True)  # the first of equal errors
+        return mx.take_along_axis(cands, pick, axis=-1)
+
+    def best_in_turn(g: mx.array, rms: mx.array) -> mx.array:
+        """One candidate at a time, each evaluated before the next (bounded memory for large matrices)."""
+        scales = candidates_of(rms, order[0])
+        best = group_error(g, scales.astype(mx.float32))
+        for m in order[1:]:
+            candidate = candidates_of(rms, m)
+            err = group_error(g, candidate.astype(mx.float32))
+            better = err < best
+            best, scales = mx.where(better, err, best), mx.where(better, candidate, scales)
+            mx.eval(best, scales)
+        return scales
+
+    # Calls, not arithmetic, cost most on small matrices (a demo expert is 2,048 values): all candidates in one graph
+    # (one fused kernel when compiled) up to SEARCH_AT_ONCE values, then one candidate at a time.
+    at_once = mx.compile(best_at_once) if kernel == "compiled" else best_at_once
+
     def searched(x: mx.array) -> mx.array:
-        """float16 scales (..., groups, 1) by the search rule, evaluated one candidate at a time (outside compile)."""
+        """float16 scales (..., groups, 1) by the search rule."""
         g, rms = grouped(x)
         if kernel == "cuda":  # one kernel, every candidate: MLX's operations would take ~45 launches each
             return cuda_quantizer.search_scales(x, rms.squeeze(-1), tuple(book), tuple(bounds), group,
                                                 SEARCH_MULTIPLIERS, MIN_SCALE)[..., None]
-        scales = rms.astype(mx.float16)
-        best = error_of(g, scales.astype(mx.float32))
-        for m in SEARCH_MULTIPLIERS:
-            if m == 1.0:
-                continue
-            candidate = mx.maximum(rms * m, MIN_SCALE).astype(mx.float16)
-            err = error_of(g, candidate.astype(mx.float32))
-            better = err < best
-            best, scales = mx.where(better, err, best), mx.where(better, candidate, scales)
-            mx.eval(best, scales)  # one candidate's arrays at a time, whatever the matrix
-        return scales
+        return at_once(g, rms) if x.size <= SEARCH_AT_ONCE else best_in_turn(g, rms)
 
     def scaled(x: mx.array, given: mx.array | None) -> tuple[mx.array, mx.array, mx.array]:
         g, rms = grouped(x)
