@@ -26,7 +26,7 @@ from conftest import demo_tq4
 
 pytestmark = pytest.mark.slow
 
-MUTANTS = 100
+MUTANTS = 60  # ~2 min on 2 cores (each mutant that passes the checks costs a model load)
 SEED = 29
 SECONDS_PER_RUN = 120  # a run that takes longer has hung
 
@@ -289,4 +289,4 @@ def test_mutated_converted_models_fail_in_one_line(converted, tmp_path, capsys, 
         signal.signal(signal.SIGALRM, old)
     assert not failures, "\n".join(failures)
     # The mutations are not all harmless or all fatal: both outcomes occur.
-    assert outcomes["ran"] > 10 and outcomes["refused"] > 50, outcomes
+    assert outcomes["ran"] > 6 and outcomes["refused"] > 30, outcomes

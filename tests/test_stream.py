@@ -434,7 +434,7 @@ def test_pools_split_under_the_array_limit_and_stay_bit_identical(models, reside
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("slots", [10_000, 3])
+@pytest.mark.parametrize("slots", [3])  # fewer slots than a layer's experts: evictions and re-reads
 def test_a_source_checkpoint_streams_its_per_expert_tensors(models, slots):
     """The demo as published (compressed-tensors mxfp4, one tensor per expert and projection): each expert is six
     extents, mxfp4 `weight_packed` read as MLX's uint32 weight, and the output is the resident source's."""

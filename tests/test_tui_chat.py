@@ -115,7 +115,8 @@ async def open_chat(pilot) -> ChatScreen:
     await pilot.press("t")
     screen = pilot.app.screen
     assert isinstance(screen, ChatScreen)
-    await wait_for(pilot, lambda: screen.loaded is not None or screen.error is not None, "the model")
+    # the demo may be converted first (about 30 s on 2 cores)
+    await wait_for(pilot, lambda: screen.loaded is not None or screen.error is not None, "the model", 120)
     await pilot.pause()
     return screen
 
