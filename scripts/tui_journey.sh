@@ -85,6 +85,9 @@ keys() { "${T[@]}" send-keys -t "$SESSION" "$@"; }   # key names: Up, Enter, BTa
 # right behind an escape would arrive as alt+key).
 leave_field() { keys Escape; wait_for "i Type"; }
 type_text() { "${T[@]}" send-keys -t "$SESSION" -l -- "$1"; }  # literal text
+# clear: ctrl+u empties the focused field; text typed right behind it could reach the field before the key was handled
+# (and be cleared with it), so let it settle first.
+clear() { keys C-u; sleep 0.5; }
 
 save() {  # save NAME: the screen as it is now, after a moment for the last keys' redraw to settle
   sleep 0.5
@@ -104,7 +107,8 @@ save 01-source
 # 2. Recipe: up to the name field, type tq4; the plan's column follows.
 keys p
 wait_for "tab: table" "current" "bits/weight"
-keys Up C-u
+keys Up
+clear
 type_text "tq4"
 keys Enter
 wait_for "tq4-g64" "exp down  none"
@@ -114,7 +118,8 @@ keys Down  # leave the name field: the app's one-letter keys work again
 # 3. Convert: the Recipe screen's recipe; the output typed (shift+tab twice from the table), then r.
 keys c
 wait_for "recipe     tq4-g64" "r: start"
-keys BTab BTab C-u
+keys BTab BTab
+clear
 type_text "demo-tq4"
 keys Enter
 wait_for "output     demo-tq4" "new output: 1 shard"
@@ -132,9 +137,10 @@ save 05-chat-loaded
 leave_field
 keys o
 wait_for "streaming settings" "expert cache budget"
-keys C-u
+clear
 type_text "1MB"
-keys Tab Tab C-u
+keys Tab Tab
+clear
 type_text "1"
 save 06-chat-settings
 keys Enter
