@@ -276,3 +276,20 @@ def test_cli_bad_model_is_one_line(models, capsys, monkeypatch, tmp_path):
     assert res.err == f"tqbench: error: {tmp_path / 'nothing'}: no such model directory\n"
     res = tqbench(capsys, monkeypatch, "eval", models["tq4"], "--against", tmp_path)
     assert (res.code, res.err) == (1, f"tqbench: error: {tmp_path}: no config.json: not a model directory\n")
+
+
+def test_an_evaluation_is_remembered_for_its_source_and_an_unwritable_store_only_warns(models, tmp_path, capsys):
+    from tqbench.convert.pipeline import source_fingerprint
+    from tqbench.eval.store import remembered
+    from tqbench.source.checkpoint import open_checkpoint
+
+    store = tmp_path / "evals"
+    r = report_of(request(models["tq4"], models["src"], prompts=0, store=str(store)))
+    q = remembered(open_checkpoint(models["src"]), store)["tq4-g64"]
+    assert (q.perplexity, q.kl, q.tokens) == (r.total.perplexity, r.total.kl, r.total.tokens)
+    assert q.source_fingerprint == source_fingerprint(open_checkpoint(models["src"]))
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    again = report_of(request(models["tq4"], models["src"], prompts=0, store=str(blocked)))
+    assert again.total == r.total and blocked.read_text() == "not a directory"
+    assert "tqbench: warning:" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -103,19 +104,26 @@ def remembered(ckpt, store_dir: str | Path | None = None) -> dict[str, RecipeQua
 
 def remember(report: EvalReport, against: Path, store_dir: str | Path | None = None) -> RecipeQuality | None:
     """Store the report when it compares a conversion with the very source it was converted from (the fingerprint
-    in its convert-report.json equals the reference's). Returns what was stored."""
+    in its convert-report.json equals the reference's). Returns what was stored. A store that cannot be opened costs
+    a warning, never the evaluation."""
     from tqbench.convert.pipeline import source_fingerprint
     from tqbench.source.checkpoint import open_checkpoint
 
+    if quality_of(report, "") is None:  # nothing to remember: no need to read the source's headers
+        return None
     try:
         recorded = json.loads((Path(report.model) / "convert-report.json").read_text())["source_fingerprint"]
         fp = source_fingerprint(open_checkpoint(against))
     except (OSError, ValueError, KeyError, TypeError, TqbenchError):
         return None
-    q = quality_of(report, fp)
-    if q is None or recorded != fp:
+    if recorded != fp:
         return None
-    store = EvalStore(store_dir)
+    q = quality_of(report, fp)
+    try:
+        store = EvalStore(store_dir)
+    except TqbenchError as e:
+        print(f"tqbench: warning: {e}; this evaluation is not remembered", file=sys.stderr)
+        return None
     try:
         store.put(q)
     finally:
