@@ -133,3 +133,35 @@ class ProfileExport:
 
 def disk_fields(disk: DiskSpeed | None) -> dict[str, Any]:
     return {"disk_bytes_per_s": disk.bytes_per_s if disk else None, "disk_source": disk.source if disk else None}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model made, parsed by mlx-lm's tool parser for the model's format."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI's API carries it
+
+
+@dataclass(frozen=True)
+class CompletionDelta:
+    """A completion's new text after one token, split as the model's markers say: the answer, its reasoning, and the
+    tool calls that closed with this token. All may be empty (text held back: it may be a marker or a stop string)."""
+
+    token: int
+    content: str
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class CompletionDone:
+    """A completion's end: the whole answer split as its deltas were, why it ended (OpenAI's finish_reason: "stop",
+    "length", "tool_calls", or "cancelled" when the caller stopped it) and the reply's figures."""
+
+    content: str
+    reasoning: str
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: str
+    reply: ReplyDone

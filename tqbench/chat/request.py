@@ -15,6 +15,7 @@ PAGE_CACHE = ("auto", "on", "off")
 POLICIES = ("lrfu-next", "lrfu", "lru")  # tqbench.stream.cache.POLICIES, the default first (importing it loads MLX)
 MAX_WORKERS = 256
 MAX_PIN_SHARE = 0.9
+PROMPT_CACHE_BYTES = 2 << 30  # completions' LRU of prompt caches (tqbench.runtime.complete), by default
 
 
 def parse_budget(text: str) -> str | int:
@@ -113,6 +114,7 @@ class ChatRequest:
     stream: StreamRequest = field(default_factory=StreamRequest)
     max_active_experts: int = 0  # route each token to this many experts (0: the model's own top-k)
     profile: ProfileOptions = field(default_factory=ProfileOptions)
+    prompt_cache_bytes: int = PROMPT_CACHE_BYTES  # completions (a server's requests) keep prompt caches up to this
 
     def check(self) -> ChatRequest:
         """Raise TqbenchError (one line) for a value the engine would refuse; returns self."""
@@ -121,4 +123,28 @@ class ChatRequest:
         self.profile.check()
         if self.max_active_experts < 0:
             raise TqbenchError(f"max active experts {self.max_active_experts}: give 0 (the model's own) or more")
+        if self.prompt_cache_bytes < 0:
+            raise TqbenchError(f"prompt cache {self.prompt_cache_bytes} bytes: give 0 (none) or more")
+        return self
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """One stateless completion (a server's request): a chat's `messages` (with `tools` for the chat template), or a
+    plain `prompt` to continue. Sampling left None takes the model's defaults as the chat was opened with them."""
+
+    messages: tuple[dict, ...] | None = None
+    prompt: str | None = None
+    tools: tuple[dict, ...] | None = None
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
+    stop: tuple[str, ...] = ()
+
+    def check(self) -> CompletionRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise UsageError("a completion takes messages or a prompt")
+        if self.messages is not None and not self.messages:
+            raise TqbenchError("messages: give at least one")
+        if any(not s for s in self.stop):
+            raise TqbenchError("stop: an empty string would stop at once")
+        self.sampling.check()
         return self

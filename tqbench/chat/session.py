@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from tqbench.chat.records import (ConversationStatus, ModelLoaded, ProfileExport, ProfileInfo, StreamReport,
-                                  StreamSetup)
-from tqbench.chat.request import ChatRequest, ProfileOptions, StreamRequest, parse_budget
+from tqbench.chat.records import (CompletionDelta, CompletionDone, ConversationStatus, ModelLoaded, ProfileExport,
+                                  ProfileInfo, StreamReport, StreamSetup)
+from tqbench.chat.request import ChatRequest, CompletionRequest, ProfileOptions, StreamRequest, parse_budget
 from tqbench.engine import Engine, Job, engine
 from tqbench.errors import TqbenchError
 from tqbench.recipe.fit import DiskSpeed
-from tqbench.runtime.chat import Conversation, ReplyDone, Sampling
+from tqbench.runtime.chat import Conversation, ReplyDone, Sampling, TokenOut
 from tqbench.runtime.models import ModelChosen
 from tqbench.stream.store import ExpertStore
 from tqbench.stream.streamer import StreamConfig
@@ -99,6 +99,8 @@ class _Open:
     conversation: Conversation
     loaded: ModelLoaded
     learner: object | None  # tqbench.profile.Learner while the session learns
+    prompt_cache_bytes: int = 0
+    completions: object | None = None  # tqbench.runtime.complete.Completions, made by the first completion
 
 
 class ChatSession:
@@ -126,6 +128,14 @@ class ChatSession:
         """The reply's events; with streaming, each forward pass's PageIn events (one per MoE layer) come before the
         event that follows that pass. A learning session counts each token's routing and saves every few seconds."""
         return self._engine.submit(lambda: self._reply(text, sampling))
+
+    def complete(self, request: CompletionRequest) -> Job:
+        """A stateless completion (a server's request) on the loaded model, beside the conversation: its prompt is
+        the request's messages or text, reusing the longest prefix an earlier completion left in the prompt cache.
+        Yields ReplyStarted, PageIn... (streaming), TokenOut..., ReplyDone, then (streaming) a StreamReport of the
+        totals so far. The session keeps learning its profile (saved every few seconds, not after each request)."""
+        request.check()
+        return self._engine.submit(lambda: self._complete(request))
 
     # ---- calls (run on the engine thread, return at once) ---------------------------------------------------------
 
@@ -213,7 +223,7 @@ class ChatSession:
         info = ModelLoaded(str(loaded.path), loaded.model_type, loaded.turboquant_modules, loaded.weight_bytes,
                            conv.chat_template, Sampling.defaults(loaded.generation_config, **asdict(request.sampling)),
                            time.perf_counter() - t0, stream, native, active, profile)
-        self._open = _Open(conv, info, learner)
+        self._open = _Open(conv, info, learner, request.prompt_cache_bytes)
         yield info
 
     def _stream_setup(self, loaded, plan: StreamPlan) -> StreamSetup:
@@ -227,15 +237,57 @@ class ChatSession:
 
     def _reply(self, text: str, sampling: Sampling | None) -> Iterator:
         state = self._current()
+        yield from self._watched(state, state.conversation.reply(text, sampling or state.loaded.sampling))
+        if state.learner is not None:
+            state.learner.save()  # what the reply taught is in the store while the chat is idle
+
+    def _complete(self, request: CompletionRequest) -> Iterator:
+        from tqbench.chat.segment import Segmenter
+        from tqbench.runtime.complete import Completions, chat_prompt, text_prompt
+
+        state = self._current()
+        loaded = state.conversation.loaded
+        if state.completions is None:
+            state.completions = Completions(loaded, state.prompt_cache_bytes)
+        if request.messages is not None:
+            tokens = chat_prompt(loaded, [dict(m) for m in request.messages],
+                                 [dict(t) for t in request.tools] if request.tools else None,
+                                 state.conversation.chat_template)
+        else:
+            tokens = text_prompt(loaded, request.prompt or "")
+        given = {k: v for k, v in asdict(request.sampling).items() if v is not None}
+        sampling = replace(state.loaded.sampling, **given)
+        tools = [dict(t) for t in request.tools] if request.tools else None
+        split = Segmenter(loaded.tokenizer, tools, loaded.tokenizer.decode(tokens[-8:]))
+        content, reasoning, calls = [], [], []
+        for ev in self._watched(state, state.completions.run(tokens, sampling, request.stop)):
+            if isinstance(ev, (TokenOut, ReplyDone)):
+                text, final = (ev.text, None) if isinstance(ev, TokenOut) else ("", ev.finish_reason)
+                c, r, t = split.feed(text, final)
+                content.append(c)
+                reasoning.append(r)
+                calls += t
+                if isinstance(ev, TokenOut):
+                    ev = CompletionDelta(ev.id, c, r, t)
+                else:
+                    if c or r or t:
+                        yield CompletionDelta(-1, c, r, t)
+                    finish = "tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason
+                    ev = CompletionDone("".join(content), "".join(reasoning), tuple(calls), finish, ev)
+            yield ev
+        if loaded.streamer is not None:
+            yield self._stats()
+
+    def _watched(self, state: _Open, events: Iterator) -> Iterator:
+        """A reply's events with, before each, the page-ins of the forward pass that made it (streaming), and the
+        routing it taught the learner counted."""
         streamer = state.conversation.loaded.streamer
-        for ev in state.conversation.reply(text, sampling or state.loaded.sampling):
+        for ev in events:
             if state.learner is not None:
                 state.learner.flush()
             if streamer is not None:
                 yield from streamer.drain()
             yield ev
-        if state.learner is not None:
-            state.learner.save()  # what the reply taught is in the store while the chat is idle
 
     def _stats(self) -> StreamReport | None:
         if self._open is None or self._open.conversation.loaded.streamer is None:

@@ -26,24 +26,16 @@ HELP_LINE = "commands: /reset (forget the conversation), /stats, /quit (or Ctrl-
 
 
 def chat(
-    model: Annotated[Optional[Path], typer.Option("--model", "-m", metavar="DIR", help=(
-        "Model directory: a tqbench conversion, a TurboQuant-MLX build, an MLX or source checkpoint "
-        "(default: the last converted model, else the demo, converted first if needed)."))] = None,
+    model: options.Model = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", metavar="TEXT",
                                                   help="Answer this one message and exit.")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(
-        "--max-tokens", min=1, help="Most tokens per reply (default: generation_config.json's, else 512).")] = None,
-    temp: Annotated[Optional[float], typer.Option("--temp", min=0.0,
-                                                  help="Sampling temperature (0: greedy).")] = None,
-    top_p: Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0,
-                                                   help="Nucleus sampling mass (0: off).")] = None,
-    top_k: Annotated[Optional[int], typer.Option("--top-k", min=0,
-                                                 help="Sample among the k likeliest (0: off).")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", min=0, max=2**64 - 1,
-                                                help="Random seed for sampling.")] = None,
+    max_tokens: options.MaxTokens = None,
+    temp: options.Temp = None,
+    top_p: options.TopP = None,
+    top_k: options.TopK = None,
+    seed: options.SamplingSeed = None,
     system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="A system message.")] = None,
-    no_chat_template: Annotated[bool, typer.Option(
-        "--no-chat-template", help="Send turns as plain text (a base model's continuation).")] = False,
+    no_chat_template: options.NoChatTemplate = False,
     trust_remote_code: options.TrustRemoteCode = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line: tokens and a summary per reply.")] = False,
     cache_budget_gb: options.CacheBudget = None,
@@ -54,18 +46,11 @@ def chat(
     lookahead: options.Lookahead = False,
     page_cache: options.PageCache = "auto",
     max_active_experts: options.MaxActiveExperts = 0,
-    profile: Annotated[Optional[Path], typer.Option(
-        "--profile", metavar="FILE", help="Start from this hot-expert profile (tqbench's export, or TurboQuant-MLX's "
-                                          "pin list / usage profile) instead of the learned one.")] = None,
-    profile_force: Annotated[bool, typer.Option(
-        "--profile-force", help="Use a --profile made for another model of the same layers and experts.")] = False,
-    no_learn: Annotated[bool, typer.Option("--no-learn", help="Do not learn from this session.")] = False,
-    cold: Annotated[bool, typer.Option(
-        "--cold", help="Start from no profile, whatever was learned or shipped (a baseline to compare with).")] = False,
-    pin_share: Annotated[Optional[float], typer.Option(
-        "--pin-share", min=0.0, max=0.9,
-        help="Share of the expert cache pinned from the profile (streaming; 0: none, the profile still ranks the "
-             "cache). Default 0.5 for a learned or given profile, 0.1 for a shipped one.")] = None,
+    profile: options.Profile = None,
+    profile_force: options.ProfileForce = False,
+    no_learn: options.NoLearn = False,
+    cold: options.Cold = False,
+    pin_share: options.PinShare = None,
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", metavar="FILE",
                                                        help="Write the streaming statistics here at exit.")] = None,
 ) -> None:
@@ -75,22 +60,18 @@ def chat(
     answer, then exit. With stdin not a terminal: each line is one user turn. Sampling defaults come from the model's
     generation_config.json.
     """
-    from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest
     from tqbench.chat.session import ChatSession
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)  # piped lines never wrap
     chat_session = ChatSession()
     try:
-        request = ChatRequest(
-            str(model) if model is not None else None,
-            SamplingRequest(max_tokens, temp, top_p, top_k, seed), system, not no_chat_template, trust_remote_code,
-            StreamRequest(cache_budget_gb or "fit", prefetch_workers, cache_policy, fanout, lookahead, page_cache,
-                          reads_in_flight),
-            max_active_experts,
-            ProfileOptions(str(profile) if profile else None, not no_learn, pin_share, profile_force, cold=cold))
+        request = chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_template,
+                               trust_remote_code, cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy,
+                               fanout, lookahead, page_cache, max_active_experts, profile, profile_force, no_learn,
+                               cold, pin_share)
         if stats_json is not None:  # it can be written once the chat is over: checked before any work
             check_output_file(stats_json, "--stats-json")
-        loaded = _open(chat_session, request, err, quiet=as_json, streaming_stats=stats_json is not None)
+        loaded = open_chat(chat_session, request, err, quiet=as_json, streaming_stats=stats_json is not None)
         if not as_json:
             err.print(report.loaded_line(loaded), markup=False)
             if loaded.profile is not None:
@@ -112,7 +93,22 @@ def chat(
         chat_session.close()
 
 
-def _open(chat_session: ChatSession, request, err: Console, quiet: bool, streaming_stats: bool) -> ModelLoaded:
+def chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_template, trust_remote_code,
+                 cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy, fanout, lookahead, page_cache,
+                 max_active_experts, profile, profile_force, no_learn, cold, pin_share, **more):
+    """The ChatRequest of the options chat and serve share (`more`: ChatRequest's other fields)."""
+    from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest
+
+    return ChatRequest(
+        str(model) if model is not None else None,
+        SamplingRequest(max_tokens, temp, top_p, top_k, seed), system, not no_chat_template, trust_remote_code,
+        StreamRequest(cache_budget_gb or "fit", prefetch_workers, cache_policy, fanout, lookahead, page_cache,
+                      reads_in_flight),
+        max_active_experts,
+        ProfileOptions(str(profile) if profile else None, not no_learn, pin_share, profile_force, cold=cold), **more)
+
+
+def open_chat(chat_session: ChatSession, request, err: Console, quiet: bool, streaming_stats: bool) -> ModelLoaded:
     """Open the chat: the demo's conversion progress when it has to be converted first, then the model's lines.
     `streaming_stats`: --stats-json was given, so a model whose experts stay resident is refused before it loads."""
     from tqbench.chat.session import StreamPlan

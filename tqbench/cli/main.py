@@ -124,6 +124,7 @@ def ui(
 
 
 from tqbench.cli.chat import chat  # noqa: E402
+from tqbench.cli.serve import serve  # noqa: E402
 from tqbench.cli.convert import convert  # noqa: E402
 from tqbench.cli.eval import eval_model  # noqa: E402
 from tqbench.cli.plan import plan  # noqa: E402
@@ -133,6 +134,7 @@ app.command()(plan)
 app.command()(convert)
 app.command()(chat)
 app.command(name="eval")(eval_model)
+app.command()(serve)
 app.add_typer(profile_app, name="profile")
 
 

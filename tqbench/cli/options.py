@@ -4,6 +4,7 @@ Typer app every command is registered on, whose usage lines read as Unix ones.""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import click
@@ -86,3 +87,30 @@ MaxActiveExperts = Annotated[int, typer.Option(
 TrustRemoteCode = Annotated[bool, typer.Option(
     "--trust-remote-code", help="Allow the model's own tokenizer code (needed for hub ids and non-K3 models "
                                 "that ship code; a local kimi_k3 directory is trusted).")]
+
+
+# ---- a chat's model, sampling and profile (chat, serve) ---------------------------------------------------------------
+
+Model = Annotated[Optional[Path], typer.Option("--model", "-m", metavar="DIR", help=(
+    "Model directory: a tqbench conversion, a TurboQuant-MLX build, an MLX or source checkpoint "
+    "(default: the last converted model, else the demo, converted first if needed)."))]
+MaxTokens = Annotated[Optional[int], typer.Option(
+    "--max-tokens", min=1, help="Most tokens per reply (default: generation_config.json's, else 512).")]
+Temp = Annotated[Optional[float], typer.Option("--temp", min=0.0, help="Sampling temperature (0: greedy).")]
+TopP = Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (0: off).")]
+TopK = Annotated[Optional[int], typer.Option("--top-k", min=0, help="Sample among the k likeliest (0: off).")]
+SamplingSeed = Annotated[Optional[int], typer.Option("--seed", min=0, max=2**64 - 1, help="Random seed for sampling.")]
+NoChatTemplate = Annotated[bool, typer.Option(
+    "--no-chat-template", help="Send turns as plain text (a base model's continuation).")]
+Profile = Annotated[Optional[Path], typer.Option(
+    "--profile", metavar="FILE", help="Start from this hot-expert profile (tqbench's export, or TurboQuant-MLX's "
+                                      "pin list / usage profile) instead of the learned one.")]
+ProfileForce = Annotated[bool, typer.Option(
+    "--profile-force", help="Use a --profile made for another model of the same layers and experts.")]
+NoLearn = Annotated[bool, typer.Option("--no-learn", help="Do not learn from this session.")]
+Cold = Annotated[bool, typer.Option(
+    "--cold", help="Start from no profile, whatever was learned or shipped (a baseline to compare with).")]
+PinShare = Annotated[Optional[float], typer.Option(
+    "--pin-share", min=0.0, max=0.9,
+    help="Share of the expert cache pinned from the profile (streaming; 0: none, the profile still ranks the "
+         "cache). Default 0.5 for a learned or given profile, 0.1 for a shipped one.")]

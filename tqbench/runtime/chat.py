@@ -10,7 +10,7 @@ the cache stays consistent with it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
@@ -130,54 +130,21 @@ class Conversation:
         self.cache = make_prompt_cache(self.loaded.model)
 
     def reply(self, user: str, sampling: Sampling = Sampling()) -> Iterator[ReplyStarted | TokenOut | ReplyDone]:
-        from mlx_lm.generate import stream_generate
-        from mlx_lm.sample_utils import make_sampler
-
         full = self.conversation_tokens(user)
         cached = self._reuse(full)
         new = full[cached:]
         yield ReplyStarted(len(new), cached)
-        if sampling.seed is not None:
-            mx.random.seed(sampling.seed)
-        sampler = make_sampler(sampling.temp, sampling.top_p, top_k=sampling.top_k)
-        mx.reset_peak_memory()
         self.tokens.extend(new)
         self.turns += 1
         if self.chat_template:
             self.messages.append({"role": "user", "content": user})
-        generated: list[int] = []
-        text: list[str] = []
-        thinking = False
-        finish, prefill_tps, decode_tps = "cancelled", 0.0, 0.0
-        steps = stream_generate(self.loaded.model, self.loaded.tokenizer, mx.array(new, dtype=mx.uint32),
-                                max_tokens=sampling.max_tokens, sampler=sampler, prompt_cache=self.cache)
-        try:
-            for r in steps:
-                generated.append(r.token)
-                self.tokens.append(r.token)  # the cache holds every token generate_step has yielded
-                prefill_tps, decode_tps = r.prompt_tps, r.generation_tps
-                if r.finish_reason is not None:
-                    finish = r.finish_reason
-                    if r.text:
-                        text.append(r.text)
-                        yield TokenOut(r.token, r.text, thinking)
-                    break
-                if THINK_OPEN in r.text:
-                    thinking = True
-                text.append(r.text)  # before the yield: a reply closed there keeps this token's text
-                yield TokenOut(r.token, r.text, thinking)
-                if THINK_CLOSE in r.text:
-                    thinking = False
-        finally:
-            steps.close()  # here, on the MLX thread, not whenever it is collected
-            reply = "".join(text)
+
+        def ended(done: ReplyDone) -> None:  # also when the reply is closed early: it joins the conversation
+            self._done = done
             if self.chat_template:
-                self.messages.append({"role": "assistant", "content": reply})
-            self._done = ReplyDone(reply, len(new), cached, len(generated), prefill_tps, decode_tps,
-                                   int(mx.get_peak_memory()), finish)
-        if finish == "cancelled":  # the loop ended without a final response: the caller stopped early
-            finish = "length"
-        yield replace(self._done, finish_reason=finish)
+                self.messages.append({"role": "assistant", "content": done.text})
+
+        yield from generate(self.loaded, new, self.cache, sampling, cached, self.tokens, ended)
 
     def close(self) -> None:
         """Stop the streamer's read workers (a streamed model), if any."""
@@ -188,3 +155,75 @@ class Conversation:
     def last(self) -> ReplyDone | None:
         """The last reply's summary, also after a reply was stopped early (finish_reason "cancelled")."""
         return getattr(self, "_done", None)
+
+
+def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Sampling, cached: int, held: list[int],
+             ended: Callable[[ReplyDone], None] = lambda done: None,
+             stop: tuple[str, ...] = ()) -> Iterator[TokenOut | ReplyDone]:
+    """Process `new` on top of `cache` (which holds `cached` tokens) and generate with mlx-lm's loop: a TokenOut per
+    token, then a ReplyDone. Each token the cache comes to hold is appended to `held`. `ended(done)` is called once
+    however the generation ends, also when the caller closes it early (finish_reason "cancelled").
+
+    `stop`: strings that end the reply where they appear in its text (as OpenAI's `stop`: matched on the text, not on
+    token ids, and left out of it); text that could be the start of one is held back until it is known not to be."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    sampler = make_sampler(sampling.temp, sampling.top_p, top_k=sampling.top_k)
+    mx.reset_peak_memory()
+    generated: list[int] = []
+    text: list[str] = []
+    pending = ""  # text held back: it may begin a stop string
+    thinking = False
+    finish, prefill_tps, decode_tps = "cancelled", 0.0, 0.0
+    steps = stream_generate(loaded.model, loaded.tokenizer, mx.array(new, dtype=mx.uint32),
+                            max_tokens=sampling.max_tokens, sampler=sampler, prompt_cache=cache)
+    try:
+        for r in steps:
+            generated.append(r.token)
+            held.append(r.token)  # the cache holds every token generate_step has yielded
+            prefill_tps, decode_tps = r.prompt_tps, r.generation_tps
+            piece = r.text
+            if stop:
+                pending += piece
+                cut = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    piece, pending = pending[:cut], ""
+                    text.append(piece)
+                    yield TokenOut(r.token, piece, thinking)
+                    finish = "stop"
+                    break
+                keep = _stop_prefix(pending, stop) if r.finish_reason is None else 0
+                piece, pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
+            if r.finish_reason is not None:
+                finish = r.finish_reason
+                if piece:
+                    text.append(piece)
+                    yield TokenOut(r.token, piece, thinking)
+                break
+            if THINK_OPEN in piece:
+                thinking = True
+            text.append(piece)  # before the yield: a reply closed there keeps this token's text
+            yield TokenOut(r.token, piece, thinking)
+            if THINK_CLOSE in piece:
+                thinking = False
+    finally:
+        steps.close()  # here, on the MLX thread, not whenever it is collected
+        done = ReplyDone("".join(text), len(new), cached, len(generated), prefill_tps, decode_tps,
+                         int(mx.get_peak_memory()), finish)
+        ended(done)
+    if finish == "cancelled":  # the loop ended without a final response: the caller stopped early
+        finish = "length"
+    yield replace(done, finish_reason=finish)
+
+
+def _stop_prefix(text: str, stop: tuple[str, ...]) -> int:
+    """The length of the longest end of `text` that begins some stop string (held back: the next token may finish
+    it)."""
+    for n in range(min(len(text), max(len(s) for s in stop) - 1), 0, -1):
+        tail = text[-n:]
+        if any(s.startswith(tail) for s in stop):
+            return n
+    return 0

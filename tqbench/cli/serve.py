@@ -1,0 +1,125 @@
+"""`tqbench serve`: the OpenAI API on the engine's chat model (tqbench.serve). Loading goes to stderr as in chat;
+then a live status on a terminal, or one line per request when stderr is not one."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from tqbench.chat import report as chat_report
+from tqbench.cli import options
+from tqbench.cli.chat import chat_request, open_chat
+from tqbench.errors import TqbenchError
+from tqbench.serve import report
+
+REFRESH_S = 0.5
+
+
+def serve(
+    model: options.Model = None,
+    host: Annotated[str, typer.Option("--host", metavar="HOST",
+                                      help="Address to listen on (another than 127.0.0.1 prints a warning).")
+                    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0: any free one).")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", metavar="KEY", envvar="TQBENCH_API_KEY",
+        help="Every request must send `Authorization: Bearer KEY` (401 otherwise). Also $TQBENCH_API_KEY.")] = None,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0, metavar="N",
+                                           help="Requests that may wait behind the running one (more: 429).")] = 16,
+    max_body_mb: Annotated[float, typer.Option("--max-body-mb", min=0.001, metavar="MB",
+                                               help="Largest request body (larger: 413).")] = 4.0,
+    prompt_cache_gb: Annotated[float, typer.Option(
+        "--prompt-cache-gb", min=0.0, metavar="GB",
+        help="Prompt caches kept across requests, least recently used dropped first (0: none).")] = 2.0,
+    max_requests: Annotated[int, typer.Option("--max-requests", min=0, metavar="N",
+                                              help="Stop after N completions (0: serve until Ctrl-C).")] = 0,
+    max_tokens: options.MaxTokens = None,
+    temp: options.Temp = None,
+    top_p: options.TopP = None,
+    top_k: options.TopK = None,
+    seed: options.SamplingSeed = None,
+    no_chat_template: options.NoChatTemplate = False,
+    trust_remote_code: options.TrustRemoteCode = False,
+    cache_budget_gb: options.CacheBudget = None,
+    prefetch_workers: options.PrefetchWorkers = 4,
+    reads_in_flight: options.ReadsInFlight = 0,
+    cache_policy: options.CachePolicy = "lrfu-next",
+    fanout: options.Fanout = False,
+    lookahead: options.Lookahead = False,
+    page_cache: options.PageCache = "auto",
+    max_active_experts: options.MaxActiveExperts = 0,
+    profile: options.Profile = None,
+    profile_force: options.ProfileForce = False,
+    no_learn: options.NoLearn = False,
+    cold: options.Cold = False,
+    pin_share: options.PinShare = None,
+) -> None:
+    """Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+
+    Requests run one at a time on the engine, the rest wait in order. A request that extends an earlier
+    conversation reuses its prompt cache. Streamed experts, the learned profile (which keeps learning) and
+    --max-active-experts work as in chat. Sampling options set the defaults a request may override.
+    """
+    from tqbench.chat.session import ChatSession
+    from tqbench.serve.http import Server, warn_if_exposed
+    from tqbench.serve.service import Service, ServeOptions
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    session = ChatSession()
+    server = None
+    try:
+        request = chat_request(model, max_tokens, temp, top_p, top_k, seed, None, no_chat_template, trust_remote_code,
+                               cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy, fanout, lookahead,
+                               page_cache, max_active_experts, profile, profile_force, no_learn, cold, pin_share,
+                               prompt_cache_bytes=int(prompt_cache_gb * 1e9))
+        loaded = open_chat(session, request, err, quiet=False, streaming_stats=False)
+        err.print(chat_report.loaded_line(loaded), markup=False)
+        if loaded.profile is not None:
+            err.print(chat_report.profile_line(loaded.profile), markup=False)
+        warning = chat_report.fewer_experts_warning(loaded)
+        if warning:
+            err.print(warning, markup=False)
+        opts = ServeOptions(host, port, api_key or None, max_queue, int(max_body_mb * 1e6), max_requests)
+        service = Service(session, loaded, opts)
+        server = Server(service)
+        exposed = warn_if_exposed(host)
+        if exposed:
+            err.print(exposed, markup=False)
+        err.print(report.serving_line(server.url, service.model_id, bool(api_key)), markup=False)
+        _watch(service, err)
+    except TqbenchError as e:
+        print(f"tqbench: error: {e}", file=sys.stderr)
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("stopped", markup=False)
+    finally:
+        if server is not None:
+            server.close()
+        session.close()  # saves what the profile learned
+
+
+def _watch(service, err: Console) -> None:
+    """Until Ctrl-C or --max-requests: a live status on a terminal, else each request's line."""
+    from tqbench.serve.service import RequestDone
+
+    with service.watch() as watcher:
+        if err.is_terminal:
+            with Live(Text("\n".join(report.status_lines(service.status()))), console=err,
+                      refresh_per_second=1 / REFRESH_S, transient=False) as live:
+                while not service.wait_ended(0):
+                    for ev in watcher.get(REFRESH_S):
+                        if isinstance(ev, RequestDone):
+                            live.console.print(report.request_line(ev), markup=False)
+                    live.update(Text("\n".join(report.status_lines(service.status()))))
+        else:
+            while not service.wait_ended(0):
+                for ev in watcher.get(REFRESH_S):
+                    if isinstance(ev, RequestDone):
+                        err.print(report.request_line(ev), markup=False)
+            for line in report.status_lines(service.status()):
+                err.print(line, markup=False)

@@ -1,0 +1,81 @@
+"""Completions without a conversation: each request brings its whole prompt (an OpenAI client's messages), and the
+longest prefix an earlier request left in the prompt cache is reused, so a request that extends an earlier
+conversation processes only its new tokens.
+
+The cache of prompt caches is mlx-lm's `LRUPromptCache` (the one `mlx_lm.server` keeps), bounded in bytes. Runs on
+the engine's MLX thread, as `Conversation.reply` does; its events are the same records (ReplyStarted, TokenOut,
+ReplyDone)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from tqbench.errors import TqbenchError
+from tqbench.runtime.chat import ReplyDone, ReplyStarted, Sampling, TokenOut, generate
+from tqbench.runtime.load import Loaded
+
+PROMPT_CACHE_BYTES = 2 << 30  # the LRU's default bound
+PROMPT_CACHE_ENTRIES = 32
+_KEY = "model"  # one model per server: the LRU's model key
+
+
+def chat_prompt(loaded: Loaded, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                template: bool = True) -> list[int]:
+    """The tokens of `messages` as the model should see them before its reply: the model's chat template (with
+    `tools` where given) or, for a model without one (or `template` False), the contents one per line."""
+    tok = loaded.tokenizer
+    if template and getattr(tok, "chat_template", None) is not None:
+        try:
+            text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template refusing the messages (jinja raises anything)
+            raise TqbenchError(f"the chat template refused these messages: {e}") from None
+        return list(tok.encode(text, add_special_tokens=False))
+    return text_prompt(loaded, "\n".join(str(m.get("content") or "") for m in messages))
+
+
+def text_prompt(loaded: Loaded, prompt: str) -> list[int]:
+    return list(loaded.tokenizer.encode(prompt, add_special_tokens=True))
+
+
+class Completions:
+    """Completions on one loaded model with a byte-bounded LRU of prompt caches. Touch on the engine thread only."""
+
+    def __init__(self, loaded: Loaded, cache_bytes: int = PROMPT_CACHE_BYTES,
+                 entries: int = PROMPT_CACHE_ENTRIES) -> None:
+        from mlx_lm.models.cache import LRUPromptCache
+
+        self.loaded = loaded
+        self.lru = LRUPromptCache(max_size=entries, max_bytes=cache_bytes)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.lru.nbytes
+
+    def run(self, tokens: list[int], sampling: Sampling, stop: tuple[str, ...] = ()
+            ) -> Iterator[ReplyStarted | TokenOut | ReplyDone]:
+        """ReplyStarted (the tokens processed and those reused), a TokenOut per token, ReplyDone. Once the prompt is
+        processed, what the cache then holds is kept for later requests, also when the caller stops early."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+        if not tokens:
+            raise TqbenchError("the prompt is empty")
+        cache, rest = self.lru.fetch_nearest_cache(_KEY, list(tokens))
+        if cache is not None and not rest:  # the whole prompt is cached: its last token must run again for logits
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                rest = [tokens[-1]]
+            else:
+                cache = None
+        if cache is None:
+            cache, rest = make_prompt_cache(self.loaded.model), list(tokens)
+        held = list(tokens[:len(tokens) - len(rest)])
+        yield ReplyStarted(len(rest), len(held))
+        held.extend(rest)
+        generated: list[ReplyDone] = []
+        try:
+            yield from generate(self.loaded, rest, cache, sampling, len(tokens) - len(rest), held, generated.append,
+                                stop)
+        finally:
+            if generated and generated[0].generated_tokens:  # the prompt was processed: the cache matches `held`
+                self.lru.insert_cache(_KEY, held, cache)
+

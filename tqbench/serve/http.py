@@ -1,0 +1,258 @@
+"""The HTTP face of a Service: Python's ThreadingHTTPServer (the machinery `mlx_lm.server` is built on), one thread
+per connection. A handler thread parses and checks, then iterates its request's engine job and writes the answer;
+MLX runs on the engine thread only. Server-sent events for `stream: true`.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus
+text), and tqbench's own GET /tqbench/status (the ServeStatus as JSON) and GET /tqbench/events (a live feed of
+page-ins, requests and status as server-sent events, for a face attaching to a running server)."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from tqbench.chat.records import CompletionDelta, CompletionDone, ToolCall
+from tqbench.errors import TqbenchError
+from tqbench.runtime.chat import ReplyStarted
+from tqbench.serve import openai, wire
+from tqbench.serve.metrics import prometheus
+from tqbench.serve.service import Service
+
+EVENTS_POLL_S = 0.25
+
+
+class Server:
+    """A listening server for `service` on its options' host and port (0: any free port) until `close()`."""
+
+    def __init__(self, service: Service) -> None:
+        opts = service.options
+        handler = type("Handler", (_Handler,), {"service": service})
+        family = socket.AF_INET6 if ":" in opts.host else socket.AF_INET
+        # close() joins the handler threads: an answer being written is finished before the process leaves
+        http_server = type("HTTPServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": False,
+                                                                    "block_on_close": True})
+        try:
+            self.httpd = http_server((opts.host, opts.port), handler)
+        except OSError as e:
+            raise TqbenchError(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}") from None
+        self.port = self.httpd.server_address[1]
+        host = f"[{opts.host}]" if ":" in opts.host else opts.host
+        self.url = f"http://{host}:{self.port}"
+        service.url = self.url
+        self._service = service
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="tqbench-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop listening, stop the running requests after their current token, and wait for every handler."""
+        self._service.stop()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    service: Service
+    protocol_version = "HTTP/1.1"
+    server_version = "tqbench"
+
+    def log_message(self, format: str, *args: Any) -> None:  # the faces show requests; no access log on stderr
+        pass
+
+    # ---- routing --------------------------------------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        self._route({"/health": self._health, "/v1/models": self._models, "/metrics": self._metrics,
+                     "/tqbench/status": self._status, "/tqbench/events": self._events})
+
+    def do_POST(self) -> None:
+        self._route({"/v1/chat/completions": lambda: self._complete("chat"),
+                     "/v1/completions": lambda: self._complete("text")})
+
+    def _route(self, routes: dict) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        try:
+            if not self.service.authorized(self.headers.get("Authorization")):
+                raise openai.ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
+                                      type="authentication_error", code="invalid_api_key")
+            route = routes.get(path)
+            if route is None:
+                other = "GET" if self.command == "POST" else "POST"
+                raise openai.ApiError(405 if path in _ROUTES[other] else 404,
+                                      f"{self.command} {path}: no such route on this server")
+            route()
+        except openai.ApiError as e:
+            self.service.refused()
+            self._send_json(e.status, e.body(), e.headers, close=e.status in (413, 411))
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    # ---- GET ------------------------------------------------------------------------------------------------------
+
+    def _health(self) -> None:
+        st = self.service.status()
+        self._send_json(200, {"status": "ok", "model": st.model, "running": st.running, "queued": st.queued})
+
+    def _models(self) -> None:
+        s = self.service
+        self._send_json(200, {"object": "list", "data": [{"id": s.model_id, "object": "model",
+                                                           "created": int(time.time() - s.status().uptime_s),
+                                                           "owned_by": "tqbench"}]})
+
+    def _metrics(self) -> None:
+        body = prometheus(self.service.status()).encode()
+        self._send(200, body, "text/plain; version=0.0.4; charset=utf-8")
+
+    def _status(self) -> None:
+        self._send_json(200, wire.status_dict(self.service.status()))
+
+    def _events(self) -> None:
+        """Server-sent events until the client leaves: the status at once, then page-ins, requests and status."""
+        self._stream_headers()
+        with self.service.watch() as w:
+            self._sse(wire.event_dict(self.service.status()))
+            while not self._gone() and not self.service.stopping:
+                for ev in w.get(EVENTS_POLL_S):
+                    self._sse(wire.event_dict(ev))
+
+    # ---- POST -----------------------------------------------------------------------------------------------------
+
+    def _complete(self, kind: str) -> None:
+        request = openai.parse_request(kind, openai.parse_body(self._body()))
+        rid = openai.new_id(kind)
+        model = self.service.model_id
+        stream = request.stream
+        events = self.service.run(request, rid, self._gone)
+        content, reasoning, calls = [], [], []
+        done: CompletionDone | None = None
+        started = False
+        try:
+            for ev in events:
+                if isinstance(ev, ReplyStarted) and stream and not started:
+                    started = True
+                    self._stream_headers()
+                    if kind == "chat":
+                        self._sse(openai.chunk(kind, rid, model, role=True))
+                elif isinstance(ev, CompletionDelta):
+                    if stream:
+                        if ev.content or ev.reasoning or ev.tool_calls:
+                            self._sse(openai.chunk(kind, rid, model, ev.content, ev.reasoning,
+                                                   _calls(ev.tool_calls, True, len(calls))))
+                    content.append(ev.content)
+                    reasoning.append(ev.reasoning)
+                    calls += ev.tool_calls
+                elif isinstance(ev, CompletionDone):
+                    done = ev
+        except TqbenchError as e:  # the engine refused the request (a chat template that rejects the messages)
+            if started:
+                self._sse({"error": openai.ApiError(400, str(e)).body()["error"]})
+                return
+            raise openai.ApiError(400, str(e)) from None
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+            return
+        if done is None:  # the client left: nothing to answer
+            self.close_connection = True
+            return
+        r = done.reply
+        use = openai.usage(r.prompt_tokens, r.cached_tokens, r.generated_tokens)
+        finish = "length" if done.finish_reason == "cancelled" else done.finish_reason
+        if stream:
+            self._sse(openai.chunk(kind, rid, model, finish=finish))
+            if request.include_usage:
+                self._sse(openai.chunk(kind, rid, model, use=use))
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        else:
+            self._send_json(200, openai.response(kind, rid, model, "".join(content), "".join(reasoning),
+                                                 _calls(tuple(calls), False), finish, use))
+
+    def _body(self) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise openai.ApiError(411, "a Content-Length header is needed")
+        try:
+            n = int(length)
+        except ValueError:
+            raise openai.ApiError(400, f"Content-Length {length!r} is not a number") from None
+        limit = self.service.options.max_body_bytes
+        if n > limit:
+            self._discard(n)
+            raise openai.ApiError(413, f"the request body is {n:,} bytes; this server takes at most {limit:,}",
+                                  code="request_too_large")
+        return self.rfile.read(n)
+
+    def _discard(self, n: int) -> None:
+        """Read a refused body (up to 64 MiB) so the client can read the answer; larger: the connection closes."""
+        if n > 64 << 20:
+            return
+        while n > 0:
+            got = self.rfile.read(min(n, 1 << 20))
+            if not got:
+                return
+            n -= len(got)
+
+    # ---- writing --------------------------------------------------------------------------------------------------
+
+    def _gone(self) -> bool:
+        """The client closed its end of the connection (a readable socket with nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None,
+              close: bool = False) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+
+    def _send_json(self, status: int, body: dict, headers: dict[str, str] | None = None, close: bool = False) -> None:
+        self._send(status, json.dumps(body).encode(), "application/json", headers, close)
+
+    def _stream_headers(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")  # the stream ends when the connection does
+        self.close_connection = True
+        self.end_headers()
+
+    def _sse(self, obj: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        self.wfile.flush()
+
+
+_ROUTES = {"GET": ("/health", "/v1/models", "/metrics", "/tqbench/status", "/tqbench/events"),
+           "POST": ("/v1/chat/completions", "/v1/completions")}
+
+
+def _calls(calls: tuple[ToolCall, ...], streaming: bool, first: int = 0) -> list[dict[str, Any]]:
+    out = []
+    for i, c in enumerate(calls):
+        d: dict[str, Any] = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        if streaming:
+            d["index"] = first + i
+        out.append(d)
+    return out
+
+
+def warn_if_exposed(host: str) -> str | None:
+    """The warning a face prints when the server listens beyond this machine."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return None
+    return (f"warning: listening on {host}: anyone who can reach this machine can use the model"
+            " (add --api-key, or keep the default 127.0.0.1)")

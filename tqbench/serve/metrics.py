@@ -1,0 +1,43 @@
+"""A ServeStatus as Prometheus's text exposition format (GET /metrics)."""
+
+from __future__ import annotations
+
+from tqbench.serve.service import ServeStatus
+
+PREFIX = "tqbench_"
+
+
+def prometheus(st: ServeStatus) -> str:
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {PREFIX}{name} {help}")
+        lines.append(f"# TYPE {PREFIX}{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"{PREFIX}{name}{labels} {value:g}" if isinstance(value, float) else
+                         f"{PREFIX}{name}{labels} {value}")
+
+    metric("requests_total", "counter", "Completion requests by outcome (rejected: 429, refused: other 4xx).",
+           [(f'{{outcome="{k}"}}', v) for k, v in (("ok", st.ok), ("cancelled", st.cancelled), ("error", st.failed),
+                                                   ("rejected", st.rejected), ("refused", st.refused))])
+    metric("tokens_total", "counter", "Tokens: prompt tokens processed, reused from the prompt cache, generated.",
+           [('{kind="prompt"}', st.prompt_tokens), ('{kind="cached"}', st.cached_tokens),
+            ('{kind="completion"}', st.completion_tokens)])
+    metric("decode_tokens_per_second", "gauge", "Decode rate over the recent requests.", [("", float(st.decode_tps))])
+    metric("time_to_first_token_seconds", "gauge", "The last request's time from arrival to its first token.",
+           [("", float(st.ttft_s))])
+    metric("requests_running", "gauge", "Requests generating now (one at a time).", [("", st.running)])
+    metric("queue_length", "gauge", "Requests waiting for the engine.", [("", st.queued)])
+    metric("uptime_seconds", "gauge", "Seconds since the server started.", [("", float(st.uptime_s))])
+    if st.stream is not None:
+        s = st.stream.stats
+        metric("expert_hits_total", "counter", "Routed experts found in the expert cache, by tier.",
+               [('{tier="pinned"}', s.hits_pinned), ('{tier="cache"}', s.hits_cache),
+                ('{tier="prefetched"}', s.hits_prefetched)])
+        metric("expert_misses_total", "counter", "Routed experts read from disk when needed.", [("", s.misses)])
+        metric("expert_read_bytes_total", "counter", "Expert bytes read on misses.", [("", s.critical_bytes)])
+        metric("expert_stall_seconds_total", "counter", "Time forward passes waited on expert reads.",
+               [("", float(s.stall_s))])
+        metric("expert_cache_bytes", "gauge", "Bytes the expert cache holds.", [("", s.cache_bytes)])
+        metric("expert_hit_rate", "gauge", "Hits over routings since the server started.", [("", float(s.hit_rate()))])
+    return "\n".join(lines) + "\n"

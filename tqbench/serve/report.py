@@ -1,0 +1,42 @@
+"""A server's words: the lines every face shows about it (the CLI's live status and request log, the TUI's serve
+panel), made here once from the Service's records."""
+
+from __future__ import annotations
+
+from tqbench import units
+from tqbench.serve.service import RequestDone, ServeStatus
+
+ENDINGS = {"length": "max tokens", "tool_calls": "tool calls", "cancelled": "client left"}
+
+
+def serving_line(url: str, model: str, api_key: bool) -> str:
+    key = "; every request needs the API key" if api_key else ""
+    return f"serving {model} at {url}/v1 (OpenAI API){key}; Ctrl-C stops"
+
+
+def request_line(r: RequestDone) -> str:
+    """One request, as the log shows it."""
+    if r.outcome == "cancelled" and not r.completion_tokens:
+        return f"{r.id}: the client left before the first token ({r.seconds:.2f} s)"
+    end = ENDINGS.get(r.finish_reason, r.finish_reason) if r.outcome != "error" else "failed"
+    cached = f" (+{r.cached_tokens} cached)" if r.cached_tokens else ""
+    return (f"{r.id}: {r.prompt_tokens} prompt tokens{cached}, {r.completion_tokens} generated ({end}); first token "
+            f"{r.ttft_s * 1000:.0f} ms (queued {r.queued_s * 1000:.0f} ms), {r.decode_tps:.1f} tok/s")
+
+
+def status_lines(st: ServeStatus) -> list[str]:
+    """The live status: requests, queue, rates, the expert cache."""
+    others = ", ".join(f"{n} {w}" for n, w in ((st.cancelled, "cancelled"), (st.failed, "failed"),
+                                                (st.rejected, "rejected (queue full)"), (st.refused, "refused"))
+                       if n)
+    lines = [f"requests {st.requests} ({st.ok} ok{', ' + others if others else ''}); running {st.running}, "
+             f"queued {st.queued}",
+             f"tokens {st.prompt_tokens:,} prompt (+{st.cached_tokens:,} from the prompt cache), "
+             f"{st.completion_tokens:,} generated; {st.decode_tps:.1f} tok/s, first token "
+             f"{st.ttft_s * 1000:.0f} ms (last request)"]
+    if st.stream is not None:
+        s = st.stream.stats
+        lines.append(f"experts: hit rate {s.hit_rate():.1%} ({s.hits:,} hits, {s.misses:,} misses), "
+                     f"{units.size(s.critical_bytes)} read, stalled {s.stall_s:.2f} s; cache "
+                     f"{units.size(s.cache_bytes)} of {units.size(s.budget_bytes)}")
+    return lines

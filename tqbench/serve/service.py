@@ -1,0 +1,287 @@
+"""Serving one opened chat to many clients: what a server does beside HTTP, as plain Python any face drives.
+
+- Admission: one request runs on the engine thread; up to `max_queue` more wait, in arrival order (the engine's job
+  queue is FIFO); one more is refused (`QueueFull`, HTTP 429 with a Retry-After from the recent request times).
+- Each request is a `ChatSession.complete` job. The caller says how to tell that its client left (`gone`); the job
+  is then stopped after the token in progress, and the next request starts at once.
+- Counting: requests by outcome, tokens, time to first token, decode rate, and the expert cache's totals from the
+  engine's StreamReport after each request, all read as one frozen `ServeStatus`.
+- Watching: `watch()` hands a face (the TUI, the server's /tqbench/events) every page-in, request and status as they
+  happen, through a bounded queue per watcher (a slow watcher loses events, never slows a request).
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from tqbench.chat.records import CompletionDelta, CompletionDone, ModelLoaded, StreamReport
+from tqbench.serve.openai import ApiError, ApiRequest
+
+MAX_QUEUE = 16  # requests waiting behind the running one
+MAX_BODY_BYTES = 4 << 20
+WATCH_QUEUE = 4096  # events a watcher may fall behind by before it loses some
+RECENT = 32  # requests the rates and Retry-After are taken over
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    max_queue: int = MAX_QUEUE
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_requests: int = 0  # stop after this many completions (0: serve until stopped)
+
+    @property
+    def loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """One completion request's end, as the server answered it."""
+
+    id: str
+    kind: str  # "chat" or "text"
+    outcome: str  # "ok", "cancelled" (the client left) or "error"
+    finish_reason: str
+    prompt_tokens: int  # processed
+    cached_tokens: int  # reused from the prompt cache
+    completion_tokens: int
+    queued_s: float  # waiting for the engine
+    ttft_s: float  # from arrival to the first token (queue and prefill included)
+    decode_tps: float
+    seconds: float  # from arrival to the end
+
+
+@dataclass(frozen=True)
+class ServeStatus:
+    """Everything a face shows about a server, at one moment."""
+
+    model: str
+    url: str
+    uptime_s: float
+    requests: int  # completions ended (ok, cancelled or error)
+    ok: int
+    cancelled: int
+    failed: int  # errors during a completion
+    rejected: int  # 429: the queue was full
+    refused: int  # other 4xx: bad requests, auth, unknown model, too large
+    running: int  # 0 or 1
+    queued: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    decode_tps: float  # over the recent requests' decode time
+    ttft_s: float  # the last request's
+    stream: StreamReport | None  # the expert cache's totals after the last request (None: resident experts)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.stream.hit_rate if self.stream is not None else None
+
+
+class QueueFull(ApiError):
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(429, f"the server is busy: {retry_after} s until a place in its queue is likely",
+                         type="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after)})
+
+
+@dataclass
+class _Counts:
+    ok: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    rejected: int = 0
+    refused: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # RequestDone
+
+
+class Service:
+    """Requests for one opened ChatSession. Every method may be called from any thread."""
+
+    def __init__(self, session, loaded: ModelLoaded, options: ServeOptions = ServeOptions()) -> None:
+        self.session = session
+        self.loaded = loaded
+        self.options = options
+        self.model_id = Path(loaded.path).name
+        self.url = ""  # set by the HTTP server once it listens
+        self._lock = threading.Lock()
+        self._counts = _Counts()
+        self._admitted = 0  # running or waiting
+        self._stream: StreamReport | None = None
+        self._t0 = time.monotonic()
+        self._watchers: list[queue.Queue] = []
+        self._ended = threading.Event()  # max_requests reached
+        self._stop = threading.Event()  # the server is closing: running requests stop
+
+    # ---- requests -------------------------------------------------------------------------------------------------
+
+    def authorized(self, header: str | None) -> bool:
+        """An `Authorization: Bearer KEY` header against --api-key (always true without one)."""
+        key = self.options.api_key
+        if not key:
+            return True
+        given = (header or "").removeprefix("Bearer ").strip()
+        return hmac.compare_digest(given.encode(), key.encode())
+
+    def check_model(self, name: str | None) -> None:
+        if name not in (None, "", self.model_id, str(self.loaded.path)):
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_id}`", "model",
+                           code="model_not_found")
+
+    def refused(self) -> None:
+        """Count a request answered with a 4xx before it ran."""
+        with self._lock:
+            self._counts.refused += 1
+
+    def run(self, request: ApiRequest, rid: str, gone: Callable[[], bool]) -> Iterator:
+        """The request's events (ReplyStarted, PageIn..., CompletionDelta..., CompletionDone, StreamReport), iterated
+        on the caller's thread. Raises QueueFull before anything runs when the queue is full. Once `gone()` is true
+        the job stops after the token in progress and the iteration ends (a RequestDone is still counted)."""
+        self.check_model(request.model)
+        arrived = time.monotonic()
+        with self._lock:
+            if self._admitted > self.options.max_queue:
+                self._counts.rejected += 1
+                raise QueueFull(self._retry_after())
+            self._admitted += 1
+        started = first = None
+        done: CompletionDone | None = None
+        outcome = "error"
+        try:
+            with self.session.complete(request.completion) as job:
+                for ev in job.items(cancelled=lambda: self._stop.is_set() or gone()):
+                    if started is None:
+                        started = time.monotonic()
+                    if isinstance(ev, CompletionDelta) and first is None:
+                        first = time.monotonic()
+                    elif isinstance(ev, CompletionDone):
+                        done = ev
+                    elif isinstance(ev, StreamReport):
+                        self._stream = ev
+                    self._publish(ev)
+                    yield ev
+            outcome = "ok" if done is not None and done.finish_reason != "cancelled" else "cancelled"
+        finally:
+            end = time.monotonic()
+            with self._lock:
+                self._admitted -= 1
+            rec = self._count(request, rid, outcome, done, arrived, started or end, first or end, end)
+            self._publish(rec)
+            self._publish(self.status())
+            if self.options.max_requests and self.status().requests >= self.options.max_requests:
+                self._ended.set()
+
+    def _count(self, request: ApiRequest, rid: str, outcome: str, done: CompletionDone | None, arrived: float,
+               started: float, first: float, end: float) -> RequestDone:
+        r = done.reply if done is not None else None
+        rec = RequestDone(rid, request.kind, outcome, done.finish_reason if done else "cancelled",
+                          r.prompt_tokens if r else 0, r.cached_tokens if r else 0, r.generated_tokens if r else 0,
+                          started - arrived, first - arrived, r.decode_tps if r else 0.0, end - arrived)
+        with self._lock:
+            c = self._counts
+            name = {"ok": "ok", "cancelled": "cancelled", "error": "failed"}[outcome]
+            setattr(c, name, getattr(c, name) + 1)
+            c.prompt_tokens += rec.prompt_tokens
+            c.cached_tokens += rec.cached_tokens
+            c.completion_tokens += rec.completion_tokens
+            if rec.completion_tokens:
+                c.ttft_s = rec.ttft_s
+            c.recent.append(rec)
+        return rec
+
+    def _retry_after(self) -> int:
+        """Seconds until the queue likely has room: the recent mean request time, times the requests ahead."""
+        recent = [r.seconds - r.queued_s for r in self._counts.recent] or [1.0]
+        return max(1, math.ceil(sum(recent) / len(recent) * max(1, self._admitted - self.options.max_queue)))
+
+    # ---- what faces read ------------------------------------------------------------------------------------------
+
+    def status(self) -> ServeStatus:
+        with self._lock:
+            c = self._counts
+            tokens = sum(max(0, r.completion_tokens - 1) for r in c.recent)
+            decode_s = sum((r.completion_tokens - 1) / r.decode_tps for r in c.recent
+                           if r.decode_tps > 0 and r.completion_tokens > 1)
+            running = min(1, self._admitted)
+            return ServeStatus(self.model_id, self.url, time.monotonic() - self._t0, c.ok + c.cancelled + c.failed,
+                               c.ok, c.cancelled, c.failed, c.rejected, c.refused, running, self._admitted - running,
+                               c.prompt_tokens, c.cached_tokens, c.completion_tokens,
+                               tokens / decode_s if decode_s > 0 else 0.0, c.ttft_s, self._stream)
+
+    def watch(self) -> Watcher:
+        """A live feed of this server's events (PageIn, RequestDone, ServeStatus); close it when done."""
+        w = Watcher(self)
+        with self._lock:
+            self._watchers.append(w.queue)
+        return w
+
+    def stop(self) -> None:
+        """Stop every running and waiting request after its current token (the server is closing)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def wait_ended(self, timeout: float | None = None) -> bool:
+        """True once max_requests completions have ended."""
+        return self._ended.wait(timeout)
+
+    def _publish(self, ev) -> None:
+        from tqbench.stream.stats import PageIn
+
+        if not isinstance(ev, (PageIn, RequestDone, ServeStatus)):
+            return
+        with self._lock:
+            watchers = list(self._watchers)
+        for q in watchers:
+            try:
+                q.put_nowait(ev)
+            except queue.Full:  # a watcher this far behind loses events rather than slow a request
+                pass
+
+    def _unwatch(self, q: queue.Queue) -> None:
+        with self._lock:
+            if q in self._watchers:
+                self._watchers.remove(q)
+
+
+class Watcher:
+    def __init__(self, service: Service) -> None:
+        self.queue: queue.Queue = queue.Queue(maxsize=WATCH_QUEUE)
+        self._service = service
+
+    def get(self, timeout: float) -> list:
+        """The events since the last call (waits up to `timeout` for the first)."""
+        try:
+            out = [self.queue.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self.queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._service._unwatch(self.queue)
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

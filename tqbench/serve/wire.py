@@ -1,0 +1,51 @@
+"""tqbench's own JSON for a server's live view (/tqbench/status, /tqbench/events): the Service's records as JSON
+objects, and back into the same frozen records for a face attached to a server in another process."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from typing import Any
+
+from tqbench.serve.service import RequestDone, ServeStatus
+from tqbench.stream.stats import PageIn, StreamStats
+
+SCHEMA = "tqbench.serve/1"
+
+
+def status_dict(st: ServeStatus) -> dict[str, Any]:
+    d = {f.name: getattr(st, f.name) for f in fields(ServeStatus) if f.name != "stream"}
+    d["hit_rate"] = st.hit_rate
+    d["stream"] = st.stream.stats.to_dict() if st.stream is not None else None
+    return {"schema": SCHEMA, **d}
+
+
+def event_dict(ev: PageIn | RequestDone | ServeStatus) -> dict[str, Any]:
+    if isinstance(ev, PageIn):
+        return {"event": "page_in", **asdict(ev)}
+    if isinstance(ev, RequestDone):
+        return {"event": "request", **asdict(ev)}
+    return {"event": "status", **status_dict(ev)}
+
+
+def decode_event(d: dict[str, Any]) -> PageIn | RequestDone | ServeStatus | None:
+    """A record from an event_dict (None for an event this version does not know)."""
+    kind = d.get("event")
+    if kind == "page_in":
+        return PageIn(d["token"], d["layer"], tuple(d["experts"]), tuple(d["served"]), d["bytes_read"], d["stall_s"],
+                      d.get("cache_bytes", 0))
+    if kind == "request":
+        return RequestDone(**{f.name: d[f.name] for f in fields(RequestDone)})
+    if kind == "status":
+        return decode_status(d)
+    return None
+
+
+def decode_status(d: dict[str, Any]) -> ServeStatus:
+    from tqbench.chat.records import StreamReport
+
+    stream = None
+    if d.get("stream") is not None:
+        known = {f.name for f in fields(StreamStats)}
+        stats = StreamStats(**{k: v for k, v in d["stream"].items() if k in known and not isinstance(v, (dict, list))})
+        stream = StreamReport(stats, None, None)
+    return ServeStatus(**{f.name: d[f.name] for f in fields(ServeStatus) if f.name != "stream"}, stream=stream)
