@@ -24,6 +24,7 @@ from tqbench.serve.metrics import prometheus
 from tqbench.serve.service import Service
 
 EVENTS_POLL_S = 0.25
+STATUS_EVERY_S = 1.0  # an idle feed sends the status this often
 
 
 class Server:
@@ -115,9 +116,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._stream_headers()
         with self.service.watch() as w:
             self._sse(wire.event_dict(self.service.status()))
+            quiet = time.monotonic()
             while not self._gone() and not self.service.stopping:
-                for ev in w.get(EVENTS_POLL_S):
+                events = w.get(EVENTS_POLL_S)
+                if not events and time.monotonic() - quiet >= STATUS_EVERY_S:  # idle: the status, as a heartbeat
+                    events = [self.service.status()]
+                for ev in events:
                     self._sse(wire.event_dict(ev))
+                    quiet = time.monotonic()
 
     # ---- POST -----------------------------------------------------------------------------------------------------
 

@@ -83,6 +83,7 @@ class ServeStatus:
     decode_tps: float  # over the recent requests' decode time
     ttft_s: float  # the last request's
     stream: StreamReport | None  # the expert cache's totals after the last request (None: resident experts)
+    layers: tuple[tuple[int, int], ...] = ()  # (MoE layer, routed experts) of every streamed layer: the map's shape
 
     @property
     def hit_rate(self) -> float | None:
@@ -220,7 +221,8 @@ class Service:
             return ServeStatus(self.model_id, self.url, time.monotonic() - self._t0, c.ok + c.cancelled + c.failed,
                                c.ok, c.cancelled, c.failed, c.rejected, c.refused, running, self._admitted - running,
                                c.prompt_tokens, c.cached_tokens, c.completion_tokens,
-                               tokens / decode_s if decode_s > 0 else 0.0, c.ttft_s, self._stream)
+                               tokens / decode_s if decode_s > 0 else 0.0, c.ttft_s, self._stream,
+                               self.loaded.stream.layers if self.loaded.stream is not None else ())
 
     def watch(self) -> Watcher:
         """A live feed of this server's events (PageIn, RequestDone, ServeStatus); close it when done."""

@@ -16,6 +16,7 @@ def status_dict(st: ServeStatus) -> dict[str, Any]:
     d = {f.name: getattr(st, f.name) for f in fields(ServeStatus) if f.name != "stream"}
     d["hit_rate"] = st.hit_rate
     d["stream"] = st.stream.stats.to_dict() if st.stream is not None else None
+    d["layers"] = [list(x) for x in st.layers]
     return {"schema": SCHEMA, **d}
 
 
@@ -48,4 +49,5 @@ def decode_status(d: dict[str, Any]) -> ServeStatus:
         known = {f.name for f in fields(StreamStats)}
         stats = StreamStats(**{k: v for k, v in d["stream"].items() if k in known and not isinstance(v, (dict, list))})
         stream = StreamReport(stats, None, None)
-    return ServeStatus(**{f.name: d[f.name] for f in fields(ServeStatus) if f.name != "stream"}, stream=stream)
+    plain = {f.name: d[f.name] for f in fields(ServeStatus) if f.name not in ("stream", "layers")}
+    return ServeStatus(**plain, stream=stream, layers=tuple((int(n), int(e)) for n, e in d.get("layers", ())))
