@@ -129,13 +129,15 @@ class ChatSession:
         event that follows that pass. A learning session counts each token's routing and saves every few seconds."""
         return self._engine.submit(lambda: self._reply(text, sampling))
 
-    def complete(self, request: CompletionRequest) -> Job:
+    def complete(self, request: CompletionRequest, ended: Callable[[ReplyDone], None] = lambda done: None) -> Job:
         """A stateless completion (a server's request) on the loaded model, beside the conversation: its prompt is
         the request's messages or text, reusing the longest prefix an earlier completion left in the prompt cache.
         Yields ReplyStarted, PageIn... (streaming), TokenOut..., ReplyDone, then (streaming) a StreamReport of the
-        totals so far. The session keeps learning its profile (saved every few seconds, not after each request)."""
+        totals so far. The session keeps learning its profile (saved every few seconds, not after each request).
+        `ended(done)` gets the reply's summary on the engine thread however it ends, also when the job is stopped
+        (finish_reason "cancelled": the job yields nothing more then)."""
         request.check()
-        return self._engine.submit(lambda: self._complete(request))
+        return self._engine.submit(lambda: self._complete(request, ended))
 
     # ---- calls (run on the engine thread, return at once) ---------------------------------------------------------
 
@@ -241,7 +243,7 @@ class ChatSession:
         if state.learner is not None:
             state.learner.save()  # what the reply taught is in the store while the chat is idle
 
-    def _complete(self, request: CompletionRequest) -> Iterator:
+    def _complete(self, request: CompletionRequest, ended: Callable[[ReplyDone], None]) -> Iterator:
         from tqbench.chat.segment import Segmenter
         from tqbench.runtime.complete import Completions, chat_prompt, text_prompt
 
@@ -260,7 +262,7 @@ class ChatSession:
         tools = [dict(t) for t in request.tools] if request.tools else None
         split = Segmenter(loaded.tokenizer, tools, loaded.tokenizer.decode(tokens[-8:]))
         content, reasoning, calls = [], [], []
-        for ev in self._watched(state, state.completions.run(tokens, sampling, request.stop)):
+        for ev in self._watched(state, state.completions.run(tokens, sampling, request.stop, ended)):
             if isinstance(ev, (TokenOut, ReplyDone)):
                 text, final = (ev.text, None) if isinstance(ev, TokenOut) else ("", ev.finish_reason)
                 c, r, t = split.feed(text, final)

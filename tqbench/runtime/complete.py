@@ -8,7 +8,7 @@ ReplyDone)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tqbench.errors import TqbenchError
 from tqbench.runtime.chat import ReplyDone, ReplyStarted, Sampling, TokenOut, generate
@@ -51,10 +51,11 @@ class Completions:
     def cache_bytes(self) -> int:
         return self.lru.nbytes
 
-    def run(self, tokens: list[int], sampling: Sampling, stop: tuple[str, ...] = ()
-            ) -> Iterator[ReplyStarted | TokenOut | ReplyDone]:
+    def run(self, tokens: list[int], sampling: Sampling, stop: tuple[str, ...] = (),
+            ended: Callable[[ReplyDone], None] = lambda done: None) -> Iterator[ReplyStarted | TokenOut | ReplyDone]:
         """ReplyStarted (the tokens processed and those reused), a TokenOut per token, ReplyDone. Once the prompt is
-        processed, what the cache then holds is kept for later requests, also when the caller stops early."""
+        processed, what the cache then holds is kept for later requests, also when the caller stops early.
+        `ended(done)` is called once however it ends (finish_reason "cancelled" when closed early)."""
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
         if not tokens:
@@ -72,9 +73,13 @@ class Completions:
         yield ReplyStarted(len(rest), len(held))
         held.extend(rest)
         generated: list[ReplyDone] = []
+
+        def done(d: ReplyDone) -> None:
+            generated.append(d)
+            ended(d)
+
         try:
-            yield from generate(self.loaded, rest, cache, sampling, len(tokens) - len(rest), held, generated.append,
-                                stop)
+            yield from generate(self.loaded, rest, cache, sampling, len(tokens) - len(rest), held, done, stop)
         finally:
             if generated and generated[0].generated_tokens:  # the prompt was processed: the cache matches `held`
                 self.lru.insert_cache(_KEY, held, cache)

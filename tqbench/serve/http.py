@@ -41,6 +41,8 @@ class Server:
             self.httpd = http_server((opts.host, opts.port), handler)
         except OSError as e:
             raise TqbenchError(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}") from None
+        self.httpd.handlers = set()  # the connections' handlers, to end the idle ones at close
+        self.httpd.lock = threading.Lock()
         self.port = self.httpd.server_address[1]
         host = f"[{opts.host}]" if ":" in opts.host else opts.host
         self.url = f"http://{host}:{self.port}"
@@ -50,9 +52,17 @@ class Server:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop listening, stop the running requests after their current token, and wait for every handler."""
+        """Stop listening, stop the running requests after their current token, end the idle keep-alive
+        connections, and wait for every handler (an answer being written is finished)."""
         self._service.stop()
         self.httpd.shutdown()
+        with self.httpd.lock:
+            idle = [h for h in self.httpd.handlers if not h.busy]
+        for h in idle:  # a handler waiting for a client's next request on a kept-alive connection
+            try:
+                h.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self.httpd.server_close()
 
 
@@ -61,8 +71,30 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "tqbench"
 
+    busy = False  # between a request's first line and the end of its answer
+
     def log_message(self, format: str, *args: Any) -> None:  # the faces show requests; no access log on stderr
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        with self.server.lock:
+            self.server.handlers.add(self)
+
+    def finish(self) -> None:
+        with self.server.lock:
+            self.server.handlers.discard(self)
+        super().finish()
+
+    def parse_request(self) -> bool:
+        self.busy = True
+        return super().parse_request()
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        finally:
+            self.busy = False
 
     # ---- routing --------------------------------------------------------------------------------------------------
 

@@ -161,9 +161,10 @@ class Service:
             self._admitted += 1
         started = first = None
         done: CompletionDone | None = None
+        ended: list = []  # the engine's summary of the reply, also of one stopped early
         outcome = "error"
         try:
-            with self.session.complete(request.completion) as job:
+            with self.session.complete(request.completion, ended.append) as job:
                 for ev in job.items(cancelled=lambda: self._stop.is_set() or gone()):
                     if started is None:
                         started = time.monotonic()
@@ -180,18 +181,18 @@ class Service:
             end = time.monotonic()
             with self._lock:
                 self._admitted -= 1
-            rec = self._count(request, rid, outcome, done, arrived, started or end, first or end, end)
+            rec = self._count(request, rid, outcome, done.reply if done else (ended[0] if ended else None),
+                              done.finish_reason if done else "cancelled", arrived, started or end, first or end, end)
             self._publish(rec)
             self._publish(self.status())
             if self.options.max_requests and self.status().requests >= self.options.max_requests:
                 self._ended.set()
 
-    def _count(self, request: ApiRequest, rid: str, outcome: str, done: CompletionDone | None, arrived: float,
-               started: float, first: float, end: float) -> RequestDone:
-        r = done.reply if done is not None else None
-        rec = RequestDone(rid, request.kind, outcome, done.finish_reason if done else "cancelled",
-                          r.prompt_tokens if r else 0, r.cached_tokens if r else 0, r.generated_tokens if r else 0,
-                          started - arrived, first - arrived, r.decode_tps if r else 0.0, end - arrived)
+    def _count(self, request: ApiRequest, rid: str, outcome: str, r, finish: str, arrived: float, started: float,
+               first: float, end: float) -> RequestDone:
+        rec = RequestDone(rid, request.kind, outcome, finish, r.prompt_tokens if r else 0, r.cached_tokens if r else 0,
+                          r.generated_tokens if r else 0, started - arrived, first - arrived,
+                          r.decode_tps if r else 0.0, end - arrived)
         with self._lock:
             c = self._counts
             name = {"ok": "ok", "cancelled": "cancelled", "error": "failed"}[outcome]

@@ -1,0 +1,446 @@
+"""`tqbench serve`: a real server process on 127.0.0.1 driven by the official `openai` client (and raw HTTP for what
+a client library would never send), against the demo checkpoint as published (it runs without a conversion)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tqbench.demo import ensure_demo
+
+KEY = "sk-tqbench-test"
+U1, U2 = "def fibonacci(n):", "class Stack:"
+N = 24  # tokens per reply in the comparisons
+
+
+class Served:
+    """A `tqbench serve` process: its URL, its stderr lines (drained by a thread), its client."""
+
+    def __init__(self, model: Path, cache: Path, *args: str, key: str | None = KEY) -> None:
+        env = dict(os.environ, TQBENCH_CACHE_DIR=str(cache))
+        cmd = [sys.executable, "-m", "tqbench", "serve", "-m", str(model), "--port", "0", *args]
+        if key:
+            cmd += ["--api-key", key]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def drain() -> None:
+            for line in self.proc.stderr:
+                self.lines.append(line.rstrip("\n"))
+                if line.startswith("serving "):
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(120) or self.proc.poll() is not None:
+            raise AssertionError("the server did not start:\n" + "\n".join(self.lines))
+        serving = next(x for x in self.lines if x.startswith("serving "))
+        self.url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", serving).group(1)
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=60)
+
+    def get(self, path: str, key: str | None = KEY) -> tuple[int, dict[str, str], bytes]:
+        return raw(self.port, "GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
+
+    def status(self) -> dict:
+        return json.loads(self.get("/tqbench/status")[2])
+
+    def rss(self) -> int:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{self.proc.pid}/status").read_text()).group(1)) * 1024
+
+    def threads(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/task"))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(60)
+
+
+def raw(port: int, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+        length: bool = True) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        if length:
+            conn.request(method, path, body=body, headers=headers or {})
+        else:  # no Content-Length: what a client library never sends
+            conn.putrequest(method, path)
+            for k, v in (headers or {}).items():
+                conn.putheader(k, v)
+            conn.endheaders()
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def metric(text: str, name: str) -> float:
+    return float(re.search(rf"^tqbench_{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("serve")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
+        return Path(shutil.copytree(ensure_demo(), root / "demo"))
+
+
+@pytest.fixture(scope="module")
+def server(demo, tmp_path_factory):
+    s = Served(demo, tmp_path_factory.mktemp("served-cache"), "--max-queue", "16")
+    yield s
+    assert s.stop() == 0, "\n".join(s.lines)
+
+
+@pytest.fixture(scope="module")
+def cli_replies(demo, tmp_path_factory) -> list[dict]:
+    """`tqbench chat --json` over the same two turns: each reply's text and summary."""
+    env = dict(os.environ, TQBENCH_CACHE_DIR=str(tmp_path_factory.mktemp("chat-cache")))
+    out = subprocess.run([sys.executable, "-m", "tqbench", "chat", "-m", str(demo), "--json", "--no-learn",
+                          "--max-tokens", str(N)], input=f"{U1}\n{U2}\n", capture_output=True, text=True, env=env,
+                         check=True).stdout
+    replies, text = [], []
+    for line in out.splitlines():
+        ev = json.loads(line)
+        if ev["event"] == "token":
+            text.append(ev["text"])
+        elif ev["event"] == "done":
+            replies.append({**ev, "text": "".join(text)})
+            text = []
+    return replies
+
+
+def ask(server: Served, messages: list[dict], **kw):
+    return server.client.chat.completions.create(model="demo", messages=messages, temperature=0, **kw)
+
+
+# ---- answers --------------------------------------------------------------------------------------------------------
+
+def test_greedy_replies_equal_chat_cli_and_turn_two_reuses_the_prompt_cache(server, cli_replies):
+    r1 = ask(server, [{"role": "user", "content": U1}], max_tokens=N)
+    assert r1.choices[0].message.content == cli_replies[0]["text"]
+    assert r1.usage.prompt_tokens == cli_replies[0]["prompt_tokens"]
+    assert r1.usage.completion_tokens == cli_replies[0]["generated_tokens"]
+    assert r1.choices[0].finish_reason == cli_replies[0]["finish_reason"]
+    assert r1.model == "demo" and r1.object == "chat.completion"
+    turn2 = [{"role": "user", "content": U1}, {"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": U2}]
+    r2 = ask(server, turn2, max_completion_tokens=N)
+    assert r2.choices[0].message.content == cli_replies[1]["text"]
+    # the conversation so far came from the cache, as it does in the CLI's chat
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached == cli_replies[1]["cached_tokens"] > r1.usage.prompt_tokens
+    assert r2.usage.prompt_tokens == cached + cli_replies[1]["prompt_tokens"]
+    assert r2.usage.total_tokens == r2.usage.prompt_tokens + r2.usage.completion_tokens
+
+
+def test_streaming_gives_the_same_text_and_usage(server):
+    messages = [{"role": "user", "content": U1}]
+    whole = ask(server, messages, max_tokens=N)
+    chunks = list(ask(server, messages, max_tokens=N, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_stop_sequences_end_the_text_where_they_begin(server, cli_replies):
+    full = cli_replies[0]["text"]
+    stop = full[len(full) // 3: len(full) // 3 + 3]
+    cut = full.index(stop)
+    r = ask(server, [{"role": "user", "content": U1}], max_tokens=N, stop=[stop, "@@never@@"])
+    assert r.choices[0].message.content == full[:cut] and r.choices[0].finish_reason == "stop"
+    streamed = ask(server, [{"role": "user", "content": U1}], max_tokens=N, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full[:cut]
+
+
+def test_text_completions_continue_a_plain_prompt_as_the_engine_does(server, demo):
+    from tqbench.runtime.chat import Conversation, Sampling
+    from tqbench.runtime.load import load
+    from tqbench.engine import engine
+
+    def local() -> str:
+        conv = Conversation(load(demo), chat_template=False)
+        return list(conv.reply("import os", Sampling(max_tokens=12)))[-1].text
+
+    expected = engine().call(local)
+    r = server.client.completions.create(model="demo", prompt="import os", max_tokens=12, temperature=0)
+    assert r.choices[0].text == expected and r.object == "text_completion"
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+
+
+def test_a_tools_request_is_answered(server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    r = ask(server, [{"role": "user", "content": "Weather in Tokyo?"}], max_tokens=8, tools=tools)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.usage.completion_tokens >= 1
+
+
+# ---- the service around the answers ---------------------------------------------------------------------------------
+
+def test_models_health_and_metrics(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == ["demo"]
+    code, _, body = server.get("/health")
+    assert code == 200 and json.loads(body)["status"] == "ok"
+    before = server.get("/metrics")[2].decode()
+    r = ask(server, [{"role": "user", "content": "x = 1"}], max_tokens=3)
+    code, headers, body = server.get("/metrics")
+    text = body.decode()
+    assert code == 200 and headers["content-type"].startswith("text/plain")
+    assert metric(text, 'requests_total{outcome="ok"}') == metric(before, 'requests_total{outcome="ok"}') + 1
+    assert metric(text, 'tokens_total{kind="completion"}') == \
+        metric(before, 'tokens_total{kind="completion"}') + r.usage.completion_tokens
+    assert metric(text, "queue_length") == 0 and metric(text, "decode_tokens_per_second") > 0
+    assert "tqbench_expert_hits_total" not in text  # resident experts: no expert cache to report
+
+
+MALFORMED = [  # (what, method, path, body, headers, status, param)
+    ("not JSON", "POST", "/v1/chat/completions", b"{not json", {}, 400, None),
+    ("a JSON array", "POST", "/v1/chat/completions", b"[1, 2]", {}, 400, None),
+    ("no messages", "POST", "/v1/chat/completions", {"model": "demo"}, {}, 400, "messages"),
+    ("empty messages", "POST", "/v1/chat/completions", {"messages": []}, {}, 400, "messages"),
+    ("a bad role", "POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, {}, 400,
+     "messages[0].role"),
+    ("an image part", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, {}, 400,
+     "messages[0].content"),
+    ("a string temperature", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, {}, 400, "temperature"),
+    ("max_tokens 0", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, {}, 400, "max_tokens"),
+    ("n=2", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, {}, 400, "n"),
+    ("an unknown field", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "frobnicate": True}, {}, 400, "frobnicate"),
+    ("five stops", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, {}, 400, "stop"),
+    ("no prompt", "POST", "/v1/completions", {"model": "demo"}, {}, 400, "prompt"),
+    ("an unknown model", "POST", "/v1/chat/completions",
+     {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, {}, 404, "model"),
+    ("a body over the limit", "POST", "/v1/chat/completions", b"x" * (5 << 20), {}, 413, None),
+    ("no API key", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+     {"Authorization": ""}, 401, None),
+    ("a wrong API key", "GET", "/v1/models", None, {"Authorization": "Bearer nope"}, 401, None),
+    ("an unknown route", "GET", "/v1/embeddings", None, {}, 404, None),
+    ("GET on a POST route", "GET", "/v1/chat/completions", None, {}, 405, None),
+]
+
+
+def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(server):
+    refused = metric(server.get("/metrics")[2].decode(), 'requests_total{outcome="refused"}')
+    for what, method, path, body, headers, status, param in MALFORMED:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **headers}
+        code, _, answer = raw(server.port, method, path, data, h)
+        assert code == status, what
+        err = json.loads(answer)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"] and "\n" not in err["message"]
+        assert err["param"] == param, what
+    code, _, answer = raw(server.port, "POST", "/v1/chat/completions", None, {"Authorization": f"Bearer {KEY}"},
+                          length=False)
+    assert code == 411 and json.loads(answer)["error"]["message"]
+    assert metric(server.get("/metrics")[2].decode(), 'requests_total{outcome="refused"}') == \
+        refused + len(MALFORMED) + 1
+    assert ask(server, [{"role": "user", "content": U1}], max_tokens=2).choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_client_leaving_mid_stream_stops_its_generation_and_leaks_nothing(server, cli_replies):
+    prompt = [{"role": "user", "content": U1}]
+    threads = server.threads()
+    for _ in range(3):
+        before = server.status()
+        chunks = 0
+        with ask(server, prompt, max_tokens=500, stream=True) as stream:
+            for c in stream:
+                chunks += bool(c.choices and c.choices[0].delta.content)
+                if chunks == 3:
+                    break  # leaving the block closes the connection
+        deadline = time.monotonic() + 10
+        while (st := server.status())["cancelled"] == before["cancelled"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert st["cancelled"] == before["cancelled"] + 1 and st["running"] == 0 and st["queued"] == 0
+        # the generation stopped within a token of the last one the client read (one may be on the wire)
+        assert 3 <= st["completion_tokens"] - before["completion_tokens"] <= 5
+    r = ask(server, prompt, max_tokens=N)  # the next request runs at once, with the same answer
+    assert r.choices[0].message.content == cli_replies[0]["text"]
+    time.sleep(0.2)
+    assert server.threads() <= threads
+
+
+@pytest.mark.slow
+def test_eight_clients_at_once_lose_nothing_and_memory_stays_flat(server):
+    """8 clients x 5 chat requests at once: every one answered, with its greedy text; then 160 short completions
+    more (200 in all), and the server's resident memory does not grow with them."""
+    prompts = [f"def f{i}(x):" for i in range(8)]
+    expected = {p: ask(server, [{"role": "user", "content": p}], max_tokens=4).choices[0].message.content
+                for p in prompts}
+    results: list[tuple[str, str]] = []
+    errors: list[BaseException] = []
+
+    def client(p: str, n: int, chat: bool) -> None:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        try:
+            for i in range(n):
+                if chat:
+                    r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": p}],
+                                                  max_tokens=4, temperature=0)
+                    results.append((p, r.choices[0].message.content))
+                else:  # a short plain prompt, a different one each time (the prompt cache keeps turning over)
+                    r = c.completions.create(model="demo", prompt=f"{p} {i}", max_tokens=2, temperature=0)
+                    results.append((p, r.choices[0].text if r.usage.completion_tokens == 2 else None))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def burst(n: int, chat: bool) -> None:
+        workers = [threading.Thread(target=client, args=(p, n, chat)) for p in prompts]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    ok = server.status()["ok"]
+    burst(5, chat=True)
+    assert not errors and len(results) == 40 and all(text == expected[p] for p, text in results)
+    assert server.status()["ok"] == ok + 40
+    rss = server.rss()
+    burst(20, chat=False)
+    assert not errors and len(results) == 200 and all(text is not None for _, text in results[40:])
+    assert server.status()["ok"] == ok + 200
+    grown = server.rss() - rss
+    assert grown < 8 << 20, f"RSS grew {grown / 2**20:.1f} MiB over 160 requests"
+
+
+def test_streamed_experts_give_the_resident_text_and_a_full_queue_answers_429(demo, tmp_path, cli_replies):
+    """A small expert budget serves the same greedy text as resident experts; with one place in the queue a third
+    request gets 429 with Retry-After; the server stops by itself after --max-requests and keeps what it learned."""
+    from tqbench.profile import ProfileStore, identify
+
+    cache = tmp_path / "cache"
+    s = Served(demo, cache, "--cache-budget-gb", "0.002", "--max-queue", "1", "--max-requests", "3", key=None)
+    r = ask(s, [{"role": "user", "content": U1}], max_tokens=N)
+    assert r.choices[0].message.content == cli_replies[0]["text"]
+    text = s.get("/metrics")[2].decode()
+    assert metric(text, "expert_misses_total") > 0 and metric(text, "expert_read_bytes_total") > 0
+
+    stream = ask(s, [{"role": "user", "content": U2}], max_tokens=40, stream=True)
+    next(iter(stream))  # running
+    waiting = threading.Thread(target=lambda: ask(s, [{"role": "user", "content": "x"}], max_tokens=2))
+    waiting.start()
+    while s.status()["queued"] < 1:
+        time.sleep(0.01)
+    with pytest.raises(openai.RateLimitError) as e:
+        ask(s, [{"role": "user", "content": "y"}], max_tokens=2)
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    list(stream)
+    waiting.join()
+    assert s.proc.wait(60) == 0  # three completions: it stopped by itself
+    assert any(x.startswith("requests 3 (3 ok, 1 rejected") for x in s.lines), s.lines
+
+    fp, geo = identify(demo)
+    store = ProfileStore(cache / "profiles")
+    try:
+        assert store.load(fp, geo).routings > 0  # serving kept learning the profile
+    finally:
+        store.close()
+
+
+# ---- the parts ------------------------------------------------------------------------------------------------------
+
+def test_the_openai_parser_maps_fields_as_documented():
+    from tqbench.serve.openai import ApiError, parse_request
+
+    r = parse_request("chat", {"model": "m", "messages": [{"role": "developer", "content": [
+        {"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]}, {"role": "user", "content": "hi"}],
+        "max_completion_tokens": 5, "max_tokens": 9, "top_p": 1, "stop": "END", "user": "u1", "n": 1,
+        "stream_options": {"include_usage": True}, "stream": True})
+    c = r.completion
+    assert c.messages[0] == {"role": "system", "content": "be brief"} and c.stop == ("END",)
+    assert c.sampling.max_tokens == 5 and c.sampling.top_p == 0.0 and r.stream and r.include_usage
+    with pytest.raises(ApiError) as e:
+        parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True})
+    assert e.value.status == 400 and e.value.param == "logprobs"
+    t = parse_request("text", {"prompt": ["only one"], "max_tokens": 3})
+    assert t.completion.prompt == "only one" and t.completion.messages is None
+
+
+def test_the_chat_template_receives_tools(demo, tmp_path):
+    """A template that renders tools gets them: the tool's name is in the prompt the model sees."""
+    from tqbench.runtime.complete import chat_prompt
+    from tqbench.runtime.load import load
+
+    model = Path(shutil.copytree(demo, tmp_path / "tools"))
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}|{% endif %}"
+                            + cfg["chat_template"])
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    loaded = load(model)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    with_tools = loaded.tokenizer.decode(chat_prompt(loaded, messages, tools))
+    assert with_tools.startswith("tools: get_weather|")
+    assert with_tools.removeprefix("tools: get_weather|") == loaded.tokenizer.decode(chat_prompt(loaded, messages))
+
+
+def test_tool_calls_are_parsed_token_by_token_with_the_models_parser(demo):
+    """The K3 tool-call format, fed as the demo tokenizer's tokens one at a time: the text before the call is the
+    answer, the call is parsed by mlx-lm's kimi_k3 parser, and the markers never reach the answer."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from tqbench.chat.segment import Segmenter
+
+    tok = load_tokenizer(demo)
+    call = ('<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+            '<|open|>argument key="city" type="string"<|sep|>Tokyo<|close|>argument<|sep|>'
+            '<|close|>call<|sep|><|close|>tools<|sep|>')
+    ids = tok.encode("Let me check. " + call + " Done.", add_special_tokens=False)
+    seg = Segmenter(tok, [{"type": "function", "function": {"name": "get_weather"}}])
+    content, calls = [], []
+    detok = tok.detokenizer
+    detok.reset()
+    for i in ids:
+        detok.add_token(i)
+        c, _, t = seg.feed(detok.last_segment)
+        content.append(c)
+        calls += t
+    detok.finalize()
+    c, _, t = seg.feed(detok.last_segment, final="length")
+    content.append(c)
+    calls += t
+    assert "".join(content) == "Let me check.  Done."
+    assert [(x.name, json.loads(x.arguments)) for x in calls] == [("get_weather", {"city": "Tokyo"})]
+
+
+def test_stop_strings_hold_back_only_what_could_begin_one():
+    from tqbench.runtime.chat import _stop_prefix
+
+    assert _stop_prefix("abc\n", ("\n\n",)) == 1
+    assert _stop_prefix("abcEN", ("END", "x")) == 2
+    assert _stop_prefix("abc", ("END",)) == 0
+
+
+def test_listening_beyond_loopback_warns():
+    from tqbench.serve.http import warn_if_exposed
+
+    assert warn_if_exposed("127.0.0.1") is None
+    assert "0.0.0.0" in warn_if_exposed("0.0.0.0") and "--api-key" in warn_if_exposed("0.0.0.0")
