@@ -174,6 +174,21 @@ def median(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+# --- models
+
+
+def convert_demo(work: Path) -> Path:
+    """The shipped demo converted with tq4 into `work/demo-tq4` (once: an existing output is reused)."""
+    dest = work / "demo-tq4"
+    if not (dest / "model.safetensors.index.json").is_file():
+        code = ("import sys; from tqbench.convert import convert; from tqbench.demo import ensure_demo; "
+                "from tqbench.recipe import Recipe; [None for _ in convert(ensure_demo(), sys.argv[1], "
+                "Recipe.parse('tq4'))]")
+        env = dict(os.environ, TQBENCH_CACHE_DIR=str(work / "cache-convert"), PYTHONPATH=str(REPO))
+        subprocess.run([sys.executable, "-c", code, str(dest)], check=True, env=env, cwd=REPO)
+    return dest
+
+
 # --- the machine and the checkout -------------------------------------------------------------------------------------
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import sys
 
-from harness import REPO, add_size_options, emit, machine_info, run_child, sizes, with_openblas
+from harness import REPO, add_size_options, convert_demo, emit, machine_info, run_child, sizes, with_openblas
 
 if __name__ == "__main__":
     with_openblas()
@@ -45,7 +45,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -191,17 +190,6 @@ def measure(kind: str, args: dict, work: Path, timeout: float = 900) -> dict:
 
 
 # --- parent ------------------------------------------------------------------------------------------------------------
-
-def convert_demo(work: Path) -> Path:
-    dest = work / "demo-tq4"
-    if not (dest / "model.safetensors.index.json").is_file():
-        code = ("import sys; from tqbench.convert import convert; from tqbench.demo import ensure_demo; "
-                "from tqbench.recipe import Recipe; [None for _ in convert(ensure_demo(), sys.argv[1], "
-                "Recipe.parse('tq4'))]")
-        env = dict(os.environ, TQBENCH_CACHE_DIR=str(work / "cache-convert"), PYTHONPATH=str(REPO))
-        subprocess.run([sys.executable, "-c", code, str(dest)], check=True, env=env, cwd=REPO)
-    return dest
-
 
 def machine() -> dict:
     import textual
