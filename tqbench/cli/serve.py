@@ -108,18 +108,20 @@ def _watch(service, err: Console) -> None:
     from tqbench.serve.service import RequestDone
 
     with service.watch() as watcher:
-        if err.is_terminal:
-            with Live(Text("\n".join(report.status_lines(service.status()))), console=err,
-                      refresh_per_second=1 / REFRESH_S, transient=False) as live:
+        try:
+            if err.is_terminal:
+                with Live(Text("\n".join(report.status_lines(service.status()))), console=err,
+                          refresh_per_second=1 / REFRESH_S, transient=True) as live:
+                    while not service.wait_ended(0):
+                        for ev in watcher.get(REFRESH_S):
+                            if isinstance(ev, RequestDone):
+                                live.console.print(report.request_line(ev), markup=False)
+                        live.update(Text("\n".join(report.status_lines(service.status()))))
+            else:
                 while not service.wait_ended(0):
                     for ev in watcher.get(REFRESH_S):
                         if isinstance(ev, RequestDone):
-                            live.console.print(report.request_line(ev), markup=False)
-                    live.update(Text("\n".join(report.status_lines(service.status()))))
-        else:
-            while not service.wait_ended(0):
-                for ev in watcher.get(REFRESH_S):
-                    if isinstance(ev, RequestDone):
-                        err.print(report.request_line(ev), markup=False)
+                            err.print(report.request_line(ev), markup=False)
+        finally:  # the totals, once, however it ends (the live region is gone by now)
             for line in report.status_lines(service.status()):
                 err.print(line, markup=False)
