@@ -77,6 +77,7 @@ def serve(
                                cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy, fanout, lookahead,
                                page_cache, max_active_experts, profile, profile_force, no_learn, cold, pin_share,
                                prompt_cache_bytes=int(prompt_cache_gb * 1e9))
+        server = Server(host, port)  # a port in use is an error before the model loads
         loaded = open_chat(session, request, err, quiet=False, streaming_stats=False)
         err.print(chat_report.loaded_line(loaded), markup=False)
         if loaded.profile is not None:
@@ -84,9 +85,9 @@ def serve(
         warning = chat_report.fewer_experts_warning(loaded)
         if warning:
             err.print(warning, markup=False)
-        opts = ServeOptions(host, port, api_key or None, max_queue, int(max_body_mb * 1e6), max_requests)
+        opts = ServeOptions(host, server.port, api_key or None, max_queue, int(max_body_mb * 1e6), max_requests)
         service = Service(session, loaded, opts)
-        server = Server(service)
+        server.start(service)
         exposed = warn_if_exposed(host)
         if exposed:
             err.print(exposed, markup=False)

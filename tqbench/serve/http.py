@@ -28,32 +28,39 @@ STATUS_EVERY_S = 1.0  # an idle feed sends the status this often
 
 
 class Server:
-    """A listening server for `service` on its options' host and port (0: any free port) until `close()`."""
+    """A socket listening on `host:port` (0: any free port) from the moment it is made, so a port in use is an error
+    before a model loads; `start(service)` answers on it until `close()`."""
 
-    def __init__(self, service: Service) -> None:
-        opts = service.options
-        handler = type("Handler", (_Handler,), {"service": service})
-        family = socket.AF_INET6 if ":" in opts.host else socket.AF_INET
+    def __init__(self, host: str, port: int) -> None:
+        handler = type("Handler", (_Handler,), {})
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # close() joins the handler threads: an answer being written is finished before the process leaves
         http_server = type("HTTPServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": False,
                                                                     "block_on_close": True})
         try:
-            self.httpd = http_server((opts.host, opts.port), handler)
+            self.httpd = http_server((host, port), handler)
         except OSError as e:
-            raise TqbenchError(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}") from None
+            raise TqbenchError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         self.httpd.handlers = set()  # the connections' handlers, to end the idle ones at close
         self.httpd.lock = threading.Lock()
+        self._handler = handler
         self.port = self.httpd.server_address[1]
-        host = f"[{opts.host}]" if ":" in opts.host else opts.host
-        self.url = f"http://{host}:{self.port}"
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+        self._service: Service | None = None
+
+    def start(self, service: Service) -> None:
+        """Answer requests for `service` (requests that arrived since the socket opened wait in its backlog)."""
+        self._handler.service = service
         service.url = self.url
         self._service = service
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="tqbench-http", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self.httpd.serve_forever, name="tqbench-http", daemon=True).start()
 
     def close(self) -> None:
         """Stop listening, stop the running requests after their current token, end the idle keep-alive
         connections, and wait for every handler (an answer being written is finished)."""
+        if self._service is None:  # never started
+            self.httpd.server_close()
+            return
         self._service.stop()
         self.httpd.shutdown()
         with self.httpd.lock:

@@ -40,10 +40,6 @@ class ServeOptions:
     max_body_bytes: int = MAX_BODY_BYTES
     max_requests: int = 0  # stop after this many completions (0: serve until stopped)
 
-    @property
-    def loopback(self) -> bool:
-        return self.host in ("127.0.0.1", "localhost", "::1")
-
 
 @dataclass(frozen=True)
 class RequestDone:
