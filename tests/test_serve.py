@@ -444,3 +444,31 @@ def test_listening_beyond_loopback_warns():
 
     assert warn_if_exposed("127.0.0.1") is None
     assert "0.0.0.0" in warn_if_exposed("0.0.0.0") and "--api-key" in warn_if_exposed("0.0.0.0")
+
+
+def test_any_json_body_is_a_request_or_one_openai_error():
+    """Random JSON values in every field the parser reads: a typed request or an ApiError (400 naming a field),
+    never another exception."""
+    import random
+
+    from tqbench.serve.openai import ApiError, parse_request
+
+    rng = random.Random(0)
+    leaves = [None, True, False, 0, -1, 1, 2**70, 0.5, float("1e308"), "", "x", "user", [], {}, [1], {"a": 1},
+              [{"role": "user", "content": "x"}], [{"type": "text", "text": "x"}], {"type": "function"}]
+    fields = ["model", "messages", "prompt", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+              "top_k", "seed", "stop", "tools", "n", "logprobs", "stream_options", "tool_choice", "user"]
+    outcomes = set()
+    for _ in range(2000):
+        body = {k: rng.choice(leaves) for k in rng.sample(fields, rng.randint(1, 6))}
+        if rng.random() < 0.5:
+            body["messages"] = [{"role": rng.choice(["user", "assistant", "x", None]),
+                                 "content": rng.choice(leaves), "tool_calls": rng.choice(leaves)}]
+        for kind in ("chat", "text"):
+            try:
+                parse_request(kind, body)
+                outcomes.add("ok")
+            except ApiError as e:
+                assert e.status == 400 and e.message and "\n" not in e.message
+                outcomes.add(400)
+    assert outcomes == {"ok", 400}

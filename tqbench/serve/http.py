@@ -82,6 +82,7 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
 
     busy = False  # between a request's first line and the end of its answer
+    _answering = False  # the status line of this request's answer is sent
 
     def log_message(self, format: str, *args: Any) -> None:  # the faces show requests; no access log on stderr
         pass
@@ -97,8 +98,12 @@ class _Handler(BaseHTTPRequestHandler):
         super().finish()
 
     def parse_request(self) -> bool:
-        self.busy = True
+        self.busy, self._answering = True, False
         return super().parse_request()
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self._answering = True
+        super().send_response(code, message)
 
     def handle_one_request(self) -> None:
         try:
@@ -132,6 +137,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.service.refused()
             self._send_json(e.status, e.body(), e.headers, close=e.status in (413, 411))
         except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception as e:  # noqa: BLE001 - a bug: the client gets a 500 in OpenAI's shape, the server goes on
+            if not self._answering:
+                err = openai.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+                self._send_json(500, err.body(), close=True)
             self.close_connection = True
 
     # ---- GET ------------------------------------------------------------------------------------------------------
@@ -196,10 +206,12 @@ class _Handler(BaseHTTPRequestHandler):
                 elif isinstance(ev, CompletionDone):
                     done = ev
         except TqbenchError as e:  # the engine refused the request (a chat template that rejects the messages)
+            err = openai.ApiError(400, str(e))
             if started:
-                self._sse({"error": openai.ApiError(400, str(e)).body()["error"]})
-                return
-            raise openai.ApiError(400, str(e)) from None
+                self._sse(err.body())
+            else:
+                self._send_json(err.status, err.body())
+            return
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
             return
