@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,18 +42,26 @@ def small_k3(tmp_path) -> Path:
     return write_skeleton(tmp_path / "small-k3", k3_config(text), k3_tensor_specs(text), shard_size=64 * 1024)
 
 
-def demo_tq4(root: Path, shard_size: int | None = None) -> Path:
-    """The demo converted with tq4 into `root/tq4` (the conversion profiles/demo-tq4.json was made for), with its own
-    cache directory `root/cache` while converting (a module fixture runs outside the per-test one)."""
+_DEMO_TQ4: dict[int | None, Path] = {}  # shard size -> the conversion this test session made once
+
+
+def demo_tq4(root: Path, shard_size: int | None = None, name: str = "tq4") -> Path:
+    """The demo converted with tq4 (the conversion profiles/demo-tq4.json was made for), copied into `root/name`.
+    Converted once per shard size and test session (about 30 s each on 2 cores), with its own cache directory (a
+    module fixture runs outside the per-test one); every caller gets a copy of its own to change."""
     from tqbench.convert import convert
     from tqbench.demo import ensure_demo
     from tqbench.recipe import Recipe
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
-        kw = {} if shard_size is None else {"shard_size": shard_size}
-        list(convert(ensure_demo(), root / "tq4", Recipe.parse("tq4"), **kw))
-    return root / "tq4"
+    if shard_size not in _DEMO_TQ4:
+        base = Path(tempfile.mkdtemp(prefix="tqbench-demo-tq4-"))
+        atexit.register(shutil.rmtree, base, True)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TQBENCH_CACHE_DIR", str(base / "cache"))
+            kw = {} if shard_size is None else {"shard_size": shard_size}
+            list(convert(ensure_demo(), base / "tq4", Recipe.parse("tq4"), **kw))
+        _DEMO_TQ4[shard_size] = base / "tq4"
+    return Path(shutil.copytree(_DEMO_TQ4[shard_size], root / name))
 
 
 def file_bytes(root: Path) -> dict[str, bytes]:

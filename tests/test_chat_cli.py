@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import demo_tq4
 from cli_helpers import tqbench
-from tqbench.convert import convert
 from tqbench.demo import SHIPPED_SPEC, ensure_demo
 from tqbench.chat.request import ChatRequest
 from tqbench.chat.session import ChatSession
-from tqbench.recipe import Recipe
 from tqbench.runtime.chat import Sampling
 
 pytestmark = pytest.mark.slow  # a demo conversion and several model loads (~15 s)
@@ -24,12 +22,7 @@ pytestmark = pytest.mark.slow  # a demo conversion and several model loads (~15 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("chat")
-    src = root / "demo"
-    shutil.copytree(ensure_demo(), src)
-    dest = root / "tq4"
-    list(convert(src, dest, Recipe.parse("tq4")))
-    return dest
+    return demo_tq4(tmp_path_factory.mktemp("chat"))
 
 
 def _engine_replies(path: Path, turns: list[str], n: int) -> list[str]:

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from tqbench.convert import convert
+from conftest import demo_tq4
 from tqbench.demo import ensure_demo
 from tqbench.chat.request import ChatRequest, ProfileOptions, StreamRequest
 from tqbench.chat.session import ChatSession
 from tqbench.engine import engine
 from tqbench.errors import TqbenchError
 from tqbench.layout.names import INDEX_FILE
-from tqbench.recipe import Recipe
 from tqbench.runtime.chat import ReplyDone, TokenOut
 from tqbench.runtime.models import demo_converted_path
 from tqbench.state import last_model, remember_model
@@ -49,13 +48,8 @@ REAL_REPLY = ChatSession._reply  # what a ChatSession's reply job runs on the en
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """The trained demo converted with tq4 (once for the module, in its own cache dir)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        dest = tmp_path_factory.mktemp("model") / "demo-tq4"
-        for _ in convert(ensure_demo(), dest, Recipe.parse("tq4")):
-            pass
-    return dest
+    """The trained demo converted with tq4 (a copy of the test session's conversion)."""
+    return demo_tq4(tmp_path_factory.mktemp("model"), name="demo-tq4")
 
 
 def gated(gate: threading.Event, reached: threading.Event):
