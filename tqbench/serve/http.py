@@ -35,8 +35,8 @@ class Server:
         handler = type("Handler", (_Handler,), {"service": service})
         family = socket.AF_INET6 if ":" in opts.host else socket.AF_INET
         # close() joins the handler threads: an answer being written is finished before the process leaves
-        http_server = type("HTTPServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": False,
-                                                                    "block_on_close": True})
+        http_server = type("HTTPServer", (_TrackingServer,), {"address_family": family, "daemon_threads": False,
+                                                                "block_on_close": True})
         try:
             self.httpd = http_server((opts.host, opts.port), handler)
         except OSError as e:
@@ -53,7 +53,37 @@ class Server:
         """Stop listening, stop the running requests after their current token, and wait for every handler."""
         self._service.stop()
         self.httpd.shutdown()
+        self.httpd.end_reads()
         self.httpd.server_close()
+
+
+class _TrackingServer(ThreadingHTTPServer):
+    """Knows its open connections, so that closing does not wait for a client's idle keep-alive connection (its
+    handler thread blocks reading the next request until the client hangs up)."""
+
+    def __init__(self, *args: Any) -> None:
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(*args)
+
+    def process_request(self, request, client_address) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def end_reads(self) -> None:
+        """Every open connection reads as closed: idle handlers end, answers being written still finish."""
+        with self._open_lock:
+            for sock in self._open:
+                try:
+                    sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
 
 
 class _Handler(BaseHTTPRequestHandler):
