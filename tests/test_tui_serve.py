@@ -55,8 +55,9 @@ def text(screen: ServeScreen, selector: str) -> str:
     return str(screen.query_one(selector, Static).render())
 
 
-def log_lines(screen: ServeScreen) -> list[str]:
-    return [strip.text.rstrip() for strip in screen.query_one(RichLog).lines]
+def log_text(screen: ServeScreen) -> str:
+    """The request log's lines, wrapped lines joined again."""
+    return " ".join(t for strip in screen.query_one(RichLog).lines if (t := strip.text.strip()))
 
 
 def set_field(screen: ServeScreen, name: str, value: str) -> None:
@@ -67,7 +68,7 @@ def set_field(screen: ServeScreen, name: str, value: str) -> None:
 async def test_serve_the_demo_from_the_screen(tmp_path):
     demo = ensure_demo()
     remember_model(demo)  # the model the Chat screen would open: the last converted, here the demo's source
-    app = TqbenchApp(demo)
+    app = TqbenchApp(tmp_path / "nothing")  # the Source screen's load fails at once: no checkpoint to scan
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_serve(pilot)
         set_field(screen, "serve-port", "0")
@@ -101,8 +102,9 @@ async def test_serve_the_demo_from_the_screen(tmp_path):
         assert answer["reply"].usage.completion_tokens == st.completion_tokens > 0
         assert text(screen, "#serve-status").splitlines() == report.status_lines(st)
         assert text(screen, "#serve-status").startswith("requests 1 (1 ok); running 0, queued 0")
-        logged = [line for line in log_lines(screen) if line]
-        assert len(logged) == 1 and f"{st.completion_tokens} generated (max tokens)" in logged[0], logged
+        logged = log_text(screen)
+        assert logged.startswith(answer["reply"].id + ": ") and logged.count("chatcmpl-") == 1, logged
+        assert f"{st.prompt_tokens} prompt tokens, {st.completion_tokens} generated (max tokens)" in logged
         # every routing the engine counted came to the map as a page-in
         seen = screen.experts.seen
         assert sum(seen.values()) == st.stream.stats.hits + st.stream.stats.misses > 0
@@ -121,19 +123,23 @@ async def test_serve_the_demo_from_the_screen(tmp_path):
         assert not any(t.name == "tqbench-http" for t in threading.enumerate())
 
 
-def start_serve_process(tmp_path) -> tuple[subprocess.Popen, str]:
-    """`tqbench serve` of the demo in another process (one request, then it stops); its URL from its stderr."""
+def start_serve_process(tmp_path) -> subprocess.Popen:
+    """`tqbench serve` of the demo in another process (one request, then it stops)."""
     import os
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tqbench", "serve", "-m", str(ensure_demo()), "--port", "0",
+    return subprocess.Popen([sys.executable, "-m", "tqbench", "serve", "-m", str(ensure_demo()), "--port", "0",
                              "--max-requests", "1", "--no-learn", "--cache-budget-gb", "0.002"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=tmp_path)
+
+
+def serving_url(proc: subprocess.Popen) -> str:
+    """The URL the process serves at, from its stderr's serving line."""
     for line in proc.stderr:
         found = re.search(r"serving \S+ at (http://127\.0\.0\.1:\d+)/v1", line)
         if found:
             threading.Thread(target=proc.stderr.read, daemon=True).start()  # the rest, so the pipe never fills
-            return proc, found.group(1)
+            return found.group(1)
     proc.wait(10)
     raise AssertionError(f"tqbench serve ended (exit {proc.returncode}) without serving")
 
@@ -141,11 +147,12 @@ def start_serve_process(tmp_path) -> tuple[subprocess.Popen, str]:
 @pytest.mark.slow
 async def test_attach_to_a_serve_process(tmp_path):
     demo = ensure_demo()
-    proc, url = start_serve_process(tmp_path)
+    proc = start_serve_process(tmp_path)
     try:
-        app = TqbenchApp(demo)
+        app = TqbenchApp(tmp_path / "nothing")
         async with app.run_test(size=SIZE) as pilot:
             screen = await open_serve(pilot)
+            url = await asyncio.to_thread(serving_url, proc)  # the process loaded while the app started
             set_field(screen, "attach-url", url)
             await pilot.press("a")
             await wait_for(pilot, lambda: screen.status is not None or screen.error is not None, "the status", 10)
@@ -157,8 +164,9 @@ async def test_attach_to_a_serve_process(tmp_path):
             st = screen.status
             assert reply.usage.completion_tokens == st.completion_tokens > 0
             assert text(screen, "#serve-status").startswith("requests 1 (1 ok); running 0, queued 0")
-            logged = [line for line in log_lines(screen) if line]
-            assert len(logged) == 1 and logged[0].startswith(reply.id), logged
+            logged = log_text(screen)
+            assert logged.startswith(reply.id + ": ") and logged.count("chatcmpl-") == 1, logged
+            assert f"{st.prompt_tokens} prompt tokens, {st.completion_tokens} generated (max tokens)" in logged
             # the server stops after its one request: the feed's end is one line, the figures stay
             await wait_for(pilot, lambda: screen.state == "idle", "the feed's end", 20)
             assert screen.error == report.feed_ended_line(url)

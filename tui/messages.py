@@ -394,7 +394,7 @@ class ChatProfileExported(Message):
     error: str | None = None
 
 
-# ---- the Serve screen -------------------------------------------------------------------------------------------------
+# ---- the Serve screen ------------------------------------------------------------------------------------------------
 
 @dataclass
 class ServeFeed(Message):

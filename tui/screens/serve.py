@@ -92,7 +92,7 @@ class ServeScreen(Screen):
     """
     AUTO_FOCUS = "#serve-log"
     BINDINGS = [
-        Binding("r", "start", "Serve"),
+        Binding("r", "start", "Start"),
         Binding("a", "attach", "Attach"),
         Binding("x", "stop", "Stop"),
     ]
@@ -132,10 +132,10 @@ class ServeScreen(Screen):
         yield Static("", id="serve-error", markup=False)
         yield Static(Content.styled(IDLE_LINE, "$text-muted"), id="serve-line")
         yield Static("", id="serve-status", markup=False)
-        with Horizontal(id="serve-body"):
-            yield RichLog(max_lines=LOG_LINES, id="serve-log")
-            yield ExpertMapView(id="serve-map")
         yield Static(report.RESIDENT_LINE, id="serve-resident", markup=False)
+        with Horizontal(id="serve-body"):
+            yield RichLog(max_lines=LOG_LINES, wrap=True, id="serve-log")
+            yield ExpertMapView(id="serve-map")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -246,7 +246,7 @@ class ServeScreen(Screen):
         self.post_message(ServeStopped())
 
     def on_serve_stopped(self, message: ServeStopped) -> None:
-        self._new_feed()  # the last batches of the closed server's feed are dropped
+        self.feed_id += 1  # the last batches of the closed server's feed are dropped; what it showed stays
         self.state = "idle"
         if message.error is not None:
             self._set_error(f"stopping the server failed: {message.error}")
@@ -338,7 +338,7 @@ class ServeScreen(Screen):
         self.map_view.display = self.experts is not None
         self.query_one("#serve-resident").display = layers == ()
         if self.experts is not None:
-            self.map_view.styles.width = max(36, min(natural_width(self.experts) + 2, self.size.width // 2))
+            self.map_view.styles.width = max(36, min(natural_width(self.experts) + 2, self.size.width * 2 // 5))
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """A worker that ended with an exception it did not turn into a message still ends as one line."""
@@ -361,6 +361,7 @@ class ServeScreen(Screen):
             self.action_attach()
         else:
             self.action_start()
+        self.log_view.focus()  # the screen's keys (x stops) work at once
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if isinstance(self.focused, Input) and action in ("start", "attach", "stop"):
