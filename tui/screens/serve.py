@@ -283,7 +283,8 @@ class ServeScreen(Screen):
     def on_serve_feed_ended(self, message: ServeFeedEnded) -> None:
         if message.feed_id != self.feed_id:
             return
-        self.state = "idle"
+        if self.state == "attached":  # the screen's own server (its watcher failed) keeps serving until x
+            self.state = "idle"
         self._set_error(message.message)
         if self.status is None:
             self._line(Content.styled(IDLE_LINE, "$text-muted"))
