@@ -86,7 +86,7 @@ class ServeScreen(Screen):
     ServeScreen #serve-line { height: auto; padding: 0 1; }
     ServeScreen #serve-status { height: auto; padding: 0 1; }
     ServeScreen #serve-body { height: 1fr; border-top: hkey $foreground 20%; }
-    ServeScreen #serve-log { width: 1fr; height: 1fr; padding: 0 1; }
+    ServeScreen #serve-log { width: 1fr; height: 1fr; padding: 0 1; overflow-x: hidden; }
     ServeScreen #serve-map { display: none; width: 38; border-left: vkey $foreground 20%; }
     ServeScreen #serve-resident { display: none; height: auto; padding: 0 1; color: $text-muted; }
     """
@@ -134,7 +134,7 @@ class ServeScreen(Screen):
         yield Static("", id="serve-status", markup=False)
         yield Static(report.RESIDENT_LINE, id="serve-resident", markup=False)
         with Horizontal(id="serve-body"):
-            yield RichLog(max_lines=LOG_LINES, wrap=True, id="serve-log")
+            yield RichLog(max_lines=LOG_LINES, wrap=True, min_width=20, id="serve-log")  # wrapped to its width
             yield ExpertMapView(id="serve-map")
         yield Footer()
 
