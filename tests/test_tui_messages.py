@@ -16,6 +16,7 @@ import tqbench.events
 import tqbench.recipe
 import tqbench.runtime.chat
 import tqbench.runtime.models
+import tqbench.serve.service
 import tqbench.source
 import tqbench.stream
 import tui.messages as messages
@@ -31,7 +32,7 @@ def hints(cls) -> dict:
     """The resolved field types, given the engine modules the messages name under TYPE_CHECKING."""
     names = {}
     for module in (tqbench.convert, tqbench.events, tqbench.recipe, tqbench.source, tui.tally, tqbench.runtime.chat,
-                   tqbench.runtime.models, tqbench.chat.records, tqbench.stream):
+                   tqbench.runtime.models, tqbench.chat.records, tqbench.stream, tqbench.serve.service):
         names.update({k: v for k, v in vars(module).items() if isinstance(v, type)})
     return typing.get_type_hints(cls, localns=names)
 

@@ -1,5 +1,5 @@
 """`TqbenchApp`: the full-screen workbench. Each workbench area is an app mode: Source first, then Recipe, Convert,
-Chat, Profile; ? (or F1) lists every key, and the command palette (ctrl+p) reaches every screen too."""
+Chat, Profile, Serve; ? (or F1) lists every key, and the command palette (ctrl+p) reaches every screen too."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from tui.screens.convert import ConvertScreen
 from tui.screens.help import HelpScreen
 from tui.screens.profile import ProfileScreen
 from tui.screens.recipe import RecipeScreen
+from tui.screens.serve import ServeScreen
 from tui.screens.source import SourceScreen
 from tui.widgets.recipe_editor import INITIAL_RECIPE
 
@@ -30,7 +31,7 @@ class TqbenchApp(App[None]):
     TITLE = "tqbench"
     CSS_PATH = "app.tcss"
     MODES = {"source": SourceScreen, "recipe": RecipeScreen, "convert": ConvertScreen, "chat": ChatScreen,
-             "profile": ProfileScreen}
+             "profile": ProfileScreen, "serve": ServeScreen}
     DEFAULT_MODE = "source"
     BINDINGS = [
         Binding("q", "quit", "Quit"),
@@ -43,6 +44,8 @@ class TqbenchApp(App[None]):
         Binding("c", "switch_mode('convert')", "Convert"),
         Binding("t", "switch_mode('chat')", "Chat"),
         Binding("h", "switch_mode('profile')", "Profile"),  # f: the Convert screen's Force
+        # not in the footer (it would push other keys off 80 columns): the help screen and the palette list it
+        Binding("w", "switch_mode('serve')", "Serve", show=False),
     ]
 
     # The tqbench.source.Checkpoint opened last, for every screen (the Source screen sets it; the Recipe screen

@@ -19,8 +19,9 @@ says explicitly whether it merges:
   ChatReplyProgress (a streaming reply's whole text so far, posted at most every ~50 ms), QuickEvalProgress (the
   Recipe screen shows only where a quick eval is now);
 - never merged, because each one counts: ConvertShardWritten (the screen counts shards written), PlansReady
-  (each carries plans the others lack; dropping one would only make the screen plan them again) and ChatExperts
-  (a streaming reply's expert page-ins since the last batch; the expert view counts every routing).
+  (each carries plans the others lack; dropping one would only make the screen plan them again), ChatExperts
+  (a streaming reply's expert page-ins since the last batch; the expert view counts every routing) and ServeFeed (a
+  server's page-ins and requests since the last batch: the map counts every routing, the log shows every request).
 
 The others (a load starting, finishing or failing, a destination checked, a run beginning, ending or failing) come
 once per action and never merge: Message.can_replace's default.
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from tqbench.recipe import Machine, Plan, Recipe, Sources
     from tqbench.runtime.chat import ReplyDone, ReplyStarted
     from tqbench.runtime.models import ModelChosen
+    from tqbench.serve.service import RequestDone, ServeStatus
     from tqbench.source import Checkpoint, Summary, Tensor
     from tqbench.stream import PageIn
     from tui.tally import LayerStats
@@ -392,7 +394,39 @@ class ChatProfileExported(Message):
     error: str | None = None
 
 
+# ---- the Serve screen ------------------------------------------------------------------------------------------------
+
+@dataclass
+class ServeFeed(Message):
+    """A batch of a server's live feed (tqbench.serve: its own Service's watcher, or an attached server's events),
+    posted at most every ~100 ms: the page-ins and ended requests since the last batch, and the newest status."""
+
+    feed_id: int
+    page_ins: tuple[PageIn, ...] = field(repr=False)
+    requests: tuple[RequestDone, ...]
+    status: ServeStatus | None
+
+    def can_replace(self, message: Message) -> bool:
+        """Never merged: each batch holds routings and requests the others lack."""
+        return False
+
+
+@dataclass
+class ServeFeedEnded(Message):
+    """An attached server's feed ended: `message` says why in one line (unreachable, 401, the server stopped)."""
+
+    feed_id: int
+    message: str
+
+
+@dataclass
+class ServeStopped(Message):
+    """The screen's server closed and its model was dropped; `error` is one line if closing failed."""
+
+    error: str | None = None
+
+
 # Messages that can come in bursts: each defines can_replace itself (see the module docstring).
 HIGH_RATE: tuple[type[Message], ...] = (ScanProgress, FilterApplied, PlansReady, RecipeChosen, MachineChosen,
                                         ConvertProgress, ConvertShardWritten, QuickEvalProgress, ChatConvertProgress,
-                                        ChatReplyProgress, ChatExperts)
+                                        ChatReplyProgress, ChatExperts, ServeFeed)

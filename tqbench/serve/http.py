@@ -35,14 +35,12 @@ class Server:
         handler = type("Handler", (_Handler,), {})
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # close() joins the handler threads: an answer being written is finished before the process leaves
-        http_server = type("HTTPServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": False,
-                                                                    "block_on_close": True})
+        http_server = type("HTTPServer", (_TrackingServer,), {"address_family": family, "daemon_threads": False,
+                                                                "block_on_close": True})
         try:
             self.httpd = http_server((host, port), handler)
         except OSError as e:
             raise TqbenchError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-        self.httpd.handlers = set()  # the connections' handlers, to end the idle ones at close
-        self.httpd.lock = threading.Lock()
         self._handler = handler
         self.port = self.httpd.server_address[1]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
@@ -63,14 +61,37 @@ class Server:
             return
         self._service.stop()
         self.httpd.shutdown()
-        with self.httpd.lock:
-            idle = [h for h in self.httpd.handlers if not h.busy]
-        for h in idle:  # a handler waiting for a client's next request on a kept-alive connection
-            try:
-                h.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self.httpd.end_reads()
         self.httpd.server_close()
+
+
+class _TrackingServer(ThreadingHTTPServer):
+    """Knows its open connections, so that closing does not wait for a client's idle keep-alive connection (its
+    handler thread blocks reading the next request until the client hangs up)."""
+
+    def __init__(self, *args: Any) -> None:
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(*args)
+
+    def process_request(self, request, client_address) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def end_reads(self) -> None:
+        """Every open connection reads as closed: idle handlers end, answers being written still finish."""
+        with self._open_lock:
+            for sock in self._open:
+                try:
+                    sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -81,35 +102,18 @@ class _Handler(BaseHTTPRequestHandler):
     # ACK of the previous write: 40 ms on Linux)
     disable_nagle_algorithm = True
 
-    busy = False  # between a request's first line and the end of its answer
     _answering = False  # the status line of this request's answer is sent
 
     def log_message(self, format: str, *args: Any) -> None:  # the faces show requests; no access log on stderr
         pass
 
-    def setup(self) -> None:
-        super().setup()
-        with self.server.lock:
-            self.server.handlers.add(self)
-
-    def finish(self) -> None:
-        with self.server.lock:
-            self.server.handlers.discard(self)
-        super().finish()
-
     def parse_request(self) -> bool:
-        self.busy, self._answering = True, False
+        self._answering = False
         return super().parse_request()
 
     def send_response(self, code: int, message: str | None = None) -> None:
         self._answering = True
         super().send_response(code, message)
-
-    def handle_one_request(self) -> None:
-        try:
-            super().handle_one_request()
-        finally:
-            self.busy = False
 
     # ---- routing --------------------------------------------------------------------------------------------------
 

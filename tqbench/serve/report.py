@@ -7,11 +7,21 @@ from tqbench import units
 from tqbench.serve.service import RequestDone, ServeStatus
 
 ENDINGS = {"length": "max tokens", "tool_calls": "tool calls", "cancelled": "client left"}
+RESIDENT_LINE = "experts resident: no expert map (serve with a cache budget to watch experts page in)"
 
 
-def serving_line(url: str, model: str, api_key: bool) -> str:
+def serving_line(url: str, model: str, api_key: bool, stops: str = "Ctrl-C stops") -> str:
     key = "; every request needs the API key" if api_key else ""
-    return f"serving {model} at {url}/v1 (OpenAI API){key}; Ctrl-C stops"
+    return f"serving {model} at {url}/v1 (OpenAI API){key}; {stops}"
+
+
+def attached_line(st: ServeStatus) -> str:
+    """A face watching a server that another process runs."""
+    return f"attached to {st.model} served at {st.url}/v1 by another process"
+
+
+def feed_ended_line(url: str) -> str:
+    return f"{url}: the server closed its live feed (it stopped)"
 
 
 def request_line(r: RequestDone) -> str:
