@@ -310,9 +310,11 @@ async def test_a_model_that_fails_to_load_is_one_line(tmp_path):
         assert screen.transcript.turns == [] and screen.chat_input.value == "hello"  # refused with a notice
 
 
-async def test_the_convert_screens_output_is_loaded_next(model_dir):
+async def test_the_convert_screens_output_is_loaded_next(model_dir, tmp_path):
+    from tqbench.demo import DemoSpec, write_source
+
     remember_model(model_dir)
-    src = ensure_demo()
+    src = write_source(tmp_path / "src", DemoSpec(), seed=0)  # a small checkpoint: the conversion takes seconds
     app = TqbenchApp(src)
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_chat(pilot)
