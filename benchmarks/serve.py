@@ -9,19 +9,21 @@ in a process of its own), in alternating order; and what the prompt cache saves 
 (On Linux the script re-executes itself with that LD_PRELOAD when the library exists and LD_PRELOAD is unset.)
 
 1. Converts the shipped demo with tq4 into the work directory, once.
-2. `--pairs` pairs; each pair runs, in alternating order, a fresh `engine` child (ChatSession opened on the model,
-   `--requests` completions of the same chat message, each timed on the child's thread from the call to its first
-   CompletionDelta with text and its last) and a fresh `tqbench serve` process on 127.0.0.1 that this process drives
-   with the official openai client, streaming (the same requests, timed from the call to the first chunk with text
-   and the last). Both run greedy, `--max-tokens` tokens, no profile learning, each with its own empty cache
-   directory. One warm-up request each, not counted.
-   Per request: time to first token (TTFT) and decode tok/s = (tokens - 1) / (last - first), both as the client sees
-   them. Per pair: the ratio of the median decode tok/s (server / engine) and the difference of the median TTFTs.
-   Goals: ratio >= 0.95 (`TPS_GOAL`), TTFT overhead <= 20 ms (`TTFT_GOAL_S`), taken on the medians over pairs.
+2. One `tqbench serve` process on 127.0.0.1 and, in this process, a ChatSession on the same model (both resident,
+   both loaded once). `--pairs` pairs of the same greedy request, `--max-tokens` tokens, no profile learning: one
+   through the server, driven with the official openai client and streamed (timed from the call to the first chunk
+   with text and to the last), one through the bare engine (`ChatSession.complete`, timed from the call to its first
+   CompletionDelta with text and its last), back to back, the order alternating. Pairing request by request matters:
+   on this 2-core VM the same request decodes anywhere from 10 to 24 tok/s over minutes, so only neighbours compare.
+   One warm-up request each, not counted.
+   Per request: time to first token (TTFT) and decode tok/s = (tokens - 1) / (last - first), both as the caller sees
+   them. Per pair: decode tok/s server / engine and TTFT server - engine; also the ratio of the engines' own decode
+   rates (mlx-lm's figure: the server logs it per request), which leaves out what happens after a token is made. Goals, on the medians over pairs: ratio
+   >= 0.95 (`TPS_GOAL`), TTFT overhead <= 20 ms (`TTFT_GOAL_S`).
 3. The prompt cache: a conversation whose first turn is `--context` tokens of held-out code, then a second turn (the
    reply sent back and a short question), through a server with the prompt cache and one with `--prompt-cache-gb 0`;
    TTFT of each turn, `--turns` times (a new conversation each time, so nothing is reused across them).
-4. Peak RSS of each engine child and server process.
+4. Peak RSS of the server process and of this one (which holds the bare engine's model).
 
 Writes JSON (`--out`, default bench-results/serve.json, schema tqbench.bench.serve/1) and prints a summary.
 """
@@ -31,13 +33,12 @@ from __future__ import annotations
 import os
 import sys
 
-from harness import REPO, add_size_options, emit, log, machine_info, median, run_child, sizes, with_openblas
+from harness import REPO, add_size_options, log, machine_info, median, peak_rss_bytes, sizes, with_openblas
 
 if __name__ == "__main__":
     with_openblas()
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -53,36 +54,39 @@ TPS_GOAL = 0.95
 TTFT_GOAL_S = 0.020
 RELEVANT = ("tqbench/serve", "tqbench/chat", "tqbench/runtime", "benchmarks/serve.py")
 PROMPT = "def parse_args(argv):"
-DEFAULTS = dict(pairs=5, requests=8, max_tokens=48, context=600, turns=3)
-QUICK = dict(pairs=1, requests=2, max_tokens=12, context=200, turns=1)
+DEFAULTS = dict(pairs=24, max_tokens=48, context=600, turns=3)
+QUICK = dict(pairs=2, max_tokens=12, context=200, turns=1)
 
 
-# --- the engine alone (a child process) --------------------------------------------------------------------------------
+# --- the bare engine (in this process) ----------------------------------------------------------------------------------
 
-def child_engine(a: dict) -> None:
-    from tqbench.chat.records import CompletionDelta
-    from tqbench.chat.request import ChatRequest, CompletionRequest, ProfileOptions, SamplingRequest
-    from tqbench.chat.session import ChatSession
+class Engine:
+    def __init__(self, model: Path) -> None:
+        from tqbench.chat.request import ChatRequest, ProfileOptions
+        from tqbench.chat.session import ChatSession
 
-    session = ChatSession()
-    request = CompletionRequest(messages=({"role": "user", "content": a["prompt"]},),
-                                sampling=SamplingRequest(max_tokens=a["max_tokens"], temp=0.0))
-    try:
-        with session.open(ChatRequest(a["model"], profile=ProfileOptions(learn=False))) as job:
+        self.session = ChatSession()
+        with self.session.open(ChatRequest(str(model), profile=ProfileOptions(learn=False))) as job:
             job.result()
-        runs = []
-        for i in range(a["requests"] + 1):
-            t0 = time.perf_counter()
-            stamps = []
-            with session.complete(request) as job:
-                for ev in job:
-                    if isinstance(ev, CompletionDelta) and ev.content:
-                        stamps.append(time.perf_counter() - t0)
-            if i:  # the first is the warm-up
-                runs.append(timing(stamps))
-    finally:
-        session.close()
-    emit(dict(runs=runs))
+
+    def stream(self, messages: list[dict], max_tokens: int) -> dict:
+        from tqbench.chat.records import CompletionDelta, CompletionDone
+        from tqbench.chat.request import CompletionRequest, SamplingRequest
+
+        request = CompletionRequest(messages=tuple(messages), sampling=SamplingRequest(max_tokens=max_tokens, temp=0.0))
+        t0 = time.perf_counter()
+        stamps = []
+        done = None
+        with self.session.complete(request) as job:
+            for ev in job:
+                if isinstance(ev, CompletionDelta) and ev.content:
+                    stamps.append(time.perf_counter() - t0)
+                elif isinstance(ev, CompletionDone):
+                    done = ev
+        return dict(timing(stamps), engine_decode_tps=done.reply.decode_tps)
+
+    def close(self) -> None:
+        self.session.close()
 
 
 def timing(stamps: list[float]) -> dict:
@@ -90,9 +94,6 @@ def timing(stamps: list[float]) -> dict:
     n = len(stamps)
     return dict(ttft_s=stamps[0], tokens=n,
                 decode_tps=(n - 1) / (stamps[-1] - stamps[0]) if n > 1 and stamps[-1] > stamps[0] else None)
-
-
-CHILDREN = {"engine": child_engine}
 
 
 # --- the server (a `tqbench serve` process driven from here) -----------------------------------------------------------
@@ -132,7 +133,9 @@ class Server:
             if c.choices and c.choices[0].delta.content:
                 stamps.append(time.perf_counter() - t0)
                 text.append(c.choices[0].delta.content)
-        return timing(stamps), "".join(text)
+        time.sleep(0.05)  # the server's line for this request (its engine's own decode rate) is on its stderr by now
+        logged = re.findall(r", ([\d.]+) tok/s$", self.lines[-1]) if self.lines else []
+        return dict(timing(stamps), engine_decode_tps=float(logged[0]) if logged else None), "".join(text)
 
     def peak_rss(self) -> int | None:
         try:
@@ -147,24 +150,28 @@ class Server:
         shutil.rmtree(self.cache, ignore_errors=True)
 
 
-def served(model: Path, work: Path, a: dict) -> dict:
-    s = Server(model, work)
+def pairs(model: Path, work: Path, z: dict) -> tuple[list[dict], dict]:
+    """Request pairs, server and bare engine back to back, alternating which goes first."""
+    server, bare = Server(model, work), Engine(model)
+    messages = [{"role": "user", "content": PROMPT}]
     try:
-        messages = [{"role": "user", "content": a["prompt"]}]
-        s.stream(messages, a["max_tokens"])  # warm-up
-        runs = [s.stream(messages, a["max_tokens"])[0] for _ in range(a["requests"])]
-        return dict(runs=runs, peak_rss=s.peak_rss())
+        server.stream(messages, z["max_tokens"])  # warm-ups
+        bare.stream(messages, z["max_tokens"])
+        out = []
+        for i in range(z["pairs"]):
+            order = ("server", "engine") if i % 2 == 0 else ("engine", "server")
+            got = {k: server.stream(messages, z["max_tokens"])[0] if k == "server" else
+                   bare.stream(messages, z["max_tokens"]) for k in order}
+            out.append(dict(order=list(order), server=got["server"], engine=got["engine"],
+                            tps_ratio=got["server"]["decode_tps"] / got["engine"]["decode_tps"],
+                            ttft_overhead_s=got["server"]["ttft_s"] - got["engine"]["ttft_s"],
+                            engine_tps_ratio=got["server"]["engine_decode_tps"] / got["engine"]["engine_decode_tps"]))
+            log(f"pair {i + 1}/{z['pairs']}: decode {out[-1]['tps_ratio']:.3f}, TTFT "
+                f"{out[-1]['ttft_overhead_s'] * 1000:+.1f} ms")
+        return out, dict(server_peak_rss=server.peak_rss(), client_and_engine_peak_rss=peak_rss_bytes())
     finally:
-        s.close()
-
-
-def engine(model: Path, work: Path, a: dict) -> dict:
-    cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
-    try:
-        return run_child(Path(__file__).resolve(), "engine", dict(a, model=str(model)), 1800, cwd=REPO,
-                         env=dict(TQBENCH_CACHE_DIR=str(cache), PYTHONPATH=str(REPO)))
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
+        server.close()
+        bare.close()
 
 
 def context_text(tokens: int) -> str:
@@ -209,34 +216,21 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     log("converting the demo with tq4")
     model = convert_demo(work)
-    args = dict(prompt=PROMPT, max_tokens=z["max_tokens"], requests=z["requests"])
-    pairs = []
-    for i in range(z["pairs"]):
-        order = ("engine", "server") if i % 2 == 0 else ("server", "engine")
-        got = {}
-        for kind in order:
-            log(f"pair {i + 1}/{z['pairs']}: {kind}")
-            got[kind] = engine(model, work, args) if kind == "engine" else served(model, work, args)
-        tps = {k: median([r["decode_tps"] for r in got[k]["runs"]]) for k in got}
-        ttft = {k: median([r["ttft_s"] for r in got[k]["runs"]]) for k in got}
-        pairs.append(dict(order=list(order), engine=got["engine"], server=got["server"],
-                          tps_ratio=tps["server"] / tps["engine"], ttft_overhead_s=ttft["server"] - ttft["engine"],
-                          engine_tps=tps["engine"], server_tps=tps["server"], engine_ttft_s=ttft["engine"],
-                          server_ttft_s=ttft["server"]))
+    measured, memory = pairs(model, work, z)
     log("prompt cache: turn 1 and turn 2")
     cache = prompt_cache(model, work, z)
-    ratio = median([p["tps_ratio"] for p in pairs])
-    overhead = median([p["ttft_overhead_s"] for p in pairs])
+    ratio = median([p["tps_ratio"] for p in measured])
+    engine_ratio = median([p["engine_tps_ratio"] for p in measured])
+    overhead = median([p["ttft_overhead_s"] for p in measured])
     result = dict(schema=SCHEMA, command=" ".join(["python", "benchmarks/serve.py", *sys.argv[1:]]), sizes=z,
-                  machine=machine_info(work, RELEVANT), model="demo converted with tq4", pairs=pairs,
-                  tps_ratio=ratio, ttft_overhead_s=overhead, tps_goal=TPS_GOAL, ttft_goal_s=TTFT_GOAL_S,
+                  machine=machine_info(work, RELEVANT), model="demo converted with tq4", pairs=measured, memory=memory,
+                  tps_ratio=ratio, engine_tps_ratio=engine_ratio, ttft_overhead_s=overhead, tps_goal=TPS_GOAL, ttft_goal_s=TTFT_GOAL_S,
                   tps_goal_met=ratio >= TPS_GOAL, ttft_goal_met=overhead <= TTFT_GOAL_S, prompt_cache=cache)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(dump_json(result))
-    for p in pairs:
-        print(f"pair ({'/'.join(p['order'])}): decode {p['server_tps']:.2f} / {p['engine_tps']:.2f} tok/s = "
-              f"{p['tps_ratio']:.3f}; TTFT {p['server_ttft_s'] * 1000:.1f} vs {p['engine_ttft_s'] * 1000:.1f} ms "
-              f"({p['ttft_overhead_s'] * 1000:+.1f} ms)")
+    for key in ("tps_ratio", "engine_tps_ratio", "ttft_overhead_s"):
+        xs = sorted(p[key] for p in measured)
+        print(f"{key}: quartiles {xs[len(xs) // 4]:.4f} / {median(xs):.4f} / {xs[3 * len(xs) // 4]:.4f}")
     print(f"median: decode ratio {ratio:.3f} (goal >= {TPS_GOAL}), TTFT overhead {overhead * 1000:+.1f} ms "
           f"(goal <= {TTFT_GOAL_S * 1000:.0f} ms)")
     for label, c in cache.items():
@@ -248,7 +242,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3 and sys.argv[1] == "--child":
-        CHILDREN[sys.argv[2]](json.loads(sys.argv[3]))
-    else:
-        main()
+    main()

@@ -6,6 +6,8 @@ engine thread (tqbench.engine) and hands the faces typed records only.
         for ev in job: ...       # conversion events (the demo, converted first), ModelChosen, StreamPlan, ModelLoaded
     with chat.reply("hello") as job:
         for ev in job: ...       # ReplyStarted, PageIn... (streaming), TokenOut..., ReplyDone
+    with chat.complete(CompletionRequest(messages=...)) as job:
+        for ev in job: ...       # a server's request: ReplyStarted, PageIn..., CompletionDelta..., CompletionDone
     chat.stats(); chat.reset(); chat.close()
 
 `open` decides what runs (`plan_streaming`: resident or streamed, with which budget and why), loads the model,
