@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Walk the full-screen UI's journey in a detached tmux session and save each screen as text:
 #   Source (the built-in demo) -> Recipe (tq4 typed) -> Convert (into demo-tq4) -> Chat (streaming from a 1 MB expert
-#   cache, one reply, the expert map, the profile exported) -> Profile -> Help, then quit.
+#   cache, one reply, the expert map, the profile exported) -> Profile -> Serve (one request with curl) -> Help, then
+#   quit.
 #
 #   scripts/tui_journey.sh [OUTPUT_DIR]      (default: docs/tui-journey, relative to the repository root)
 #
@@ -171,10 +172,34 @@ keys h
 wait_for "learned:" "routings" "hottest (share)"
 save 10-profile
 
-# 10. Help: every key of every screen; esc closes it.
+# 10. Serve: the same model behind the OpenAI API on a free port (0), experts streamed from a 1 MB cache; one request
+# with curl; the status, the request's line and the map; x stops.
+keys w
+wait_for "Serve" "Attach"
+keys Tab  # from the request log (the screen's keys work there) to the port field
+sleep 0.5  # (a key sent right behind a focus change can reach the field that had it)
+clear
+type_text "0"
+keys Tab
+sleep 0.5
+keys Tab
+sleep 0.5
+clear
+type_text "1MB"
+keys Enter
+wait_for "serving demo-tq4 at http://127.0.0.1:"
+url="$(screen | grep -oE 'http://127\.0\.0\.1:[0-9]+/v1' | head -1)"
+curl -s "$url/chat/completions" -H "Content-Type: application/json" \
+  -d '{"messages": [{"role": "user", "content": "def parse_args(argv):"}], "max_tokens": 16}' >/dev/null
+wait_for "requests 1 (1 ok)" "experts: hit rate"
+save 11-serve
+keys x
+wait_for "r Start"
+
+# 11. Help: every key of every screen; esc closes it.
 keys "?"
 wait_for "Keys (esc closes"
-save 11-help
+save 12-help
 keys Escape
 wait_gone "Keys (esc closes"  # (a key sent right behind an escape would arrive as alt+key)
 
