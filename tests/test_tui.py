@@ -379,3 +379,15 @@ def test_snapshot_incomplete_shards_tab(tmp_path, monkeypatch, snap_compare):
         await pilot.pause()
 
     assert snap_compare(TqbenchApp(Path("partial-k3")), terminal_size=SIZE, run_before=run_before)
+
+
+async def test_keys_pressed_while_quitting_open_nothing(tiny):
+    """q then t at once: the app quits; t does not mount the Chat screen into an app that is closing."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        burst(pilot, "q", "t", "w")
+        await pilot.pause()
+        await pilot.pause()
+        assert not app.is_running
+    assert app.return_code in (None, 0)

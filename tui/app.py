@@ -67,7 +67,12 @@ class TqbenchApp(App[None]):
             self.notify("stopping the running job first (a conversion stays resumable)...")
             self._stop_engine_then_exit()
             return
+        self._quitting = True
         self.exit()
+
+    async def action_switch_mode(self, mode: str) -> None:
+        if not self._quitting:  # a key pressed while the app closes opens no screen into it
+            await super().action_switch_mode(mode)
 
     @work(thread=True, group="quit", exit_on_error=False, description="stop the engine")
     def _stop_engine_then_exit(self) -> None:
