@@ -124,6 +124,7 @@ USAGE = {
     "convert": "[OPTIONS]",
     "chat": "[OPTIONS]",
     "eval": "[OPTIONS] MODEL",
+    "serve": "[OPTIONS]",
     "profile": "[OPTIONS] COMMAND [ARGS]...",
     "profile show": "[OPTIONS]",
     "profile export": "[OPTIONS]",
