@@ -179,9 +179,10 @@ class Service:
                 self._admitted -= 1
             rec = self._count(request, rid, outcome, done.reply if done else (ended[0] if ended else None),
                               done.finish_reason if done else "cancelled", arrived, started or end, first or end, end)
+            status = self.status()
             self._publish(rec)
-            self._publish(self.status())
-            if self.options.max_requests and self.status().requests >= self.options.max_requests:
+            self._publish(status)
+            if self.options.max_requests and status.requests >= self.options.max_requests:
                 self._ended.set()
 
     def _count(self, request: ApiRequest, rid: str, outcome: str, r, finish: str, arrived: float, started: float,
