@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import MappingProxyType
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, quote, unquote, urlsplit
 
 GIT_MAX_SIZE = 1024 * 1024  # files up to this size are stored in git, bigger ones (and any *.safetensors) in LFS
 HASH_LIMIT = 16 * 1024 * 1024  # LFS files up to this size get their real sha256; bigger ones a stand-in
@@ -197,6 +197,10 @@ class HubServer:
             sha = revision if COMMIT_SHA.fullmatch(revision) else repo.branches.get(revision, "")
             return repo, repo.commits.get(sha)
 
+    def _lfs_blob(self, sha256: str) -> _Blob | None:
+        with self._lock:
+            return self._lfs_blobs.get(sha256)
+
     def _take_drop(self, path: str) -> int | None:
         with self._lock:
             return self._drops.pop(path, None)
@@ -262,8 +266,13 @@ class _Handler(BaseHTTPRequestHandler):
     # Routing.
 
     def _dispatch(self, head: bool) -> None:
-        url = urlsplit(self.path)
         self._head = head
+        try:
+            self._route(urlsplit(self.path))
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client went away mid-response
+
+    def _route(self, url: SplitResult) -> None:
         self._log_path = unquote(url.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         if self.server.role == "cdn":  # type: ignore[attr-defined]
@@ -350,8 +359,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _cdn(self, rest: str) -> None:
         sha256, _, path = rest.partition("/")
-        with self.hub._lock:
-            blob = self.hub._lfs_blobs.get(sha256)
+        blob = self.hub._lfs_blob(sha256)
         if blob is None:
             return self._error(404, None, "no such object")
         path = unquote(path)
@@ -371,8 +379,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     # Responses.
 
-    def _error(self, status: int, code: str | None, message: str, headers: Mapping[str, str] = {}) -> None:
-        headers = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {}), **headers,
+    def _error(self, status: int, code: str | None, message: str, extra: Mapping[str, str] | None = None) -> None:
+        headers = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {}), **(extra or {}),
                    "Content-Type": "application/json"}
         self._send(status, headers, json.dumps({"error": message}).encode())
 
@@ -407,18 +415,16 @@ class _Handler(BaseHTTPRequestHandler):
             return
         drop = self.hub._take_drop(path)
         stop = end if drop is None else min(end, start + drop)
-        try:
-            with blob.source.open("rb") as f:
-                f.seek(start)
-                for offset in range(start, stop, CHUNK):
-                    self._write(f.read(min(CHUNK, stop - offset)), path)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True  # the client went away
+        with blob.source.open("rb") as f:
+            f.seek(start)
+            for offset in range(start, stop, CHUNK):
+                self._write(f.read(min(CHUNK, stop - offset)), path)
         if drop is not None:
             self.close_connection = True  # the body ends short: the client sees the connection drop
 
     def _write(self, data: bytes, path: str | None = None) -> None:
-        """Send `data`, counting each piece just before it goes out: a client that got the bytes finds them counted."""
+        """Send `data`, counting each piece just before it goes out: a client that got the bytes finds them counted
+        (while a send is under way, the stats may count its bytes not yet sent)."""
         view = memoryview(data)
         while view:
             self.hub._count(len(view), path)
