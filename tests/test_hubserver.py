@@ -14,6 +14,7 @@ import pytest
 from huggingface_hub import HfApi, hf_hub_download, hf_hub_url, snapshot_download
 from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE
 from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers, http_backoff
 
 from tests.hubserver import HubServer, RequestRecord
@@ -144,6 +145,22 @@ def test_dropped_connection_resumes_with_a_range(hub, tmp_path):
     assert stats.file_bytes["model.safetensors"] == stats.body_bytes == len(weights)
     gets = [(r.range, r.status) for r in stats.log if r.method == "GET"]
     assert gets == [(None, 200), (f"bytes={DOWNLOAD_CHUNK_SIZE}-", 206)]
+
+
+def test_http_get_resumes_a_partial_file_with_a_range(hub, repo, tmp_path):
+    # hf_hub_download deletes a failed download's partial file, so resuming across runs is up to the caller:
+    # http_get(resume_size=n) asks for the rest with a Range.
+    folder, _ = repo
+    weights = (folder / "model.safetensors").read_bytes()
+    partial = tmp_path / "model.safetensors.part"
+    partial.write_bytes(weights[:1000])
+    with partial.open("ab") as f:
+        http_get(hf_hub_url(REPO, "model.safetensors", endpoint=hub.endpoint), f, resume_size=1000,
+                 expected_size=len(weights))
+    assert partial.read_bytes() == weights
+    stats = hub.stats()
+    assert stats.file_bytes["model.safetensors"] == len(weights) - 1000
+    assert [(r.range, r.status) for r in stats.log] == [("bytes=1000-", 302), ("bytes=1000-", 206)]
 
 
 def test_moved_branch_keeps_old_commits(hub, repo, tmp_path):
