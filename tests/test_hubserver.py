@@ -17,7 +17,7 @@ from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundE
 from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers, http_backoff
 
-from tests.hubserver import HubServer, RequestRecord
+from hubserver import HubServer, RequestRecord
 
 REPO = "org/tiny"
 CONFIG = b'{"model_type": "tiny", "hidden_size": 64}\n'
