@@ -138,7 +138,10 @@ class ShardWriter:
                 worker.finish()
             except Exception:  # noqa: BLE001 - the shard is dropped anyway; the caller's error is the one to report
                 pass
-        self._file.close()
+        try:
+            self._file.close()  # flushes what is buffered, which fails again when the disk is full (closed anyway)
+        except OSError:
+            pass
         self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> ShardWriter:
