@@ -10,6 +10,7 @@ import struct
 import threading
 from array import array
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -52,24 +53,61 @@ def header_bytes(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = 
     return struct.pack("<Q", len(raw)) + raw
 
 
+class ResumeError(ValueError):
+    """A `.partial` file cannot be continued from a mark (missing, shorter, another header, a mark that does not fit
+    the specs): the caller writes the shard over."""
+
+
+@dataclass(frozen=True)
+class WriterMark:
+    """A point up to which `<shard>.partial` is durably written: the header and the first `tensors` tensors."""
+
+    nbytes: int  # bytes of the partial file up to the mark (header included)
+    tensors: int  # tensors written before the mark
+
+    def to_dict(self) -> dict:
+        return {"nbytes": self.nbytes, "tensors": self.tensors}
+
+    @classmethod
+    def from_dict(cls, d) -> WriterMark:
+        if not isinstance(d, dict) or set(d) != {"nbytes", "tensors"}:
+            raise ValueError(f"a writer mark is {{nbytes, tensors}}, not {d!r}")
+        for key, value in d.items():
+            if type(value) is not int or value < 0:
+                raise ValueError(f"writer mark: {key} must be a non-negative integer, not {value!r}")
+        return cls(d["nbytes"], d["tensors"])
+
+
+def _datasync(fd: int) -> None:
+    getattr(os, "fdatasync", os.fsync)(fd)
+
+
 class ShardWriter:
     """Streams tensors into `path` in the order of `specs`; the file appears under its name only when complete.
 
     `specs` is read once and may be a generator. Given `header_length` (known from a planning pass), the header is
     streamed into the file too, so the writer never holds a shard's tensor records or its header: it keeps each
-    tensor's size and a running checksum of the names, and checks every write against them."""
+    tensor's size and a running checksum of the names, and checks every write against them.
+
+    `mark()` makes what is written so far durable and says how far that is; a writer given `resume=` that mark (and
+    the same specs and metadata) continues the `.partial` file from there, after a crash, into the same file."""
+
+    RESUME_CHUNK = 4 << 20  # bytes read at a time to checksum the kept part of a resumed file
 
     def __init__(self, path: Path, specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None,
-                 header_length: int | None = None, background: bool = False):
+                 header_length: int | None = None, background: bool = False, resume: WriterMark | None = None):
         self.path = Path(path)
         self._worker: _Worker | None = None
         self.tmp = self.path.with_name(self.path.name + ".partial")
         self._sizes = array("Q")
         self._names = hashlib.sha256()  # the header's names in order
         self._written = hashlib.sha256()  # the written ones
+        kept = resume.tensors if resume is not None else 0  # tensors already in the resumed file
 
         def counted() -> Iterator[TensorSpec]:
             for spec in specs:
+                if len(self._sizes) < kept:
+                    self._written.update(spec.name.encode() + b"\0")
                 self._sizes.append(spec.nbytes)
                 self._names.update(spec.name.encode() + b"\0")
                 yield spec
@@ -77,19 +115,78 @@ class ShardWriter:
         self._next = 0
         self._hash = hashlib.sha256()
         self.nbytes = 0
-        self._file = open(self.tmp, "wb")
+        self._mark = resume  # the last durable mark (the directory entry is durable once there is one)
+        if resume is None:
+            self._file = open(self.tmp, "wb")
+            self._write_header(counted(), metadata, header_length)
+        else:
+            self._continue(resume, counted(), metadata, header_length)
+        if background:
+            self._worker = _Worker(self._file, self._hash)
+
+    def _write_header(self, specs: Iterable[TensorSpec], metadata: dict[str, str] | None,
+                      header_length: int | None) -> None:
         if header_length is None:
-            self._put(header_bytes(counted(), metadata))
+            self._put(header_bytes(specs, metadata))
             return
         self._put(struct.pack("<Q", header_length - 8))
-        for part in header_parts(counted(), metadata):
+        for part in header_parts(specs, metadata):
             self._put(part.encode())
         self._put(b" " * (header_length - self.nbytes) if self.nbytes <= header_length else b"")
         if self.nbytes != header_length:
             self.abort()
             raise ValueError(f"{self.path}: the header takes {self.nbytes} bytes, {header_length} were planned")
-        if background:
-            self._worker = _Worker(self._file, self._hash)
+
+    def _continue(self, mark: WriterMark, specs: Iterable[TensorSpec], metadata: dict[str, str] | None,
+                  header_length: int | None) -> None:
+        """Open the partial file at `mark`: check it, drop what follows the mark, checksum what precedes it."""
+        try:
+            self._file = open(self.tmp, "r+b")
+        except FileNotFoundError:
+            raise ResumeError(f"{self.tmp}: no partial file to resume") from None
+        try:
+            head = self._check_header(specs, metadata)
+            if header_length is not None and head != header_length:
+                raise ValueError(f"{self.path}: the header takes {head} bytes, {header_length} were planned")
+            if mark.tensors > len(self._sizes) or mark.nbytes != head + sum(self._sizes[:mark.tensors]):
+                raise ResumeError(f"{self.tmp}: mark {mark.to_dict()} does not fit its {len(self._sizes)} tensors")
+            size = os.fstat(self._file.fileno()).st_size
+            if size < mark.nbytes:
+                raise ResumeError(f"{self.tmp}: {size} bytes, shorter than the mark's {mark.nbytes}")
+            chunk, at = memoryview(bytearray(self.RESUME_CHUNK)), head
+            while at < mark.nbytes:
+                got = self._file.readinto(chunk[:min(len(chunk), mark.nbytes - at)])
+                if not got:
+                    raise ResumeError(f"{self.tmp}: ends at {at} bytes, before the mark's {mark.nbytes}")
+                self._hash.update(chunk[:got])
+                at += got
+            self._file.truncate(mark.nbytes)
+            self._file.seek(mark.nbytes)
+        except BaseException:
+            self._file.close()
+            raise
+        self.nbytes, self._next = mark.nbytes, mark.tensors
+
+    def _check_header(self, specs: Iterable[TensorSpec], metadata: dict[str, str] | None) -> int:
+        """Compare the file's header with the one `specs` and `metadata` give, one part at a time, checksumming it;
+        its length."""
+        differs = ResumeError(f"{self.tmp}: its header is not this shard's")
+        prefix = self._file.read(8)
+        if len(prefix) != 8:
+            raise differs
+        self._hash.update(prefix)
+        n = 0
+        for part in header_parts(specs, metadata):
+            raw = part.encode()
+            if self._file.read(len(raw)) != raw:
+                raise differs
+            self._hash.update(raw)
+            n += len(raw)
+        pad = b" " * (_padded(n) - n)
+        if self._file.read(len(pad)) != pad or struct.unpack("<Q", prefix)[0] != n + len(pad):
+            raise differs
+        self._hash.update(pad)
+        return 8 + n + len(pad)
 
     def _put(self, buf: bytes | memoryview) -> None:
         if self._worker is not None:
@@ -116,6 +213,24 @@ class ShardWriter:
         self._put(buf)
         self._next += 1
 
+    def mark(self) -> WriterMark:
+        """Make everything written so far durable (the background thread's writes included); how far that is."""
+        if self._mark is not None and self._mark.nbytes == self.nbytes:
+            return self._mark
+        if self._worker is not None:
+            self._worker.sync()
+        else:
+            self._file.flush()
+            _datasync(self._file.fileno())
+        if self._mark is None:  # the file's directory entry too, once
+            fd = os.open(self.tmp.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._mark = WriterMark(self.nbytes, self._next)
+        return self._mark
+
     def close(self) -> Path:
         if self._next != len(self._sizes):
             raise ValueError(f"{self.path}: {len(self._sizes) - self._next} tensors were never written")
@@ -138,7 +253,10 @@ class ShardWriter:
                 worker.finish()
             except Exception:  # noqa: BLE001 - the shard is dropped anyway; the caller's error is the one to report
                 pass
-        self._file.close()
+        try:
+            self._file.close()  # flushes what is buffered, which fails again when the disk is full (closed anyway)
+        except OSError:
+            pass
         self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> ShardWriter:
@@ -175,9 +293,23 @@ class _Worker:
             raise self.error
         self.held.append(buf)
         self.queue.put(buf)  # blocks while MAX_QUEUED wait
+        self._release()
+
+    def _release(self) -> None:
         while self.released < self.done:  # the thread is done with the oldest ones: drop them here
             self.held.popleft()
             self.released += 1
+
+    def sync(self) -> None:
+        """Wait until the thread has written every buffer given so far and flushed them to disk."""
+        if self.error is not None:
+            raise self.error
+        synced = threading.Event()
+        self.queue.put(synced)
+        synced.wait()
+        self._release()
+        if self.error is not None:
+            raise self.error
 
     def _run(self) -> None:
         unflushed = 0
@@ -185,6 +317,16 @@ class _Worker:
             buf = self.queue.get()
             if buf is None:
                 return
+            if isinstance(buf, threading.Event):  # a sync request: everything before it is written
+                try:
+                    if self.error is None:
+                        self.file.flush()
+                        _datasync(self.file.fileno())
+                        unflushed = 0
+                except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                    self.error = e
+                buf.set()
+                continue
             try:
                 if self.error is None:
                     self.file.write(buf)
@@ -192,7 +334,7 @@ class _Worker:
                     unflushed += len(buf) if isinstance(buf, bytes) else buf.nbytes
                     if unflushed >= self.FLUSH_EVERY:
                         self.file.flush()
-                        getattr(os, "fdatasync", os.fsync)(self.file.fileno())
+                        _datasync(self.file.fileno())
                         unflushed = 0
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 self.error = e
