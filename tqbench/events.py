@@ -20,6 +20,7 @@ class ShardScanned:
     total: int
     file: str
     tensors: int
+    fetched_bytes: int = 0  # from the hub so far, opening a hub checkpoint (0: read from disk or cache)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,32 @@ class UnitConverted:
     elapsed: float  # seconds in this run
     rate: float  # source bytes per second in this run
     eta: float | None  # seconds left
+
+
+@dataclass(frozen=True)
+class SourceProgress:
+    """A conversion streaming its source from the hub: shards downloading ahead of the conversion, and the source
+    bytes tqbench holds on disk (downloaded, not yet removed)."""
+
+    file: str  # the shard downloading now ("" when none is)
+    downloaded: int  # bytes downloaded in this run, all shards
+    to_download: int  # bytes this run downloads, all shards
+    rate: float  # download bytes per second in this run
+    on_disk: int  # source bytes tqbench downloaded that are on disk now
+    waiting: bool  # the conversion is waiting for this download
+
+    @property
+    def eta(self) -> float | None:
+        return (self.to_download - self.downloaded) / self.rate if self.rate > 0 else None
+
+
+@dataclass(frozen=True)
+class SourceRemoved:
+    """A downloaded source shard deleted: every tensor it holds is converted and written durably."""
+
+    file: str
+    bytes: int
+    on_disk: int  # source bytes tqbench downloaded that are still on disk
 
 
 @dataclass(frozen=True)

@@ -384,7 +384,7 @@ def make_plan(sources: Sources, recipe: Recipe, shard_size: int = SHARD_SIZE, la
             warnings.append(f"{m.name} stays at source precision ({m.choice.reason}): {m.bytes:,} bytes")
 
     return Plan(
-        recipe=recipe, path=str(ckpt.path), model_type=ckpt.config.model_type, modules=modules,
+        recipe=recipe, path=ckpt.name, model_type=ckpt.config.model_type, modules=modules,
         shard_size=shard_size, layout=layout, shards=count_shards(unit_sizes(modules, layout), shard_size),
         params=sum(m.source.params for m in modules), source_bytes=sum(m.source.source_bytes for m in modules),
         total_bytes=total, streamed_bytes=streamed,

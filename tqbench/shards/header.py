@@ -84,41 +84,53 @@ class ShardHeader:
 def read_header(path: Path, name: str | None = None) -> ShardHeader:
     """Read and validate one shard's header. Raises CheckpointError naming the file and the problem."""
     path = Path(path)
-    name = name or path.name
     try:
         size = path.stat().st_size
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise CheckpointError(f"cannot open shard: {e.strerror}", path) from None
     try:
-        if size < 8:
-            raise CheckpointError(f"truncated: {size} bytes, too short for a safetensors header", path)
-        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        if n > MAX_HEADER_BYTES:
-            raise CheckpointError(f"header length {n} exceeds the {MAX_HEADER_BYTES} byte limit", path)
-        if 8 + n > size:
-            raise CheckpointError(f"header length {n} runs past the end of the file ({size} bytes)", path)
+        n = header_size(os.pread(fd, 8, 0), size, path)
         raw = os.pread(fd, n, 8)
     finally:
         os.close(fd)
+    return parse_header(raw, size, path, name or path.name)
+
+
+def header_size(prefix: bytes, size: int, where: str | Path) -> int:
+    """The JSON header's length from a shard's first 8 bytes, checked against the file's size."""
+    if size < 8 or len(prefix) < 8:
+        raise CheckpointError(f"truncated: {size} bytes, too short for a safetensors header", where)
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise CheckpointError(f"header length {n} exceeds the {MAX_HEADER_BYTES} byte limit", where)
+    if 8 + n > size:
+        raise CheckpointError(f"header length {n} runs past the end of the file ({size} bytes)", where)
+    return n
+
+
+def parse_header(raw: bytes, size: int, path: Path, name: str, where: str | None = None) -> ShardHeader:
+    """Validate a shard's JSON header (the bytes after its length prefix) for a file of `size` bytes. `path` is where
+    the shard is (or will be); errors name `where` (default: `path`)."""
+    where = where or path
     try:
         text = raw.decode()
     except UnicodeDecodeError as e:
-        raise CheckpointError(f"header is not valid JSON ({e})", path) from None
-    data_start = 8 + n
+        raise CheckpointError(f"header is not valid JSON ({e})", where) from None
+    data_start = 8 + len(raw)
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape (experts share theirs)
     metadata: dict = {}
     tensors = []
-    for key, value in _items(text, path):
+    for key, value in _items(text, where):
         if key == "__metadata__":
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-                raise CheckpointError("__metadata__ is not a JSON object of strings", path)
+                raise CheckpointError("__metadata__ is not a JSON object of strings", where)
             metadata = value
         else:
-            tensors.append(_entry(path, name, key, value, data_start, shapes))
-    _check_bounds(path, tensors, size)
+            tensors.append(_entry(where, name, key, value, data_start, shapes))
+    _check_bounds(where, tensors, size)
     tensors.sort(key=lambda t: t.offset)
-    return ShardHeader(name, path, size, data_start, metadata, tuple(tensors))
+    return ShardHeader(name, Path(path), size, data_start, metadata, tuple(tensors))
 
 
 def _items(text: str, path: Path) -> Iterator[tuple[str, object]]:

@@ -9,7 +9,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from tqbench.errors import CheckpointError, ExitCode
 from tqbench.layout.quantization import ModuleQuant, QuantizationBlock
@@ -111,13 +111,48 @@ class MissingShard:
 
 
 @dataclass(frozen=True)
+class HubOrigin:
+    """Where a checkpoint opened from the hub comes from, and what opening it fetched."""
+
+    repo_id: str
+    revision: str  # as asked: a branch, tag or commit ("main" when none was)
+    commit: str  # what it resolved to
+    endpoint: str
+    fetched_bytes: int  # from the network by this open: shard headers and small files (not the API's listing)
+    headers_cached: int  # shard headers read from tqbench's cache instead
+    shards_local: int  # shards already downloaded into the Hugging Face cache (headers read from disk)
+
+    @property
+    def name(self) -> str:
+        """The exact source: the repository at its commit."""
+        return f"{self.repo_id}@{self.commit}"
+
+    @property
+    def label(self) -> str:
+        """For display: the revision asked for and the commit it is."""
+        short = self.commit[:12]
+        return f"{self.repo_id}@{short}" if self.commit.startswith(self.revision) else \
+            f"{self.repo_id}@{self.revision} ({short})"
+
+
+@dataclass(frozen=True)
 class Checkpoint:
-    path: Path
+    path: Path  # the directory: for a hub checkpoint, its commit's folder in the Hugging Face cache
     config: ModelConfig
     shards: tuple[Shard, ...]
     tensors: tuple[Tensor, ...]
     missing: tuple[MissingShard, ...]
     index_total_size: int | None  # bytes the index says the full checkpoint holds
+    origin: HubOrigin | None = None  # set for a checkpoint on the hub: its shards may not be on disk
+
+    @property
+    def name(self) -> str:
+        """How reports name the source: its directory, or the hub repository at its commit."""
+        return self.origin.name if self.origin else str(self.path)
+
+    @property
+    def label(self) -> str:
+        return self.origin.label if self.origin else str(self.path)
 
     @property
     def complete(self) -> bool:
@@ -137,30 +172,51 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def scan_checkpoint(path: str | Path) -> Iterator[ShardScanned | CheckpointOpened]:
-    """Like open_checkpoint, yielding a ShardScanned event per shard and finally CheckpointOpened."""
+    """Like open_checkpoint, yielding a ShardScanned event per shard and finally CheckpointOpened. `path` may name a
+    hub repository, `owner/name[@revision]` (tqbench.hub.ref): its headers are then read with range requests."""
+    from tqbench.hub.ref import hub_ref
+
+    ref = hub_ref(path)
+    if ref is not None:
+        from tqbench.hub.source import scan_hub
+
+        yield from scan_hub(ref)
+        return
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError("not a directory" if root.exists() else "no such directory", root)
     config = read_config(root)
     index = read_index(root)
     files = shard_files(root, index)
+    events = assemble(root, config, shard_headers(root, index, files), len(files),
+                      index.total_size if index else None)
+    yield from events
 
+
+def assemble(root: Path, config: ModelConfig, headers: Iterable[ShardHeader | MissingShard], count: int,
+             index_total_size: int | None, origin: Callable[[], HubOrigin] | None = None,
+             fetched: Callable[[], int] = lambda: 0, where: str | None = None,
+             ) -> Iterator[ShardScanned | CheckpointOpened]:
+    """The checkpoint from its config and its shards' validated headers, one ShardScanned per shard. `origin` gives
+    a hub checkpoint's origin once every header is read; `fetched` the bytes fetched so far; errors name `where`
+    (default: the directory)."""
+    where = where or root
     table = _Table()
     shards, missing, tensors = [], [], []
-    for i, header in enumerate(shard_headers(root, index, files), 1):
+    for i, header in enumerate(headers, 1):
         if isinstance(header, MissingShard):
             missing.append(header)
             continue
-        tensors.extend(table.add(root, t) for t in header.tensors)
+        tensors.extend(table.add(where, t) for t in header.tensors)
         shards.append(Shard(header.file, header.path, header.file_size, header.data_start, header.metadata,
                             len(header.tensors)))
         del header
-        yield ShardScanned(i, len(files), shards[-1].file, shards[-1].tensors)
+        yield ShardScanned(i, count, shards[-1].file, shards[-1].tensors, fetched())
 
-    table.check_experts(root, config, (n for m in missing for n in m.tensors))
-    table.resolve(config, root / "config.json")
-    yield CheckpointOpened(Checkpoint(root, config, tuple(shards), tuple(tensors), tuple(missing),
-                                      index.total_size if index else None))
+    table.check_experts(where, config, (n for m in missing for n in m.tensors))
+    table.resolve(config, f"{where}/config.json")
+    yield CheckpointOpened(Checkpoint(root, config, tuple(shards), tuple(tensors), tuple(missing), index_total_size,
+                                      origin() if origin else None))
 
 
 def shard_files(root: Path, index: ShardIndex | None) -> list[str]:
@@ -233,7 +289,7 @@ class _Table:
         self.experts_seen: dict[int, dict[str, bytearray]] = {}  # per template: shard -> experts seen (a bitmap)
         self.numbers: dict[int, int] = {}  # one object per expert number
 
-    def add(self, root: Path, t: TensorSpec) -> Tensor:
+    def add(self, root: str | Path, t: TensorSpec) -> Tensor:
         name, expert, split = self._classify(t.name)
         key = (id(name), t.dtype, t.shape, t.shard, split)
         k = self.kinds.get(key)
@@ -275,7 +331,7 @@ class _Table:
             exact = self.templates[name] = classify(name)
         return exact, None, -1
 
-    def check_experts(self, root: Path, config: ModelConfig, missing: Iterable[str]) -> None:
+    def check_experts(self, root: str | Path, config: ModelConfig, missing: Iterable[str]) -> None:
         """An MoE config whose tensors show no routed experts means naming we do not know: refuse loudly."""
         if not config.is_moe:
             return
@@ -285,7 +341,7 @@ class _Table:
                 f"config.json declares {config.num_experts} routed experts per layer, but no tensor name was "
                 "recognised as a routed expert (unknown expert naming)", root)
 
-    def resolve(self, config: ModelConfig, config_file: Path) -> None:
+    def resolve(self, config: ModelConfig, config_file: str | Path) -> None:
         """Fill in every Kind's format and parameters, and the attention kind of layers' generic tensors."""
         kinds = list(self.kinds.values())
         # Attention kind is a property of the layer: o_proj of a KDA layer is KDA too. The config's kda_layers win.

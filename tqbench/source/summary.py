@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tqbench.source.checkpoint import Checkpoint, Tensor
+from tqbench.source.checkpoint import Checkpoint, HubOrigin, Tensor
 from tqbench.source.naming import Role
 
 SCHEMA = "tqbench.inspect/1"
@@ -76,6 +76,7 @@ class Summary:
     by_shard: tuple[Group, ...]
     experts: ExpertSummary | None
     missing: tuple[dict[str, Any], ...]
+    hub: HubOrigin | None = None  # a checkpoint read from the hub: which commit, and what reading it fetched
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,7 +120,7 @@ def summarize(ckpt: Checkpoint) -> Summary:
 
     return Summary(
         schema=SCHEMA,
-        path=str(ckpt.path),
+        path=ckpt.name,
         model_type=ckpt.config.model_type,
         format=detect_format(ckpt),
         complete=ckpt.complete,
@@ -133,6 +134,7 @@ def summarize(ckpt: Checkpoint) -> Summary:
         by_shard=tuple(_group(s, ts) for s, ts in sorted(by_shard.items())),
         experts=experts,
         missing=tuple({"file": m.file, "tensors": len(m.tensors)} for m in ckpt.missing),
+        hub=ckpt.origin,
     )
 
 
