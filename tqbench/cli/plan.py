@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -18,12 +19,14 @@ from rich.text import Text
 
 from tqbench import units
 from tqbench.cli import options
-from tqbench.cli.render import show
+from tqbench.cli.render import hub_line, show
+from tqbench.hub.disk import HubDisk, hub_disk
 from tqbench.errors import ExitCode, TqbenchError
 from tqbench.recipe.fit import GB, Fit, Machine, assess, cached_disk_speed, disk_speed, machine, parse_size
 from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan
 from tqbench.recipe.recipe import Recipe
 from tqbench.recipe.report import PlanReport, plan_report
+from tqbench.source.checkpoint import HubOrigin
 
 _out = Console(highlight=False, soft_wrap=False)
 
@@ -34,7 +37,8 @@ class Platform(str, Enum):
 
 
 def plan(
-    src: Annotated[Path, typer.Argument(metavar="SRC", help="Source checkpoint directory (safetensors shards + config.json).")],
+    src: Annotated[Path, typer.Argument(metavar="SRC", help="Source checkpoint directory (safetensors shards + "
+                                        "config.json), or a hub repository: owner/name[@revision].")],
     recipe: Annotated[Optional[list[str]], typer.Option(
         "--recipe", "-r", metavar="NAME",
         help="A recipe name, e.g. tq3a-tqTe-down4-g64 (repeat to compare side by side).")] = None,
@@ -94,16 +98,17 @@ def plan(
         plans = [make_plan(sources, r, shard_bytes) for r in recipes]
         fits = [assess(p.footprint, m, hit_rate, reduced_k) for p in plans]
         if disk_gbps is None:
-            m = _measured(m, src, err)
+            m = _measured(m, ckpt.path, err)
             fits = [assess(p.footprint, m, hit_rate, reduced_k) for p in plans]
+        hub = hub_disk(ckpt) if ckpt.origin else None
     except TqbenchError as e:
         print(f"tqbench: error: {e}", file=sys.stderr)  # one line, never wrapped
         raise typer.Exit(e.exit_code) from None
 
     if as_json:
-        print(json.dumps(plan_document(plans, fits, m, tensors), indent=2))
+        print(json.dumps(plan_document(plans, fits, m, tensors, ckpt.origin, hub), indent=2))
     else:
-        show(_out, _header(plans[0], m), plan_table(plans, fits))
+        show(_out, _header(plans[0], m, ckpt.origin), plan_table(plans, fits, hub))
         for p in plans:
             for w in p.warnings:
                 show(_out, Text(f"{p.recipe.name}: {w}", style="yellow"))
@@ -145,8 +150,9 @@ def _measured(m: Machine, src: Path, err: Console) -> Machine:
 
 # --- JSON --------------------------------------------------------------------------------------------------------
 
-def plan_document(plans: list[Plan], fits: list[Fit], m: Machine, tensors: str | None = None) -> dict:
-    """The `--json` document (schema tqbench.plan/1)."""
+def plan_document(plans: list[Plan], fits: list[Fit], m: Machine, tensors: str | None = None,
+                  origin: HubOrigin | None = None, hub: HubDisk | None = None) -> dict:
+    """The `--json` document (schema tqbench.plan/1); `hub` and `disk_from_hub` only for a source on the hub."""
     doc = {
         "schema": SCHEMA,
         "source": plans[0].path,
@@ -156,8 +162,14 @@ def plan_document(plans: list[Plan], fits: list[Fit], m: Machine, tensors: str |
                     "disk_bytes_per_s": m.disk_bytes_per_s, "disk_source": m.disk_source},
         "plans": [],
     }
+    if origin is not None:
+        doc["hub"] = asdict(origin)
     for p, f in zip(plans, fits):
         entry = {**p.to_dict(), "fit": f.to_dict()}
+        if hub is not None:
+            entry["disk_from_hub"] = {"output_bytes": p.total_bytes, "source_window_bytes": hub.window,
+                                      "total_bytes": p.total_bytes + hub.window, "free_bytes": hub.free,
+                                      "free_at": hub.cache_dir}
         if tensors:
             entry["tensors_matching"] = tensors
             entry["tensors"] = [mp.to_dict() for mp in p.select(tensors)]
@@ -171,11 +183,12 @@ def _pair(n: int) -> str:
     return f"{units.gb(n)} / {units.gib(n)}"
 
 
-def _header(p: Plan, m: Machine) -> Group:
+def _header(p: Plan, m: Machine, origin: HubOrigin | None = None) -> Group:
     speed = "-" if m.disk_bytes_per_s is None else units.bandwidth(m.disk_bytes_per_s)
     disk = f"{speed} ({m.disk_source})"
     limit = _pair(m.gpu_limit_bytes)
-    return Group(
+    extra = [hub_line(origin)] if origin is not None else []
+    return Group(*extra,
         Text.assemble(("source  ", "bold"), p.path, ("   model  ", "bold"), p.model_type,
                       ("   params  ", "bold"), units.count(p.params), ("   on disk  ", "bold"), _pair(p.source_bytes)),
         Text.assemble(("machine ", "bold"), f"{m.platform}, memory {_pair(m.memory_bytes)}, GPU limit {limit}, "
@@ -183,9 +196,9 @@ def _header(p: Plan, m: Machine) -> Group:
     )
 
 
-def plan_table(plans: list[Plan], fits: list[Fit]) -> Table:
+def plan_table(plans: list[Plan], fits: list[Fit], hub: HubDisk | None = None) -> Table:
     """Recipes side by side, one column each: the rows of tqbench.recipe.report, as the TUI shows them too."""
-    return report_table(plan_report(plans, fits))
+    return report_table(plan_report(plans, fits, hub))
 
 
 def report_table(report: PlanReport) -> Table:

@@ -13,12 +13,21 @@ from rich.table import Table
 from rich.text import Text
 
 from tqbench import units
-from tqbench.source.checkpoint import Checkpoint, Tensor
+from tqbench.source.checkpoint import Checkpoint, HubOrigin, Tensor
 from tqbench.source.summary import Summary
 
 
+def hub_line(o: HubOrigin) -> Text:
+    """Where a hub checkpoint comes from and what reading its headers fetched."""
+    read = f"fetched {units.size(o.fetched_bytes)}"
+    if o.headers_cached or o.shards_local:
+        read += f" ({o.headers_cached} headers from tqbench's cache, {o.shards_local} shards on disk)"
+    return Text.assemble(("hub     ", "bold"), o.label, ("   read  ", "bold"), read)
+
+
 def summary_header(s: Summary, ckpt: Checkpoint) -> RichGroup:
-    lines = [
+    lines = [hub_line(ckpt.origin)] if ckpt.origin else []
+    lines += [
         Text.assemble(("model   ", "bold"), s.model_type, ("   format  ", "bold"), s.format),
         Text.assemble(("tensors ", "bold"), f"{s.tensors:,} in {len(ckpt.shards)} shard{'s' if len(ckpt.shards) != 1 else ''}",
                       ("   size  ", "bold"), units.size(s.bytes)),

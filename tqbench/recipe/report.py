@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from tqbench import units
 from tqbench.recipe.fit import Fit
+from tqbench.hub.disk import HubDisk
 from tqbench.recipe.plan import Plan
 
 BPW_ROLES = ("attention", "routed_expert", "shared_expert")
@@ -96,8 +97,9 @@ def role_bpw(p: Plan, role: str) -> float | None:
 
 # --- the report ------------------------------------------------------------------------------------------------------
 
-def plan_report(plans: list[Plan], fits: list[Fit]) -> PlanReport:
-    """The rows of recipes side by side (one plan and its fit per recipe, all for one source and machine)."""
+def plan_report(plans: list[Plan], fits: list[Fit], hub: HubDisk | None = None) -> PlanReport:
+    """The rows of recipes side by side (one plan and its fit per recipe, all for one source and machine). `hub`:
+    the source is on the hub, and converting it streams its shards (the disk that needs is shown)."""
     if len(plans) != len(fits) or not plans:
         raise ValueError("one fit per plan, at least one plan")
     rows: list[Row] = []
@@ -120,6 +122,11 @@ def plan_report(plans: list[Plan], fits: list[Fit]) -> PlanReport:
     row("kept at source", [units.gb(sum(k.bytes for k in p.kept)) for p in plans])
     row("shards", [str(p.shards) for p in plans], f"shards <= {units.gib(plans[0].shard_size)}", primary=True,
         section_end=True, short_label="shards")
+    if hub is not None:
+        need = [p.total_bytes + hub.window for p in plans]
+        row("disk from hub", [size_cell(n) for n in need], "disk to convert", primary=True)
+        row("disk free", [("ok: " if n <= hub.free else "too little: ") + units.gb(hub.free) for n in need],
+            "  free now", parent="disk from hub", section_end=True)
     row("verdict", [f.verdict.value for f in fits], primary=True)
     if any(f.command for f in fits):
         row("raise the limit", [f.command or "-" for f in fits], primary=True)
@@ -139,5 +146,8 @@ def plan_report(plans: list[Plan], fits: list[Fit]) -> PlanReport:
             notes.append(f"hit rate: {'; '.join(sources)}")
         notes.append("max tok/s: the disk-bound ceiling, bandwidth / (MoE layers x K x expert page x (1 - hit rate)); "
                      f"{NOT_DISK_BOUND}: every expert is in memory; '-': no disk bandwidth known, or it does not fit")
+    if hub is not None:
+        notes.append(f"disk to convert: straight from the hub, the output plus at most two source shards at once "
+                     f"({units.gb(hub.window)}), each removed once converted; free space of {hub.cache_dir}")
     return PlanReport(tuple(p.recipe.name for p in plans), tuple(rows), plans[0].shard_size,
                       f"plan (sizes in {SIZES})", tuple(notes))

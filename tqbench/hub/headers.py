@@ -1,0 +1,57 @@
+"""Shard headers of a hub checkpoint, read with two range requests each (the 8-byte length, then the JSON) and kept
+in tqbench's cache by commit: a commit never changes, so a header fetched once is never fetched again.
+
+Requests run on helper threads (bytes only, no MLX); the cache is touched on the caller's thread alone."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from tqbench.hub.client import Snapshot, read_range
+from tqbench.paths import cache_dir
+from tqbench.shards.header import header_size
+
+WORKERS = 8  # requests in flight: the hub answers each in one round trip, so latency, not bandwidth, bounds this
+
+
+@dataclass(frozen=True)
+class RemoteHeader:
+    file: str
+    size: int  # the file's size, as the hub lists it
+    raw: bytes  # the JSON header (after the 8-byte length)
+    fetched: int  # bytes this call fetched for it (0: from the cache)
+
+
+def _key(snap: Snapshot, file: str) -> str:
+    return f"{snap.endpoint}|{snap.repo_id}|{snap.commit}|{file}"
+
+
+def remote_headers(snap: Snapshot, files: Iterable[str]) -> Iterator[RemoteHeader]:
+    """Each file's header, in the order given: from the cache, else from the hub (then cached)."""
+    from diskcache import Cache
+
+    files = list(files)
+    with Cache(str(cache_dir() / "hub-headers")) as cache:
+        known = {f: cache.get(_key(snap, f)) for f in files}
+        missing = [f for f in files if known[f] is None]
+        with ThreadPoolExecutor(min(WORKERS, len(missing)) or 1, thread_name_prefix="tqbench-hub") as pool:
+            pending = {f: pool.submit(_fetch, snap, f) for f in missing}
+            try:
+                for f in files:
+                    if f not in pending:
+                        yield RemoteHeader(f, snap.size(f) or 0, known[f], 0)
+                        continue
+                    header = pending.pop(f).result()
+                    cache.set(_key(snap, f), header.raw)
+                    yield header
+            finally:
+                for p in pending.values():
+                    p.cancel()
+
+
+def _fetch(snap: Snapshot, file: str) -> RemoteHeader:
+    size = snap.size(file) or 0
+    n = header_size(read_range(snap, file, 0, 8) if size >= 8 else b"", size, snap.where(file))
+    return RemoteHeader(file, size, read_range(snap, file, 8, 8 + n), 8 + n)

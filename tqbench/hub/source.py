@@ -1,0 +1,86 @@
+"""Opening a hub checkpoint as tqbench opens a directory: the same Checkpoint, read from the commit's config and
+shard headers without a byte of tensor data. Shards already in the Hugging Face cache are read from disk.
+
+The shard list comes from the repository's file listing when that is one complete `NNNNN-of-MMMMM` series (K3's
+index names 497k tensors, 59 MB, to say only which of those files holds each: the headers say it too); otherwise
+the index is downloaded and read as for a directory."""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+from tqbench.events import CheckpointOpened, ShardScanned
+from tqbench.hub.client import Snapshot, cached_file, download, resolve
+from tqbench.hub.headers import remote_headers
+from tqbench.hub.ref import HubRef
+from tqbench.errors import CheckpointError
+from tqbench.shards.header import INDEX_FILE, ShardHeader, parse_header, read_header
+from tqbench.source.checkpoint import HubOrigin, MissingShard, assemble
+from tqbench.source.config import read_config
+from tqbench.source.index import read_index
+
+_SERIES = re.compile(r"(?P<stem>.+)-(?P<n>\d+)-of-(?P<total>\d+)\.safetensors")
+
+
+def scan_hub(ref: HubRef) -> Iterator[ShardScanned | CheckpointOpened]:
+    snap = resolve(ref)
+    fetched = [0]
+
+    def small(name: str):
+        """A small file of the commit, from the Hugging Face cache or downloaded into it (counted)."""
+        path = cached_file(snap, name)
+        if path is None:
+            path = download(snap, name)
+            fetched[0] += path.stat().st_size
+        return path
+
+    if snap.size("config.json") is None:
+        raise CheckpointError("no config.json: not a model repository", snap.where())
+    root = small("config.json").parent
+    config = read_config(root)
+    files = series(snap)
+    index_total = None
+    if files is None:
+        if snap.size(INDEX_FILE) is not None:
+            small(INDEX_FILE)
+            index = read_index(root)
+            files, index_total = sorted(index.files), index.total_size
+        else:
+            files = sorted(f.name for f in snap.files if f.name.endswith(".safetensors") and "/" not in f.name)
+        if not files:
+            raise CheckpointError("no *.safetensors files: not a model checkpoint", snap.where())
+    counts = {"cached": 0, "local": 0}
+
+    def headers() -> Iterator[ShardHeader | MissingShard]:
+        local = {f: p for f in files if (p := cached_file(snap, f)) is not None}
+        remote = remote_headers(snap, [f for f in files if f not in local])
+        for f in files:
+            if f in local:
+                counts["local"] += 1
+                yield read_header(local[f], f)
+                continue
+            h = next(remote)
+            counts["cached"] += h.fetched == 0
+            fetched[0] += h.fetched
+            yield parse_header(h.raw, h.size, root / f, f, snap.where(f))
+
+    def origin() -> HubOrigin:
+        return HubOrigin(snap.repo_id, snap.revision, snap.commit, snap.endpoint, fetched[0], counts["cached"],
+                         counts["local"])
+
+    yield from assemble(root, config, headers(), len(files), index_total, origin, lambda: fetched[0], snap.where())
+
+
+def series(snap: Snapshot) -> list[str] | None:
+    """The top-level shard files when they are exactly one complete `stem-NNNNN-of-MMMMM.safetensors` series and
+    nothing else; None otherwise."""
+    names = [f.name for f in snap.files if f.name.endswith(".safetensors")]
+    found = [m for n in names if (m := _SERIES.fullmatch(n)) and "/" not in n]
+    if not found or len(found) != len(names):
+        return None
+    stems, totals = {m["stem"] for m in found}, {int(m["total"]) for m in found}
+    numbers = sorted(int(m["n"]) for m in found)
+    if len(stems) != 1 or len(totals) != 1 or numbers != list(range(1, totals.pop() + 1)):
+        return None
+    return sorted(names)
