@@ -19,13 +19,16 @@ from tqbench.cli.render import show
 from tqbench.cli.plan import recipes_from
 from tqbench.engine import submit
 from tqbench.errors import TqbenchError
-from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
+from tqbench.events import (ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved,
+                            UnitConverted)
 from tqbench.recipe.fit import parse_size
 from tqbench.state import remember_model
 
 
 def convert(
-    hf_path: Annotated[Path, typer.Option("--hf-path", help="Source checkpoint directory.")],
+    hf_path: Annotated[Path, typer.Option("--hf-path", help="Source checkpoint directory, or a hub repository "
+                                          "(owner/name[@revision]): its shards then download as the conversion "
+                                          "reads them and go once converted.")],
     mlx_path: Annotated[Path, typer.Option("--mlx-path", help="Output directory (created; resumed if interrupted).")],
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", metavar="NAME",
                                                   help="Recipe name, e.g. tq3a-tqTe-down4-g64.")] = None,
@@ -46,6 +49,9 @@ def convert(
                             "tqbench writes; accepted for TurboQuant-MLX's command line.")] = True,
     shard_size: options.ShardSize = "5GiB",
     force: Annotated[bool, typer.Option("--force", help="Replace an output of another recipe or source.")] = False,
+    keep_source: Annotated[bool, typer.Option(
+        "--keep-source", help="From the hub: keep the downloaded source shards (in the Hugging Face cache) instead "
+                              "of removing each once converted.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print engine events as JSON lines on stdout.")] = False,
 ) -> None:
     """Convert a checkpoint with a recipe: flat memory, progress with ETA, resumable.
@@ -68,7 +74,7 @@ def convert(
         size = parse_size(shard_size)
         # On the engine thread; leaving the block (Ctrl-C included) closes the conversion there first, so only
         # whole shards stay and the same command resumes.
-        with submit(lambda: run_convert(hf_path, mlx_path, recipes[0], size, force)) as events:
+        with submit(lambda: run_convert(hf_path, mlx_path, recipes[0], size, force, keep_source=keep_source)) as events:
             if as_json:
                 for ev in events:
                     print(json.dumps({"event": type(ev).__name__, **asdict(ev)}), flush=True)
@@ -97,13 +103,18 @@ def _where(ev: UnitConverted) -> str:
     return where + (f" err {ev.rel_error:.3f}" if ev.rel_error is not None else "")
 
 
+def _fetching(ev: SourceProgress) -> str:
+    now = f"{ev.file}" + (" (conversion waiting)" if ev.waiting else "") if ev.file else "all downloaded"
+    return f"{now}; source on disk {units.gb(ev.on_disk)}"
+
+
 def render_progress(events, err: Console) -> ConvertFinished:
     if not err.is_terminal:
         return _render_plain(events, err)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
                         DownloadColumn(), TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
                         TextColumn("{task.fields[what]}"), console=err, transient=False)
-    task = None
+    task = download = None
     with progress:
         for ev in events:
             if isinstance(ev, ConvertStarted):
@@ -112,6 +123,13 @@ def render_progress(events, err: Console) -> ConvertFinished:
                                          rate="", what="")
             elif isinstance(ev, UnitConverted):
                 progress.update(task, completed=ev.done_in, rate=f"{units.gb(ev.rate)}/s", what=_where(ev))
+            elif isinstance(ev, SourceProgress):
+                if download is None:
+                    download = progress.add_task("download", total=ev.to_download, rate="", what="")
+                progress.update(download, completed=ev.downloaded, rate=f"{units.gb(ev.rate)}/s",
+                                what=_fetching(ev))
+            elif isinstance(ev, SourceRemoved):
+                progress.console.print(f"  removed source {ev.file} ({units.gb(ev.bytes)})", markup=False)
             elif isinstance(ev, ShardWritten):
                 progress.console.print(f"  wrote {ev.file} ({units.gb(ev.bytes)})", markup=False)
             elif isinstance(ev, ConvertFinished):
@@ -128,6 +146,7 @@ def _render_plain(events, err: Console) -> ConvertFinished:
         print(line, file=err.file, flush=True)
 
     next_step = PLAIN_STEP
+    fetching = ""
     for ev in events:
         if isinstance(ev, ConvertStarted):
             say(_started_line(ev))
@@ -142,6 +161,14 @@ def _render_plain(events, err: Console) -> ConvertFinished:
                     next_step += PLAIN_STEP
         elif isinstance(ev, ShardWritten):
             say(f"  wrote {ev.file} ({units.gb(ev.bytes)})")
+        elif isinstance(ev, SourceProgress) and ev.file != fetching:  # a line as each download starts
+            fetching = ev.file
+            if ev.file:
+                eta = f", {ev.eta:.0f} s left" if ev.eta is not None else ""
+                say(f"  downloading {ev.file}: {units.gb(ev.downloaded)} of {units.gb(ev.to_download)} so far, "
+                    f"{units.gb(ev.rate)}/s{eta}; source on disk {units.gb(ev.on_disk)}")
+        elif isinstance(ev, SourceRemoved):
+            say(f"  removed source {ev.file} ({units.gb(ev.bytes)})")
         elif isinstance(ev, ConvertFinished):
             return ev
     raise TqbenchError("conversion ended without finishing")

@@ -23,6 +23,12 @@ class Journal:
     recipe: str
     shards: dict[str, dict[str, Any]] = field(default_factory=dict)  # file -> {"bytes", "sha256", errors}
     copied: list[str] = field(default_factory=list)  # files copied from the source (tokenizer, chat template)
+    # A source streamed from the hub: {"repo", "revision", "commit"}; the source shards tqbench downloaded (removed
+    # once converted); and the output shard being written when its source went away: {"file", "mark", "units",
+    # "errors", "layers"}, so a rerun continues that shard instead of needing the removed source again.
+    origin: dict[str, str] | None = None
+    downloaded: list[str] = field(default_factory=list)
+    partial: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, dest: Path) -> Journal | None:
@@ -31,13 +37,17 @@ class Journal:
             return None
         try:
             d = json.loads(path.read_text())
-            return cls(path, d["source"], d["plan"], d["recipe"], dict(d["shards"]), list(d.get("copied", [])))
+            return cls(path, d["source"], d["plan"], d["recipe"], dict(d["shards"]), list(d.get("copied", [])),
+                       d.get("origin"), list(d.get("downloaded", [])), d.get("partial"))
         except (ValueError, KeyError, TypeError):
             return None  # a journal we cannot read is no journal: the shards are redone
 
     def save(self) -> None:
-        write_json(self.path, {"source": self.source, "plan": self.plan, "recipe": self.recipe,
-                               "shards": self.shards, "copied": self.copied})
+        doc = {"source": self.source, "plan": self.plan, "recipe": self.recipe, "shards": self.shards,
+               "copied": self.copied}
+        if self.origin is not None:
+            doc |= {"origin": self.origin, "downloaded": self.downloaded, "partial": self.partial}
+        write_json(self.path, doc)
 
     def finished(self, dest: Path, file: str) -> bool:
         """The shard is recorded and on disk with its recorded size."""
@@ -50,4 +60,5 @@ class Journal:
         """A finished shard with its size, checksum, per-module error aggregates [count, sum, max] and per-layer
         aggregates of its units' errors (key: the layer number, or "" outside the layers)."""
         self.shards[file] = {"bytes": nbytes, "sha256": sha256, "errors": errors, "layers": layers or {}}
+        self.partial = None
         self.save()

@@ -39,7 +39,7 @@ from tqbench.recipe.recipe import Format, Recipe
 from tqbench.source.checkpoint import Checkpoint, open_checkpoint
 from tqbench.source.reader import ShardReader
 from tqbench.shards import ShardWriter, TensorSpec
-from tqbench.shards.writer import header_length
+from tqbench.shards.writer import ResumeError, WriterMark, header_length
 from tqbench.writable import check_output_dir
 
 # Source files that are not weights and travel with the model (tokenizer, chat template, generation settings).
@@ -161,13 +161,18 @@ def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
 
 def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: Recipe,
             shard_size: int = SHARD_SIZE, force: bool = False,
-            producer_class: type[Producer] = Producer, read_ahead: int | None = None) -> Iterator[Any]:
+            producer_class: type[Producer] = Producer, read_ahead: int | None = None,
+            keep_source: bool = False) -> Iterator[Any]:
     """Convert, yielding ConvertStarted, UnitConverted per unit, ShardWritten per shard, ConvertFinished.
     `source` may be an opened Checkpoint or a Layout computed for this recipe and shard size (faces that checked
     the destination have one). `producer_class` computes each unit's tensors (a benchmark may substitute one that
     writes synthetic expert codes). `read_ahead`: see READ_AHEAD (None: `default_read_ahead()`; the output is the
     same for any value). Closing the generator stops cleanly: the shard being written is dropped and the output
-    resumes later. An output directory that cannot be made or written into is refused first (one line)."""
+    resumes later. An output directory that cannot be made or written into is refused first (one line).
+
+    A source on the hub (`Checkpoint.origin`) is streamed: its shards download as the units reading them come up
+    (SourceProgress events), and each downloaded shard is removed once converted unless `keep_source`
+    (SourceRemoved events; tqbench.hub.feed)."""
     check_output_dir(Path(dest))  # before planning or reading a byte
     t0 = time.monotonic()
     keep_mlx_kernels()
@@ -182,14 +187,37 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     source_fp = lay.source_fp
     if any(m.choice.format is Format.TURBOQUANT for m in plan.modules):
         tq.quantizer_kernel()  # a bad TQBENCH_QUANTIZER fails here, before the destination is touched
+    if ckpt.origin is not None:
+        _check_revision(ckpt, dst, force)
     journal = _prepare_dest(src, dst, recipe, lay.source_fp, lay.plan_fp, force)
-
     total_in = sum(lay.shard_in)
     resumed = [journal.finished(dst, f) for f in files]
-    done_in = sum(b for b, r in zip(lay.shard_in, resumed) if r)
-    yield ConvertStarted(str(src), str(dst), recipe.name, len(files), lay.units, total_in, lay.file_bytes,
+    if ckpt.origin is not None:
+        from tqbench.hub.feed import prepare
+
+        o = ckpt.origin
+        journal.origin = {"repo": o.repo_id, "revision": o.revision, "commit": o.commit}
+        prepare(ckpt, dst, lay.file_bytes - sum(journal.shards[f]["bytes"] for f, r in zip(files, resumed) if r),
+                keep_source)
+    partial = _partial(journal, dst, files, resumed)
+    done_in = sum(b for b, r in zip(lay.shard_in, resumed) if r) + (partial.bytes_in if partial else 0)
+    yield ConvertStarted(ckpt.name, str(dst), recipe.name, len(files), lay.units, total_in, lay.file_bytes,
                          plan.total_bytes, sum(resumed), done_in,
                          _resumed_errors(journal, [f for f, r in zip(files, resumed) if r]))
+
+    def remaining(stream: Iterator[Iterator[Any]]) -> Iterator[Any]:
+        """This run's part of a per-shard stream: unfinished shards, past the units a partial shard holds."""
+        for i, (shard, r) in enumerate(zip(stream, resumed)):
+            if not r:
+                yield from islice(shard, partial.units if partial and partial.index == i else 0, None)
+
+    feed = None
+    if ckpt.origin is not None:
+        from tqbench.hub.feed import HubFeed
+
+        planner = Producer(ckpt, recipe, None)
+        feed = HubFeed(ckpt, journal, remaining(chunks(iter_units(plan.modules, "streaming"), lay.counts)),
+                       lambda u: unit_shards(planner, u), keep_source)
 
     run_in, t_run = 0, time.monotonic()
     # Two passes over the units, neither holding a shard's: one gives each shard's header, the other the units to
@@ -199,45 +227,80 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     read_ahead = default_read_ahead() if read_ahead is None else read_ahead
     decoded = sum(m.source.source_bytes for m in plan.modules if m.choice.format in (Format.TURBOQUANT, Format.AFFINE))
     stage = min(read_ahead, decoded, total_in - done_in)  # the arena holds only what is decoded
-    with ShardReader(ckpt.path, workers=PREFETCH_WORKERS, stage_bytes=stage) as reader:
-        producer = producer_class(ckpt, recipe, reader)
-        pending = _read_ahead((x for shard, r in zip(shards, resumed) if not r for x in shard),
-                              lambda unit, after: producer.prefetch(unit, after), stage // 2)
-        for i, (file, header) in enumerate(zip(files, headers)):
-            if resumed[i]:
-                continue
-            errors: dict[str, list[float]] = {}  # module -> [count, sum, max] in this shard
-            layer_errors: dict[str, list[float]] = {}  # layer -> [units, sum, max] of the units' worst errors
-            writer = _open_writer(dst / file, (p.out for u in header for p in u.pieces), recipe, lay.header_lengths[i])
-            try:
-                for u, unit_in in islice(pending, lay.counts[i]):
-                    worst = None
-                    for r in producer.produce(u):
-                        writer.write(r.piece.out.name, r.data)
-                        if r.rel_error is not None and r.source_bytes:
-                            _add(errors.setdefault(r.piece.module.name, [0, 0.0, 0.0]), r.rel_error)
-                            worst = max(worst or 0.0, r.rel_error)
-                    if worst is not None:
-                        _add(layer_errors.setdefault("" if u.layer is None else str(u.layer), [0, 0.0, 0.0]), worst)
-                    run_in += unit_in
-                    done_in += unit_in
-                    elapsed = time.monotonic() - t_run
-                    rate = run_in / elapsed if elapsed > 0 else 0.0
-                    yield UnitConverted(u.pieces[0].out.name, u.layer, u.expert, unit_in, u.nbytes, worst,
-                                        done_in, total_in, elapsed, rate,
-                                        (total_in - done_in) / rate if rate > 0 else None)
-                    _test_kill("unit")
-                writer.close()
-            except BaseException as e:
-                writer.abort()
-                _raise_if_no_room(e, dst, file)
-                raise
-            try:
-                journal.record(file, writer.nbytes, writer.sha256, errors, layer_errors)
-            except OSError as e:
-                _raise_if_no_room(e, dst, JOURNAL)
-                raise
-            yield ShardWritten(i + 1, len(files), file, writer.nbytes, writer.sha256)
+    try:
+        with ShardReader(ckpt.path, workers=PREFETCH_WORKERS, stage_bytes=stage) as reader:
+            producer = producer_class(ckpt, recipe, reader)
+            items = remaining(shards)
+            if feed is not None:
+                yield from feed.remove(feed.leftover)  # fully converted by a run that stopped before removing them
+                items = feed.gate(items)
+            pending = _read_ahead(items, lambda unit, after: producer.prefetch(unit, after), stage // 2)
+            ran, shown = 0, time.monotonic()  # units converted in this run; when download progress was last shown
+            for i, (file, header) in enumerate(zip(files, headers)):
+                if resumed[i]:
+                    continue
+                cont = partial if partial and partial.index == i else None
+                errors: dict[str, list[float]] = cont.errors if cont else {}  # module -> [count, sum, max]
+                layer_errors: dict[str, list[float]] = cont.layers if cont else {}  # layer -> [units, sum, max]
+                units_done, shard_in = (cont.units, cont.bytes_in) if cont else (0, 0)
+                writer = _open_writer(dst / file, (p.out for u in header for p in u.pieces), recipe,
+                                      lay.header_lengths[i], cont.mark if cont else None)
+                try:
+                    for item in _take(pending, lay.counts[i] - units_done):
+                        if not isinstance(item, tuple):  # a download the next units wait for
+                            yield item
+                            continue
+                        u, unit_in = item
+                        worst = None
+                        for r in producer.produce(u):
+                            writer.write(r.piece.out.name, r.data)
+                            if r.rel_error is not None and r.source_bytes:
+                                _add(errors.setdefault(r.piece.module.name, [0, 0.0, 0.0]), r.rel_error)
+                                worst = max(worst or 0.0, r.rel_error)
+                        if worst is not None:
+                            _add(layer_errors.setdefault("" if u.layer is None else str(u.layer), [0, 0.0, 0.0]),
+                                 worst)
+                        run_in += unit_in
+                        done_in += unit_in
+                        units_done += 1
+                        shard_in += unit_in
+                        elapsed = time.monotonic() - t_run
+                        rate = run_in / elapsed if elapsed > 0 else 0.0
+                        eta = (total_in - done_in) / rate if rate > 0 else None
+                        if feed is not None:  # one ETA: the later of converting and downloading what is left
+                            d = feed.progress()
+                            if d.downloaded < d.to_download:
+                                eta = max(eta, d.eta) if eta is not None and d.eta is not None else None
+                        yield UnitConverted(u.pieces[0].out.name, u.layer, u.expert, unit_in, u.nbytes, worst,
+                                            done_in, total_in, elapsed, rate, eta)
+                        _test_kill("unit")
+                        if feed is None:
+                            continue
+                        gone = feed.finished(ran)
+                        ran += 1
+                        if gone and not feed.keep:  # the units that read them durable first, then they go
+                            journal.partial = {"file": file, "mark": writer.mark().to_dict(), "units": units_done,
+                                               "bytes_in": shard_in, "errors": errors, "layers": layer_errors}
+                            journal.save()
+                            _test_kill("mark")
+                            yield from feed.remove(gone)
+                        if time.monotonic() - shown >= 0.5:
+                            shown = time.monotonic()
+                            yield feed.progress()
+                    writer.close()
+                except BaseException as e:
+                    writer.abort(keep_marked=True)
+                    _raise_if_no_room(e, dst, file)
+                    raise
+                try:
+                    journal.record(file, writer.nbytes, writer.sha256, errors, layer_errors)
+                except OSError as e:
+                    _raise_if_no_room(e, dst, JOURNAL)
+                    raise
+                yield ShardWritten(i + 1, len(files), file, writer.nbytes, writer.sha256)
+    finally:
+        if feed is not None:
+            feed.close()
 
     errors = _combined_errors(journal, files)
     report = _report(ckpt, plan, source_fp, errors, time.monotonic() - t0)
@@ -249,6 +312,62 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     count, total = sum(a[0] for a in errors.values()), sum(a[1] for a in errors.values())
     yield ConvertFinished(str(dst), time.monotonic() - t0, total_in, lay.file_bytes, len(files),
                           total / count if count else None, max((a[2] for a in errors.values()), default=None))
+
+
+# --- a source streamed from the hub --------------------------------------------------------------------------------
+
+
+def unit_shards(producer: Producer, unit: Unit) -> set[str]:
+    """The source shards a unit reads."""
+    return {e.shard for p in unit.pieces if not shared_expert_piece(p)
+            for e in producer.source_parts(p.module, p.expert).values()}
+
+
+@dataclass(frozen=True)
+class _Partial:
+    """An output shard an earlier run left part-written, durable up to `mark` (its source was removed after)."""
+
+    index: int
+    mark: WriterMark
+    units: int
+    bytes_in: int
+    errors: dict[str, list[float]]
+    layers: dict[str, list[float]]
+
+
+def _partial(journal: Journal, dst: Path, files: tuple[str, ...], resumed: list[bool]) -> _Partial | None:
+    p = journal.partial
+    if not p or p.get("file") not in files or resumed[files.index(p["file"])]:
+        return None
+    try:
+        mark = WriterMark.from_dict(p["mark"])
+        part = dst / (p["file"] + ".partial")
+        if not part.is_file() or part.stat().st_size < mark.nbytes:
+            return None
+        return _Partial(files.index(p["file"]), mark, int(p["units"]), int(p["bytes_in"]), dict(p["errors"]),
+                        dict(p["layers"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _check_revision(ckpt: Checkpoint, dst: Path, force: bool) -> None:
+    """A conversion from the hub resumes only from the commit it started with."""
+    journal = Journal.load(dst) if dst.is_dir() else None
+    was = journal.origin if journal is not None else None
+    o = ckpt.origin
+    if force or not was or was.get("repo") != o.repo_id or was.get("commit") == o.commit:
+        return
+    raise ConvertError(f"this conversion started from {o.repo_id}@{str(was.get('commit'))[:12]}, but {o.revision} "
+                       f"is now {o.commit[:12]}: finish it with --hf-path {o.repo_id}@{was.get('commit')}, or start "
+                       "over with --force", dst)
+
+
+def _take(items: Iterator[Any], n: int) -> Iterator[Any]:
+    """The next `n` units of `items`, with the events that come between them."""
+    while n > 0:
+        item = next(items)
+        n -= isinstance(item, tuple)
+        yield item
 
 
 # --- destination checks ----------------------------------------------------------------------------------------------
@@ -314,10 +433,14 @@ def shard_metadata(recipe: Recipe) -> dict[str, str]:
     return {"format": "mlx", "tqbench_recipe": recipe.name}
 
 
-def _open_writer(path: Path, specs: Iterable[TensorSpec], recipe: Recipe, head: int) -> ShardWriter:
+def _open_writer(path: Path, specs: Iterable[TensorSpec], recipe: Recipe, head: int,
+                 resume: WriterMark | None = None) -> ShardWriter:
     try:
         # hashing and writing run on the writer's thread while MLX produces the next tensors
-        return ShardWriter(path, specs, shard_metadata(recipe), head, background=True)
+        return ShardWriter(path, specs, shard_metadata(recipe), head, background=True, resume=resume)
+    except ResumeError as e:
+        raise ConvertError(f"cannot continue the part-written shard ({e}); delete {path.name}.partial and rerun",
+                           path.parent) from None
     except OSError as e:
         _raise_if_no_room(e, path.parent, path.name)
         raise
@@ -358,22 +481,32 @@ def with_source_bytes(units: Iterable[Unit]) -> Iterator[tuple[Unit, int]]:
         yield u, n
 
 
-def _read_ahead(units: Iterator[tuple[Unit, int]], prefetch: Callable[[Unit, Unit | None], None],
-                budget: int) -> Iterator[tuple[Unit, int]]:
+def _read_ahead(units: Iterator[tuple[Unit, int] | Any], prefetch: Callable[[Unit, Unit | None], None],
+                budget: int) -> Iterator[tuple[Unit, int] | Any]:
     """The (unit, source bytes) in order; before one is handed out, the reads of the units after it are started:
-    at least the next unit's, more while the source bytes beyond the unit handed out stay within `budget`."""
+    at least the next unit's, more while the source bytes beyond the unit handed out stay within `budget`. Anything
+    else in `units` (an event: the next unit waits for a download) is handed on once the units before it are."""
     window: deque[tuple[Unit, int]] = deque()  # units whose reads have started, not handed out yet
     ahead, last = 0, None  # the window's source bytes; the unit prefetched last
     peek = next(units, None)
     while True:
-        while peek is not None and (len(window) < 2 or ahead - window[0][1] + peek[1] <= budget):
+        while peek is not None and (len(window) < 2 or not isinstance(peek, tuple)
+                                    or ahead - window[0][1] + peek[1] <= budget):
+            if not isinstance(peek, tuple):
+                if window:
+                    break  # hand out the units that are ready first
+                yield peek
+                peek = next(units, None)
+                continue
             prefetch(peek[0], last)
             last = peek[0]
             window.append(peek)
             ahead += peek[1]
             peek = next(units, None)
         if not window:
-            return
+            if peek is None:
+                return
+            continue
         item = window.popleft()
         ahead -= item[1]
         yield item
@@ -496,7 +629,7 @@ def _report(ckpt: Checkpoint, plan: Plan, source_fp: str, errors: dict[str, list
         rows.append({"module": m.name, "role": m.role.value, "choice": m.choice.label, "bytes": m.bytes,
                      "experts": m.source.experts or None, "rel_error_mean": total / n if n else None,
                      "rel_error_max": worst if n else None})
-    return {"recipe": plan.recipe.to_dict(), "source": str(ckpt.path), "source_fingerprint": source_fp,
+    return {"recipe": plan.recipe.to_dict(), "source": ckpt.name, "source_fingerprint": source_fp,
             "bytes": {"total": plan.total_bytes, "resident": plan.resident_bytes, "streamed": plan.streamed_bytes},
             "modules": rows, "timings": {"seconds": round(seconds, 3)}}
 

@@ -246,7 +246,9 @@ class ShardWriter:
         os.replace(self.tmp, self.path)
         return self.path
 
-    def abort(self) -> None:
+    def abort(self, keep_marked: bool = False) -> None:
+        """Stop writing and delete the `.partial` file; with `keep_marked`, keep it when a mark was taken (a caller
+        that removed what the marked part was made from continues it with `resume=` later)."""
         if self._worker is not None:
             self._worker, worker = None, self._worker
             try:
@@ -257,7 +259,8 @@ class ShardWriter:
             self._file.close()  # flushes what is buffered, which fails again when the disk is full (closed anyway)
         except OSError:
             pass
-        self.tmp.unlink(missing_ok=True)
+        if not (keep_marked and self._mark is not None):
+            self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> ShardWriter:
         return self

@@ -1,0 +1,97 @@
+"""The hub's side of a conversion that streams its source: which source shards each unit reads, the order to
+download them in, when each may go, and the disk the whole job needs.
+
+A shard is removed once the last unit reading it is converted *and written durably* (the caller marks the output
+shard being written first), so a rerun after kill -9 never needs a removed shard again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from tqbench.convert.journal import Journal
+from tqbench.events import SourceProgress, SourceRemoved
+from tqbench.hub.client import Snapshot, cached_file, download, hf_cache, resolve
+from tqbench.hub.disk import check_free, disk_need, snapshot_of
+from tqbench.hub.fetch import WINDOW, ShardFetcher
+from tqbench.hub.ref import HubRef
+from tqbench.layout.units import Unit
+from tqbench.shards.header import INDEX_FILE
+from tqbench.source.checkpoint import Checkpoint
+
+COMPANION_MAX_BYTES = 64 * 2**20  # the files that travel with a converted model (tokenizer, templates) are small
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
+
+
+def prepare(ckpt: Checkpoint, dest: Path, to_write: int, keep_source: bool) -> None:
+    """Before a conversion from the hub reads a shard: the disk checked (output still `to_write` bytes, plus the
+    source shards at once), and the small files that travel with the model downloaded."""
+    check_free(disk_need(ckpt, to_write, dest, hf_cache(), keep_source))
+    o = ckpt.origin
+    fetch_companions(resolve(HubRef(o.repo_id, o.commit)))
+
+
+def fetch_companions(listing: Snapshot) -> int:
+    """Download the small files that travel with the converted model (what a directory's conversion copies: not
+    weights, not hidden, at most 64 MiB). Returns the bytes downloaded."""
+    fetched = 0
+    for f in listing.files:
+        if ("/" in f.name or f.name.startswith(".") or f.name.endswith(_WEIGHTS) or f.size > COMPANION_MAX_BYTES
+                or f.name == INDEX_FILE or cached_file(listing, f.name) is not None):
+            continue
+        fetched += download(listing, f.name).stat().st_size
+    return fetched
+
+
+class HubFeed:
+    """Gates the conversion's units on their shards being downloaded and says which shards each unit finishes."""
+
+    def __init__(self, ckpt: Checkpoint, journal: Journal, units: Iterable[Unit],
+                 shards_of: Callable[[Unit], set[str]], keep_source: bool):
+        self.root, self.keep = ckpt.path, keep_source
+        self.snap = snapshot_of(ckpt)
+        self.shards_of = shards_of
+        order: list[str] = []
+        last: dict[str, int] = {}
+        for j, u in enumerate(units):
+            for s in shards_of(u):
+                if s not in last:
+                    order.append(s)
+                last[s] = j
+        self.finishing: dict[int, list[str]] = {}
+        for s, j in last.items():
+            self.finishing.setdefault(j, []).append(s)
+        on_disk = {s for s in order if cached_file(self.snap, s) is not None}
+        ours = set(journal.downloaded) | {s for s in order if s not in on_disk}
+        journal.downloaded = sorted(ours)
+        journal.save()  # before the first download: a shard tqbench fetched is known as its own whatever happens
+        self.leftover = [s for s in journal.downloaded if s not in last and (self.root / s).exists()]
+        self.fetcher = ShardFetcher(self.snap, order, ours, on_disk, len(order) if keep_source else WINDOW)
+
+    def gate(self, items: Iterable[tuple[Unit, int]]) -> Iterator[tuple[Unit, int] | SourceProgress]:
+        """The items, each once its shards are on disk; progress events while waiting for a download."""
+        for item in items:
+            need = self.shards_of(item[0])
+            while (waiting := self.fetcher.wait(need)) is not None:
+                yield waiting
+            yield item
+
+    def finished(self, j: int) -> list[str]:
+        """The shards whose last unit is the j-th (counted from 0 over this run's units)."""
+        return self.finishing.pop(j, [])
+
+    def remove(self, files: Iterable[str]) -> Iterator[SourceRemoved]:
+        """Remove these shards if tqbench downloaded them (unless the source is kept). Call only once the units that
+        read them are durable."""
+        if self.keep:
+            return
+        for f in files:
+            if (event := self.fetcher.remove(f, self.root / f)) is not None:
+                yield event
+
+    def progress(self) -> SourceProgress:
+        return self.fetcher.progress()
+
+    def close(self) -> None:
+        self.fetcher.close()
+
