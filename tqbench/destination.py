@@ -34,6 +34,12 @@ def default_dest(source: Path, recipe_name: str) -> Path:
     return source.parent / f"{source.name}-{Recipe.parse(recipe_name).name}"
 
 
+def source_base(ckpt) -> Path:
+    """The path a checkpoint's outputs are named after (`default_dest`) and remembered by: its directory, or for a hub
+    repository `./<name>` (its directory in the Hugging Face cache is no place for an output)."""
+    return Path.cwd() / ckpt.origin.repo_id.rsplit("/", 1)[-1] if ckpt.origin else ckpt.path
+
+
 def read_output(source: Path, dest: str, shard_size: str) -> Output:
     """The output typed for converting `source`; OutputError (one line) when the directory is missing, the source or
     inside it, cannot be made or written into (`check_output_dir`), or the shard size is unreadable or not

@@ -73,6 +73,7 @@ class ScanProgress(Message):
     total: int
     file: str
     tensors_so_far: int
+    fetched_bytes: int = 0  # from the hub so far (a hub repository's headers)
 
     def can_replace(self, message: Message) -> bool:
         """Merged: a newer progress message of the same load carries a newer count."""

@@ -9,6 +9,16 @@ from tqbench.state import load_state as _load
 from tqbench.state import save_state as _save
 
 
+def source_name(ckpt) -> str:
+    """How a screen names a checkpoint (tqbench.source.Checkpoint): its directory, or the hub repository."""
+    return ckpt.label if ckpt.origin else display_path(ckpt.path)
+
+
+def source_ref(ckpt) -> str:
+    """What opens the checkpoint again: its directory, or `owner/name@revision` on the hub."""
+    return f"{ckpt.origin.repo_id}@{ckpt.origin.revision}" if ckpt.origin else str(ckpt.path)
+
+
 def last_checkpoint() -> Path | None:
     """The remembered checkpoint directory, if it is recorded and still exists."""
     last = _load().get("last_checkpoint")

@@ -27,7 +27,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Static
 from textual.worker import Worker, WorkerState
 
-from tqbench.destination import OutputError, can_replace, can_start, kept_shards, read_output
+from tqbench.destination import OutputError, can_replace, can_start, kept_shards, read_output, source_base
 from tqbench.errors import TqbenchError
 from tqbench.state import remember_model
 from tui.messages import (ConvertBegan, ConvertDone, ConvertFailed, ConvertProgress, ConvertShardWritten,
@@ -36,7 +36,7 @@ from tui.screens import convert_check, convert_run
 from tui.screens.confirm import ConfirmScreen
 from tui.screens.convert_check import OutputCheck, check_line, checking_line, same_key
 from tui.screens.convert_run import ConvertRun, failed_note, run_line, stopped_note
-from tui.state import display_path, remember_conversion
+from tui.state import display_path, remember_conversion, source_name
 from tui.tally import Tally
 from tui.widgets.convert_form import ConvertForm
 from tui.widgets.layer_table import LayerTable
@@ -143,12 +143,12 @@ class ConvertScreen(Screen):
         if changed:
             self._note = None
             self._start_queued = False
-        self.sub_title = f"Convert: {display_path(ckpt.path)}"
+        self.sub_title = f"Convert: {source_name(ckpt)}"
         if changed:
             self.form.show_source(ckpt)
         self.form.show_recipe(recipe)
         if changed:
-            self.form.fill_defaults(ckpt.path, recipe.name)
+            self.form.fill_defaults(source_base(ckpt), recipe.name)
         self._recheck()
 
     @on(Input.Changed, "#dest")
@@ -180,7 +180,7 @@ class ConvertScreen(Screen):
         if self.checkpoint is None or self.running:
             return
         try:
-            output = read_output(self.checkpoint.path, self.form.dest_text, self.form.size_text)
+            output = read_output(source_base(self.checkpoint), self.form.dest_text, self.form.size_text)
         except OutputError as e:
             self._input_error = str(e)
             self.status = None
@@ -290,7 +290,7 @@ class ConvertScreen(Screen):
         self._note = None
         self.started = self.finished_event = self.last_unit = None
         self.shards_done = sum(kept)
-        remember_conversion(lay.ckpt.path, recipe.name, self.dest, self.form.size_text.strip())
+        remember_conversion(source_base(lay.ckpt), recipe.name, self.dest, self.form.size_text.strip())
         self.run.start(lay, self.dest, recipe, size, replace, tally)
         self.form.disable_fields(True)
         self.progress.prepare(lay.units, tally.snapshot())

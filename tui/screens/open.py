@@ -19,8 +19,9 @@ class OpenScreen(ModalScreen[Path | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, initial: str = "", title: str = "Open a checkpoint directory (Enter to open, Esc to cancel)",
-                 placeholder: str = "/path/to/checkpoint") -> None:
+    def __init__(self, initial: str = "",
+                 title: str = "Open a checkpoint directory or hub repository (Enter to open, Esc to cancel)",
+                 placeholder: str = "/path/to/checkpoint or owner/name[@revision]") -> None:
         super().__init__()
         self._initial, self._title, self._placeholder = initial, title, placeholder
 

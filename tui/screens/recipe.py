@@ -54,7 +54,8 @@ from tqbench.recipe import Plan, Recipe, assess, group_sources, make_plan
 from tui.messages import (MachineChosen, PlanFailed, PlansReady, QualitiesRead, QuickEvalDone, QuickEvalFailed,
                           QuickEvalProgress, QuickEvalStopped, RecipeChosen, SourcesGrouped)
 from tui.screens.chat_relay import one_line
-from tui.state import display_path
+from tqbench.hub.disk import hub_disk
+from tui.state import source_name
 from tui.widgets.plan_table import CURRENT, PlanTable
 from tui.widgets.quality_line import QualityLine, progress_text
 from tui.widgets.recipe_editor import INITIAL_RECIPE, RecipeEditor
@@ -83,6 +84,7 @@ class RecipeScreen(Screen):
         self.recipe = Recipe.parse(INITIAL_RECIPE)
         self.pins: list[Recipe] = []
         self.checkpoint = None
+        self.hub = None  # HubDisk of a checkpoint on the hub
         self.sources = None
         self.machine = None
         self.shown: list[Recipe] = []  # the recipes in the table's columns now
@@ -133,12 +135,13 @@ class RecipeScreen(Screen):
         if ckpt is self.checkpoint:
             return
         self.checkpoint, self.sources = ckpt, None
+        self.hub = hub_disk(ckpt) if ckpt.origin else None  # converting it from the hub: the disk that needs
         self.qualities = {}
         self._plans.clear()
         self.shown = []
-        self.sub_title = f"Recipe: {display_path(ckpt.path)}"
+        self.sub_title = f"Recipe: {source_name(ckpt)}"
         self.editor.set_checkpoint_path(ckpt.path)
-        self._empty(f"Grouping {len(ckpt.tensors):,} tensors of {display_path(ckpt.path)} into modules...")
+        self._empty(f"Grouping {len(ckpt.tensors):,} tensors of {source_name(ckpt)} into modules...")
         self._group(ckpt)
         self._read_qualities(ckpt)
 
@@ -319,7 +322,7 @@ class RecipeScreen(Screen):
         fits = [assess(p.footprint, self.machine) for p in plans]
         self.shown = list(self.wanted)
         qualities = [self.qualities.get(r.name) for r in self.wanted]
-        self.table.show([r.name for r in self.wanted], plans, fits, qualities)
+        self.table.show([r.name for r in self.wanted], plans, fits, qualities, self.hub)
         self.quality_line.show_caption(list(zip(self.table.column_names, qualities)))
         self.editor.set_notes(list(plans[0].warnings))
         self.editor.set_busy(False)

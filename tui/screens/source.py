@@ -18,7 +18,7 @@ from tqbench.events import CheckpointOpened, ShardScanned
 from tqbench.engine import iterate_in_daemon
 from tui.messages import CheckpointLoaded, LoadFailed, ScanProgress, ScanStarted
 from tui.screens.open import OpenScreen
-from tui.state import display_path, last_checkpoint, remember_checkpoint
+from tui.state import display_path, last_checkpoint, remember_checkpoint, source_name, source_ref
 from tui.widgets.roles import RoleTable
 from tui.widgets.scan import ScanPanel
 from tui.widgets.shards import ShardTable
@@ -110,7 +110,8 @@ class SourceScreen(Screen):
             for item in iterate_in_daemon(engine, lambda: worker.is_cancelled):
                 if isinstance(item, ShardScanned):
                     seen += item.tensors
-                    self.post_message(ScanProgress(load_id, item.index, item.total, item.file, seen))
+                    self.post_message(ScanProgress(load_id, item.index, item.total, item.file, seen,
+                                                   item.fetched_bytes))
                 elif isinstance(item, CheckpointOpened):
                     ckpt = item.checkpoint
                 else:
@@ -121,7 +122,8 @@ class SourceScreen(Screen):
         if ckpt is None or prepared is None or worker.is_cancelled:
             return
         summary, tensors = prepared
-        remember_checkpoint(Path(path))
+        if ckpt.origin is None:  # a hub repository is opened on request, never by surprise at start
+            remember_checkpoint(Path(path))
         self.post_message(CheckpointLoaded(load_id, ckpt, summary, tensors))
 
     def on_scan_started(self, message: ScanStarted) -> None:
@@ -132,7 +134,8 @@ class SourceScreen(Screen):
 
     def on_scan_progress(self, message: ScanProgress) -> None:
         if message.load_id == self._load_id:
-            self.query_one(ScanPanel).progress(message.index, message.total, message.file, message.tensors_so_far)
+            self.query_one(ScanPanel).progress(message.index, message.total, message.file, message.tensors_so_far,
+                                               message.fetched_bytes)
 
     def on_checkpoint_loaded(self, message: CheckpointLoaded) -> None:
         if message.load_id != self._load_id:
@@ -140,7 +143,7 @@ class SourceScreen(Screen):
         ckpt, summary = message.checkpoint, message.summary
         self.checkpoint, self.summary = ckpt, summary
         self.app.checkpoint = ckpt  # for later screens (Recipe, Convert, ...)
-        self.sub_title = f"Source: {display_path(ckpt.path)}"
+        self.sub_title = f"Source: {source_name(ckpt)}"
         self.query_one(ScanPanel).display = False
         self.query_one(SummaryPanel).show(summary, ckpt)
         self.query_one(RoleTable).show(summary)
@@ -221,7 +224,7 @@ class SourceScreen(Screen):
         roles.focus()
 
     def action_open(self) -> None:
-        current = self._opening or (self.checkpoint.path if self.checkpoint is not None else None)
+        current = self._opening or (source_ref(self.checkpoint) if self.checkpoint is not None else None)
 
         def opened(path: Path | None) -> None:
             if path is not None:

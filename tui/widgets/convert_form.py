@@ -14,7 +14,7 @@ from textual.widgets import Input, Label, Static
 
 from tqbench import units
 from tqbench.destination import DEFAULT_SHARD_SIZE, default_dest
-from tui.state import display_path, last_conversion
+from tui.state import display_path, last_conversion, source_name
 from tui.widgets.inputs import OrderedInput
 
 KEY = 11  # width of the form's labels (the run's summary aligns with them)
@@ -72,7 +72,7 @@ class ConvertForm(Vertical):
     def show_source(self, ckpt) -> None:
         """ckpt: tqbench.source.Checkpoint (present_bytes sums every tensor: once per checkpoint)."""
         self.query_one("#convert-source", Static).update(pair(
-            "source", display_path(ckpt.path),
+            "source", source_name(ckpt),
             f"{units.gb(ckpt.present_bytes)} in {plural(len(ckpt.shards), 'shard')} (s: open another)"))
 
     def show_recipe(self, recipe) -> None:

@@ -30,6 +30,7 @@ from tqbench import units
 from tqbench.eval.store import RecipeQuality
 from tqbench.recipe.fit import Fit, Verdict
 from tqbench.recipe.plan import Plan
+from tqbench.hub.disk import HubDisk
 from tqbench.recipe.report import PlanReport, plan_report
 from tui.widgets.cells import cell, num
 
@@ -107,10 +108,11 @@ def screen_rows(report: PlanReport, fits: list[Fit], qualities: list[RecipeQuali
     return rows + quality
 
 
-def plan_rows(plans: list[Plan], fits: list[Fit], qualities: list[RecipeQuality | None]) -> list[Row]:
+def plan_rows(plans: list[Plan], fits: list[Fit], qualities: list[RecipeQuality | None],
+              hub: HubDisk | None = None) -> list[Row]:
     """The table's rows for recipes side by side: tqbench.recipe.report's rows, as `tqbench plan` prints them, and
     the recipes' quality rows."""
-    return screen_rows(plan_report(plans, fits), fits, qualities)
+    return screen_rows(plan_report(plans, fits, hub), fits, qualities)
 
 
 def label_header(shard_size: int, compact: bool = False) -> str:
@@ -192,15 +194,15 @@ class PlanTable(DataTable):
         self.compact = False  # compact mode (see the module docstring)
 
     def show(self, names: list[str], plans: list[Plan], fits: list[Fit],
-             qualities: list[RecipeQuality | None]) -> None:
+             qualities: list[RecipeQuality | None], hub: HubDisk | None = None) -> None:
         """Fill the table: `names[0]` is the current recipe, the rest are pinned; `qualities` are theirs (None: never
         evaluated). Keeps the column cursor on the same recipe (or the nearest column) and, while the table has
         focus, the scroll position."""
-        self._shown = (names, plans, fits, qualities)
+        self._shown = (names, plans, fits, qualities, hub)
         selected = self.selected_name
         old_index = self.cursor_column
         scroll = (self.scroll_x, self.scroll_y)
-        full = plan_rows(plans, fits, qualities)
+        full = plan_rows(plans, fits, qualities, hub)
         space = self.size.width - self.styles.scrollbar_size_vertical
         for compact in (False, True):
             rows = compact_rows(full) if compact else full

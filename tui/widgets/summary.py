@@ -32,6 +32,8 @@ def summary_content(summary, ckpt) -> Content:
         _pair("tensors", f"{summary.tensors:,} in {len(ckpt.shards)} shard{'' if len(ckpt.shards) == 1 else 's'}", "size", units.size(summary.bytes)),
         _pair("params", units.count(summary.params), "active", f"{units.count(summary.active_params)} per token"),
     ]
+    if o := summary.hub:
+        lines.append(_pair("hub", o.label, "read", f"{units.size(o.fetched_bytes)} fetched"))
     if e := summary.experts:
         lines.append(_pair("experts", f"{e.experts_per_layer:,} per layer x {e.moe_layers} MoE layers = "
                                       f"{e.expert_layers:,}, top-{e.top_k}"))
