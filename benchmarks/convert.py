@@ -269,7 +269,7 @@ def child_floor(a: dict) -> None:
     t0 = time.perf_counter()
     import mlx.core  # noqa: F401
     import tqbench.convert  # noqa: F401
-    from tqbench.source.checkpoint import open_checkpoint
+    from tqbench.source.opening import open_checkpoint
     import_s = time.perf_counter() - t0
     ckpt = open_checkpoint(a["src"])
     emit(dict(mode="floor", import_s=import_s, tensors=len(ckpt.tensors)))
@@ -306,7 +306,7 @@ def build_source(work: Path, layers: int, experts: int, seed: int) -> dict:
         write_s = time.perf_counter() - t0
         marker.write_text(json.dumps(want))
     files = source_files(src)
-    from tqbench.source.checkpoint import open_checkpoint
+    from tqbench.source.opening import open_checkpoint
     tensors = open_checkpoint(src).tensors
     tensor_bytes = sum(t.entry.nbytes for t in tensors)
     return dict(name=name, layers=layers, experts=experts, path=str(src), spec=asdict(spec), seed=seed,

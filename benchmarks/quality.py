@@ -41,7 +41,7 @@ PAIRS = [("tq4-g64", "affine4-g128"), ("tq4-g32", "affine4-g64"), ("tq3-g64", "a
 
 def plan_figures(source: Path, recipe: str) -> dict:
     from tqbench.recipe import Recipe, group_sources, make_plan
-    from tqbench.source.checkpoint import open_checkpoint
+    from tqbench.source.opening import open_checkpoint
 
     ckpt = open_checkpoint(source)
     p = make_plan(group_sources(ckpt), Recipe.parse(recipe))

@@ -281,7 +281,7 @@ def test_cli_bad_model_is_one_line(models, capsys, monkeypatch, tmp_path):
 def test_an_evaluation_is_remembered_for_its_source_and_an_unwritable_store_only_warns(models, tmp_path, capsys):
     from tqbench.convert.pipeline import source_fingerprint
     from tqbench.eval.store import remembered
-    from tqbench.source.checkpoint import open_checkpoint
+    from tqbench.source.opening import open_checkpoint
 
     store = tmp_path / "evals"
     r = report_of(request(models["tq4"], models["src"], prompts=0, store=str(store)))

@@ -26,7 +26,7 @@ from tqbench.recipe import Recipe
 from tqbench.runtime.layers import TurboQuantLinear, TurboQuantSwitchLinear
 from tqbench.runtime.load import LoadError, load
 from tqbench.shards.writer import save_shard, to_bf16
-from tqbench.source.checkpoint import open_checkpoint
+from tqbench.source.opening import open_checkpoint
 from tqbench.source.summary import summarize
 
 HIDDEN, VOCAB, EXPERTS, TOP_K, LAYERS = 128, 384, 8, 2, 2

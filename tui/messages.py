@@ -17,7 +17,8 @@ says explicitly whether it merges:
   machine: held-down keys and fast typing post one per key), ConvertProgress (the per-layer totals are cumulative
   snapshots of a run), ChatConvertProgress (the demo's conversion before a chat: byte counts are cumulative) and
   ChatReplyProgress (a streaming reply's whole text so far, posted at most every ~50 ms), QuickEvalProgress (the
-  Recipe screen shows only where a quick eval is now);
+  Recipe screen shows only where a quick eval is now), ConvertSource when it carries download progress (cumulative;
+  a source shard removed is never merged away);
 - never merged, because each one counts: ConvertShardWritten (the screen counts shards written), PlansReady
   (each carries plans the others lack; dropping one would only make the screen plan them again), ChatExperts
   (a streaming reply's expert page-ins since the last batch; the expert view counts every routing) and ServeFeed (a
@@ -43,7 +44,8 @@ from tqbench.eval.store import RecipeQuality
 if TYPE_CHECKING:
     from tqbench.chat.records import ModelLoaded, StreamReport
     from tqbench.convert import DestinationStatus, Layout
-    from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
+    from tqbench.events import (ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved,
+                                UnitConverted)
     from tqbench.recipe import Machine, Plan, Recipe, Sources
     from tqbench.runtime.chat import ReplyDone, ReplyStarted
     from tqbench.runtime.models import ModelChosen
@@ -254,6 +256,20 @@ class ConvertProgress(Message):
 
 
 @dataclass
+class ConvertSource(Message):
+    """A conversion streaming its source from the hub: the downloads (SourceProgress), or a source shard removed
+    (SourceRemoved)."""
+
+    run_id: int
+    event: SourceProgress | SourceRemoved
+
+    def can_replace(self, message: Message) -> bool:
+        """Merged: the newest progress of the same run says everything (a removal is never merged away)."""
+        return (isinstance(message, ConvertSource) and message.run_id == self.run_id
+                and isinstance(message.event, SourceProgress) and isinstance(self.event, SourceProgress))
+
+
+@dataclass
 class ConvertShardWritten(Message):
     run_id: int
     event: ShardWritten
@@ -429,5 +445,5 @@ class ServeStopped(Message):
 
 # Messages that can come in bursts: each defines can_replace itself (see the module docstring).
 HIGH_RATE: tuple[type[Message], ...] = (ScanProgress, FilterApplied, PlansReady, RecipeChosen, MachineChosen,
-                                        ConvertProgress, ConvertShardWritten, QuickEvalProgress, ChatConvertProgress,
-                                        ChatReplyProgress, ChatExperts, ServeFeed)
+                                        ConvertProgress, ConvertSource, ConvertShardWritten, QuickEvalProgress,
+                                        ChatConvertProgress, ChatReplyProgress, ChatExperts, ServeFeed)

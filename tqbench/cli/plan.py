@@ -20,7 +20,7 @@ from rich.text import Text
 from tqbench import units
 from tqbench.cli import options
 from tqbench.cli.render import hub_line, show
-from tqbench.hub.disk import HubDisk, hub_disk
+from tqbench.source.hub.disk import HubDisk, hub_disk
 from tqbench.errors import ExitCode, TqbenchError
 from tqbench.recipe.fit import GB, Fit, Machine, assess, cached_disk_speed, disk_speed, machine, parse_size
 from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan

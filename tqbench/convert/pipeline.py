@@ -36,7 +36,8 @@ from tqbench.layout.units import Unit, chunks, iter_units, shard_counts, split, 
 from tqbench.recipe.plan import SHARD_SIZE, Plan, group_sources, make_plan
 from tqbench.quant import turboquant as tq
 from tqbench.recipe.recipe import Format, Recipe
-from tqbench.source.checkpoint import Checkpoint, open_checkpoint
+from tqbench.source.checkpoint import Checkpoint
+from tqbench.source.opening import open_checkpoint
 from tqbench.source.reader import ShardReader
 from tqbench.shards import ShardWriter, TensorSpec
 from tqbench.shards.writer import ResumeError, WriterMark, header_length
@@ -172,7 +173,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
 
     A source on the hub (`Checkpoint.origin`) is streamed: its shards download as the units reading them come up
     (SourceProgress events), and each downloaded shard is removed once converted unless `keep_source`
-    (SourceRemoved events; tqbench.hub.feed)."""
+    (SourceRemoved events; tqbench.convert.streamed)."""
     check_output_dir(Path(dest))  # before planning or reading a byte
     t0 = time.monotonic()
     keep_mlx_kernels()
@@ -193,7 +194,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     total_in = sum(lay.shard_in)
     resumed = [journal.finished(dst, f) for f in files]
     if ckpt.origin is not None:
-        from tqbench.hub.feed import prepare
+        from tqbench.convert.streamed import prepare
 
         o = ckpt.origin
         journal.origin = {"repo": o.repo_id, "revision": o.revision, "commit": o.commit}
@@ -213,7 +214,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
 
     feed = None
     if ckpt.origin is not None:
-        from tqbench.hub.feed import HubFeed
+        from tqbench.convert.streamed import HubFeed
 
         planner = Producer(ckpt, recipe, None)
         feed = HubFeed(ckpt, journal, remaining(chunks(iter_units(plan.modules, "streaming"), lay.counts)),

@@ -34,6 +34,6 @@ def demo_quality(recipe: str, store: str | None = None) -> RecipeQuality | None:
     from tqbench.demo import ensure_demo
     from tqbench.eval.store import remembered
     from tqbench.recipe import Recipe
-    from tqbench.source.checkpoint import open_checkpoint
+    from tqbench.source.opening import open_checkpoint
 
     return remembered(open_checkpoint(ensure_demo()), store).get(Recipe.parse(recipe).name)

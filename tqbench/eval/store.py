@@ -107,7 +107,7 @@ def remember(report: EvalReport, against: Path, store_dir: str | Path | None = N
     in its convert-report.json equals the reference's). Returns what was stored. A store that cannot be opened costs
     a warning, never the evaluation."""
     from tqbench.convert.pipeline import source_fingerprint
-    from tqbench.source.checkpoint import open_checkpoint
+    from tqbench.source.opening import open_checkpoint
 
     if quality_of(report, "") is None:  # nothing to remember: no need to read the source's headers
         return None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tqbench import units
 from tqbench.recipe.fit import Fit
-from tqbench.hub.disk import HubDisk
+from tqbench.source.hub.disk import HubDisk
 from tqbench.recipe.plan import Plan
 
 BPW_ROLES = ("attention", "routed_expert", "shared_expert")

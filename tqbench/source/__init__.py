@@ -1,6 +1,7 @@
 """Reading source checkpoints: shard headers, config, tensor roles, summaries. Never reads tensor data."""
 
-from tqbench.source.checkpoint import Checkpoint, MissingShard, Tensor, open_checkpoint, scan_checkpoint
+from tqbench.source.checkpoint import Checkpoint, MissingShard, Tensor
+from tqbench.source.opening import open_checkpoint, scan_checkpoint
 from tqbench.source.naming import Role, TensorName, classify
 from tqbench.source.summary import Summary, select_tensors, summarize
 

@@ -163,34 +163,17 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors)
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Read a checkpoint's config and headers. Raises CheckpointError (one line, naming the file) on bad input."""
-    for event in scan_checkpoint(path):
-        if isinstance(event, CheckpointOpened):
-            return event.checkpoint
-    raise AssertionError("scan_checkpoint ended without a checkpoint")
-
-
-def scan_checkpoint(path: str | Path) -> Iterator[ShardScanned | CheckpointOpened]:
-    """Like open_checkpoint, yielding a ShardScanned event per shard and finally CheckpointOpened. `path` may name a
-    hub repository, `owner/name[@revision]` (tqbench.hub.ref): its headers are then read with range requests."""
-    from tqbench.hub.ref import hub_ref
-
-    ref = hub_ref(path)
-    if ref is not None:
-        from tqbench.hub.source import scan_hub
-
-        yield from scan_hub(ref)
-        return
+def scan_directory(path: str | Path) -> Iterator[ShardScanned | CheckpointOpened]:
+    """A checkpoint directory's config and headers: a ShardScanned event per shard and finally CheckpointOpened
+    (tqbench.source.opening also opens hub repositories)."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError("not a directory" if root.exists() else "no such directory", root)
     config = read_config(root)
     index = read_index(root)
     files = shard_files(root, index)
-    events = assemble(root, config, shard_headers(root, index, files), len(files),
-                      index.total_size if index else None)
-    yield from events
+    yield from assemble(root, config, shard_headers(root, index, files), len(files),
+                        index.total_size if index else None)
 
 
 def assemble(root: Path, config: ModelConfig, headers: Iterable[ShardHeader | MissingShard], count: int,

@@ -31,7 +31,7 @@ from tqbench.destination import OutputError, can_replace, can_start, kept_shards
 from tqbench.errors import TqbenchError
 from tqbench.state import remember_model
 from tui.messages import (ConvertBegan, ConvertDone, ConvertFailed, ConvertProgress, ConvertShardWritten,
-                          ConvertStopped, DestinationChecked, DestinationCheckFailed)
+                          ConvertSource, ConvertStopped, DestinationChecked, DestinationCheckFailed)
 from tui.screens import convert_check, convert_run
 from tui.screens.confirm import ConfirmScreen
 from tui.screens.convert_check import OutputCheck, check_line, checking_line, same_key
@@ -320,6 +320,10 @@ class ConvertScreen(Screen):
         self.last_unit = message.unit
         self.progress.progressed(message.unit, message.layers)
         self._show_rate()
+
+    def on_convert_source(self, message: ConvertSource) -> None:
+        if self.run.current(message.run_id):
+            self.progress.show_source(message.event)
 
     def on_convert_shard_written(self, message: ConvertShardWritten) -> None:
         if not self.run.current(message.run_id):

@@ -19,8 +19,9 @@ from textual.worker import get_current_worker
 
 from tqbench.engine import Job, submit
 from tqbench.errors import TqbenchError
-from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
-from tui.messages import ConvertBegan, ConvertDone, ConvertFailed, ConvertProgress, ConvertShardWritten, ConvertStopped
+from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved, UnitConverted
+from tui.messages import (ConvertBegan, ConvertDone, ConvertFailed, ConvertProgress, ConvertShardWritten, ConvertSource,
+                          ConvertStopped)
 from tui.tally import Tally
 from tui.widgets.run_progress import where
 
@@ -118,6 +119,8 @@ class ConvertRun:
                     post(ConvertBegan(run_id, event, tally.snapshot()))
                 elif isinstance(event, ShardWritten):
                     post(ConvertShardWritten(run_id, event))
+                elif isinstance(event, (SourceProgress, SourceRemoved)):
+                    post(ConvertSource(run_id, event))
                 elif isinstance(event, ConvertFinished):
                     finished = True
                     post(ConvertDone(run_id, event))

@@ -54,7 +54,7 @@ from tqbench.recipe import Plan, Recipe, assess, group_sources, make_plan
 from tui.messages import (MachineChosen, PlanFailed, PlansReady, QualitiesRead, QuickEvalDone, QuickEvalFailed,
                           QuickEvalProgress, QuickEvalStopped, RecipeChosen, SourcesGrouped)
 from tui.screens.chat_relay import one_line
-from tqbench.hub.disk import hub_disk
+from tqbench.source.hub.disk import hub_disk
 from tui.state import source_name
 from tui.widgets.plan_table import CURRENT, PlanTable
 from tui.widgets.quality_line import QualityLine, progress_text

@@ -30,7 +30,7 @@ from tqbench import units
 from tqbench.eval.store import RecipeQuality
 from tqbench.recipe.fit import Fit, Verdict
 from tqbench.recipe.plan import Plan
-from tqbench.hub.disk import HubDisk
+from tqbench.source.hub.disk import HubDisk
 from tqbench.recipe.report import PlanReport, plan_report
 from tui.widgets.cells import cell, num
 

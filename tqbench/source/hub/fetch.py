@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from tqbench.events import SourceProgress, SourceRemoved
-from tqbench.hub.client import Snapshot, download
+from tqbench.source.hub.client import Snapshot, download
 
-from tqbench.hub.disk import WINDOW
+from tqbench.source.hub.disk import WINDOW
 
 
 class _Closed(Exception):

@@ -11,9 +11,9 @@ import re
 from typing import Iterator
 
 from tqbench.events import CheckpointOpened, ShardScanned
-from tqbench.hub.client import Snapshot, cached_file, download, resolve
-from tqbench.hub.headers import remote_headers
-from tqbench.hub.ref import HubRef
+from tqbench.source.hub.client import Snapshot, cached_file, download, resolve
+from tqbench.source.hub.headers import remote_headers
+from tqbench.source.hub.ref import HubRef
 from tqbench.errors import CheckpointError
 from tqbench.shards.header import INDEX_FILE, ShardHeader, parse_header, read_header
 from tqbench.source.checkpoint import HubOrigin, MissingShard, assemble

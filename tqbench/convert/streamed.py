@@ -11,10 +11,10 @@ from typing import Callable, Iterable, Iterator
 
 from tqbench.convert.journal import Journal
 from tqbench.events import SourceProgress, SourceRemoved
-from tqbench.hub.client import Snapshot, cached_file, download, hf_cache, resolve
-from tqbench.hub.disk import check_free, disk_need, snapshot_of
-from tqbench.hub.fetch import WINDOW, ShardFetcher
-from tqbench.hub.ref import HubRef
+from tqbench.source.hub.client import Snapshot, cached_file, download, hf_cache, resolve
+from tqbench.source.hub.disk import check_free, disk_need, snapshot_of
+from tqbench.source.hub.fetch import WINDOW, ShardFetcher
+from tqbench.source.hub.ref import HubRef
 from tqbench.layout.units import Unit
 from tqbench.shards.header import INDEX_FILE
 from tqbench.source.checkpoint import Checkpoint

@@ -15,7 +15,7 @@ from typing import BinaryIO, Callable, Iterator
 from urllib.parse import urlsplit
 
 from tqbench.errors import TqbenchError
-from tqbench.hub.ref import HubRef
+from tqbench.source.hub.ref import HubRef
 
 
 class HubError(TqbenchError):

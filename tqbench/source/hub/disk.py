@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqbench import units
 from tqbench.errors import TqbenchError
-from tqbench.hub.client import HubFile, Snapshot, cached_file, hf_cache
+from tqbench.source.hub.client import HubFile, Snapshot, cached_file, hf_cache
 from tqbench.source.checkpoint import Checkpoint
 
 WINDOW = 2  # downloaded source shards on disk at once: the one being converted and the next

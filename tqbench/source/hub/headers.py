@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from tqbench.hub.client import Snapshot, read_range
+from tqbench.source.hub.client import Snapshot, read_range
 from tqbench.paths import cache_dir
 from tqbench.shards.header import header_size
 
