@@ -12,8 +12,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import os
-import signal
 import time
 from collections import Counter, deque
 from itertools import islice
@@ -41,6 +39,7 @@ from tqbench.source.opening import open_checkpoint
 from tqbench.source.reader import ShardReader
 from tqbench.shards import ShardWriter, TensorSpec
 from tqbench.shards.writer import ResumeError, WriterMark, header_length
+from tqbench.testhooks import kill_point
 from tqbench.writable import check_output_dir
 
 # Source files that are not weights and travel with the model (tokenizer, chat template, generation settings).
@@ -274,7 +273,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
                                 eta = max(eta, d.eta) if eta is not None and d.eta is not None else None
                         yield UnitConverted(u.pieces[0].out.name, u.layer, u.expert, unit_in, u.nbytes, worst,
                                             done_in, total_in, elapsed, rate, eta)
-                        _test_kill("unit")
+                        kill_point("unit")
                         if feed is None:
                             continue
                         gone = feed.finished(ran)
@@ -283,7 +282,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
                             journal.partial = {"file": file, "mark": writer.mark().to_dict(), "units": units_done,
                                                "bytes_in": shard_in, "errors": errors, "layers": layer_errors}
                             journal.save()
-                            _test_kill("mark")
+                            kill_point("mark")
                             yield from feed.remove(gone)
                         if time.monotonic() - shown >= 0.5:
                             shown = time.monotonic()
@@ -543,33 +542,22 @@ def _combined_errors(journal: Journal, files: list[str]) -> dict[str, list[float
     return out
 
 
-def _test_kill(stage: str) -> None:
-    """Test hook: TQBENCH_TEST_KILL=unit:N (or final:N) SIGKILLs this process at the N-th such point."""
-    spec = os.environ.get("TQBENCH_TEST_KILL")
-    if not spec or not spec.startswith(stage + ":"):
-        return
-    n = int(spec.split(":")[1]) - 1
-    os.environ["TQBENCH_TEST_KILL"] = f"{stage}:{n}"
-    if n <= 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 # --- the final step --------------------------------------------------------------------------------------------------
 
 
 def _finish(lay: Layout, dst: Path, report: dict[str, Any], journal: Journal) -> None:
     ckpt, plan = lay.ckpt, lay.plan
     write_json(dst / EXPERT_MAP, expert_map.build(lay.streamed(), lay.files, lay.header_lengths))
-    _test_kill("final")
+    kill_point("final")
     write_json(dst / "config.json", converted_config(ckpt, plan))
-    _test_kill("final")
+    kill_point("final")
     copied = [f for f in sorted(ckpt.path.iterdir()) if f.is_file() and _travels(f)]
     journal.copied = [f.name for f in copied]  # recorded first: a --force later removes exactly these
     journal.save()
     for f in copied:
         write_bytes(dst / f.name, f.read_bytes())
     write_json(dst / REPORT, report)
-    _test_kill("final")
+    kill_point("final")
     # Last: the index, written as it is built (K3: 497k names). Its presence marks the directory complete.
     metadata = {"total_size": plan.total_bytes, "format": "tqbench", "recipe": plan.recipe.name}
     names = ((p.out.name, file) for file, s in zip(lay.files, lay.streamed()) for u in s for p in u.pieces)

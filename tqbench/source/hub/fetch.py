@@ -17,6 +17,7 @@ from tqbench.events import SourceProgress, SourceRemoved
 from tqbench.source.hub.client import Snapshot, download
 
 from tqbench.source.hub.disk import WINDOW
+from tqbench.testhooks import kill_point
 
 
 class _Closed(Exception):
@@ -115,6 +116,7 @@ class ShardFetcher:
             if self.closed:
                 raise _Closed
             self.downloaded += n
+        kill_point("download")
 
     def _on_disk(self) -> int:
         return sum(self.snap.size(f) or 0 for f in self.live)

@@ -51,6 +51,19 @@ def remote_headers(snap: Snapshot, files: Iterable[str]) -> Iterator[RemoteHeade
                     p.cancel()
 
 
+def file_head(snap: Snapshot, file: str, nbytes: int) -> RemoteHeader:
+    """The first `nbytes` of a file (an index's metadata), cached as headers are."""
+    from diskcache import Cache
+
+    with Cache(str(cache_dir() / "hub-headers")) as cache:
+        key = _key(snap, file) + f"|head{nbytes}"
+        if (raw := cache.get(key)) is not None:
+            return RemoteHeader(file, snap.size(file) or 0, raw, 0)
+        raw = read_range(snap, file, 0, nbytes)
+        cache.set(key, raw)
+        return RemoteHeader(file, snap.size(file) or 0, raw, len(raw))
+
+
 def _fetch(snap: Snapshot, file: str) -> RemoteHeader:
     size = snap.size(file) or 0
     n = header_size(read_range(snap, file, 0, 8) if size >= 8 else b"", size, snap.where(file))

@@ -12,7 +12,7 @@ from typing import Iterator
 
 from tqbench.events import CheckpointOpened, ShardScanned
 from tqbench.source.hub.client import Snapshot, cached_file, download, resolve
-from tqbench.source.hub.headers import remote_headers
+from tqbench.source.hub.headers import file_head, remote_headers
 from tqbench.source.hub.ref import HubRef
 from tqbench.errors import CheckpointError
 from tqbench.shards.header import INDEX_FILE, ShardHeader, parse_header, read_header
@@ -41,6 +41,8 @@ def scan_hub(ref: HubRef) -> Iterator[ShardScanned | CheckpointOpened]:
     config = read_config(root)
     files = series(snap)
     index_total = None
+    if files is not None and snap.size(INDEX_FILE):
+        index_total = _index_total(snap, fetched)
     if files is None:
         if snap.size(INDEX_FILE) is not None:
             small(INDEX_FILE)
@@ -70,6 +72,19 @@ def scan_hub(ref: HubRef) -> Iterator[ShardScanned | CheckpointOpened]:
                          counts["local"])
 
     yield from assemble(root, config, headers(), len(files), index_total, origin, lambda: fetched[0], snap.where())
+
+
+_TOTAL = re.compile(rb'"total_size"\s*:\s*(\d+)')
+_INDEX_HEAD = 4096  # an index's metadata comes before its weight_map: its first few KB
+
+
+def _index_total(snap: Snapshot, fetched: list[int]) -> int | None:
+    """`metadata.total_size` of the index, from its first few KB (what a directory's report shows; the rest of it,
+    the weight_map, is not needed)."""
+    head = file_head(snap, INDEX_FILE, min(_INDEX_HEAD, snap.size(INDEX_FILE)))
+    fetched[0] += head.fetched
+    m = _TOTAL.search(head.raw.split(b'"weight_map"', 1)[0])
+    return int(m[1]) if m else None
 
 
 def series(snap: Snapshot) -> list[str] | None:
