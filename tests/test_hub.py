@@ -294,3 +294,46 @@ def test_progress_reaches_the_cli(hub, source, tmp_path):
     assert lines[0].startswith(f"converting {REPO}@")
     assert [ln.split()[2] for ln in lines if ln.startswith("  removed source")] == [p.name for p in shards(source)]
     assert any(" s left" in ln for ln in lines if ln.startswith("convert "))
+
+
+# --- the TUI -------------------------------------------------------------------------------------------------------
+
+
+async def test_tui_opens_a_repository_and_converts_it_while_it_downloads(hub, source, reference, tmp_path,
+                                                                         monkeypatch):
+    from textual.widgets import Input, Static
+
+    from tui.app import TqbenchApp
+    from tui.screens.convert import ConvertScreen
+    from tui.screens.open import OpenScreen
+    from tui.widgets.summary import SummaryPanel
+    from tui_helpers import settle, wait_for
+
+    commit = hub.add_repo(REPO, source)
+    monkeypatch.chdir(tmp_path)  # the default output of a hub source is ./<name>-<recipe>
+    app = TqbenchApp(source)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await settle(pilot)
+        await pilot.press("o")
+        assert isinstance(app.screen, OpenScreen)
+        app.screen.query_one(Input).value = REPO
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: f"{REPO}@main" in str(app.screen.query_one(SummaryPanel).render()),
+                       "the repository's summary")
+        summary = str(app.screen.query_one(SummaryPanel).render())
+        fetched = sum(header_bytes(p) for p in shards(source)) + 4096 + (source / "config.json").stat().st_size
+        assert f"{REPO}@main ({commit[:12]})" in summary and f"{units.size(fetched)} fetched" in summary
+        assert app.screen.sub_title == f"Source: {REPO}@main ({commit[:12]})"
+        await pilot.press("c")
+        await settle(pilot)
+        screen = app.screen
+        assert isinstance(screen, ConvertScreen)
+        assert screen.query_one("#dest", Input).value == f"demo-{RECIPE}"
+        screen.query_one("#shard-size", Input).value = str(SHARD)
+        await settle(pilot)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: screen.finished_event is not None, "the conversion", seconds=120)
+        downloads = str(screen.query_one("#convert-download", Static).render())  # the last shard's removal
+        assert downloads.startswith("source  removed model-00004-of-00004.safetensors"), downloads
+    assert outputs(tmp_path / f"demo-{RECIPE}") == outputs(reference)
+    assert source_on_disk(tmp_path / "hf-cache") == 0

@@ -89,6 +89,15 @@ class SourceProgress:
     def eta(self) -> float | None:
         return (self.to_download - self.downloaded) / self.rate if self.rate > 0 else None
 
+    @property
+    def now(self) -> str:
+        """What the downloads are doing, in words every face shows."""
+        if self.file:
+            return self.file + (" (the conversion waits for it)" if self.waiting else "")
+        if self.downloaded >= self.to_download:
+            return "all downloaded"
+        return "next download waits until a converted shard is removed"
+
 
 @dataclass(frozen=True)
 class SourceRemoved:

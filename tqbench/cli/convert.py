@@ -104,8 +104,7 @@ def _where(ev: UnitConverted) -> str:
 
 
 def _fetching(ev: SourceProgress) -> str:
-    now = f"{ev.file}" + (" (conversion waiting)" if ev.waiting else "") if ev.file else "all downloaded"
-    return f"{now}; source on disk {units.gb(ev.on_disk)}"
+    return f"source on disk {units.gb(ev.on_disk)}; {ev.now}"
 
 
 def render_progress(events, err: Console) -> ConvertFinished:

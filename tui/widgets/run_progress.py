@@ -47,27 +47,26 @@ class RunProgress(Vertical):
             yield ProgressBar(total=None, show_eta=False, id="convert-bar")
             yield Label("", id="convert-bytes")
         yield Static("", id="convert-rate")
-        yield Static("", id="convert-source")
+        yield Static("", id="convert-download")
         yield LayerTable(id="layers")
 
     def _show_lines(self, shown: bool) -> None:
         self.query_one("#convert-bar-row").display = shown
         self.query_one("#convert-rate").display = shown
         if not shown:
-            self.query_one("#convert-source").display = False
+            self.query_one("#convert-download").display = False
 
     def show_source(self, ev: SourceProgress | SourceRemoved) -> None:
         """A run streaming its source from the hub: what is downloading, how fast, what the source holds on disk."""
-        line = self.query_one("#convert-source", Static)
+        line = self.query_one("#convert-download", Static)
         line.display = True
         if isinstance(ev, SourceRemoved):
             line.update(Content.assemble(("source  ", "bold"), f"removed {ev.file} ({units.gb(ev.bytes)}); ",
                                          f"{units.gb(ev.on_disk)} on disk"))
             return
-        now = ev.file + (" (conversion waiting)" if ev.waiting else "") if ev.file else "all downloaded"
         line.update(Content.assemble(
             ("source  ", "bold"), f"{units.gb(ev.downloaded)} of {units.gb(ev.to_download)} downloaded, ",
-            (f"{units.gb(ev.rate)}/s", "bold"), f"; {units.gb(ev.on_disk)} on disk  ", (now, "$text-muted")))
+            (f"{units.gb(ev.rate)}/s", "bold"), f"; {units.gb(ev.on_disk)} on disk  ", (ev.now, "$text-muted")))
 
     def _show_bytes(self, done: int, total: int) -> None:
         self.query_one("#convert-bar", ProgressBar).update(total=total, progress=done)

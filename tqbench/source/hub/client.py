@@ -115,6 +115,7 @@ def download(snap: Snapshot, name: str, progress: Callable[[int], None] | None =
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub.utils.tqdm import silent_tqdm  # progress goes to tqbench's events, not a second bar
 
     link = snapshot_dir(snap) / name
     if link.exists():
@@ -139,7 +140,7 @@ def download(snap: Snapshot, name: str, progress: Callable[[int], None] | None =
                 if f.tell() > meta.size:
                     f.truncate(0)
                 http_get(meta.location, _Counted(f, progress), resume_size=f.tell(), headers=headers,
-                         expected_size=meta.size, displayed_filename=name)
+                         expected_size=meta.size, displayed_filename=name, tqdm_class=silent_tqdm)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(part, blob)
