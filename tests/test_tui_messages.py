@@ -157,3 +157,16 @@ def _matches(value, hint) -> bool:
             return all(_matches(v, args[0]) for v in value)
         return len(args) == len(value) and all(_matches(v, a) for v, a in zip(value, args))
     return True
+
+
+def test_download_progress_merges_and_a_removal_never_does():
+    from tqbench.events import SourceProgress, SourceRemoved
+    from tui.messages import ConvertSource
+
+    older = ConvertSource(1, SourceProgress("a.safetensors", 10, 100, 5.0, 50, False))
+    newer = ConvertSource(1, SourceProgress("a.safetensors", 20, 100, 5.0, 50, False))
+    removal = ConvertSource(1, SourceRemoved("a.safetensors", 50, 0))
+    other_run = ConvertSource(2, SourceProgress("a.safetensors", 30, 100, 5.0, 50, False))
+    assert newer.can_replace(older)
+    assert not newer.can_replace(removal) and not removal.can_replace(older)
+    assert not other_run.can_replace(newer)

@@ -40,12 +40,12 @@ from textual.message import Message
 from tqbench.chat.live import ReplyRates
 from tqbench.eval.records import EvalProgress, EvalStarted
 from tqbench.eval.store import RecipeQuality
+from tqbench.events import SourceProgress  # ConvertSource.can_replace tells progress from removals
 
 if TYPE_CHECKING:
     from tqbench.chat.records import ModelLoaded, StreamReport
     from tqbench.convert import DestinationStatus, Layout
-    from tqbench.events import (ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved,
-                                UnitConverted)
+    from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, SourceRemoved, UnitConverted
     from tqbench.recipe import Machine, Plan, Recipe, Sources
     from tqbench.runtime.chat import ReplyDone, ReplyStarted
     from tqbench.runtime.models import ModelChosen
