@@ -71,6 +71,12 @@ def outputs(folder: Path) -> dict[str, bytes]:
     return {k: v for k, v in file_bytes(folder).items() if k not in RUN_RECORDS}
 
 
+def deleted_but_open() -> list[str]:
+    """Files this process holds open that were deleted: their disk space is not free yet."""
+    fds = Path("/proc/self/fd")
+    return [t for p in fds.iterdir() if (t := os.readlink(p) if p.is_symlink() else "").endswith(" (deleted)")]
+
+
 def source_on_disk(cache: Path) -> int:
     """Bytes of shard data in the Hugging Face cache now: complete blobs and partial downloads of the shards (the
     small files, config and tokenizer, are not counted). Measured from the directory, not from tqbench's events."""
@@ -174,6 +180,7 @@ def test_conversion_from_the_hub_holds_two_shards_and_equals_a_local_one(hub, so
         high = max(high, source_on_disk(cache))  # the generator is paused here: the disk as it is at this point
         if isinstance(ev, SourceRemoved):
             removed.append(ev.file)
+            assert not [f for f in deleted_but_open() if "hf-cache" in f]  # removed means its space is free
         done = ev
     assert isinstance(done, ConvertFinished)
     assert largest[0] < high <= largest[0] + largest[1]  # more than one shard at a time, never more than two

@@ -283,6 +283,8 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
                                                "bytes_in": shard_in, "errors": errors, "layers": layer_errors}
                             journal.save()
                             kill_point("mark")
+                            for f in gone:
+                                reader.close_shard(f)
                             yield from feed.remove(gone)
                         if time.monotonic() - shown >= 0.5:
                             shown = time.monotonic()

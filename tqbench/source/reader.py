@@ -143,6 +143,14 @@ class ShardReader:
         a = mx.array(self.read_numpy(t))
         return a.view(mx.bfloat16) if t.dtype == "BF16" else a
 
+    def close_shard(self, shard: str) -> None:
+        """Close the file of a shard nothing will read again (its disk space is freed only once no descriptor holds
+        it after it is deleted)."""
+        with self._lock:
+            fd = self._fds.pop(shard, None)
+        if fd is not None:
+            os.close(fd)
+
     def close(self) -> None:
         if self._pool is not None:
             for f in [*self._pending.values(), *(f for _, f in self._staged.values())]:
