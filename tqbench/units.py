@@ -31,3 +31,11 @@ def count(n: int | float) -> str:
         if abs(n) >= div:
             return f"{n / div:.2f} {unit}"
     return str(int(n))
+
+
+def clock(seconds: float | None) -> str:
+    """Time left as h:mm:ss (rich's own progress columns write it so); unknown: -:--:--."""
+    if seconds is None:
+        return "-:--:--"
+    s = int(seconds + 0.5)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn
 from rich.table import Table
 
 from tqbench import units
@@ -110,8 +110,9 @@ def _fetching(ev: SourceProgress) -> str:
 def render_progress(events, err: Console) -> ConvertFinished:
     if not err.is_terminal:
         return _render_plain(events, err)
+    # One ETA, the engine's (a conversion from the hub counts the downloads in it), on the conversion's bar.
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
-                        DownloadColumn(), TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
+                        DownloadColumn(), TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"),
                         TextColumn("{task.fields[what]}"), console=err, transient=False)
     task = download = None
     with progress:
@@ -119,12 +120,13 @@ def render_progress(events, err: Console) -> ConvertFinished:
             if isinstance(ev, ConvertStarted):
                 err.print(_started_line(ev), highlight=False, markup=False)
                 task = progress.add_task("convert", total=ev.bytes_in, completed=ev.resumed_bytes_in,
-                                         rate="", what="")
+                                         rate="", eta="", what="")
             elif isinstance(ev, UnitConverted):
-                progress.update(task, completed=ev.done_in, rate=f"{units.gb(ev.rate)}/s", what=_where(ev))
+                progress.update(task, completed=ev.done_in, rate=f"{units.gb(ev.rate)}/s", eta=units.clock(ev.eta),
+                                what=_where(ev))
             elif isinstance(ev, SourceProgress):
                 if download is None:
-                    download = progress.add_task("download", total=ev.to_download, rate="", what="")
+                    download = progress.add_task("download", total=ev.to_download, rate="", eta="", what="")
                 progress.update(download, completed=ev.downloaded, rate=f"{units.gb(ev.rate)}/s",
                                 what=_fetching(ev))
             elif isinstance(ev, SourceRemoved):

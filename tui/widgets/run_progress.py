@@ -20,14 +20,6 @@ from tui.widgets.convert_form import KEY, plural
 from tui.widgets.layer_table import LayerTable, error_text
 
 
-def clock(seconds: float | None) -> str:
-    """h:mm:ss, as rich's TimeRemainingColumn (the CLI's progress) shows an ETA."""
-    if seconds is None:
-        return "-:--:--"
-    s = int(seconds + 0.5)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
 def where(unit: UnitConverted) -> str:
     """The unit being converted: `layer 3 expert 17`, `layer 3`, or the tensor name outside the layers."""
     if unit.layer is None:
@@ -106,7 +98,7 @@ class RunProgress(Vertical):
         """The engine's rate and ETA after `unit`, the shards written and where the run is."""
         err = f" · err {error_text(unit.rel_error)}" if unit.rel_error is not None else ""
         self.query_one("#convert-rate", Static).update(Content.assemble(
-            (f"{units.gb(unit.rate)}/s", "bold"), "  ETA ", (clock(unit.eta), "bold"),
+            (f"{units.gb(unit.rate)}/s", "bold"), "  ETA ", (units.clock(unit.eta), "bold"),
             f"  shards {shards_done}/{shards}  ", (f"{where(unit)}{err}", "$text-muted")))
 
     def show_summary(self, ev: ConvertFinished, began: ConvertStarted | None) -> None:
