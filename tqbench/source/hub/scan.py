@@ -11,7 +11,7 @@ import re
 from typing import Iterator
 
 from tqbench.events import CheckpointOpened, ShardScanned
-from tqbench.source.hub.client import Snapshot, cached_file, download, resolve
+from tqbench.source.hub.client import HubError, Snapshot, cached_file, download, resolve
 from tqbench.source.hub.headers import file_head, remote_headers
 from tqbench.source.hub.ref import HubRef
 from tqbench.errors import CheckpointError
@@ -24,7 +24,10 @@ _SERIES = re.compile(r"(?P<stem>.+)-(?P<n>\d+)-of-(?P<total>\d+)\.safetensors")
 
 
 def scan_hub(ref: HubRef) -> Iterator[ShardScanned | CheckpointOpened]:
-    snap = resolve(ref)
+    try:
+        snap = resolve(ref)
+    except HubError as e:  # the name may be a mistyped directory too: say both
+        raise HubError(f"no such directory; as a hub repository: {e.message}", e.path) from None
     fetched = [0]
 
     def small(name: str):
