@@ -12,7 +12,7 @@ What it does, all in one run on one disk (the work directory):
 1. Writes seeded random Kimi-K3-layout source checkpoints (`tqbench.demo.write_source`) of two sizes that differ only in
    layer and expert counts (`--sizes LAYERSxEXPERTS,...`): every tensor has the same shape at both sizes, so a
    conversion that holds one tensor / one expert at a time must show the same peak RSS at both.
-2. For each size, recipe and repeat, each in a fresh subprocess (so `ru_maxrss` is that process's own):
+2. For each size, recipe and repeat, each in a fresh subprocess (so its peak RSS is that process's own):
    - convert: `tqbench.convert.convert` to a fresh directory; wall seconds of the conversion itself (imports excluded,
      reported separately), source bytes, output bytes, peak RSS, MLX peak memory.
    - raw: read every source shard with os.pread in 16 MiB blocks and write the same number of bytes as that

@@ -46,7 +46,7 @@ DEFAULTS = dict(plan_runs=3, pairs=3)
 QUICK = dict(plan_runs=1, pairs=1)
 PLAN_RECIPE = "tq3a-tqTe-down4-g64"
 K3 = "moonshotai/Kimi-K3"
-DEMO = "tqbench/demo"
+DEMO = "bench/demo"  # not a path in the repository: an existing path is always read as a directory
 
 
 def model_digest(dst: Path) -> str:
@@ -76,7 +76,7 @@ def child_convert(args: dict) -> None:
     from tqbench.convert import convert
     from tqbench.recipe import Recipe
 
-    blobs = Path(args["cache"]) / "models--tqbench--demo" / "blobs"
+    blobs = Path(args["cache"]) / "models--bench--demo" / "blobs"
 
     def on_disk() -> int:  # shard bytes in the Hugging Face cache now (the small files are not counted)
         if not blobs.is_dir():

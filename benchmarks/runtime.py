@@ -20,7 +20,7 @@ What it does, all in one run:
    Every process runs a copy of the tqbench package taken at the start (`work/code`): the tree may change meanwhile.
 3. Quality, one fresh subprocess per model: loss and perplexity over the windows, top-1 accuracy against the text, and
    each position's argmax; the parent compares every model's argmax with `source`'s (top-1 agreement).
-4. Speed and memory, one fresh subprocess per model and repeat (`ru_maxrss` is that process's own), the model order
+4. Speed and memory, one fresh subprocess per model and repeat (its peak RSS is that process's own), the model order
    rotated between repeats: import, `tqbench.runtime.load.load` (timed), one warm-up generation, then one greedy
    generation of `--gen-tokens` (default 128) after the prompt with mlx-lm's `stream_generate` (what
    `tqbench.runtime.chat.Conversation` runs; its prefill/decode tok/s are the ones ReplyDone reports), also counted
