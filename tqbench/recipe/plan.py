@@ -83,12 +83,13 @@ class SourceModule:
     format: str  # source storage format of the module
     shape: tuple[int, int] | None  # logical (out, in) of one Linear (one expert), None when not a Linear
 
-    @property
+    @cached_property
     def params(self) -> int:
         return sum(t.params for t in self.tensors)
 
-    @property
+    @cached_property
     def source_bytes(self) -> int:
+        """Computed once: the converter asks per unit, and a K3 expert module has 1,792 tensors."""
         return sum(t.nbytes for t in self.tensors)
 
 
