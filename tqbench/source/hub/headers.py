@@ -34,16 +34,17 @@ def remote_headers(snap: Snapshot, files: Iterable[str]) -> Iterator[RemoteHeade
 
     files = list(files)
     with Cache(str(cache_dir() / "hub-headers")) as cache:
-        known = {f: cache.get(_key(snap, f)) for f in files}
-        missing = [f for f in files if known[f] is None]
+        missing = [f for f in files if _key(snap, f) not in cache]
         with ThreadPoolExecutor(min(WORKERS, len(missing)) or 1, thread_name_prefix="tqbench-hub") as pool:
             pending = {f: pool.submit(_fetch, snap, f) for f in missing}
             try:
                 for f in files:
-                    if f not in pending:
-                        yield RemoteHeader(f, snap.size(f) or 0, known[f], 0)
+                    raw = cache.get(_key(snap, f)) if f not in pending else None  # one at a time: K3's are 75 MB
+                    if raw is not None:
+                        yield RemoteHeader(f, snap.size(f) or 0, raw, 0)
                         continue
-                    header = pending.pop(f).result()
+                    # fetched ahead, or (rarely) evicted from the cache since it was looked up: fetched now
+                    header = pending.pop(f).result() if f in pending else _fetch(snap, f)
                     cache.set(_key(snap, f), header.raw)
                     yield header
             finally:
