@@ -21,7 +21,7 @@ from hubserver import HubServer
 from tqbench import units
 from tqbench.convert import convert
 from tqbench.demo import DemoSpec, write_source
-from tqbench.events import ConvertFinished, ConvertStarted, SourceRemoved
+from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, SourceRemoved
 from tqbench.recipe import Recipe
 
 REPO = "org/demo"
@@ -344,3 +344,28 @@ async def test_tui_opens_a_repository_and_converts_it_while_it_downloads(hub, so
         assert downloads.startswith("source  removed model-00004-of-00004.safetensors"), downloads
     assert outputs(tmp_path / f"demo-{RECIPE}") == outputs(reference)
     assert source_on_disk(tmp_path / "hf-cache") == 0
+
+
+def test_an_output_started_from_another_commit_is_a_conflict_before_it_starts(hub, source, tmp_path):
+    """What the TUI's Convert screen asks before a run: an output begun from a commit the revision has moved past
+    needs replacing (after the user agrees), never resuming with other bytes."""
+    from tqbench.convert import destination_status, layout
+    from tqbench.source import open_checkpoint
+
+    old = hub.add_repo(REPO, source)
+    dst = tmp_path / "out"
+    run = convert(REPO, dst, Recipe.parse(RECIPE), SHARD)
+    for ev in run:
+        if isinstance(ev, ShardWritten):
+            break
+    run.close()  # stopped cleanly after the first shard: resumable
+    assert destination_status(layout(open_checkpoint(REPO), Recipe.parse(RECIPE), SHARD), dst).state == "resumable"
+    moved = tmp_path / "moved"
+    shutil.copytree(source, moved)
+    (moved / "generation_config.json").write_text('{"temperature": 0.5}\n')
+    new = hub.add_repo(REPO, moved)
+    status = destination_status(layout(open_checkpoint(REPO), Recipe.parse(RECIPE), SHARD), dst)
+    assert status.state == "conflict"
+    assert old[:12] in status.detail and new[:12] in status.detail and f"{REPO}@{old}" in status.detail
+    at_old = destination_status(layout(open_checkpoint(f"{REPO}@{old}"), Recipe.parse(RECIPE), SHARD), dst)
+    assert at_old.state == "resumable" and at_old.done_shards == 1

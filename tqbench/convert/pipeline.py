@@ -150,6 +150,8 @@ def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
     journal = Journal.load(dst) if dst.is_dir() else None
     if not is_conversion(dst):
         return DestinationStatus("foreign", 0, n, "is not empty and holds no tqbench conversion", (False,) * n)
+    if moved := _moved(lay.ckpt, journal):
+        return DestinationStatus("conflict", 0, n, moved, (False,) * n)
     if journal is None or journal.source != lay.source_fp or journal.plan != lay.plan_fp:
         return DestinationStatus("conflict", 0, n, _conflict(journal, lay.plan.recipe), (False,) * n)
     finished = tuple(journal.finished(dst, f) for f in lay.files)
@@ -352,16 +354,22 @@ def _partial(journal: Journal, dst: Path, files: tuple[str, ...], resumed: list[
         return None
 
 
-def _check_revision(ckpt: Checkpoint, dst: Path, force: bool) -> None:
-    """A conversion from the hub resumes only from the commit it started with."""
-    journal = Journal.load(dst) if dst.is_dir() else None
+def _moved(ckpt: Checkpoint, journal: Journal | None) -> str | None:
+    """Why a conversion from the hub cannot resume from `ckpt`: it started from another commit of the repository (the
+    revision moved since). None when it can."""
     was = journal.origin if journal is not None else None
     o = ckpt.origin
-    if force or not was or was.get("repo") != o.repo_id or was.get("commit") == o.commit:
-        return
-    raise ConvertError(f"this conversion started from {o.repo_id}@{str(was.get('commit'))[:12]}, but {o.revision} "
-                       f"is now {o.commit[:12]}: finish it with --hf-path {o.repo_id}@{was.get('commit')}, or start "
-                       "over with --force", dst)
+    if o is None or not was or was.get("repo") != o.repo_id or was.get("commit") == o.commit:
+        return None
+    return (f"this conversion started from {o.repo_id}@{str(was.get('commit'))[:12]}, but {o.revision} is now "
+            f"{o.commit[:12]}: finish it with --hf-path {o.repo_id}@{was.get('commit')}, or start over with --force")
+
+
+def _check_revision(ckpt: Checkpoint, dst: Path, force: bool) -> None:
+    """A conversion from the hub resumes only from the commit it started with."""
+    why = None if force else _moved(ckpt, Journal.load(dst) if dst.is_dir() else None)
+    if why:
+        raise ConvertError(why, dst)
 
 
 def _take(items: Iterator[Any], n: int) -> Iterator[Any]:
