@@ -79,9 +79,14 @@ def child_convert(args: dict) -> None:
     blobs = Path(args["cache"]) / "models--bench--demo" / "blobs"
 
     def on_disk() -> int:  # shard bytes in the Hugging Face cache now (the small files are not counted)
-        if not blobs.is_dir():
-            return 0
-        return sum(p.stat().st_size for p in blobs.iterdir() if p.is_file() and p.stat().st_size > 1_000_000)
+        total = 0
+        for p in blobs.iterdir() if blobs.is_dir() else ():
+            try:
+                size = p.stat().st_size
+            except FileNotFoundError:  # a finished download renames its partial file while we look
+                continue
+            total += size if size > 1_000_000 else 0
+        return total
 
     high = 0
     t0 = time.perf_counter()

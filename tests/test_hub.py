@@ -73,17 +73,29 @@ def outputs(folder: Path) -> dict[str, bytes]:
 
 def deleted_but_open() -> list[str]:
     """Files this process holds open that were deleted: their disk space is not free yet."""
-    fds = Path("/proc/self/fd")
-    return [t for p in fds.iterdir() if (t := os.readlink(p) if p.is_symlink() else "").endswith(" (deleted)")]
+    found = []
+    for p in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(p)
+        except OSError:  # closed meanwhile
+            continue
+        if target.endswith(" (deleted)"):
+            found.append(target)
+    return found
 
 
 def source_on_disk(cache: Path) -> int:
     """Bytes of shard data in the Hugging Face cache now: complete blobs and partial downloads of the shards (the
     small files, config and tokenizer, are not counted). Measured from the directory, not from tqbench's events."""
     blobs = cache / "models--org--demo" / "blobs"
-    if not blobs.is_dir():
-        return 0
-    return sum(p.stat().st_size for p in blobs.iterdir() if p.is_file() and p.stat().st_size > 100_000)
+    total = 0
+    for p in blobs.iterdir() if blobs.is_dir() else ():
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:  # a download finishing renames its partial file while we look
+            continue
+        total += size if size > 100_000 else 0
+    return total
 
 
 def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
