@@ -575,14 +575,18 @@ class SlotCache:
                 self.policy.touch_many(hits, now)
         return slots
 
-    def place_many(self, keys: list, now: int, locked: set, cold: bool = False) -> list[int]:
+    def place_many(self, keys: list, now: int, locked: set, cold: bool = False,
+                   evicted: list | None = None) -> list[int]:
         """Slots for distinct keys that are not resident (one layer's misses), as place() for each in turn gives them
         (free slots first, then the policy's victims' slots in order), with the victims chosen in one pass before any
-        of the keys is touched. Refuses (RuntimeError) before changing anything when there is not room for all."""
+        of the keys is touched. Refuses (RuntimeError) before changing anything when there is not room for all.
+        `evicted`, if given, is extended with the key each slot held before (None for a free slot)."""
         need = len(keys) - len(self.free)
         victims = self.policy.victims(locked | self.pinned, need, now) if need > 0 else []
         if len(victims) < need:
             raise RuntimeError("every slot is locked or pinned: no room for another expert")
+        if evicted is not None:
+            evicted.extend([None] * (len(keys) - len(victims)) + victims)
         slots = [self.free.pop() for _ in range(len(keys) - len(victims))]
         for key in victims:
             slots.append(self.slots.pop(key))

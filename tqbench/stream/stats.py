@@ -18,7 +18,8 @@ class PageIn:
     token: int  # decode step of the session (prefill chunks count as one step each)
     layer: int
     experts: tuple[int, ...]
-    served: tuple[str, ...]  # per expert: "pinned", "cache", "prefetched" (look-ahead, in time) or "miss"
+    served: tuple[str, ...]  # per expert: "pinned", "cache", "prefetched" (look-ahead, in time), "host" (copied
+    # from the host-RAM tier) or "miss" (read from disk)
     bytes_read: int
     stall_s: float  # time the layer waited for reads and slot writes
     cache_bytes: int = 0  # the expert cache's bytes after this layer (pinned and cached experts)
@@ -41,7 +42,15 @@ class StreamStats:
     hits_pinned: int = 0
     hits_cache: int = 0
     hits_prefetched: int = 0  # look-ahead reads that were done before the layer needed them
-    misses: int = 0
+    hits_host: int = 0  # GPU misses copied from the host-RAM tier (tqbench.stream.host), not read
+    misses: int = 0  # read from disk
+    host_budget_bytes: int = 0  # the host tier (0: none)
+    host_slots: int = 0
+    host_bytes: int = 0  # the experts it holds now
+    host_admitted: int = 0  # experts moved there from a GPU slot
+    host_dropped: int = 0  # experts evicted from it (gone from both tiers)
+    host_copy_s: float = 0.0  # worker seconds copying host -> slot (and the slot's old expert out)
+    host_to_gpu_s: float = 0.0  # engine-thread seconds asking those slots' pages to move to the GPU
     lookahead_reads: int = 0  # experts read ahead
     lookahead_used: int = 0  # of those, routed at the layer they were read for
     reads: int = 0
@@ -79,17 +88,32 @@ class StreamStats:
 
     @property
     def hits(self) -> int:
+        """Routed experts not read from disk when needed (every tier)."""
+        return self.hits_gpu + self.hits_host
+
+    @property
+    def hits_gpu(self) -> int:
         return self.hits_pinned + self.hits_cache + self.hits_prefetched
 
     def hit_rate(self) -> float:
         n = self.hits + self.misses
         return self.hits / n if n else 0.0
 
+    def tier_rates(self) -> dict[str, float]:
+        """Shares of routed experts served by each tier: "gpu" (the slot pools), "host", "disk"."""
+        n = self.hits + self.misses
+        return {k: (v / n if n else 0.0) for k, v in (("gpu", self.hits_gpu), ("host", self.hits_host),
+                                                     ("disk", self.misses))}
+
     def to_dict(self) -> dict[str, Any]:
         return {"budget_bytes": self.budget_bytes, "page_cache": self.page_cache, "slot_bytes": self.slot_bytes, "slots": self.slots,
                 "staging_bytes": self.staging_bytes, "cache_bytes": self.cache_bytes,
                 "cache_bytes_max": self.cache_bytes_max, "hits": self.hits, "hits_pinned": self.hits_pinned,
-                "hits_cache": self.hits_cache, "hits_prefetched": self.hits_prefetched, "misses": self.misses,
+                "hits_cache": self.hits_cache, "hits_prefetched": self.hits_prefetched, "hits_host": self.hits_host,
+                "misses": self.misses, "host_budget_bytes": self.host_budget_bytes, "host_slots": self.host_slots,
+                "host_bytes": self.host_bytes, "host_admitted": self.host_admitted, "host_dropped": self.host_dropped,
+                "host_copy_s": round(self.host_copy_s, 6), "host_to_gpu_s": round(self.host_to_gpu_s, 6),
+                "tiers": {k: round(v, 4) for k, v in self.tier_rates().items()},
                 "lookahead_reads": self.lookahead_reads, "lookahead_used": self.lookahead_used, "hit_rate": round(self.hit_rate(), 4),
                 "reads": self.reads, "critical_bytes": self.critical_bytes,
                 "speculative_bytes": self.speculative_bytes, "evictions": self.evictions, "tokens": self.tokens,

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from tqbench.stream.cache import DEFAULT_POLICY, SlotCache
+from tqbench.stream.host import HostTier
 from tqbench.managed import GpuPrefetch, host_view
 from tqbench.stream.stats import LayerTotals, PageIn, StreamStats
 from tqbench.stream.store import ExpertStore, LayerLayout, StoreError, aligned_buffer, part_array
@@ -44,6 +45,7 @@ class StreamConfig:
     reads_in_flight: int = 0  # at most this many reads at once (0: one per worker); the workers' copies into the
     # slots still run in parallel. Some disks read one request at a time fastest (the lent H200's: random experts at
     # 2.35 GB/s with one reader, 1.62 with four), and a worker that reads then copies leaves the disk idle meanwhile.
+    host_cache_bytes: int = 0  # a host-RAM tier for experts evicted from the pools (tqbench.stream.host; 0: none)
 
 
 def read_buffers(workers: int) -> int:
@@ -90,6 +92,19 @@ class Pool:
         for p in self.parts:
             np.copyto(self.views[(p.projection, p.param)][slot], part_array(buf, p), casting="no")
         return time.perf_counter() - t0
+
+    def copy_out(self, slot: int, buf: np.ndarray) -> float:
+        """Copy the expert in `slot` into `buf` (laid out as a staging buffer): copy_in's reverse, for the host tier.
+        Same rules as copy_in. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        for p in self.parts:
+            np.copyto(part_array(buf, p), self.views[(p.projection, p.param)][slot], casting="no")
+        return time.perf_counter() - t0
+
+    def move(self, slot: int, source: np.ndarray, out: np.ndarray | None) -> float:
+        """Save the slot's expert into `out` (a host slot; None: it vanishes), then copy `source` in. Returns the
+        seconds it took."""
+        return (self.copy_out(slot, out) if out is not None else 0.0) + self.copy_in(slot, source)
 
     def to_gpu(self, slot: int) -> float:
         """Start moving a written slot's pages to the GPU (CUDA; a no-op elsewhere). Engine thread, after copy_in.
@@ -152,9 +167,19 @@ class Streamer:
                     self.pool_of[lay.layer] = pool
         self.stats.slots = sum(p.slots for p in self.pools)
         self.stats.slot_bytes = sum(p.slots * p.nbytes for p in self.pools)
+        self.host: HostTier | None = None
+        if config.host_cache_bytes > 0:
+            widest = max(lay.nbytes for lay in layouts.values())
+            if config.host_cache_bytes < widest:
+                raise StoreError(f"the host cache ({config.host_cache_bytes:,} bytes) cannot hold one expert "
+                                 f"({widest:,} bytes)", store.root)
+            self.host = HostTier(config.host_cache_bytes, widest)
+            self.stats.host_budget_bytes = config.host_cache_bytes
+            self.stats.host_slots = self.host.capacity
         self._workers = workers
         self._buffers = [aligned_buffer(biggest) for _ in range(read_buffers(workers))]
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="tqbench-read")
+        self._copier = ThreadPoolExecutor(workers, thread_name_prefix="tqbench-host") if self.host is not None else None
         depth = config.reads_in_flight
         self._gate = threading.BoundedSemaphore(depth) if 0 < depth < workers else None
         self.events: list[PageIn] = []
@@ -218,7 +243,9 @@ class Streamer:
             return
         mx.eval(indices)
         pool = self.pool_of[layer]
-        want = [int(e) for e in np.unique(np.array(indices)) if (layer, int(e)) not in pool.cache]
+        held = self.host.cache if self.host is not None else ()
+        want = [int(e) for e in np.unique(np.array(indices)) if (layer, int(e)) not in pool.cache
+                and (layer, int(e)) not in held]
         free = list(self._buffers)
         for e in want[: len(free)]:  # at most one read per staging buffer; the rest would wait anyway
             buf = free.pop()
@@ -244,9 +271,11 @@ class Streamer:
                 reads = sum(f.result()[0] for f in fs)  # waits; re-raises a StoreError
                 self.stats.reads += reads
                 if was == layer and e in routed and e not in slots and len(locked | pool.cache.pinned) < pool.slots:
-                    slot, _ = pool.cache.place((layer, e), self._tick, locked)
+                    slot, victim = pool.cache.place((layer, e), self._tick, locked)
                     locked.add((layer, e))
-                    copies.append((slot, self._executor.submit(pool.copy_in, slot, buf[self.store.shift(layer, e):])))
+                    out = self._to_host({victim: slot}, set()).get(slot, (None, None))[1] if victim else None
+                    copies.append((slot, self._executor.submit(pool.move, slot, buf[self.store.shift(layer, e):],
+                                                               out)))
                     slots[e] = slot
                     self.stats.lookahead_used += 1
                     if in_time:
@@ -298,7 +327,7 @@ class Streamer:
         pinned = [e for e in experts if (layer, e) in pool.cache.pinned]
         room = pool.slots - len(pool.cache.pinned) + len(pinned)
         if len(experts) <= room:
-            read_bytes += self.page_in(layer, pool, missing, slots, locked)
+            read_bytes += self.page_in(layer, pool, missing, slots, locked, served=served)
             stall = time.perf_counter() - t0
             if self._guess is not None and not self._prefill:
                 self._start_ahead()  # the next layer's reads overlap this layer's compute
@@ -318,7 +347,8 @@ class Streamer:
                 chunk_slots = {e: slots[e] for e in chunk if e in slots}
                 need = [e for e in chunk if e not in chunk_slots]
                 t1 = time.perf_counter()
-                read_bytes += self.page_in(layer, pool, need, chunk_slots, {(layer, e) for e in chunk_slots})
+                read_bytes += self.page_in(layer, pool, need, chunk_slots, {(layer, e) for e in chunk_slots},
+                                           served=served)
                 stall += time.perf_counter() - t1
                 for e, s in chunk_slots.items():
                     lut[e] = s
@@ -332,20 +362,30 @@ class Streamer:
         return y
 
     def page_in(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int], locked: set,
-                 timed: bool = True) -> int:
-        """Read `missing` experts (in parallel, into the staging buffers) and write each into its slot as it arrives.
-        The slots are chosen first, in expert order (so evictions do not depend on which read finishes first), and on
-        CUDA their pages start moving to the host once the reads are submitted (asking costs ~0.4 ms an expert on the
-        H200: asked before the reads, it delayed them), so the copies land in host memory. Fills `slots`; returns the
-        bytes read. `timed`: add where the time went to the stats' `miss_*` totals (a preload's page-ins are not
-        misses)."""
+                 timed: bool = True, served: dict[int, str] | None = None) -> int:
+        """Bring `missing` experts into slots: from the host tier where it holds them (a copy), else read (in
+        parallel, into the staging buffers) and written into the slot as each arrives. The slots are chosen first, in
+        expert order (so evictions do not depend on which read finishes first); the experts they held go to the host
+        tier, if any. On CUDA the slots' pages start moving to the host once the reads are submitted (asking costs
+        ~0.4 ms an expert on the H200: asked before the reads, it delayed them), so the copies land in host memory.
+        Fills `slots` (and `served` with "host" for the host tier's); returns the bytes read from disk. `timed`: add
+        where the reads' time went to the stats' `miss_*` totals (a preload's page-ins are not misses)."""
         if not missing:
             return 0
-        clock = _MissClock(time.perf_counter()) if timed else None
         placed = sorted(missing)
         keys = [(layer, e) for e in placed]
-        slots.update(zip(placed, pool.cache.place_many(keys, self._tick, locked, cold=self._prefill)))
+        evicted: list = []
+        slots.update(zip(placed, pool.cache.place_many(keys, self._tick, locked, cold=self._prefill,
+                                                       evicted=evicted)))
         locked.update(keys)
+        host = self.host
+        from_host = {e: host.cache.slots[(layer, e)] for e in placed if host is not None and (layer, e) in host}
+        out = self._to_host({v: slots[e] for e, v in zip(placed, evicted) if v is not None},
+                            {(layer, e) for e in from_host})
+        reads = [e for e in placed if e not in from_host]
+        clock = _MissClock(time.perf_counter()) if timed and reads else None
+        if served is not None:
+            served.update((e, "host") for e in from_host)
 
         def to_host() -> None:  # engine thread, before its first to_gpu: the two prefetches of a slot stay in order
             t = time.perf_counter()
@@ -355,25 +395,47 @@ class Streamer:
                 clock.to_host += time.perf_counter() - t
 
         try:
-            total = self._read_into(layer, pool, missing, slots, clock, to_host)
+            total = self._read_into(layer, pool, reads, slots, clock, to_host,
+                                    {e: host.slot(i, pool.nbytes) for e, i in from_host.items()},
+                                    {slot: view for slot, (_, view) in out.items()})
             if clock is not None:
-                clock.add_to(self.stats, len(missing), time.perf_counter())
-            return total
+                clock.add_to(self.stats, len(reads), time.perf_counter())
         except BaseException:
             for e in placed:  # their data never arrived (or only partly): not resident
                 pool.cache.drop((layer, e))
                 slots.pop(e, None)
+            if host is not None:  # a victim's copy may not have been made: gone, as without a host tier
+                host.release([key for key, _ in out.values()])
             raise
+        if host is not None:
+            host.release([(layer, e) for e in from_host])  # back in a GPU slot: one tier holds an expert
+        return total
+
+    def _to_host(self, victims: dict, locked: set) -> dict[int, tuple[tuple[int, int], np.ndarray]]:
+        """Host slots for experts evicted from GPU slots ({key: the GPU slot it leaves}), none evicting a key in
+        `locked`. Returns {GPU slot: (the key, the host slot's bytes to copy it into)}; empty without a host tier."""
+        if self.host is None or not victims:
+            return {}
+        taken = self.host.take(list(victims), locked)
+        return {victims[k]: (k, self.host.slot(i, self.store.layers[k[0]].nbytes)) for k, i in taken.items()}
 
     def _read_into(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int],
-                   clock: _MissClock | None = None, submitted: Callable[[], None] | None = None) -> int:
+                   clock: _MissClock | None = None, submitted: Callable[[], None] | None = None,
+                   from_host: dict[int, np.ndarray] | None = None, out: dict[int, np.ndarray] | None = None) -> int:
         """Reads on the workers into free staging buffers; the worker that ends an expert's last read copies it into
         its slot (so copies run in parallel and overlap the other reads, and no thread hand-off comes between a read
         and its copy). Here, on the engine thread, once an expert's reads and copy are done: the slot's GPU prefetch,
         and its buffer is free again. Returns once every copy is done, so no computation reads the pool while a slot
         is written; when a read fails, the error is re-raised once every read and copy still running has ended
         (nothing writes a buffer or a slot after it), and the expert is never copied. `submitted` is called once,
-        after the first reads are submitted."""
+        after the first reads are submitted. `from_host` ({expert: its host slot's bytes}): experts copied from the
+        host tier instead of read, once `submitted` has been called; `out` ({slot: host bytes}): a slot's expert is
+        copied there before its new one is copied in."""
+        out = out or {}
+        host_jobs: list[tuple[int, Future]] = []
+        if from_host and not missing:  # else once the first reads are submitted (below)
+            host_jobs = self._host_copies(pool, from_host, slots, out, submitted)
+            submitted = None
         pending = deque(sorted(missing))
         free = list(self._buffers)
         # Stacked layouts (several ranges per expert, buffered reads): adjacent experts are read as runs, one scatter
@@ -391,7 +453,8 @@ class Streamer:
                         run.append(pending.popleft())
                     bufs = [free.pop() for _ in run]
                     times = None if clock is None else clock.submitted(len(run))
-                    copy = _Copy(pool, [(slots[e], buf[self.store.shift(layer, e):]) for e, buf in zip(run, bufs)])
+                    copy = _Copy(pool, [(slots[e], buf[self.store.shift(layer, e):], out.get(slots[e]))
+                                        for e, buf in zip(run, bufs)])
                     if len(run) > 1:
                         futures = self._go([(self.store.read_run, layer, run, bufs)], times, copy)
                     else:
@@ -400,6 +463,8 @@ class Streamer:
                 if submitted is not None:
                     submitted()
                     submitted = None
+                    if from_host:
+                        host_jobs = self._host_copies(pool, from_host, slots, out, None)
                 # only reads still running: a finished piece of a fanned-out expert must not make this spin
                 running = [f for _, fs, _ in inflight.values() for f in fs if not f.done()]
                 if running:
@@ -415,10 +480,22 @@ class Streamer:
                         clock.to_gpu += gpu
                     total += n * len(run)
                     free.extend(bufs)
+            for slot, f in host_jobs:
+                self.stats.host_copy_s += f.result()
+                self.stats.host_to_gpu_s += pool.to_gpu(slot)
         except BaseException:
-            wait([f for _, fs, _ in inflight.values() for f in fs])
+            wait([f for _, fs, _ in inflight.values() for f in fs] + [f for _, f in host_jobs])
             raise
         return total
+
+    def _host_copies(self, pool: Pool, from_host: dict[int, np.ndarray], slots: dict[int, int],
+                     out: dict[int, np.ndarray], submitted: Callable[[], None] | None) -> list[tuple[int, Future]]:
+        """Copy experts from the host tier into their slots (each slot's old expert saved first where `out` says),
+        on the host tier's own threads, so they do not queue behind disk reads. Calls `submitted` first."""
+        if submitted is not None:
+            submitted()
+        return [(slots[e], self._copier.submit(pool.move, slots[e], src, out.get(slots[e])))
+                for e, src in from_host.items()]
 
     def _submit(self, layer: int, expert: int, buf: np.ndarray, times: list | None = None,
                 copy: _Copy | None = None) -> list[Future]:
@@ -455,6 +532,7 @@ class Streamer:
         s.hits_pinned += sum(k == "pinned" for k in kinds)
         s.hits_cache += sum(k == "cache" for k in kinds)
         s.hits_prefetched += sum(k == "prefetched" for k in kinds)
+        s.hits_host += sum(k == "host" for k in kinds)
         s.misses += len(kinds) - hits
         lt.hits += hits
         lt.misses += len(kinds) - hits
@@ -464,6 +542,8 @@ class Streamer:
         s.evictions = sum(p.cache.evictions for p in self.pools)
         s.cache_bytes = sum(len(p.cache) * p.nbytes for p in self.pools)
         s.cache_bytes_max = max(s.cache_bytes_max, s.cache_bytes)
+        if self.host is not None:
+            s.host_bytes, s.host_admitted, s.host_dropped = self.host.bytes_held, self.host.admitted, self.host.dropped
         self.events.append(PageIn(self.token, layer, tuple(experts), kinds, read_bytes, stall, s.cache_bytes))
 
     # ---- between tokens ----
@@ -474,6 +554,8 @@ class Streamer:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         self.store.close()
 
 
@@ -491,9 +573,9 @@ class _Copy:
 
     __slots__ = ("pool", "into", "left", "lock")
 
-    def __init__(self, pool: Pool, into: list[tuple[int, np.ndarray]]):
+    def __init__(self, pool: Pool, into: list[tuple[int, np.ndarray, np.ndarray | None]]):
         self.pool = pool
-        self.into = into  # (slot, the expert's bytes in its staging buffer)
+        self.into = into  # (slot, the expert's bytes in its staging buffer, where the slot's old expert goes or None)
         self.left = 0
         self.lock = threading.Lock()
 
@@ -502,7 +584,7 @@ class _Copy:
             self.left -= 1
             if self.left:
                 return 0.0
-        return sum(self.pool.copy_in(slot, buf) for slot, buf in self.into)
+        return sum(self.pool.move(slot, buf, out) for slot, buf, out in self.into)
 
 
 def _work(t: list | None, copy: _Copy | None, gate: threading.BoundedSemaphore | None, fn, *args) -> tuple[int, float]:

@@ -1,0 +1,166 @@
+"""The host-RAM expert tier: experts evicted from the GPU slots go there and come back by a copy, never a read; the
+model computes bit for bit what the resident one does; every routed expert is counted in exactly one tier; the
+tier is exclusive with the slots and never holds more than its budget."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from tqbench.convert import convert
+from tqbench.demo import SHIPPED_SPEC, ensure_demo
+from tqbench.recipe import Recipe
+from tqbench.runtime.load import load
+from tqbench.stream import StoreError, StreamConfig
+from tqbench.stream.host import HostTier
+from tqbench.stream.store import ExpertStore, part_array
+from tqbench.stream.streamer import staging_bytes
+
+PROMPT = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]
+RECIPE = "tq3a-tqTe-down4-g32"
+E, K = SHIPPED_SPEC.num_experts, SHIPPED_SPEC.num_experts_per_token
+L = sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("host")
+    src = root / "demo"
+    shutil.copytree(ensure_demo(), src)
+    list(convert(src, root / RECIPE, Recipe.parse(RECIPE)))
+    return root / RECIPE
+
+
+@pytest.fixture(scope="module")
+def expert(model) -> int:
+    store = ExpertStore.open(model)
+    sizes = {lay.nbytes for lay in store.layers.values()}
+    store.close()
+    assert len(sizes) == 1
+    return sizes.pop()
+
+
+def _run(m, n: int = 10) -> tuple[np.ndarray, list[int]]:
+    logits = np.array(m(mx.array([PROMPT])).astype(mx.float32))
+    tokens = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(PROMPT), m, max_tokens=n)), range(n))]
+    return logits, tokens
+
+
+@pytest.fixture(scope="module")
+def resident(model):
+    return _run(load(model).model)
+
+
+def _streamed(model, expert, slots: int, host_slots: int, workers: int = 2, **kw):
+    budget = staging_bytes(expert, workers) + slots * expert
+    return load(model, streaming=StreamConfig(budget, workers, page_cache="on", host_cache_bytes=host_slots * expert,
+                                              **kw))
+
+
+@pytest.mark.parametrize("slots, host_slots, workers, policy", [
+    (12, 40, 2, "lrfu-next"),
+    (12, 10_000, 4, "lru"),  # the host tier holds every expert
+    (2, 200, 1, "lrfu"),  # fewer slots than a layer's routed experts: chunked
+])
+def test_a_host_tier_is_bit_identical_to_resident_and_serves_misses_by_copy(model, expert, resident, slots,
+                                                                            host_slots, workers, policy):
+    loaded = _streamed(model, expert, slots, host_slots, workers, policy=policy)
+    logits, tokens = _run(loaded.model)
+    np.testing.assert_array_equal(logits, resident[0])
+    assert tokens == resident[1]
+    st = loaded.streamer.stats
+    events = loaded.streamer.drain()
+    served = [k for e in events for k in e.served]
+    assert st.hits_host == served.count("host") > 0  # misses the host tier served by copy
+    assert st.misses == served.count("miss") and st.hits_gpu == len(served) - st.misses - st.hits_host
+    assert st.critical_bytes == st.misses * expert  # a host hit reads nothing
+    assert sum(st.tier_rates().values()) == pytest.approx(1.0)
+    assert st.host_slots == host_slots and st.host_bytes <= st.host_budget_bytes
+    assert st.host_admitted >= st.hits_host  # only what a slot gave up comes back from the host
+    if host_slots >= L * E:
+        assert st.host_dropped == 0
+        assert st.misses == len({(e.layer, x) for e in events for x in e.experts})  # each expert read once at most
+    loaded.streamer.close()
+
+
+def test_the_host_tier_is_exclusive_and_holds_each_experts_bytes(model, expert):
+    """After a run: no expert is both in a GPU slot and in the host tier, and each host slot holds the expert's bytes
+    exactly as the store reads them from disk."""
+    loaded = _streamed(model, expert, 12, 60)
+    _run(loaded.model, 6)
+    s = loaded.streamer
+    gpu = {k for p in s.pools for k in p.cache.slots}
+    host = set(s.host.cache.slots)
+    assert host and not gpu & host
+    buf = np.zeros(s.store.buffer_bytes(1), dtype=np.uint8)
+    for (layer, e), i in sorted(s.host.cache.slots.items())[:20]:
+        s.store.read(layer, e, buf)
+        want = buf[s.store.shift(layer, e):][:expert]
+        for p in s.pools[0].parts:  # bytes between parts (alignment) are never copied
+            np.testing.assert_array_equal(part_array(s.host.slot(i, expert), p), part_array(want, p))
+    s.close()
+
+
+def test_more_host_tier_means_fewer_disk_reads(model, expert):
+    """The same prompt at the same GPU budget: reads from disk fall as the host tier grows, to the distinct experts
+    routed when it holds them all; the GPU tier's hits do not change (it makes the same choices)."""
+    seen = []
+    for host_slots in (0, 20, 80, 10_000):
+        budget = staging_bytes(expert, 2) + 12 * expert
+        cfg = StreamConfig(budget, 2, page_cache="on", host_cache_bytes=host_slots * expert)
+        loaded = load(model, streaming=cfg)
+        _run(loaded.model)
+        st = loaded.streamer.stats
+        seen.append((st.misses, st.hits_gpu, st.hits_host))
+        loaded.streamer.close()
+    misses = [m for m, _, _ in seen]
+    assert misses == sorted(misses, reverse=True) and misses[0] > misses[-1]
+    assert len({g for _, g, _ in seen}) == 1
+    assert seen[0][2] == 0
+
+
+def test_a_host_tier_below_one_expert_is_refused(model, expert):
+    loaded = _streamed(model, expert, 12, 0)  # 0: no host tier
+    assert loaded.streamer.host is None
+    loaded.streamer.close()
+    with pytest.raises(StoreError, match="host cache .* cannot hold one expert"):
+        load(model, streaming=StreamConfig(staging_bytes(expert, 2) + 12 * expert, 2, host_cache_bytes=expert - 1))
+
+
+def test_host_tier_bookkeeping():
+    tier = HostTier(3 * 100 + 50, 100)
+    assert tier.capacity == 3
+    got = tier.take([(1, 1), (1, 2)], set())
+    assert set(got) == {(1, 1), (1, 2)} and len(set(got.values())) == 2
+    got = tier.take([(1, 3), (1, 4)], {(1, 1)})  # (1, 1) is being copied out: (1, 2) goes, least recently taken
+    assert set(got) == {(1, 3), (1, 4)} and (1, 1) in tier and (1, 2) not in tier
+    assert tier.dropped == 1 and tier.admitted == 4
+    assert tier.take([(2, 0), (2, 1), (2, 2)], {(1, 1), (1, 3), (1, 4)}) == {}  # no room without a locked key
+    tier.release([(1, 1)])
+    assert (1, 1) not in tier and len(tier) == 2 and tier.bytes_held == 200
+    with pytest.raises(ValueError, match="cannot hold one expert"):
+        HostTier(99, 100)
+
+
+def test_part_views_round_trip(model, expert):
+    """copy_out is copy_in's reverse: an expert copied into a slot and out again gives its bytes back."""
+    loaded = _streamed(model, expert, 4, 8)
+    s = loaded.streamer
+    pool = s.pools[0]
+    buf = np.zeros(s.store.buffer_bytes(1), dtype=np.uint8)
+    s.store.read(1, 3, buf)
+    src = buf[s.store.shift(1, 3):][:expert]
+    pool.copy_in(0, src)
+    out = np.zeros(expert, dtype=np.uint8)
+    pool.copy_out(0, out)
+    covered = np.zeros(expert, dtype=bool)
+    for p in pool.parts:
+        covered[p.offset:p.offset + p.nbytes] = True
+        np.testing.assert_array_equal(part_array(out, p), part_array(src, p))
+    assert covered.any()
+    s.close()

@@ -1,0 +1,69 @@
+"""The host-RAM expert tier: where experts evicted from the GPU's slot pools go instead of vanishing, on a machine
+whose GPU memory is not its RAM (CUDA). A GPU miss found here is a host-to-GPU copy (a memcpy into the slot, then
+the slot's bulk prefetch) instead of a disk read.
+
+The tier is exclusive with the GPU pools: an expert lives in one of them, so 6 GB of GPU and 24 GB of host hold 30 GB
+of distinct experts. An expert enters when a page-in evicts it from a GPU slot (its bytes are copied out of the slot,
+whose pages are moving to the host for the new expert's write anyway) and leaves when a GPU miss takes it back.
+Its victims are the least recently evicted (LRU over admissions): the GPU's policy already kept the experts it valued.
+
+Bytes only (numpy): the streamer's workers copy, the engine thread decides. On unified memory (Apple silicon, the
+CPU) there is one tier: the budget for this one is then 0 unless asked for, and the faces say so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tqbench.stream.cache import SlotCache
+
+HOST_POLICY = "lru"
+
+
+class HostTier:
+    """`capacity` slots of `slot_bytes` each in one anonymous allocation (pages are committed as they are written),
+    and which (layer, expert) each holds."""
+
+    def __init__(self, budget_bytes: int, slot_bytes: int):
+        self.slot_bytes = slot_bytes
+        self.capacity = budget_bytes // slot_bytes
+        if self.capacity < 1:
+            raise ValueError(f"a host tier of {budget_bytes:,} bytes cannot hold one expert ({slot_bytes:,} bytes)")
+        self.cache = SlotCache(self.capacity, HOST_POLICY)
+        self.arena = np.empty((self.capacity, slot_bytes), dtype=np.uint8)
+        self.admitted = 0  # experts moved here from a GPU slot
+        self.dropped = 0  # experts evicted from here (gone from both tiers)
+
+    def __contains__(self, key) -> bool:
+        return key in self.cache
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    @property
+    def bytes_held(self) -> int:
+        return len(self.cache) * self.slot_bytes
+
+    def slot(self, index: int, nbytes: int) -> np.ndarray:
+        """A host slot's first `nbytes`: an expert's buffer, laid out as the store reads it (part offsets from 0)."""
+        return self.arena[index, :nbytes]
+
+    def take(self, keys: list, locked: set) -> dict:
+        """Host slots for `keys` (evicted from the GPU, none of them here), as many as there is room for without
+        evicting a key in `locked` (experts being copied out of this tier). Returns {key: slot index}; the keys left
+        out vanish, as without a host tier."""
+        keys = [k for k in keys if k not in self.cache]
+        room = self.capacity - len(locked)
+        keys = keys[:max(0, room)]
+        if not keys:
+            return {}
+        before = self.cache.evictions
+        slots = self.cache.place_many(keys, 0, locked)
+        self.dropped += self.cache.evictions - before
+        self.admitted += len(keys)
+        return dict(zip(keys, slots))
+
+    def release(self, keys: list) -> None:
+        """Forget keys a GPU slot took back (their copies are done)."""
+        for key in keys:
+            self.cache.drop(key)
