@@ -164,3 +164,67 @@ def test_part_views_round_trip(model, expert):
         np.testing.assert_array_equal(part_array(out, p), part_array(src, p))
     assert covered.any()
     s.close()
+
+
+# ---- the tier's size, and what the faces say ------------------------------------------------------------------------
+
+
+def test_host_tier_plan_by_machine(model, expert):
+    from tqbench.chat.request import parse_host_cache
+    from tqbench.errors import TqbenchError
+    from tqbench.stream.budget import HOST_RESERVE, host_tier_plan, model_bytes
+
+    mb = model_bytes(model)
+    gpu = 10 * expert
+    plan = host_tier_plan("auto", model, gpu, unified=True)
+    assert (plan.nbytes, plan.why) == (0, "unified memory")
+    plan = host_tier_plan(parse_host_cache("1MB"), model, gpu, unified=True)
+    assert (plan.nbytes, plan.why) == (10**6, "asked on unified memory")
+    assert host_tier_plan(parse_host_cache("off"), model, gpu, unified=False).why == "off"
+    assert parse_host_cache("0") == "off" and parse_host_cache("24") == 24 * 10**9
+    # CUDA: what is free now minus the reserve, at most the experts the GPU budget leaves out (plus one)
+    from tqbench.recipe.fit import physical_memory
+
+    reserve = max(HOST_RESERVE, physical_memory() // 10)
+    plan = host_tier_plan("auto", model, gpu, unified=False, available=reserve + 5 * expert)
+    assert (plan.nbytes, plan.why) == (5 * expert, "auto")
+    plan = host_tier_plan("auto", model, gpu, unified=False, available=reserve + 10**15)
+    assert plan.nbytes == mb.experts - gpu + mb.one_expert
+    assert host_tier_plan("auto", model, gpu, unified=False, available=reserve).why == "no room"
+    assert host_tier_plan("auto", model, mb.experts, unified=False, available=10**15).why == "nothing left"
+    with pytest.raises(TqbenchError, match=r"host cache 'lots': give auto, off or a size"):
+        parse_host_cache("lots")
+
+
+def test_chat_with_a_host_tier_says_so_and_counts_it(model, expert, tmp_path, capsys, monkeypatch):
+    import json
+
+    from cli_helpers import tqbench
+
+    stats = tmp_path / "stats.json"
+    budget = staging_bytes(expert, 2) + 12 * expert
+    args = ["chat", "--model", model, "--prompt", "def fib(n):", "--max-tokens", "24", "--prefetch-workers", "2",
+            "--cache-budget-gb", f"{budget}B", "--page-cache", "on", "--no-learn"]
+    plain = tqbench(capsys, monkeypatch, *args)
+    assert plain.code == 0, plain.err
+    assert "one tier (unified memory: the GPU's memory is the RAM)" in plain.err  # auto, here
+    r = tqbench(capsys, monkeypatch, *args, "--host-cache-gb", f"{200 * expert}B", "--stats-json", stats)
+    assert r.code == 0, r.err
+    assert r.out == plain.out  # the same text with the tier
+    from tqbench import units
+
+    assert (f"host tier {units.size(200 * expert)} (200 experts, asked, unified memory: a second copy in the same "
+            "RAM)") in r.err
+    doc = json.loads(stats.read_text())
+    assert doc["host_budget_bytes"] == 200 * expert and doc["host_slots"] == 200
+    assert doc["hits_host"] > 0 and doc["hits"] == doc["hits_pinned"] + doc["hits_cache"] + doc["hits_prefetched"] \
+        + doc["hits_host"]
+    n = doc["hits"] + doc["misses"]
+    assert doc["tiers"] == {"gpu": round((doc["hits"] - doc["hits_host"]) / n, 4),
+                            "host": round(doc["hits_host"] / n, 4), "disk": round(doc["misses"] / n, 4)}
+    bad = tqbench(capsys, monkeypatch, *args, "--host-cache-gb", "lots")
+    assert bad.code == 1 and bad.err.splitlines()[-1] == ("tqbench: error: host cache 'lots': give auto, off or a "
+                                                          "size (24GB, 512MB; a bare number is GB)")
+    small = tqbench(capsys, monkeypatch, *args, "--host-cache-gb", "100B")
+    assert small.code == 1 and small.err.splitlines()[-1] == (
+        f"tqbench: error: {model}: the host cache (100 bytes) cannot hold one expert ({expert:,} bytes)")

@@ -11,10 +11,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
-KINDS = ("pinned", "cache", "prefetched", "miss")  # PageIn.served values, best first (a bin shows its worst)
+# PageIn.served values, best first (a bin shows its worst)
+KINDS = ("pinned", "cache", "prefetched", "host", "miss")
 RANK = {k: i for i, k in enumerate(KINDS)}
-GLYPHS = {"pinned": "P", "cache": "=", "prefetched": "+", "miss": "#", None: " "}  # None: never routed
-LABELS = {"pinned": "pinned", "cache": "cache hit", "prefetched": "prefetched", "miss": "read from disk"}
+GLYPHS = {"pinned": "P", "cache": "=", "prefetched": "+", "host": "h", "miss": "#", None: " "}  # None: never routed
+LABELS = {"pinned": "pinned", "cache": "cache hit", "prefetched": "prefetched", "host": "copied from host RAM",
+          "miss": "read from disk"}
 FADE = 24  # tokens after which a routing is fully faded
 SPARK = 8  # tokens of miss history kept per layer
 
@@ -32,7 +34,8 @@ def bins(experts: int, per: int) -> list[range]:
 @dataclass
 class LayerState:
     experts: int
-    # per expert: token * 4 + RANK of how it was served on its last routing, -1 never routed; so the largest in a bin
+    # per expert: token * len(KINDS) + RANK of how it was served on its last routing, -1 never routed; so the largest
+    # in a bin
     # is its most recent routing, the worst served among those of that token
     last: list[int] = field(default_factory=list)
     misses: deque = field(default_factory=lambda: deque(maxlen=SPARK))  # misses per recent token
@@ -68,7 +71,7 @@ class ExpertMap:
             misses = 0
             for e, how in zip(ev.experts, ev.served):
                 if 0 <= e < st.experts:
-                    st.last[e] = ev.token * 4 + RANK[how]
+                    st.last[e] = ev.token * len(KINDS) + RANK[how]
                 self.seen[how] += 1
                 misses += how == "miss"
             st.misses.append(misses)
@@ -87,10 +90,10 @@ class ExpertMap:
         return self._state(max(self.layers[layer].last[experts.start:experts.stop], default=-1))
 
     def _state(self, last: int) -> tuple[str | None, int]:
-        return (None, -1) if last < 0 else (KINDS[last % 4], self.token - last // 4)
+        return (None, -1) if last < 0 else (KINDS[last % len(KINDS)], self.token - last // len(KINDS))
 
     def hits(self) -> int:
-        return self.seen["pinned"] + self.seen["cache"] + self.seen["prefetched"]
+        return sum(n for k, n in self.seen.items() if k != "miss")
 
     def hit_rate(self) -> float:
         """As tqbench.stream.StreamStats.hit_rate: hits over routings."""

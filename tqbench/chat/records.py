@@ -29,6 +29,9 @@ class StreamSetup:
     disk: DiskSpeed | None  # the disk holding the model: measured once per disk (tqbench.recipe.fit), None unknown
     layers: tuple[tuple[int, int], ...]  # (MoE layer, routed experts) of every streamed layer
     why: str  # why the experts stream: "asked" or "does not fit"
+    host_budget_bytes: int = 0  # the host-RAM tier under the cache (0: none)
+    host_slots: int = 0
+    host_why: str = "off"  # tqbench.stream.budget.HostTierPlan.why
 
     @property
     def disk_bytes_per_s(self) -> float | None:
@@ -38,7 +41,8 @@ class StreamSetup:
         return {"budget_bytes": self.budget_bytes, "slots": self.slots, "slot_bytes": self.slot_bytes,
                 "staging_bytes": self.staging_bytes, "workers": self.workers, "policy": self.policy,
                 "fanout": self.fanout, "page_cache": self.page_cache, "lookahead": self.lookahead,
-                "reads_in_flight": self.reads_in_flight, **disk_fields(self.disk)}
+                "reads_in_flight": self.reads_in_flight, "host_budget_bytes": self.host_budget_bytes,
+                "host_slots": self.host_slots, "host_why": self.host_why, **disk_fields(self.disk)}
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import humanize
 
 from tqbench import units
-from tqbench.chat.live import GLYPHS, ExpertMap, ReplyRates
-from tqbench.chat.records import ConversationStatus, ModelLoaded, ProfileInfo, StreamReport
+from tqbench.chat.live import GLYPHS, KINDS, ExpertMap, ReplyRates
+from tqbench.chat.records import ConversationStatus, ModelLoaded, ProfileInfo, StreamReport, StreamSetup
 
 if TYPE_CHECKING:  # named only: importing it loads MLX
     from tqbench.runtime.chat import ReplyDone, Sampling
@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # named only: importing it loads MLX
 LABEL_WIDTH = 8  # the TUI status lines' labels ("reply   ", "prompt  ")
 ENDINGS = {"length": " (max tokens)", "cancelled": " (stopped)"}  # how a reply that did not stop by itself ended
 TIERS_LEGEND = "P pinned  = cache  + ahead  # disk"
+HOST_TIERS_LEGEND = "P pinned  = cache  + ahead  h host  # disk"  # with a host-RAM tier
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,21 @@ def loaded_line(m: ModelLoaded) -> str:
         gate = f", {n} read{'s' if n > 1 else ''} in flight" if n else ""
         stream = (f"; streaming experts: cache {units.size(st.budget_bytes)} ({st.slots} slots, {st.workers} read "
                   f"workers, {st.policy}{', fan-out' if st.fanout else ''}{', look-ahead' if st.lookahead else ''}"
-                  f"{gate}, page cache {st.page_cache})")
+                  f"{gate}, page cache {st.page_cache}); {host_tier_text(st)}")
     routed = f"; {m.experts_active} of {m.experts_native} experts per token" if m.fewer_experts else ""
     return (f"loaded {m.model_type}{tq}: {units.size(m.weight_bytes)} of resident weights in {m.seconds:.1f} s; "
             f"{sampling_line(m.sampling)}{template}{stream}{routed}")
+
+
+def host_tier_text(st: StreamSetup) -> str:
+    """The host-RAM tier as it was decided: its size and why, or why there is none."""
+    if st.host_budget_bytes:
+        same = ", unified memory: a second copy in the same RAM" if st.host_why == "asked on unified memory" else ""
+        return (f"host tier {units.size(st.host_budget_bytes)} ({st.host_slots} experts, "
+                f"{'auto' if st.host_why == 'auto' else 'asked'}{same})")
+    return {"unified memory": "one tier (unified memory: the GPU's memory is the RAM)",
+            "nothing left": "no host tier (the cache holds every expert)",
+            "no room": "no host tier (free memory is below the reserve)"}.get(st.host_why, "no host tier")
 
 
 def streaming_text(m: ModelLoaded) -> str | None:
@@ -73,7 +85,8 @@ def streaming_text(m: ModelLoaded) -> str | None:
     extra = "".join(x for x, on in ((", fan-out", st.fanout), (", look-ahead", st.lookahead)) if on)
     active = f", {m.experts_active} of {m.experts_native} experts" if m.experts_active else ""
     workers = f"{st.workers} worker" + ("s" if st.workers != 1 else "")
-    return f"streaming experts: cache {units.gb(st.budget_bytes)}, {workers}, {st.policy}{extra}{active}"
+    host = f" + host {units.gb(st.host_budget_bytes)}" if st.host_budget_bytes else ""
+    return f"streaming experts: cache {units.gb(st.budget_bytes)}{host}, {workers}, {st.policy}{extra}{active}"
 
 
 def fewer_experts_warning(m: ModelLoaded) -> str | None:
@@ -129,8 +142,14 @@ def stats_lines(m: ModelLoaded, status: ConversationStatus, report: StreamReport
         lines.append("last reply: " + reply_line(status.last))
     if report is not None:
         s = report.stats
-        lines.append(f"experts: {s.hits} hits ({s.hits_pinned} pinned, {s.hits_prefetched} read ahead in time), "
-                     f"{s.misses} misses, hit rate {s.hit_rate():.1%}; {units.size(s.critical_bytes)} read in "
+        tiers = s.tier_rates()
+        host = split = ""
+        if s.host_budget_bytes:
+            host = (f", {s.hits_host} copied from the host tier ({units.size(s.host_bytes)} of "
+                    f"{units.size(s.host_budget_bytes)} held)")
+            split = f" (gpu {tiers['gpu']:.1%}, host {tiers['host']:.1%}, disk {tiers['disk']:.1%})"
+        lines.append(f"experts: {s.hits} hits ({s.hits_pinned} pinned, {s.hits_prefetched} read ahead in time{host}), "
+                     f"{s.misses} misses, hit rate {s.hit_rate():.1%}{split}; {units.size(s.critical_bytes)} read in "
                      f"{s.reads} reads, {s.evictions} evictions; cache {units.size(s.cache_bytes)} of "
                      f"{units.size(s.budget_bytes)} (max {units.size(s.cache_bytes_max)}); stalled {s.stall_s:.2f} s "
                      f"over {s.tokens} forward passes")
@@ -144,22 +163,25 @@ def stats_lines(m: ModelLoaded, status: ConversationStatus, report: StreamReport
 # ---- the live expert view -------------------------------------------------------------------------------------------
 
 def expert_summary(view: ExpertMap, budget: int, rates: ReplyRates | None, report: StreamReport | None,
-                   disk_bps: float | None = None) -> list[Line]:
+                   disk_bps: float | None = None, host_budget: int = 0) -> list[Line]:
     """The expert view's figures (at most 5 lines): hit rate split by tier, decode rate, expert bytes per token, disk
-    reads per second against this disk's measured bandwidth (`disk_bps`), the cache's fill against its budget.
-    `report` (after a reply) overrides the counts the view made from the page-ins (they agree; the engine's are
-    authoritative)."""
+    reads per second against this disk's measured bandwidth (`disk_bps`), the cache's fill against its budget (and
+    the host-RAM tier's size, `host_budget`, when there is one). `report` (after a reply) overrides the counts the view
+    made from the page-ins (they agree; the engine's are authoritative)."""
+    legend = HOST_TIERS_LEGEND if host_budget else TIERS_LEGEND
+    host = f" + host {units.gb(host_budget)}" if host_budget else ""
     if report is not None:
         s = report.stats
-        seen = {"pinned": s.hits_pinned, "cache": s.hits_cache, "prefetched": s.hits_prefetched, "miss": s.misses}
+        seen = {"pinned": s.hits_pinned, "cache": s.hits_cache, "prefetched": s.hits_prefetched,
+                "host": s.hits_host, "miss": s.misses}
         rate, cache = s.hit_rate(), s.cache_bytes
     else:
         seen, rate, cache = view.seen, view.hit_rate(), view.cache_bytes
     total = sum(seen.values())
     if not total:
-        return [(Span(f"no expert routed yet; cache {units.gb(budget)}", "muted"),), (Span(TIERS_LEGEND, "muted"),)]
+        return [(Span(f"no expert routed yet; cache {units.gb(budget)}{host}", "muted"),), (Span(legend, "muted"),)]
     split: list[Span] = []
-    for k in ("pinned", "cache", "prefetched", "miss"):
+    for k in (k for k in KINDS if host_budget or k != "host"):
         split += [Span(" ")] if split else []
         split += [Span(GLYPHS[k], "value"), Span(f"{seen[k] / total:.0%}")]
     lines: list[Line] = [(Span("hits "), Span(f"{rate:.1%}", "value"), Span("  "), *split)]
@@ -170,8 +192,8 @@ def expert_summary(view: ExpertMap, budget: int, rates: ReplyRates | None, repor
         of = f" of {units.bandwidth(disk_bps)}" if disk_bps else ""
         lines.append((Span("disk "), Span(f"{rates.read_bps / 1e6:.1f}", "value"), Span(f" MB/s{of}")))
         lines.append((Span("cache "), Span(f"{cache / budget:.0%}" if budget else "-", "value"),
-                      Span(f" of {units.gb(budget)}")))
+                      Span(f" of {units.gb(budget)}{host}")))
     else:
-        lines.append((Span("cache "), Span(units.gb(cache), "value"), Span(f" of {units.gb(budget)}")))
-    lines.append((Span(TIERS_LEGEND, "muted"),))
+        lines.append((Span("cache "), Span(units.gb(cache), "value"), Span(f" of {units.gb(budget)}{host}")))
+    lines.append((Span(legend, "muted"),))
     return lines

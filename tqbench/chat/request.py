@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from tqbench.errors import TqbenchError, UsageError
 
 BUDGET_WORDS = ("fit", "auto", "off")
+HOST_WORDS = ("auto", "off")
 PAGE_CACHE = ("auto", "on", "off")
 POLICIES = ("lrfu-next", "lrfu", "lru")  # tqbench.stream.cache.POLICIES, the default first (importing it loads MLX)
 MAX_WORKERS = 256
@@ -32,6 +33,21 @@ def parse_budget(text: str) -> str | int:
                            ) from None
 
 
+def parse_host_cache(text: str) -> str | int:
+    """`auto` or `off` as they are, else the host tier's size in bytes (a bare number is GB; 0 is off)."""
+    from tqbench.recipe.fit import parse_size
+
+    t = str(text).strip()
+    if t.lower() in HOST_WORDS:
+        return t.lower()
+    try:
+        n = parse_size(t + ("" if t[-1:].isalpha() else "GB"))
+    except TqbenchError:
+        raise TqbenchError(f"host cache {text!r}: give auto, off or a size (24GB, 512MB; a bare number is GB)"
+                           ) from None
+    return n if n > 0 else "off"
+
+
 @dataclass(frozen=True)
 class StreamRequest:
     """How to run routed experts, as the user said it (decided against the model's files by `plan_streaming`)."""
@@ -43,9 +59,12 @@ class StreamRequest:
     lookahead: bool = False  # during decode, read the next layer's likely experts early
     page_cache: str = "auto"  # read through the OS page cache (on), around it (off), or decide by size (auto)
     reads_in_flight: int = 0  # at most this many reads at once (0: one per worker)
+    host_cache: str = "auto"  # the host-RAM tier under the expert cache: auto (CUDA: free RAM minus a reserve;
+    # unified memory: none), off, or a size (tqbench.stream.host)
 
     def check(self) -> StreamRequest:
         parse_budget(self.budget)
+        parse_host_cache(self.host_cache)
         if not 1 <= self.workers <= MAX_WORKERS:
             raise TqbenchError(f"prefetch workers {self.workers}: give 1 to {MAX_WORKERS}")
         if self.policy not in POLICIES:

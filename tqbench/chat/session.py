@@ -43,6 +43,7 @@ class StreamPlan:
 
     config: StreamConfig | None
     reason: str
+    host_why: str = "off"  # why the host-RAM tier has the size it has (tqbench.stream.budget.HostTierPlan.why)
 
     @property
     def note(self) -> str | None:
@@ -54,7 +55,8 @@ class StreamPlan:
 
 def plan_streaming(path: str | Path, request: StreamRequest) -> StreamPlan:
     """Resident or streamed, and with which cache budget. Reads shard headers only."""
-    from tqbench.stream.budget import auto_budget, needs_streaming
+    from tqbench.chat.request import parse_host_cache
+    from tqbench.stream.budget import auto_budget, host_tier_plan, needs_streaming
 
     budget = parse_budget(request.budget)
     if budget == "off":
@@ -73,8 +75,10 @@ def plan_streaming(path: str | Path, request: StreamRequest) -> StreamPlan:
                            "per-expert tensors); run it resident (cache budget fit or off)", path)
     nbytes = auto_budget(path, store=experts) if budget == "auto" else int(budget)
     r = request
+    host = host_tier_plan(parse_host_cache(r.host_cache), path, nbytes, store=experts)
     return StreamPlan(StreamConfig(nbytes, r.workers, r.policy, r.fanout, r.page_cache, lookahead=r.lookahead,
-                                   reads_in_flight=r.reads_in_flight), reason)
+                                   reads_in_flight=r.reads_in_flight, host_cache_bytes=host.nbytes), reason,
+                      host.why)
 
 
 def expert_layout(path: str | Path) -> ExpertStore | None:
@@ -237,7 +241,8 @@ class ChatSession:
         self._disk = (str(loaded.path), disk)
         layers = tuple(sorted((n, lay.experts) for n, lay in loaded.streamer.store.layers.items()))
         return StreamSetup(st.budget_bytes, st.slots, st.slot_bytes, st.staging_bytes, c.workers, c.policy, c.fanout,
-                           st.page_cache, c.lookahead, c.reads_in_flight, disk, layers, plan.reason)
+                           st.page_cache, c.lookahead, c.reads_in_flight, disk, layers, plan.reason,
+                           st.host_budget_bytes, st.host_slots, plan.host_why)
 
     def _reply(self, text: str, sampling: Sampling | None) -> Iterator:
         state = self._current()

@@ -50,6 +50,7 @@ def eval_model(
     fanout: options.Fanout = False,
     lookahead: options.Lookahead = False,
     page_cache: options.PageCache = "auto",
+    host_cache_gb: options.HostCache = "auto",
     trust_remote_code: options.TrustRemoteCode = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (stable schema) on stdout.")] = False,
 ) -> None:
@@ -71,7 +72,7 @@ def eval_model(
             str(model), str(against) if against is not None else None, tuple(str(t) for t in text or ()), window,
             tokens, prompts, min(32, window), generate, layers, max_active_experts,
             StreamRequest(cache_budget_gb or "fit", prefetch_workers, cache_policy, fanout, lookahead, page_cache,
-                          reads_in_flight), trust_remote_code).check()
+                          reads_in_flight, host_cache=host_cache_gb), trust_remote_code).check()
         report = None
         with submit(lambda: evaluate(request)) as events:
             progress = _Progress(err)

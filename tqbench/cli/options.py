@@ -80,6 +80,12 @@ PageCache = Annotated[str, typer.Option(
     "--page-cache", metavar="auto|on|off",
     help="Read experts through the OS page cache (on), around it (off: O_DIRECT / F_NOCACHE), or off when the "
          "model is much larger than memory (auto).")]
+HostCache = Annotated[str, typer.Option(
+    "--host-cache-gb", metavar="auto|off|SIZE",
+    help="A host-RAM tier under the expert cache: experts evicted from GPU memory are kept there and come back "
+         "by a copy instead of a disk read. auto (the default): on CUDA, the memory free now minus a reserve; on "
+         "unified memory (Apple silicon, CPU) none, the GPU's memory being the RAM. SIZE: 24GB, 512MB; a bare "
+         "number is GB.")]
 MaxActiveExperts = Annotated[int, typer.Option(
     "--max-active-experts", metavar="K", min=0,
     help="Route each token to K experts instead of the model's top-k (0: native). Fewer bytes per token, but it "

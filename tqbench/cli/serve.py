@@ -52,6 +52,7 @@ def serve(
     fanout: options.Fanout = False,
     lookahead: options.Lookahead = False,
     page_cache: options.PageCache = "auto",
+    host_cache_gb: options.HostCache = "auto",
     max_active_experts: options.MaxActiveExperts = 0,
     profile: options.Profile = None,
     profile_force: options.ProfileForce = False,
@@ -76,7 +77,7 @@ def serve(
         request = chat_request(model, max_tokens, temp, top_p, top_k, seed, None, no_chat_template, trust_remote_code,
                                cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy, fanout, lookahead,
                                page_cache, max_active_experts, profile, profile_force, no_learn, cold, pin_share,
-                               prompt_cache_bytes=int(prompt_cache_gb * 1e9))
+                               host_cache=host_cache_gb, prompt_cache_bytes=int(prompt_cache_gb * 1e9))
         server = Server(host, port)  # a port in use is an error before the model loads
         loaded = open_chat(session, request, err, quiet=False, streaming_stats=False)
         err.print(chat_report.loaded_line(loaded), markup=False)

@@ -33,7 +33,7 @@ def prometheus(st: ServeStatus) -> str:
         s = st.stream.stats
         metric("expert_hits_total", "counter", "Routed experts found in the expert cache, by tier.",
                [('{tier="pinned"}', s.hits_pinned), ('{tier="cache"}', s.hits_cache),
-                ('{tier="prefetched"}', s.hits_prefetched)])
+                ('{tier="prefetched"}', s.hits_prefetched), ('{tier="host"}', s.hits_host)])
         metric("expert_misses_total", "counter", "Routed experts read from disk when needed.", [("", s.misses)])
         metric("expert_read_bytes_total", "counter", "Expert bytes read on misses.", [("", s.critical_bytes)])
         metric("expert_stall_seconds_total", "counter", "Time forward passes waited on expert reads.",

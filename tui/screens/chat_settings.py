@@ -1,6 +1,6 @@
-"""The Chat screen's streaming settings (key o, between turns): the expert cache budget, experts routed per token,
-prefetch workers, fan-out, look-ahead and cache policy, as `tqbench chat` takes them. They are fixed when a model is
-opened, so applying them re-opens the model: a new conversation."""
+"""The Chat screen's streaming settings (key o, between turns): the expert cache budget, the host-RAM tier, experts
+routed per token, prefetch workers, fan-out, look-ahead and cache policy, as `tqbench chat` takes them. They are fixed
+when a model is opened, so applying them re-opens the model: a new conversation."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
-from tqbench.chat.request import BUDGET_WORDS, POLICIES, ChatRequest
+from tqbench.chat.request import BUDGET_WORDS, HOST_WORDS, POLICIES, ChatRequest
 from tqbench.errors import TqbenchError
 
 ON_OFF = [("off", False), ("on", True)]
@@ -50,6 +50,9 @@ class SettingsScreen(ModalScreen[ChatRequest | None]):
                 yield Input(o.budget, placeholder="fit, auto, off or a size (8GB, 512MB)", id="opt-budget",
                             compact=True)
             with Horizontal(classes="row"):
+                yield Label("host RAM tier")
+                yield Input(o.host_cache, placeholder="auto, off or a size (24GB)", id="opt-host", compact=True)
+            with Horizontal(classes="row"):
                 yield Label("max active experts")
                 yield Input(str(active), type="integer", id="opt-active", compact=True)
             with Horizontal(classes="row"):
@@ -67,7 +70,8 @@ class SettingsScreen(ModalScreen[ChatRequest | None]):
                 yield Select(ON_OFF, value=o.lookahead, allow_blank=False, id="opt-lookahead", compact=True)
             yield Static("Applying re-opens the model with these settings: a new conversation.\n"
                          "budget: fit (stream only a model that does not fit in memory), auto, off or a size (a bare "
-                         "number is GB). "
+                         "number is GB). host RAM tier: experts evicted from GPU memory kept in RAM (auto: on "
+                         "CUDA only; unified memory has one tier). "
                          "max active experts: 0 keeps the model's top-k. fan-out splits each read across the "
                          "workers; look-ahead reads the next layer's likely experts early.", id="settings-note")
             yield Static("", id="settings-error")
@@ -85,7 +89,9 @@ class SettingsScreen(ModalScreen[ChatRequest | None]):
                 raise TqbenchError(f"not a whole number: {text!r}") from None
 
         budget = self.query_one("#opt-budget", Input).value.strip() or "fit"
+        host = self.query_one("#opt-host", Input).value.strip() or "auto"
         stream = replace(self.request.stream, budget=budget.lower() if budget.lower() in BUDGET_WORDS else budget,
+                         host_cache=host.lower() if host.lower() in HOST_WORDS else host,
                          workers=number("#opt-workers"), policy=str(self.query_one("#opt-policy", Select).value),
                          fanout=self.query_one("#opt-fanout", Select).value is True,
                          lookahead=self.query_one("#opt-lookahead", Select).value is True)

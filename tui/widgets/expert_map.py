@@ -2,8 +2,8 @@
 width is short), drawn with Textual's Line API from a tqbench.chat.live.ExpertMap.
 
 A cell tells how its expert was served on its last routing by glyph (readable without colour) and colour: P pinned,
-= cache hit, + prefetched (read ahead in time), # read from disk (a miss), blank never routed. Its colour fades over
-FADE tokens after the routing; this token's routings are bold. A bin shows its most recent routing (the worst served
+= cache hit, + prefetched (read ahead in time), h copied from the host-RAM tier, # read from disk (a miss),
+blank never routed. Its colour fades over FADE tokens after the routing; this token's routings are bold. A bin shows its most recent routing (the worst served
 among those of the same token). After the cells: the layer's misses over the last tokens and its stall time so far.
 
 Keys (the map focused): up/down choose a layer, enter opens it (all its experts, wrapped over several lines), + and -
@@ -39,6 +39,7 @@ class ExpertMapView(ScrollView, can_focus=True):
     ExpertMapView > .expert-map--pinned { color: $primary; }
     ExpertMapView > .expert-map--cache { color: $success; }
     ExpertMapView > .expert-map--prefetched { color: $accent; }
+    ExpertMapView > .expert-map--host { color: $warning; }
     ExpertMapView > .expert-map--miss { color: $error; }
     ExpertMapView > .expert-map--muted { color: $text-muted; }
     ExpertMapView > .expert-map--cursor { background: $accent 40%; text-style: bold; }

@@ -96,7 +96,7 @@ class ExpertPanel(Vertical):
         self._summary_at = time.monotonic()
         if self.experts is not None and self.setup is not None:
             lines = report.expert_summary(self.experts, self.setup.budget_bytes, self.rates, self.report,
-                                          self.setup.disk_bytes_per_s)
+                                          self.setup.disk_bytes_per_s, self.setup.host_budget_bytes)
             self.summary.update(content(lines), layout=False)  # at most 5 lines, its height: no layout pass
 
     def place(self, body, width: int, height: int) -> None:
