@@ -473,7 +473,10 @@ def test_experts_fold_into_bins_and_fade():
     m.apply([PageIn(FADE + 2, 1, (1,), ("cache",), 0, 0.0, 600)])
     assert m.cell(1, 5) == ("miss", FADE + 1) and heat(FADE + 1) == 0.0  # fully faded
     assert heat(0) == 1.0 and heat(FADE // 2) == 0.5 and heat(-1) == 0.0
-    assert m.seen == {"pinned": 2, "cache": 2, "prefetched": 1, "miss": 1} and m.hit_rate() == 5 / 6
+    assert m.seen == {"pinned": 2, "cache": 2, "prefetched": 1, "host": 0, "miss": 1} and m.hit_rate() == 5 / 6
+    m.apply([PageIn(FADE + 2, 3, (20, 21), ("host", "cache"), 0, 0.0, 600)])  # a copy from the host tier: a hit
+    assert m.bin(3, groups[1]) == ("host", 0) and m.cell(3, 21) == ("cache", 0)  # worse served than a cache hit
+    assert m.seen["host"] == 1 and m.hit_rate() == 7 / 8
     assert m.bytes_read == 200 and m.cache_bytes == 600 and list(m.layers[1].misses) == [1, 0, 0]
     assert sparkline([0, 1, 4], 4, 4) == " ▁▃█"
 
