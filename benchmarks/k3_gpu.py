@@ -62,6 +62,13 @@ SCHEMA = "tqbench.bench.k3gpu/1"
 RECIPE = "tq3a-tqTe-down4-g64"
 SCRIPT = Path(__file__).resolve()  # the build and decode children run this file
 K3_MOE_LAYERS, K3_EXPERT_BYTES = 92, 10_960_896
+K3_EXPERTS = 896
+K3_RESIDENT_BYTES = 27.6e9  # K3 at the recipe minus its routed experts (931 GB - 92 x 896 x 10.96 MB)
+# The lent H200 box: 139 GB of GPU memory (less the resident weights and a 3 GB reserve for the expert cache) and
+# 128 GB of RAM (less a tenth, the host tier's auto reserve there): each tier's share of full K3's experts.
+BOX_GPU_BYTES, BOX_RAM_BYTES = 139e9, 128e9
+K3_BOX_SHARES = dict(gpu=(BOX_GPU_BYTES - K3_RESIDENT_BYTES - 3e9) / (K3_MOE_LAYERS * K3_EXPERTS * K3_EXPERT_BYTES),
+                     host=BOX_RAM_BYTES * 0.9 / (K3_MOE_LAYERS * K3_EXPERTS * K3_EXPERT_BYTES))
 SEED_PROMPT_A, SEED_PROMPT_B, SEED_PROMPT_W = 11, 12, 13  # W: the compile warm-up's prompt
 
 # K3's routed-expert shapes; attention narrower than K3's 96 heads and a smaller dense MLP and vocabulary, so that the
@@ -74,10 +81,12 @@ QUICK_SPEC = dict(SPEC, hidden_size=256, routed_expert_hidden_size=256, moe_inte
                   num_experts_per_token=4, intermediate_size=512, num_attention_heads=4, q_lora_rank=64,
                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_num_heads=4,
                   kda_head_dim=32, num_shards=2)
-DEFAULTS = dict(layers=9, experts=384, budget_gb=6.0, workers=4, prompt=4, tokens=24, warmup=2, pin_share=0.5,
+DEFAULTS = dict(layers=9, experts=384, budget_gb=6.0, host_gb=24.0, workers=4, prompt=4, tokens=24, warmup=2,
+                pin_share=0.5,
                 convert_layers=2, convert_experts=32, convert_pairs=2, convert_modes="arena,passes",
                 raw_bytes=1536 * 2**20)
-QUICK = dict(layers=3, experts=16, budget_gb=0.004, workers=2, prompt=3, tokens=4, warmup=1, pin_share=0.5,
+QUICK = dict(layers=3, experts=16, budget_gb=0.004, host_gb=0.008, workers=2, prompt=3, tokens=4, warmup=1,
+             pin_share=0.5,
              convert_layers=2, convert_experts=4, convert_pairs=1, convert_modes="arena,bytes,compare",
              raw_bytes=8 * 2**20)
 
@@ -429,8 +438,13 @@ def summarize(run: dict) -> dict:
     if d:
         routed = d["hits"] + d["misses"]
         stall = d["stall_s"] / n
+        host = d.get("hits_host", 0)
         row.update(hit_rate=d["hits"] / max(1, routed), hits_pinned=d["hits_pinned"], hits_cache=d["hits_cache"],
-                   hits_prefetched=d["hits_prefetched"], misses_per_token=d["misses"] / n,
+                   hits_prefetched=d["hits_prefetched"], hits_host=host, misses_per_token=d["misses"] / n,
+                   tiers=dict(gpu=(d["hits"] - host) / max(1, routed), host=host / max(1, routed),
+                              disk=d["misses"] / max(1, routed)),
+                   host_hits_per_token=host / n,
+                   host_copy_ms=d["host_copy_s"] / host * 1e3 if host else None,
                    bytes_per_token=d["critical_bytes"] / n, speculative_bytes_per_token=d["speculative_bytes"] / n,
                    stall_s_per_token=stall, stall_share=d["stall_s"] / run["decode_s"],
                    read_s_per_miss=d["stall_s"] / d["misses"] if d["misses"] else None,
@@ -466,6 +480,35 @@ def projection(read_s_per_miss: float, layer_compute_s: float, hit_rates: dict[s
     return rows
 
 
+def box_budget(model: dict, share: float, workers: int) -> int:
+    """An expert cache budget holding `share` of the model's experts (at least one) plus the streamer's O_DIRECT
+    staging buffers, as the budget counts them."""
+    from tqbench.stream.store import ALIGN
+    from tqbench.stream.streamer import staging_bytes
+
+    eb = model["expert_bytes"]
+    return max(eb, int(share * model["expert_total_bytes"]) // eb * eb) + staging_bytes(eb + 2 * ALIGN, workers)
+
+
+def tier_projection(box: dict, read_s_per_miss: float, layer_compute_s: float, raw_gbps: float) -> dict:
+    """Full K3 on the lent box with both tiers (GPU and host shares of its experts, K3_BOX_SHARES), at the tier rates
+    the K3-shaped model measured at those shares: tok/s = 1 / (misses x read cost + host copies x their wait + 93
+    layers' compute). A host copy's wait: the run's stall less its misses at B cold's read cost, per host hit."""
+    n_tokens = 1 / box["decode_tps"]  # seconds per token
+    stall = box["stall_s_per_token"]
+    misses_t, host_t = box["misses_per_token"], box["host_hits_per_token"]
+    host_wait = max(0.0, stall - misses_t * read_s_per_miss) / host_t if host_t else 0.0
+    rows = []
+    for k in (16, 8):
+        misses = K3_MOE_LAYERS * k * box["tiers"]["disk"]
+        hosted = K3_MOE_LAYERS * k * box["tiers"]["host"]
+        serial = misses * read_s_per_miss + hosted * host_wait + 93 * layer_compute_s
+        rows.append(dict(top_k=k, tiers=box["tiers"], misses_per_token=misses, host_copies_per_token=hosted,
+                         bytes_per_token=misses * K3_EXPERT_BYTES, tps=1 / serial,
+                         disk_ceiling_tps=raw_gbps * 1e9 / (misses * K3_EXPERT_BYTES) if misses else None))
+    return dict(shares=K3_BOX_SHARES, host_wait_s=host_wait, measured_token_s=n_tokens, rows=rows)
+
+
 def finish(doc: dict) -> None:
     """The figures that need several parts: disk on misses against raw, and the K3 projection."""
     if "stream" not in doc or "raw" not in doc:
@@ -496,6 +539,10 @@ def finish(doc: dict) -> None:
         layers = doc["model"]["spec"]["num_hidden_layers"]
         doc["projection_k3"] = projection(cold["read_s_per_miss"], doc["resident"]["token_s_median"] / layers, hit,
                                           raw_gbps)
+        box = next((r for r in doc["stream"]["rows"] if r["label"] == "B cold, K3 box tiers"), None)
+        if box is not None:
+            doc["projection_k3_tiers"] = tier_projection(box, cold["read_s_per_miss"],
+                                                         doc["resident"]["token_s_median"] / layers, raw_gbps)
 
 
 def combine(docs: list[dict], names: list[str]) -> dict:
@@ -515,7 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="convert,stream,resident",
                    help="any of convert, build (the streaming model only), stream, resident")
     p.add_argument("--runs", default="A,B,W,8,L", help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead, "
-                                                       "F fan-out, X 16 workers, 1 one worker, 2 two, R one read in flight (B cold)")
+                                                       "F fan-out, X 16 workers, 1 one worker, 2 two, R one read in "
+                                                       "flight, H host tier (--host-gb), P page cache on, T both "
+                                                       "tiers at the shares full K3 gets on the lent box (B cold)")
     p.add_argument("--work", type=Path, help="work directory on the disk to measure (kept)")
     p.add_argument("--out", type=Path, default=Path("bench-results/k3_gpu.json"))
     p.add_argument("--timeout", type=float, default=900)
@@ -616,9 +665,17 @@ def main(argv: list[str] | None = None) -> int:
                 dict(label="B cold, 1 worker", prompt="B", stream=dict(stream, workers=1)),
                 dict(label="B cold, 2 workers", prompt="B", stream=dict(stream, workers=2)),
                 # the workers' copies overlap the reads, but one read at a time reaches the disk
-                dict(label="B cold, 1 read in flight", prompt="B", stream=dict(stream, reads_in_flight=1))]
+                dict(label="B cold, 1 read in flight", prompt="B", stream=dict(stream, reads_in_flight=1)),
+                # issue 33: the host-RAM tier under the same GPU budget, the OS page cache instead, and both tiers at
+                # the shares of full K3's experts the lent box's GPU and RAM would hold
+                dict(label="B cold, host tier", prompt="B",
+                     stream=dict(stream, host_cache_bytes=int(cfg["host_gb"] * 1e9))),
+                dict(label="B cold, page cache on", prompt="B", stream=dict(stream, page_cache="on")),
+                dict(label="B cold, K3 box tiers", prompt="B", stream=dict(
+                    stream, budget_bytes=box_budget(model, K3_BOX_SHARES["gpu"], cfg["workers"]),
+                    host_cache_bytes=max(eb, int(K3_BOX_SHARES["host"] * model["expert_total_bytes"]))))]
         chosen = set(a.runs.split(","))
-        runs = [r for r, key in zip(runs, "ABW8LFX12R") if key in chosen]
+        runs = [r for r, key in zip(runs, "ABW8LFX12RHPT") if key in chosen]
         drop_cache(files)
         res = run_child(SCRIPT, "decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
                                                tokens=cfg["tokens"], runs=runs, compile_warmup=True), a.timeout)
@@ -642,7 +699,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"waiting {pf['stall_s']:.2f} s)")
             log(f"{row['label']:<28} decode {row['decode_tps']:.3f} tok/s, hit {row['hit_rate']:.1%}, "
                 f"{row['bytes_per_token'] / 1e9:.2f} GB/token, stall {row['stall_share']:.0%}, "
-                f"disk on misses {row['disk_gbps_on_misses'] or 0:.2f} GB/s")
+                f"disk on misses {row['disk_gbps_on_misses'] or 0:.2f} GB/s"
+                + (f"; tiers gpu {row['tiers']['gpu']:.1%} host {row['tiers']['host']:.1%} disk "
+                   f"{row['tiers']['disk']:.1%}" if row.get("hits_host") else ""))
             m = row.get("per_miss_ms")
             if m:
                 log(f"{'':<28} per miss ms: stall {m['stall']:.2f} = before reads {m['before_reads']:.2f} + reading "
@@ -656,6 +715,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"disk on misses (B cold) vs raw: {doc['disk_on_misses_vs_raw']:.2f}x consecutive, "
                 f"{doc['disk_on_misses_vs_raw_random']:.2f}x random experts; waited {m.get('stall', 0):.2f} ms per "
                 f"miss, one expert at the random-read rate {m.get('raw_random_read', 0):.2f} ms")
+        for row in doc.get("projection_k3_tiers", {}).get("rows", []):
+            log(f"K3 top-{row['top_k']} on the lent box's two tiers (gpu {row['tiers']['gpu']:.1%}, host "
+                f"{row['tiers']['host']:.1%}): {row['tps']:.3f} tok/s (disk ceiling {row['disk_ceiling_tps'] or 0:.3f})")
         for row in doc.get("projection_k3", []):
             log(f"K3 top-{row['top_k']} at hit rate {row['hit_rate']:.1%} ({row['hit_rate_from']}): "
                 f"{row['tps']:.3f} tok/s (disk ceiling {row['disk_ceiling_tps'] or 0:.3f})")

@@ -88,3 +88,32 @@ def test_finish_without_a_b_cold_run_keeps_the_rows_and_skips_the_ratios():
     assert row["per_miss_ms"]["raw_random_read"] == pytest.approx(10_000_000 / 2.0e9 * 1e3)  # 5 ms
     assert row["split_per_token_s"] == dict(compute=0.02, waiting_on_reads=0.3, overhead=pytest.approx(0.4 - 0.32))
     assert row["split_per_layer_token_ms"]["waiting_on_reads"] == pytest.approx(300 / 8)
+
+
+def test_quick_tier_runs_count_host_copies_and_project_k3_on_two_tiers(tmp_path):
+    """Issue 33's runs: the host tier under B cold's budget reads less and serves the rest by copies, the same greedy
+    tokens as resident; the K3-box run's budgets are the box's shares; the two-tier projection follows its formula."""
+    out = tmp_path / "k3.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "k3_gpu.py"), "--quick", "--work",
+                        str(tmp_path / "work"), "--out", str(out), "--parts", "stream,resident", "--runs", "B,H,T",
+                        "--budget-gb", "0.0009", "--host-gb", "0.004"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    rows = {r["label"]: r for r in d["stream"]["rows"]}
+    cold, host, box = rows["B cold"], rows["B cold, host tier"], rows["B cold, K3 box tiers"]
+    assert cold["hits_host"] == 0 and host["hits_host"] > 0
+    assert host["misses_per_token"] < cold["misses_per_token"]
+    assert host["tiers"]["gpu"] + host["tiers"]["host"] + host["tiers"]["disk"] == pytest.approx(1.0)
+    assert host["same_tokens_as_resident"] is True and box["same_tokens_as_resident"] is True
+    from k3_gpu import K3_BOX_SHARES, K3_MOE_LAYERS, box_budget
+
+    assert box["budget_bytes"] == box_budget(d["model"], K3_BOX_SHARES["gpu"], d["config"]["workers"])
+    proj = d["projection_k3_tiers"]
+    layer_s = d["resident"]["token_s_median"] / d["model"]["spec"]["num_hidden_layers"]
+    for row in proj["rows"]:
+        k = row["top_k"]
+        want = 1 / (K3_MOE_LAYERS * k * box["tiers"]["disk"] * cold["read_s_per_miss"]
+                    + K3_MOE_LAYERS * k * box["tiers"]["host"] * proj["host_wait_s"] + 93 * layer_s)
+        assert row["tps"] == pytest.approx(want)
