@@ -3,9 +3,11 @@ engine thread (tqbench.engine) and hands the faces typed records only.
 
     chat = ChatSession()
     with chat.open(ChatRequest(model=path)) as job:
-        for ev in job: ...       # conversion events (the demo, converted first), ModelChosen, StreamPlan, ModelLoaded
+        for ev in job: ...       # conversion events (the demo, converted first), ModelChosen, StreamPlan,
+                                 # KernelsCompiling... (CUDA), ModelLoaded
     with chat.reply("hello") as job:
-        for ev in job: ...       # ReplyStarted, PageIn... (streaming), TokenOut..., ReplyDone
+        for ev in job: ...       # ReplyStarted, PageIn... (streaming), TokenOut..., ReplyDone; the process's first
+                                 # forward on CUDA: MlxWarmup before it, MlxWarmedUp at its token
     with chat.complete(CompletionRequest(messages=...)) as job:
         for ev in job: ...       # a server's request: ReplyStarted, PageIn..., CompletionDelta..., CompletionDone
     chat.stats(); chat.reset(); chat.close()
@@ -122,7 +124,8 @@ class ChatSession:
 
     def open(self, request: ChatRequest) -> Job:
         """Choose (request.model None: the last converted model, else the demo, converting it first with its
-        progress events), plan, load; yields ModelChosen, StreamPlan, then ModelLoaded."""
+        progress events), plan, load; yields ModelChosen, StreamPlan, a KernelsCompiling per fused kernel built for
+        the GPU (CUDA only: tqbench.runtime.warmup), then ModelLoaded."""
         request.check()
         return self._engine.submit(lambda: self._load(request))
 
@@ -192,6 +195,7 @@ class ChatSession:
     def _load(self, request: ChatRequest) -> Iterator:
         from tqbench.runtime.load import load, preflight
         from tqbench.runtime.models import choose_model
+        from tqbench.runtime.warmup import build_kernels
 
         if request.model is None:
             chosen = None
@@ -219,6 +223,7 @@ class ChatSession:
             native, active = ae.native, ae.active
         conv = Conversation(loaded, system=request.system, chat_template=request.chat_template)
         try:
+            yield from build_kernels(loaded.model)  # CUDA: the fused kernels its first token needs, with progress
             profile, learner = _profile(loaded, request.profile)
             stream = self._stream_setup(loaded, plan) if loaded.streamer is not None else None
         except BaseException:
