@@ -246,3 +246,43 @@ def test_a_failed_self_check_is_asked_once(model):
     lin = next(m for _, m in loaded.model.named_modules() if isinstance(m, TurboQuantLinear))
     y = d.matmul(mx.ones((1, lin.input_dims)), lin.weight, lin.scales, lin.codebook)
     assert y.shape == (1, lin.output_dims) and len(calls) == asked and len(d.warnings) == 2  # the reference served
+
+
+@pytest.mark.slow  # a model load and three short replies (~3 s)
+def test_mlx_warmup_events_frame_the_first_forward_pass(model, monkeypatch, tmp_path):
+    """The session's first reply in a process whose default device is a CUDA GPU (here the detection says so; the
+    forward runs on the CPU): MlxWarmup after ReplyStarted, MlxWarmedUp before the first token, counting the kernels
+    MLX's cache directory gained; none in the next reply; the reply's own tokens are those of a run without them."""
+    from tqbench.chat.request import ChatRequest, SamplingRequest
+    from tqbench.chat.session import ChatSession
+    from tqbench.runtime import warmup
+    from tqbench.runtime.chat import ReplyDone, ReplyStarted, TokenOut
+
+    ptx = tmp_path / "ptx"
+    ptx.mkdir()
+    for name in ("a", "b"):
+        (ptx / f"{name}.ptx").write_text("")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(ptx))
+    chat = ChatSession()
+    try:
+        with chat.open(ChatRequest(str(model), SamplingRequest(max_tokens=4), chat_template=False)) as job:
+            job.result()
+        with chat.reply("def fib(n):") as job:
+            plain = job.result()
+        chat.reset()
+        monkeypatch.setattr(K, "default_backend", lambda: "cuda")
+        monkeypatch.setattr(warmup, "_warmed", False)
+        with chat.reply("def fib(n):") as job:
+            first = job.result()
+        kinds = [type(e) for e in first]
+        assert kinds[:4] == [ReplyStarted, MlxWarmup, MlxWarmedUp, TokenOut] and kinds[-1] is ReplyDone
+        assert first[1] == MlxWarmup(first_run=False, cached=2)
+        warmed = first[2]
+        assert warmed.compiled == 0 and 0 < warmed.seconds
+        same = [e for e in first if isinstance(e, (ReplyStarted, TokenOut))]
+        assert same == [e for e in plain if isinstance(e, (ReplyStarted, TokenOut))] and len(same) == 5
+        assert (first[-1].text, first[-1].generated_tokens) == (plain[-1].text, plain[-1].generated_tokens)
+        with chat.reply("class Node:") as job:
+            assert not any(isinstance(e, (MlxWarmup, MlxWarmedUp)) for e in job.result())
+    finally:
+        chat.close()

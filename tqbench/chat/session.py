@@ -7,7 +7,7 @@ engine thread (tqbench.engine) and hands the faces typed records only.
                                  # KernelsCompiling... (CUDA), ModelLoaded
     with chat.reply("hello") as job:
         for ev in job: ...       # ReplyStarted, PageIn... (streaming), TokenOut..., ReplyDone; the process's first
-                                 # forward on CUDA: MlxWarmup before it, MlxWarmedUp at its token
+                                 # reply on CUDA: MlxWarmup after ReplyStarted, MlxWarmedUp before the first token
     with chat.complete(CompletionRequest(messages=...)) as job:
         for ev in job: ...       # a server's request: ReplyStarted, PageIn..., CompletionDelta..., CompletionDone
     chat.stats(); chat.reset(); chat.close()
@@ -30,7 +30,7 @@ from tqbench.chat.request import ChatRequest, CompletionRequest, ProfileOptions,
 from tqbench.engine import Engine, Job, engine
 from tqbench.errors import TqbenchError
 from tqbench.recipe.fit import DiskSpeed
-from tqbench.runtime.chat import Conversation, ReplyDone, Sampling, TokenOut
+from tqbench.runtime.chat import Conversation, ReplyDone, ReplyStarted, Sampling, TokenOut
 from tqbench.runtime.models import ModelChosen
 from tqbench.stream.store import ExpertStore
 from tqbench.stream.streamer import StreamConfig
@@ -289,14 +289,25 @@ class ChatSession:
 
     def _watched(self, state: _Open, events: Iterator) -> Iterator:
         """A reply's events with, before each, the page-ins of the forward pass that made it (streaming), and the
-        routing it taught the learner counted."""
+        routing it taught the learner counted. The process's first forward pass on CUDA: MlxWarmup after
+        ReplyStarted (nothing has run yet), MlxWarmedUp before the first token (tqbench.runtime.warmup)."""
+        from tqbench.runtime.warmup import mlx_warmed, mlx_warmup
+
         streamer = state.conversation.loaded.streamer
+        warmup, started = None, 0.0
         for ev in events:
             if state.learner is not None:
                 state.learner.flush()
             if streamer is not None:
                 yield from streamer.drain()
+            if warmup is not None and isinstance(ev, (TokenOut, ReplyDone)):
+                yield mlx_warmed(warmup, time.perf_counter() - started)
+                warmup = None
             yield ev
+            if isinstance(ev, ReplyStarted):  # the forward passes come next
+                warmup, started = mlx_warmup(), time.perf_counter()
+                if warmup is not None:
+                    yield warmup
 
     def _stats(self) -> StreamReport | None:
         if self._open is None or self._open.conversation.loaded.streamer is None:

@@ -9,14 +9,12 @@ the cache stays consistent with it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
 from tqbench.runtime.load import Loaded
-from tqbench.runtime.warmup import MlxWarmedUp, MlxWarmup, mlx_warmed, mlx_warmup
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -161,11 +159,10 @@ class Conversation:
 
 def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Sampling, cached: int, held: list[int],
              ended: Callable[[ReplyDone], None] = lambda done: None,
-             stop: tuple[str, ...] = ()) -> Iterator[MlxWarmup | MlxWarmedUp | TokenOut | ReplyDone]:
+             stop: tuple[str, ...] = ()) -> Iterator[TokenOut | ReplyDone]:
     """Process `new` on top of `cache` (which holds `cached` tokens) and generate with mlx-lm's loop: a TokenOut per
     token, then a ReplyDone. Each token the cache comes to hold is appended to `held`. `ended(done)` is called once
-    however the generation ends, also when the caller closes it early (finish_reason "cancelled"). The process's
-    first forward pass on CUDA has an MlxWarmup before it and an MlxWarmedUp at its token (tqbench.runtime.warmup).
+    however the generation ends, also when the caller closes it early (finish_reason "cancelled").
 
     `stop`: strings that end the reply where they appear in its text (as OpenAI's `stop`: matched on the text, not on
     token ids, and left out of it); text that could be the start of one is held back until it is known not to be."""
@@ -176,10 +173,6 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
         mx.random.seed(sampling.seed)
     sampler = make_sampler(sampling.temp, sampling.top_p, top_k=sampling.top_k)
     mx.reset_peak_memory()
-    warmup = mlx_warmup()
-    if warmup is not None:
-        yield warmup
-    started = time.perf_counter()
     generated: list[int] = []
     text: list[str] = []
     pending = ""  # text held back: it may begin a stop string
@@ -191,9 +184,6 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
         for r in steps:
             generated.append(r.token)
             held.append(r.token)  # the cache holds every token generate_step has yielded
-            if warmup is not None:
-                yield mlx_warmed(warmup, time.perf_counter() - started)
-                warmup = None
             prefill_tps, decode_tps = r.prompt_tps, r.generation_tps
             piece = r.text
             if stop:
