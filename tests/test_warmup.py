@@ -286,3 +286,20 @@ def test_mlx_warmup_events_frame_the_first_forward_pass(model, monkeypatch, tmp_
             assert not any(isinstance(e, (MlxWarmup, MlxWarmedUp)) for e in job.result())
     finally:
         chat.close()
+
+
+def test_serve_tells_each_warmup_step_once():
+    """`tqbench serve` polls its Service's latest warm-up event: each is told once, the count only when MLX compiled
+    any (the Service here is a stand-in holding that one attribute)."""
+    from types import SimpleNamespace
+
+    from tqbench.cli.serve import _warmup_lines
+
+    service, shown = SimpleNamespace(warmup=None), []
+    assert _warmup_lines(service, shown) == []
+    service.warmup = MlxWarmup(True, 0)
+    assert _warmup_lines(service, shown) == [report.mlx_warmup_line(service.warmup)]
+    assert _warmup_lines(service, shown) == []
+    service.warmup = MlxWarmedUp(70.5, 143)
+    assert _warmup_lines(service, shown) == [report.mlx_warmed_line(service.warmup)]
+    assert _warmup_lines(SimpleNamespace(warmup=MlxWarmedUp(0.3, 0)), []) == []
