@@ -211,8 +211,8 @@ def test_the_faces_lines():
     last = KernelsCompiling(40, 40, "x", True, 31, 53.04)
     assert report.kernels_done_line(last) == ("tqbench's CUDA kernels: 40 ready in 53.0 s (31 compiled by NVRTC and "
                                               "kept for the next start, 9 from the cache)")
-    assert report.mlx_warmup_line(MlxWarmup(True, 0)).startswith("warming up MLX's kernels (first run on this "
-                                                                 "machine)")
+    assert report.mlx_warmup_line(MlxWarmup(True, 0)) == ("warming up MLX's kernels (first run on this machine: a "
+                                                          "minute or more, no progress to show)")
     assert report.mlx_warmed_line(MlxWarmedUp(66.25, 143)) == ("MLX compiled 143 of its kernels; first token after "
                                                                "66.2 s (the kernels are kept for the next start)")
     # piped: the warning on a first run only, the count only when MLX compiled any

@@ -116,9 +116,8 @@ def kernels_done_line(ev: KernelsCompiling) -> str:
 def mlx_warmup_line(ev: MlxWarmup) -> str:
     """Before the first forward pass on CUDA: MLX's compiling has no progress to show."""
     if ev.first_run:
-        return ("warming up MLX's kernels (first run on this machine): MLX compiles them before the first token and "
-                "shows no progress; a minute or more for a large model")
-    return "warming up MLX's kernels: MLX compiles those it has not kept yet before the first token"
+        return "warming up MLX's kernels (first run on this machine: a minute or more, no progress to show)"
+    return "warming up MLX's kernels (those not in its cache yet)"
 
 
 def mlx_warmed_line(ev: MlxWarmedUp) -> str:
