@@ -142,6 +142,45 @@ def test_the_kernels_built_are_those_the_first_decode_step_launches(model, monke
             loaded.streamer.close()
 
 
+@pytest.fixture(scope="module")
+def many_experts(tmp_path_factory) -> Path:
+    """A demo with 80 routed experts, top-8, all its experts' projections TurboQuant (tq4e), gate/up and down of
+    different shapes: a prompt's 64 routings are sorted by expert and still served by the fused kernels."""
+    from tqbench.convert import convert
+    from tqbench.demo import DemoSpec, write_source
+    from tqbench.recipe import Recipe
+
+    root = tmp_path_factory.mktemp("warmup-experts")
+    spec = DemoSpec(num_experts=80, num_experts_per_token=8, routed_expert_hidden_size=64, moe_intermediate_size=128)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
+        list(convert(write_source(root / "src", spec, seed=0), root / "tq4e", Recipe.parse("tq4a-tq4e")))
+    return root / "tq4e"
+
+
+def test_a_prompt_whose_routings_are_sorted_has_its_kernels_built(many_experts, monkeypatch):
+    """8 tokens at once route 64 times: mlx-lm sorts them by expert, and gate/up then take x per routing, a kernel
+    decode never launches; it is built with the rest. The decode step launches exactly the rest."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    loaded = _load(many_experts)
+    seen: list = []
+    d = _recording_dispatcher(seen)
+    monkeypatch.setattr(K, "dispatcher", d)
+    planned = kernels_to_build(loaded.model, d)
+    gathered = {(s.n, s.out, s.xdiv) for s in planned if s.gather and s.out != K.SELF_CHECK_SHAPE[1]}
+    assert gathered == {(64, 128, 8), (128, 64, 1), (64, 128, 1)}  # gate/up as decode, down, gate/up sorted
+    cache = make_prompt_cache(loaded.model)
+    mx.eval(loaded.model(mx.array([list(range(1, 9))]), cache=cache))
+    prompt = set(seen)
+    assert {s for s in prompt if s.gather} <= set(planned) and any(s.gather and s.xdiv == 1 and s.n == 64
+                                                                   for s in prompt)
+    seen.clear()
+    mx.eval(loaded.model(mx.array([[5]]), cache=cache))
+    assert set(seen) | {s for s in prompt if s.gather} | {s for s in planned if s.out == K.SELF_CHECK_SHAPE[1]} == \
+        set(planned)
+
+
 def test_nothing_is_built_on_a_cpu(model):
     from tqbench.cubin import STATS
 

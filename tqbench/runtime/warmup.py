@@ -6,9 +6,10 @@ on the screen (53 s for a K3-shaped model on a fresh H200). `build_kernels` buil
 decode will launch, and the self-checks' own, right after the model loads, yielding a `KernelsCompiling` per kernel;
 the dispatcher's self-checks then run. The kernels are known from the model's shapes (`decode_kernels`): each
 TurboQuant Linear's product with one row of x, and each routed-expert projection's gathered product with the
-router's top-k for one token (streamed layers: the same projections over their slot pools). A prompt of 2 to 9
-tokens has its own batch shapes, built when such a prompt first comes; longer prompts use the reference path.
-Metal builds the kernels inside MLX at their first launch, and a CPU has none: nothing is built or yielded there.
+router's top-k for one token (streamed layers: the same projections over their slot pools), plus the one a prompt's
+routings sorted by expert need. A prompt of 2 to 9 tokens gives the Linears batch shapes of their own, built when
+such a prompt first comes (longer prompts use the reference path). Metal builds the kernels inside MLX at their
+first launch, and a CPU has none: nothing is built or yielded there.
 
 MLX's own kernels: MLX's CUDA build compiles them inside the first forward pass (and keeps them in its cache
 directory, tqbench.cubin.keep_mlx_kernels) with no progress to report. `mlx_warmup` says it is about to happen, once
@@ -63,17 +64,22 @@ class MlxWarmedUp:
 
 # ---- which kernels a model's decode launches ---------------------------------------------------------------------
 
-# x of one token as mlx-lm's switch layers hand it to each routed-expert projection, with indices (1, 1, top-k):
-# SwitchGLU / SwitchMLP expand x to (1, 1, 1, 1, in) for the first projections, which give (1, 1, top-k, 1, hidden)
-# to the last one. Projection name -> its x's batch shape (top-k as K).
+# How mlx-lm's switch layers (SwitchGLU, SwitchMLP) hand x to each routed-expert projection. One token: x (1, 1, in)
+# becomes (1, 1, 1, 1, in) for the first projections (x shared by the top-k experts), which give (1, 1, top-k, 1,
+# hidden) to the last one (x per pair), with indices (1, 1, top-k). A prompt of L tokens has the same kernels (x (1, L,
+# 1, 1, in), indices (1, L, top-k)) until its routings reach SORTED_FROM: then they are sorted by expert, x (P, 1, in)
+# with indices (P,), and the first projections' x is per pair too.
 _SHARED_X, _PAIR_X = "shared", "per pair"
 _SWITCH_INPUTS = {"gate_proj": _SHARED_X, "up_proj": _SHARED_X, "down_proj": _PAIR_X, "fc1": _SHARED_X,
                   "fc2": _PAIR_X}
+SORTED_FROM = 64  # routings (tokens x top-k) from which mlx-lm's switch layers sort a batch's routings by expert
 
 
 def decode_kernels(model: nn.Module, dispatcher: kernels.Dispatcher | None = None) -> list[Spec]:
     """The fused kernels one decode step of `model` launches (each once, in module order), as the dispatcher would
-    choose them by shape; whether each configuration passes its self-check is not asked."""
+    choose them by shape, and the routed experts' kernels of a prompt whose sorted routings the fused kernels serve
+    (64 to 128 routings: with K3's top-16, a prompt of 4 to 8 tokens at once); whether each configuration passes
+    its self-check is not asked."""
     d = dispatcher or kernels.dispatcher
     specs: dict[Spec, None] = {}
     for _, m in model.named_modules():
@@ -83,11 +89,14 @@ def decode_kernels(model: nn.Module, dispatcher: kernels.Dispatcher | None = Non
         for name, proj in switch.children().items():
             if not isinstance(proj, TurboQuantSwitchLinear) or name not in _SWITCH_INPUTS:
                 continue
-            xbatch = (1, 1, 1) if _SWITCH_INPUTS[name] == _SHARED_X else (1, 1, k)
-            if d.fits_gather(1, k, proj.input_dims, proj.weight, proj.scales, proj.codebook):
-                levels, group, n, out, sdtype, bdtype = _product(proj)
-                specs.update(dict.fromkeys(kernels.gather_specs(1, xbatch, (1, 1, k), levels, group, n, out,
-                                                                proj.weight.shape[0], sdtype, bdtype)))
+            sorted_ = k * -(-SORTED_FROM // k)  # the fewest routings of whole tokens that are sorted
+            products = [((1, 1, 1) if _SWITCH_INPUTS[name] == _SHARED_X else (1, 1, k), (1, 1, k), k),
+                        ((sorted_,), (sorted_,), sorted_)]  # (x batch shape, indices shape, routings)
+            levels, group, n, out, sdtype, bdtype = _product(proj)
+            for xbatch, ishape, routings in products:
+                if d.fits_gather(1, routings, n, proj.weight, proj.scales, proj.codebook):
+                    specs.update(dict.fromkeys(kernels.gather_specs(1, xbatch, ishape, levels, group, n, out,
+                                                                    proj.weight.shape[0], sdtype, bdtype)))
     return list(specs)
 
 
