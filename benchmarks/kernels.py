@@ -12,7 +12,9 @@
   HBM, not L2 (the graph is built before the clock starts, so Python's cost is not timed), repeated; the median
   per product is reported, and each ratio is against the affine time measured in the same run.
 - `--variants`: also times other kernel layouts (rows per lane, lanes per row tile, warps per threadgroup).
-- `--launch-cost`: whether a launch of the NVRTC build costs the cubin it carries (`launch_cost`).
+- `--launch-cost`: what one launch costs on tiny products, NVRTC's cubin (with it, and with an empty source once the
+  module is loaded) against MLX's build of the same kernel (`launch_cost`); CUDA only. With `--skip-timing`:
+  `python3 benchmarks/kernels.py --launch-cost --skip-timing --out bench-launch-cost.json`.
 
 Needs only numpy and mlx (plus this repository on PYTHONPATH).
 """
@@ -241,46 +243,66 @@ def check(results: list, quick: bool = False) -> float:
     return worst
 
 
+LAUNCH_SHAPES = [(64, 256), (512, 512), (7168, 4096)]  # (out, in): tiny products where a launch is most of the time
+
+
 def launch_cost(results: list, chain: int, repeats: int) -> None:
-    """Is a precompiled launch's cost the cubin it carries? One 7168x4096 matvec per format, a chain of `chain`
-    launches on one weight: built and evaluated with the cubin on every launch (as tqbench launches), against the same
-    launches carrying an empty cubin once the module is loaded (MLX keeps a loaded module by name and reads the
-    source only to load it); graph-building and evaluation timed apart. CUDA's NVRTC build only."""
-    if K.default_backend() != "cuda" or K.CUDA_BUILD != "nvrtc":
-        return
-    out, n = 7168, 4096
-    x = mx.random.normal((1, n), key=mx.random.key(3))
-    for name, levels, _ in FORMATS:
-        w, s, cb = tq_weights(levels, out, n, (), key=500)
-        spec = K.make_spec(levels, GROUP, n, out, 1, 1, False, "float16", "float16")
-        grid, tg = spec.grid(1)
-        mx.eval(K.compiled(spec, "cuda")(inputs=[x, w, s, cb], grid=grid, threadgroup=tg, output_shapes=[(1, 1, out)],
-                                         output_dtypes=[mx.float32])[0])  # MLX now holds the module
-        kname, cubin = cached_cubin(K.kernel_name(spec, "cuda"), lambda nm: K.cuda_program(spec, nm))
-        row = dict(kind="launch_cost", format=name, out=out, n=n, cubin_bytes=len(cubin))
-        for label, source in (("with_cubin", cubin), ("empty_source", b"")):
-            build, run = [], []
-            try:
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    ys = [mx.fast.precompiled_cuda_kernel(
-                        name=kname, compiled_source=source, inputs=[x, w, s, cb], output_shapes=[(1, 1, out)],
-                        output_dtypes=[mx.float32], scalars=[], grid=grid, threadgroup=tg,
-                        ensure_row_contiguous=True)[0] for _ in range(chain)]
-                    t1 = time.perf_counter()
-                    mx.eval(ys)
-                    t2 = time.perf_counter()
-                    del ys
-                    build.append((t1 - t0) / chain)
-                    run.append((t2 - t1) / chain)
-            except Exception as e:  # noqa: BLE001 - an MLX that refuses an empty source: say so, keep the rest
-                row[f"{label}_error"] = f"{type(e).__name__}: {e}"[:300]
-                continue
-            row[f"{label}_build_s"] = statistics.median(build)
-            row[f"{label}_eval_s"] = statistics.median(run)
-        results.append(row)
-        print(f"launch cost {name}: " + json.dumps({k: v for k, v in row.items() if k not in ("kind", "out", "n")}),
-              flush=True)
+    """Why a plain matvec through NVRTC's cubin measured 1.3-3.4x MLX's build of the same kernel: the cost of one
+    launch, on products small enough that the launch is most of it (and K3's 7168x4096). For each shape and format, a
+    chain of `chain` launches of one kernel on one weight, graph-building and evaluation timed apart (median per
+    launch over `repeats`), through:
+    - `nvrtc`: `mx.fast.precompiled_cuda_kernel` carrying the cubin with every launch, as tqbench launches;
+    - `nvrtc_empty_source`: the same launches with an empty source once MLX holds the module (it keeps a loaded module
+      by name and reads the source only to load it): the cubin's share of a launch;
+    - `mlx`: MLX's own build of the same kernel (`mx.fast.cuda_kernel`).
+    The three outputs are compared once. CUDA only (main refuses other devices)."""
+    for out, n in LAUNCH_SHAPES:
+        x = mx.random.normal((1, n), key=mx.random.key(3))
+        for name, levels, _ in FORMATS:
+            w, s, cb = tq_weights(levels, out, n, (), key=500)
+            spec = K.make_spec(levels, GROUP, n, out, 1, 1, False, K.dtype_name(s.dtype), K.dtype_name(cb.dtype))
+            grid, tg = spec.grid(1)
+            kname, cubin = cached_cubin(K.kernel_name(spec, "cuda"), lambda nm: K.cuda_program(spec, nm))
+
+            def empty_source(**kw):
+                return mx.fast.precompiled_cuda_kernel(name=kname, compiled_source=b"", scalars=[],
+                                                       ensure_row_contiguous=True, **kw)
+
+            builds = {"nvrtc": K._compiled(spec, "cuda", "nvrtc"), "nvrtc_empty_source": empty_source,
+                      "mlx": K._compiled(spec, "cuda", "mlx")}
+            row = dict(kind="launch_cost", format=name, out=out, n=n, cubin_bytes=len(cubin))
+
+            def launch(build):
+                return build(inputs=[x, w, s, cb], grid=grid, threadgroup=tg, output_shapes=[(1, 1, out)],
+                             output_dtypes=[mx.float32])[0]
+
+            first = np.array(launch(builds["nvrtc"]), np.float64)  # MLX now holds the module: an empty source works
+            for label, build in builds.items():
+                try:
+                    got = np.array(launch(build), np.float64)
+                    row[f"{label}_vs_nvrtc"] = float(np.linalg.norm(got - first) / max(np.linalg.norm(first), 1e-30))
+                    build_s, eval_s = [], []
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        ys = [launch(build) for _ in range(chain)]
+                        t1 = time.perf_counter()
+                        mx.eval(ys)
+                        t2 = time.perf_counter()
+                        del ys
+                        build_s.append((t1 - t0) / chain)
+                        eval_s.append((t2 - t1) / chain)
+                except Exception as e:  # noqa: BLE001 - an MLX that refuses one way: say so, keep the others
+                    row[f"{label}_error"] = f"{type(e).__name__}: {e}"[:300]
+                    continue
+                row[f"{label}_build_s"] = statistics.median(build_s)
+                row[f"{label}_eval_s"] = statistics.median(eval_s)
+            if "nvrtc_eval_s" in row and "mlx_eval_s" in row:
+                row["nvrtc_over_mlx"] = (row["nvrtc_build_s"] + row["nvrtc_eval_s"]) / \
+                    (row["mlx_build_s"] + row["mlx_eval_s"])
+            results.append(row)
+            us = {k: round(v * 1e6, 2) for k, v in row.items() if k.endswith(("_build_s", "_eval_s"))}
+            print(f"launch cost {out}x{n} {name} (cubin {len(cubin):,} B): us per launch {json.dumps(us)}; "
+                  f"nvrtc / mlx {row.get('nvrtc_over_mlx', float('nan')):.2f}", flush=True)
 
 
 def main() -> int:
@@ -294,13 +316,18 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--launch-cost", action="store_true",
-                    help="time precompiled launches with their cubin against launches once the module is loaded")
+                    help="time one kernel's launches on tiny products: NVRTC's cubin (with it, and with an empty "
+                         "source once loaded) against MLX's build of the same kernel")
     ap.add_argument("--cuda-build", choices=["nvrtc", "mlx"], default="nvrtc",
                     help="CUDA kernels compiled once per machine by NVRTC (the default) or by mx.fast.cuda_kernel")
     args = ap.parse_args()
     K.CUDA_BUILD = args.cuda_build
     if args.quick:
         args.chain, args.repeats = 50, 5
+    if args.launch_cost and K.default_backend() != "cuda":
+        print(f"--launch-cost times CUDA kernel launches (NVRTC's cubin against MLX's build); the default device here "
+              f"is {mx.default_device()} without CUDA", file=sys.stderr)
+        return 2
     if K.default_backend() is None:
         print("no GPU backend with fused kernels (CUDA or Metal) on the default device", file=sys.stderr)
         return 2

@@ -202,6 +202,7 @@ def test_models_health_and_metrics(server):
     assert [m.id for m in models.data] == ["demo"]
     code, _, body = server.get("/health")
     assert code == 200 and json.loads(body)["status"] == "ok"
+    assert json.loads(body)["warming_up"] is False  # MLX compiles its kernels in a CUDA server's first request only
     before = server.get("/metrics")[2].decode()
     r = ask(server, [{"role": "user", "content": "x = 1"}], max_tokens=3)
     code, headers, body = server.get("/metrics")

@@ -215,6 +215,44 @@ async def test_escape_stops_a_reply_and_the_conversation_goes_on(model_dir, engi
         assert [t.text for t in screen.transcript.turns] == [PROMPTS[0], stopped.text, PROMPTS[1], after.text]
 
 
+async def test_the_status_says_mlx_warms_up_before_the_first_token(model_dir, engine_run, monkeypatch):
+    """The process's first reply on CUDA (the detection says so here; the model runs on the CPU): the status line
+    says MLX is compiling its kernels until the first token, then the reply streams as the engine's."""
+    from tqbench.chat import report
+    from tqbench.runtime import kernels, warmup
+    from tqbench.runtime.warmup import MlxWarmup
+
+    _, (first, _), _, _ = engine_run
+    remember_model(model_dir)
+    gate, reached = threading.Event(), threading.Event()
+
+    def held(chat, text, sampling):  # the reply waits at MlxWarmup until the test has looked
+        gen = REAL_REPLY(chat, text, sampling)
+        try:
+            for ev in gen:
+                yield ev
+                if isinstance(ev, MlxWarmup):
+                    reached.set()
+                    assert gate.wait(20), "the test never opened the gate"
+        finally:
+            gen.close()
+
+    monkeypatch.setattr(ChatSession, "_reply", held)
+    monkeypatch.setattr(kernels, "default_backend", lambda: "cuda")
+    monkeypatch.setattr(warmup, "_warmed", False)
+    app = TqbenchApp()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_chat(pilot)
+        await send(pilot, screen, PROMPTS[0], wait=False)
+        await wait_for(pilot, lambda: reached.is_set() and "warming up" in status(screen), "the warm-up line")
+        assert status(screen) == report.mlx_warmup_line(MlxWarmup(warmup._mlx_cached() == 0, 0))
+        gate.set()
+        await wait_for(pilot, lambda: not screen.replying, "the reply")
+        await pilot.pause()
+        assert screen.transcript.turns[-1].text == first.text and counts(screen.last_done) == counts(first)
+        assert "warming up" not in status(screen)
+
+
 async def test_quitting_mid_reply_stops_the_engine_first(model_dir, monkeypatch):
     remember_model(model_dir)
     gate, reached = threading.Event(), threading.Event()

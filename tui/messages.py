@@ -349,6 +349,15 @@ class ChatReplyBegan(Message):
 
 
 @dataclass
+class ChatReplyNote(Message):
+    """A line for the status while a reply has not begun to stream (MLX compiling its kernels before the first
+    token)."""
+
+    turn_id: int
+    text: str
+
+
+@dataclass
 class ChatReplyProgress(Message):
     """A streaming reply so far: its text as runs of (text, thinking), and the tokens generated."""
 

@@ -13,8 +13,9 @@ from tqbench import units
 from tqbench.chat.live import GLYPHS, KINDS, ExpertMap, ReplyRates
 from tqbench.chat.records import ConversationStatus, ModelLoaded, ProfileInfo, StreamReport, StreamSetup
 
-if TYPE_CHECKING:  # named only: importing it loads MLX
+if TYPE_CHECKING:  # named only: importing them loads MLX
     from tqbench.runtime.chat import ReplyDone, Sampling
+    from tqbench.runtime.warmup import KernelsCompiling, MlxWarmedUp, MlxWarmup
 
 LABEL_WIDTH = 8  # the TUI status lines' labels ("reply   ", "prompt  ")
 ENDINGS = {"length": " (max tokens)", "cancelled": " (stopped)"}  # how a reply that did not stop by itself ended
@@ -109,6 +110,32 @@ def profile_line(p: ProfileInfo) -> str:
     pins = f"; pinned {p.pinned:,} experts (preloaded in {p.preload_s:.2f} s)" if p.pinned else ""
     learn = "learning from this session" if p.learning else "not learning (--no-learn)"
     return f"hot-expert profile: {src}{pins}; {learn}"
+
+
+# ---- before the first token (tqbench.runtime.warmup) ---------------------------------------------------------------
+
+def kernels_line(ev: KernelsCompiling) -> str:
+    """While tqbench's fused kernels are built for the GPU."""
+    return (f"building tqbench's CUDA kernels for this GPU: {ev.done} of {ev.total} ({ev.compiled} compiled, "
+            f"{ev.done - ev.compiled} from the cache), {ev.elapsed_s:.0f} s")
+
+
+def kernels_done_line(ev: KernelsCompiling) -> str:
+    """Once the last is built (`ev` the last event)."""
+    return (f"tqbench's CUDA kernels: {ev.total} ready in {ev.elapsed_s:.1f} s ({ev.compiled} compiled by NVRTC and "
+            f"kept for the next start, {ev.total - ev.compiled} from the cache)")
+
+
+def mlx_warmup_line(ev: MlxWarmup) -> str:
+    """Before the first forward pass on CUDA: MLX's compiling has no progress to show."""
+    if ev.first_run:
+        return "warming up MLX's kernels (first run on this machine: a minute or more, no progress to show)"
+    return "warming up MLX's kernels (those not in its cache yet)"
+
+
+def mlx_warmed_line(ev: MlxWarmedUp) -> str:
+    return (f"MLX compiled {ev.compiled} of its kernels; first token after {ev.seconds:.1f} s (the kernels are kept "
+            "for the next start)")
 
 
 # ---- replies --------------------------------------------------------------------------------------------------------

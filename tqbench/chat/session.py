@@ -3,9 +3,11 @@ engine thread (tqbench.engine) and hands the faces typed records only.
 
     chat = ChatSession()
     with chat.open(ChatRequest(model=path)) as job:
-        for ev in job: ...       # conversion events (the demo, converted first), ModelChosen, StreamPlan, ModelLoaded
+        for ev in job: ...       # conversion events (the demo, converted first), ModelChosen, StreamPlan,
+                                 # KernelsCompiling... (CUDA), ModelLoaded
     with chat.reply("hello") as job:
-        for ev in job: ...       # ReplyStarted, PageIn... (streaming), TokenOut..., ReplyDone
+        for ev in job: ...       # ReplyStarted, PageIn... (streaming), TokenOut..., ReplyDone; the process's first
+                                 # reply on CUDA: MlxWarmup after ReplyStarted, MlxWarmedUp before the first token
     with chat.complete(CompletionRequest(messages=...)) as job:
         for ev in job: ...       # a server's request: ReplyStarted, PageIn..., CompletionDelta..., CompletionDone
     chat.stats(); chat.reset(); chat.close()
@@ -28,7 +30,7 @@ from tqbench.chat.request import ChatRequest, CompletionRequest, ProfileOptions,
 from tqbench.engine import Engine, Job, engine
 from tqbench.errors import TqbenchError
 from tqbench.recipe.fit import DiskSpeed
-from tqbench.runtime.chat import Conversation, ReplyDone, Sampling, TokenOut
+from tqbench.runtime.chat import Conversation, ReplyDone, ReplyStarted, Sampling, TokenOut
 from tqbench.runtime.models import ModelChosen
 from tqbench.stream.store import ExpertStore
 from tqbench.stream.streamer import StreamConfig
@@ -126,7 +128,8 @@ class ChatSession:
 
     def open(self, request: ChatRequest) -> Job:
         """Choose (request.model None: the last converted model, else the demo, converting it first with its
-        progress events), plan, load; yields ModelChosen, StreamPlan, then ModelLoaded."""
+        progress events), plan, load; yields ModelChosen, StreamPlan, a KernelsCompiling per fused kernel built for
+        the GPU (CUDA only: tqbench.runtime.warmup), then ModelLoaded."""
         request.check()
         return self._engine.submit(lambda: self._load(request))
 
@@ -196,6 +199,7 @@ class ChatSession:
     def _load(self, request: ChatRequest) -> Iterator:
         from tqbench.runtime.load import load, preflight
         from tqbench.runtime.models import choose_model
+        from tqbench.runtime.warmup import build_kernels
 
         if request.model is None:
             chosen = None
@@ -223,6 +227,7 @@ class ChatSession:
             native, active = ae.native, ae.active
         conv = Conversation(loaded, system=request.system, chat_template=request.chat_template)
         try:
+            yield from build_kernels(loaded.model)  # CUDA: the fused kernels its first token needs, with progress
             profile, learner = _profile(loaded, request.profile)
             stream = self._stream_setup(loaded, plan) if loaded.streamer is not None else None
         except BaseException:
@@ -289,14 +294,25 @@ class ChatSession:
 
     def _watched(self, state: _Open, events: Iterator) -> Iterator:
         """A reply's events with, before each, the page-ins of the forward pass that made it (streaming), and the
-        routing it taught the learner counted."""
+        routing it taught the learner counted. The process's first forward pass on CUDA: MlxWarmup after
+        ReplyStarted (nothing has run yet), MlxWarmedUp before the first token (tqbench.runtime.warmup)."""
+        from tqbench.runtime.warmup import mlx_warmed, mlx_warmup
+
         streamer = state.conversation.loaded.streamer
+        warmup, started = None, 0.0
         for ev in events:
             if state.learner is not None:
                 state.learner.flush()
             if streamer is not None:
                 yield from streamer.drain()
+            if warmup is not None and isinstance(ev, (TokenOut, ReplyDone)):
+                yield mlx_warmed(warmup, time.perf_counter() - started)
+                warmup = None
             yield ev
+            if isinstance(ev, ReplyStarted):  # the forward passes come next
+                warmup, started = mlx_warmup(), time.perf_counter()
+                if warmup is not None:
+                    yield warmup
 
     def _stats(self) -> StreamReport | None:
         if self._open is None or self._open.conversation.loaded.streamer is None:

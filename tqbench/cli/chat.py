@@ -114,10 +114,12 @@ def open_chat(chat_session: ChatSession, request, err: Console, quiet: bool, str
     `streaming_stats`: --stats-json was given, so a model whose experts stay resident is refused before it loads."""
     from tqbench.chat.session import StreamPlan
     from tqbench.cli.convert import render_progress
+    from tqbench.cli.warmup import KernelProgress
     from tqbench.runtime.models import ModelChosen
+    from tqbench.runtime.warmup import KernelsCompiling
 
     loaded, chosen = None, ""
-    with chat_session.open(request) as job:
+    with chat_session.open(request) as job, KernelProgress(err) as kernels:
         events = iter(job)
         after: list = []  # the event that ended the conversion's rendering
 
@@ -130,6 +132,9 @@ def open_chat(chat_session: ChatSession, request, err: Console, quiet: bool, str
                 yield ev
 
         for ev in events:
+            if isinstance(ev, KernelsCompiling):  # CUDA: after the model loads
+                kernels.show(ev)
+                continue
             if not isinstance(ev, (ModelChosen, StreamPlan, ModelLoaded)):  # the demo's conversion comes first
                 err.print("no model given and none converted yet: converting the demo first", markup=False)
                 render_progress(conversion(ev), err)
@@ -206,7 +211,7 @@ def _converse(chat_session: ChatSession, loaded: ModelLoaded, turns: Iterable[st
             for line in report.stats_lines(loaded, chat_session.status(), chat_session.stats()):
                 err.print(line, markup=False)
             continue
-        done = _reply(chat_session, text, as_json, out)
+        done = _reply(chat_session, text, as_json, out, err)
         if done is None:  # stopped with Ctrl-C
             done = chat_session.last_reply()
             if not as_json:
@@ -222,15 +227,22 @@ def _converse(chat_session: ChatSession, loaded: ModelLoaded, turns: Iterable[st
             err.print(report.reply_line(done), markup=False, style="dim")
 
 
-def _reply(chat_session: ChatSession, text: str, as_json: bool, out: Console) -> ReplyDone | None:
-    """Stream one reply to stdout; its summary, or None when Ctrl-C stopped it."""
+def _reply(chat_session: ChatSession, text: str, as_json: bool, out: Console, err: Console) -> ReplyDone | None:
+    """Stream one reply to stdout; its summary, or None when Ctrl-C stopped it. MLX's warm-up before the process's
+    first token goes to stderr."""
+    from tqbench.cli.warmup import MlxWarmupStatus
     from tqbench.runtime.chat import ReplyDone, TokenOut
+    from tqbench.runtime.warmup import MlxWarmedUp, MlxWarmup
 
     done = None
     try:
-        with chat_session.reply(text) as job:
+        with chat_session.reply(text) as job, MlxWarmupStatus(err) as warmup:
             for ev in job:
-                if isinstance(ev, TokenOut):
+                if isinstance(ev, MlxWarmup):
+                    warmup.started(ev)
+                elif isinstance(ev, MlxWarmedUp):
+                    warmup.ended(ev)
+                elif isinstance(ev, TokenOut):
                     if as_json:
                         print(json.dumps({"event": "token", "id": ev.id, "text": ev.text, "thinking": ev.thinking}),
                               flush=True)

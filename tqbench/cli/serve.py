@@ -109,6 +109,7 @@ def _watch(service, err: Console) -> None:
     """Until Ctrl-C or --max-requests: a live status on a terminal, else each request's line."""
     from tqbench.serve.service import RequestDone
 
+    shown: list = []  # MLX's warm-up events already told
     with service.watch() as watcher:
         try:
             if err.is_terminal:
@@ -118,12 +119,29 @@ def _watch(service, err: Console) -> None:
                         for ev in watcher.get(REFRESH_S):
                             if isinstance(ev, RequestDone):
                                 live.console.print(report.request_line(ev), markup=False)
+                        for line in _warmup_lines(service, shown):
+                            live.console.print(line, markup=False)
                         live.update(Text("\n".join(report.status_lines(service.status()))))
             else:
                 while not service.wait_ended(0):
                     for ev in watcher.get(REFRESH_S):
                         if isinstance(ev, RequestDone):
                             err.print(report.request_line(ev), markup=False)
+                    for line in _warmup_lines(service, shown):
+                        err.print(line, markup=False)
         finally:  # the totals, once, however it ends (the live region is gone by now)
             for line in report.status_lines(service.status()):
                 err.print(line, markup=False)
+
+
+def _warmup_lines(service, shown: list) -> list[str]:
+    """MLX's warm-up in the first request (CUDA), each step told once: the chat's lines."""
+    from tqbench.runtime.warmup import MlxWarmup
+
+    ev = service.warmup
+    if ev is None or ev in shown:
+        return []
+    shown.append(ev)
+    if isinstance(ev, MlxWarmup):
+        return [chat_report.mlx_warmup_line(ev)]
+    return [chat_report.mlx_warmed_line(ev)] if ev.compiled else []

@@ -26,6 +26,12 @@ from tqbench.runtime.kernel_source import (GROUPS, KERNEL_BATCH, LEVELS, Spec, c
 
 MAX_ROWS = 8  # rows of x (decode and tiny batches) up to which the fused kernel serves a product
 SELF_CHECK_TOL = 1e-4  # relative (Frobenius) error above which a kernel fails its self-check
+# The self-check's case: (n, out, experts) with 3-bit rows of 90 words and ternary of 45 (misaligned) and 5.6 units;
+# plain products of 1 and 3 rows; a gather of x (2, 1, 1, n) by indices (2, 3).
+SELF_CHECK_SHAPE = (896, 48, 6)
+SELF_CHECK_ROWS = (1, 3)
+SELF_CHECK_GATHER_X = (2, 1, 1)
+SELF_CHECK_INDICES = ((5, 0, 3), (1, 1, 4))
 
 # How CUDA kernels are built: "nvrtc" (`cuda_program`, compiled once per machine) or "mlx" (`mx.fast.cuda_kernel`,
 # compiled with MLX's headers in every process: kept so that benchmarks/compile_time.py measures the difference).
@@ -102,8 +108,27 @@ def make_spec(levels: int, group: int, n: int, out: int, experts: int, batch: in
                 scale_dtype=scale_dtype, book_dtype=book_dtype, **lay)
 
 
-def _dtype_name(a: mx.array) -> str:
-    return {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}[a.dtype]
+def dtype_name(dtype) -> str:
+    """An MLX float dtype's name as a Spec spells it."""
+    return {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}[dtype]
+
+
+def self_check_specs(kind: str, levels: int, group: int, sdtype, bdtype) -> list[Spec]:
+    """The kernels the self-check of a configuration launches (`Dispatcher.check`)."""
+    n, out, experts = SELF_CHECK_SHAPE
+    names = dtype_name(sdtype), dtype_name(bdtype)
+    if kind == "matmul":
+        return [spec for rows in SELF_CHECK_ROWS for spec in matmul_specs(rows, levels, group, n, out, *names)]
+    shape = (len(SELF_CHECK_INDICES), len(SELF_CHECK_INDICES[0]))
+    return gather_specs(SELF_CHECK_GATHER_X[-1], SELF_CHECK_GATHER_X[:-1], shape, levels, group, n, out, experts,
+                        *names)
+
+
+def matmul_specs(x_rows: int, levels: int, group: int, n: int, out: int, scale_dtype: str, book_dtype: str,
+                 **layout) -> list[Spec]:
+    """The kernel of each launch `fused_matmul` makes for `x_rows` rows of x: batches of up to KERNEL_BATCH rows."""
+    return [make_spec(levels, group, n, out, 1, min(KERNEL_BATCH, x_rows - s), False, scale_dtype, book_dtype,
+                      **layout) for s in range(0, x_rows, KERNEL_BATCH)]
 
 
 def fused_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, backend: str,
@@ -113,12 +138,11 @@ def fused_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: 
     out = weight.shape[-2]
     lead = x_rot.shape[:-1]
     x2 = x_rot.reshape(-1, n).astype(mx.float32)
-    levels, group = codebook.shape[0], n // scales.shape[-1]
+    specs = matmul_specs(x2.shape[0], codebook.shape[0], n // scales.shape[-1], n, out, dtype_name(scales.dtype),
+                         dtype_name(codebook.dtype), **layout)
     parts = []
-    for s in range(0, x2.shape[0], KERNEL_BATCH):
+    for s, spec in zip(range(0, x2.shape[0], KERNEL_BATCH), specs):
         xs = x2[s:s + KERNEL_BATCH] if x2.shape[0] > KERNEL_BATCH else x2
-        spec = make_spec(levels, group, n, out, 1, xs.shape[0], False, _dtype_name(scales), _dtype_name(codebook),
-                         **layout)
         grid, tg = spec.grid(1)
         y = compiled(spec, backend)(inputs=[xs, weight, scales, codebook], grid=grid, threadgroup=tg,
                                     output_shapes=[(1, xs.shape[0], out)], output_dtypes=[mx.float32])[0]
@@ -137,6 +161,15 @@ def _x_divisor(xbatch: tuple, bshape: tuple) -> int:
     return 0
 
 
+def gather_specs(m: int, xbatch: tuple, ishape: tuple, levels: int, group: int, n: int, out: int, experts: int,
+                 scale_dtype: str, book_dtype: str, **layout) -> list[Spec]:
+    """The kernel of each launch `fused_gather` makes for x (*xbatch, m, n) and indices of shape `ishape`."""
+    bshape = tuple(mx.broadcast_shapes(tuple(xbatch), tuple(ishape)))
+    npairs, xdiv = math.prod(bshape), _x_divisor(tuple(xbatch), bshape)
+    return [make_spec(levels, group, n, out, experts, min(KERNEL_BATCH, m - s), True, scale_dtype, book_dtype,
+                      pairs=npairs, xdiv=xdiv, **layout) for s in range(0, m, KERNEL_BATCH)]
+
+
 def fused_gather(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, indices: mx.array,
                  backend: str, **layout) -> mx.array:
     """gather_matmul through the fused kernel: one (x rows, expert) product per broadcast index."""
@@ -151,23 +184,20 @@ def fused_gather(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: 
     if tuple(idx.shape) != bshape:
         idx = mx.broadcast_to(idx, bshape)
     idx = idx.reshape(-1)
-    xdiv = _x_divisor(xbatch, bshape)
-    if xdiv:
+    if _x_divisor(xbatch, bshape):
         sel = idx
     else:
         xidx = mx.broadcast_to(mx.arange(nx, dtype=mx.uint32).reshape(xbatch), bshape).reshape(-1)
         sel = mx.stack([xidx, idx], axis=1)
     x3 = x_rot.reshape(nx, m, n).astype(mx.float32)
-    levels, group = codebook.shape[0], n // scales.shape[-1]
+    specs = gather_specs(m, xbatch, tuple(indices.shape), codebook.shape[0], n // scales.shape[-1], n, out, experts,
+                         dtype_name(scales.dtype), dtype_name(codebook.dtype), **layout)
     parts = []
-    for s in range(0, m, KERNEL_BATCH):
+    for s, spec in zip(range(0, m, KERNEL_BATCH), specs):
         xs = x3[:, s:s + KERNEL_BATCH] if m > KERNEL_BATCH else x3
-        mb = xs.shape[1]
-        spec = make_spec(levels, group, n, out, experts, mb, True, _dtype_name(scales), _dtype_name(codebook),
-                         pairs=npairs, xdiv=xdiv, **layout)
         grid, tg = spec.grid(npairs)
         y = compiled(spec, backend)(inputs=[xs, weight, scales, codebook, sel], grid=grid, threadgroup=tg,
-                                    output_shapes=[(npairs, mb, out)], output_dtypes=[mx.float32])[0]
+                                    output_shapes=[(npairs, xs.shape[1], out)], output_dtypes=[mx.float32])[0]
         parts.append(y)
     y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
     return y.reshape(*bshape, m, out)
@@ -231,7 +261,8 @@ class Dispatcher:
         if self.gather_kernel is None:
             self.gather_kernel = fused_gather
 
-    def _backend(self) -> str | None:
+    def resolved_backend(self) -> str | None:
+        """The backend whose kernels serve products now (None: the reference path)."""
         return self.backend() if callable(self.backend) else self.backend
 
     def _supported(self, n: int, out: int, weight: mx.array, scales: mx.array, codebook: mx.array) -> bool:
@@ -246,32 +277,47 @@ class Dispatcher:
             return False
         return weight.shape[-1] == -(-n // format_of(levels)[1])
 
+    def fits_matmul(self, rows: int, n: int, weight: mx.array, scales: mx.array, codebook: mx.array) -> bool:
+        """Whether a product of `rows` rows of x by this plain Linear's weights has a fused kernel (its shapes only;
+        the self-check of its configuration decides too)."""
+        return weight.ndim == 2 and 0 < rows <= self.max_rows and self._supported(n, weight.shape[0], weight, scales,
+                                                                                  codebook)
+
+    def fits_gather(self, m: int, indices: int, n: int, weight: mx.array, scales: mx.array,
+                    codebook: mx.array) -> bool:
+        """Whether a gathered product of m rows of x by `indices` experts has a fused kernel (shapes only)."""
+        return (weight.ndim == 3 and m <= self.max_rows and 0 < indices < weight.shape[0]
+                and indices * m <= 16 * self.max_rows and self._supported(n, weight.shape[1], weight, scales, codebook))
+
     def _ok(self, kind: str, backend: str, codebook: mx.array, scales: mx.array, n: int) -> bool:
-        levels, group = codebook.shape[0], n // scales.shape[-1]
-        key = (kind, backend, levels, group, str(scales.dtype), str(codebook.dtype))
+        return self.check(kind, backend, codebook.shape[0], n // scales.shape[-1], scales.dtype, codebook.dtype)
+
+    def check(self, kind: str, backend: str, levels: int, group: int, sdtype, bdtype) -> bool:
+        """Whether the fused kernel of this configuration passed its self-check: run once, at the first ask."""
+        key = (kind, backend, levels, group, str(sdtype), str(bdtype))
         if key not in self.checked:
-            self.checked[key] = self._self_check(kind, backend, levels, group, scales.dtype, codebook.dtype)
+            self.checked[key] = self._self_check(kind, backend, levels, group, sdtype, bdtype)
         return self.checked[key]
 
     def _self_check(self, kind: str, backend: str, levels: int, group: int, sdtype, bdtype) -> bool:
         """Kernel vs reference on a small random case whose rows are misaligned and whose last unit is partial."""
         try:
-            n, out, experts = 896, 48, 6  # 3-bit rows 90 words, ternary 45: misaligned; 5.6 units
+            n, out, experts = SELF_CHECK_SHAPE
             weight, scales, book = random_case(levels, group, n, out, experts, key=1234 + levels + group)
             scales, book = scales.astype(sdtype), book.astype(bdtype)
             errs = []
             # The reference runs on the CPU: a GPU's float32 matmul may use TF32 (MLX_ENABLE_TF32 defaults to 1),
             # which is itself ~1e-3 off.
             if kind == "matmul":
-                for rows in (1, 3):
+                for rows in SELF_CHECK_ROWS:
                     x = mx.random.normal((rows, n), key=mx.random.key(rows))
                     got = self.matmul_kernel(x, weight[2], scales[2], book, backend)
                     with mx.stream(mx.cpu):
                         want = ref.matmul(x, weight[2], scales[2], book)
                     errs.append(rel_error(got, want))
             else:
-                x = mx.random.normal((2, 1, 1, n), key=mx.random.key(7))
-                idx = mx.array([[5, 0, 3], [1, 1, 4]], dtype=mx.uint32)
+                x = mx.random.normal((*SELF_CHECK_GATHER_X, n), key=mx.random.key(7))
+                idx = mx.array(SELF_CHECK_INDICES, dtype=mx.uint32)
                 got = self.gather_kernel(x, weight, scales, book, idx, backend)
                 with mx.stream(mx.cpu):
                     want = ref.gather_matmul(x, weight, scales, book, idx)
@@ -296,23 +342,20 @@ class Dispatcher:
         print(line, file=self.stream or sys.stderr)
 
     def matmul(self, x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array) -> mx.array:
-        backend = self._backend()
+        backend = self.resolved_backend()
         n = x_rot.shape[-1]
         rows = math.prod(x_rot.shape[:-1])
-        if (backend is not None and weight.ndim == 2 and 0 < rows <= self.max_rows
-                and self._supported(n, weight.shape[0], weight, scales, codebook)
+        if (backend is not None and self.fits_matmul(rows, n, weight, scales, codebook)
                 and self._ok("matmul", backend, codebook, scales, n)):
             return self.matmul_kernel(x_rot, weight, scales, codebook, backend)
         return ref.matmul(x_rot, weight, scales, codebook)
 
     def gather_matmul(self, x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array,
                       indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        backend = self._backend()
+        backend = self.resolved_backend()
         n = x_rot.shape[-1]
-        if (backend is not None and weight.ndim == 3 and x_rot.ndim >= 2 and x_rot.shape[-2] <= self.max_rows
-                and 0 < indices.size < weight.shape[0]
-                and indices.size * x_rot.shape[-2] <= 16 * self.max_rows
-                and self._supported(n, weight.shape[1], weight, scales, codebook)
+        if (backend is not None and x_rot.ndim >= 2
+                and self.fits_gather(x_rot.shape[-2], indices.size, n, weight, scales, codebook)
                 and self._ok("gather", backend, codebook, scales, n)):
             return self.gather_kernel(x_rot, weight, scales, codebook, indices, backend)
         return ref.gather_matmul(x_rot, weight, scales, codebook, indices, sorted_indices)

@@ -38,6 +38,13 @@ def _knob(module: nn.Module) -> tuple[object, str] | None:
     return None
 
 
+def top_k(block: nn.Module) -> int | None:
+    """The number of experts a MoE block routes each token to now; None for a module that is not a MoE block whose
+    router tqbench knows."""
+    knob = _knob(block)
+    return int(getattr(*knob)) if knob is not None else None
+
+
 def native_top_k(model: nn.Module) -> int:
     """The top-k the model was trained with (0: no MoE router tqbench knows)."""
     for _, m in model.named_modules():

@@ -152,7 +152,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _health(self) -> None:
         st = self.service.status()
-        self._send_json(200, {"status": "ok", "model": st.model, "running": st.running, "queued": st.queued})
+        self._send_json(200, {"status": "ok", "model": st.model, "running": st.running, "queued": st.queued,
+                              "warming_up": self.service.warming_up})
 
     def _models(self) -> None:
         s = self.service

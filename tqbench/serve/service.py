@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from tqbench.chat.records import CompletionDelta, CompletionDone, ModelLoaded, StreamReport
+from tqbench.runtime.warmup import MlxWarmedUp, MlxWarmup
 from tqbench.serve.openai import ApiError, ApiRequest
 
 MAX_QUEUE = 16  # requests waiting behind the running one
@@ -123,6 +124,7 @@ class Service:
         self._watchers: list[queue.Queue] = []
         self._ended = threading.Event()  # max_requests reached
         self._stop = threading.Event()  # the server is closing: running requests stop
+        self.warmup = None  # MLX's warm-up in the first request (tqbench.runtime.warmup.MlxWarmup, then MlxWarmedUp)
 
     # ---- requests -------------------------------------------------------------------------------------------------
 
@@ -170,6 +172,8 @@ class Service:
                         done = ev
                     elif isinstance(ev, StreamReport):
                         self._stream = ev
+                    elif isinstance(ev, (MlxWarmup, MlxWarmedUp)):
+                        self.warmup = ev
                     self._publish(ev)
                     yield ev
             outcome = "ok" if done is not None and done.finish_reason != "cancelled" else "cancelled"
@@ -232,6 +236,11 @@ class Service:
     def stop(self) -> None:
         """Stop every running and waiting request after its current token (the server is closing)."""
         self._stop.set()
+
+    @property
+    def warming_up(self) -> bool:
+        """MLX is compiling its kernels in the first request (its first token has not come yet)."""
+        return isinstance(self.warmup, MlxWarmup)
 
     @property
     def stopping(self) -> bool:

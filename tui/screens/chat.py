@@ -43,8 +43,8 @@ from textual.worker import Worker, WorkerState
 from tqbench.chat import report
 from tqbench.chat.request import ChatRequest
 from tui.messages import (ChatConvertProgress, ChatExperts, ChatLoadFailed, ChatLoadStep, ChatModelReady,
-                          ChatProfileExported, ChatReplyBegan, ChatReplyEnded, ChatReplyFailed, ChatReplyProgress,
-                          ChatResetDone)
+                          ChatProfileExported, ChatReplyBegan, ChatReplyEnded, ChatReplyFailed, ChatReplyNote,
+                          ChatReplyProgress, ChatResetDone)
 from tui.screens import chat_load, chat_turns
 from tui.screens.chat_export import export_profile, exported_line
 from tui.screens.chat_load import FAILED_HINT, ModelLoad, choosing_line, ready_line
@@ -241,6 +241,10 @@ class ChatScreen(Screen):
     def on_chat_reply_began(self, message: ChatReplyBegan) -> None:
         if self.turns.current(message.turn_id) and not self.turns.stopping:
             self._status(began_line(message.event.prompt_tokens, message.event.cached_tokens))
+
+    def on_chat_reply_note(self, message: ChatReplyNote) -> None:
+        if self.turns.current(message.turn_id) and not self.turns.stopping:
+            self._status(Content.styled(message.text, "$text-muted"))
 
     def on_chat_experts(self, message: ChatExperts) -> None:
         if self.turns.current(message.turn_id):

@@ -11,10 +11,11 @@ from typing import Callable
 from textual.message import Message
 
 from tqbench import units
+from tqbench.chat import report
 from tqbench.chat.live import ReplyClock
 from tqbench.errors import TqbenchError
 from tui.messages import (ChatConvertProgress, ChatExperts, ChatLoadFailed, ChatLoadStep, ChatModelReady,
-                          ChatReplyBegan, ChatReplyEnded, ChatReplyFailed, ChatReplyProgress)
+                          ChatReplyBegan, ChatReplyEnded, ChatReplyFailed, ChatReplyNote, ChatReplyProgress)
 from tui.state import display_path
 
 STREAM_INTERVAL = 0.05  # seconds between updates of a streaming reply
@@ -31,10 +32,11 @@ def one_line(error: BaseException) -> str:
 
 def relay_load(post: Post, chat, request, load_id: int, cancelled: Callable[[], bool]) -> None:
     """Open `request` in `chat` (tqbench.chat.session.ChatSession): the demo's conversion progress if it is converted
-    first, each step, then ChatModelReady or ChatLoadFailed (one line)."""
+    first, each step, the building of the GPU's kernels (CUDA), then ChatModelReady or ChatLoadFailed (one line)."""
     from tqbench.chat.records import ModelLoaded
     from tqbench.events import ConvertStarted, UnitConverted
     from tqbench.runtime.models import ModelChosen
+    from tqbench.runtime.warmup import KernelsCompiling
 
     chosen = loaded = latest = None
     posted = 0.0
@@ -54,6 +56,10 @@ def relay_load(post: Post, chat, request, load_id: int, cancelled: Callable[[], 
                         post(ChatConvertProgress(load_id, latest))
                     chosen = ev
                     post(ChatLoadStep(load_id, f"loading {display_path(Path(ev.path))}..."))
+                elif isinstance(ev, KernelsCompiling):
+                    if time.monotonic() - posted >= PROGRESS_INTERVAL or ev.done == ev.total:
+                        post(ChatLoadStep(load_id, report.kernels_line(ev)))
+                        posted = time.monotonic()
                 elif isinstance(ev, ModelLoaded):
                     loaded = ev
     except Exception as e:  # TqbenchError (bad input) or a bug: one line either way
@@ -65,8 +71,10 @@ def relay_load(post: Post, chat, request, load_id: int, cancelled: Callable[[], 
 
 def relay_reply(post: Post, chat, job, turn_id: int, streaming: bool, cancelled: Callable[[], bool]) -> None:
     """A reply's events as messages: ChatReplyBegan, the text so far and the page-ins in batches (at most every
-    STREAM_INTERVAL), then ChatReplyEnded with the engine's summary and streaming figures, or ChatReplyFailed."""
+    STREAM_INTERVAL), then ChatReplyEnded with the engine's summary and streaming figures, or ChatReplyFailed. Before
+    the process's first token on CUDA, ChatReplyNote says MLX is compiling its kernels."""
     from tqbench.runtime.chat import ReplyDone, ReplyStarted, TokenOut
+    from tqbench.runtime.warmup import MlxWarmup
     from tqbench.stream import PageIn
 
     runs: list[tuple[list[str], bool]] = []  # the reply so far: runs of (pieces, thinking)
@@ -106,6 +114,8 @@ def relay_reply(post: Post, chat, job, turn_id: int, streaming: bool, cancelled:
             elif isinstance(ev, ReplyStarted):
                 started = True
                 post(ChatReplyBegan(turn_id, ev))
+            elif isinstance(ev, MlxWarmup):
+                post(ChatReplyNote(turn_id, report.mlx_warmup_line(ev)))
             elif isinstance(ev, ReplyDone):
                 done = ev
         job.stop()
