@@ -197,6 +197,7 @@ class ChatSession:
                 old.learner.close()
 
     def _load(self, request: ChatRequest) -> Iterator:
+        from tqbench.distributed.world import agree, join
         from tqbench.runtime.load import load, preflight
         from tqbench.runtime.models import choose_model
         from tqbench.runtime.warmup import build_kernels
@@ -213,12 +214,20 @@ class ChatSession:
         else:
             path = request.model
             yield ModelChosen(path, "given")
-        preflight(path, request.trust_remote_code)  # before the plan reads the expert map (a missing shard: exit 3)
-        plan = plan_streaming(path, request.stream)
-        yield plan
+        group = join()  # several ranks (mlx.launch): this one loads its layers; all agree it worked before going on
         t0 = time.perf_counter()
-        self._drop()
-        loaded = load(path, request.trust_remote_code, streaming=plan.config)
+        try:
+            preflight(path, request.trust_remote_code)  # before the plan reads the expert map (a missing shard: 3)
+            plan = plan_streaming(path, request.stream)
+            yield plan
+            self._drop()
+            loaded = load(path, request.trust_remote_code, streaming=plan.config, group=group)
+        except TqbenchError as e:
+            if group is not None:
+                agree(group, e)
+            raise
+        if group is not None:
+            agree(group, None)
         native = active = 0
         if request.max_active_experts:
             from tqbench.runtime.routing import set_active_experts
@@ -299,6 +308,9 @@ class ChatSession:
         from tqbench.runtime.warmup import mlx_warmed, mlx_warmup
 
         streamer = state.conversation.loaded.streamer
+        pipeline = state.conversation.loaded.pipeline
+        if pipeline is not None:
+            events = _across_ranks(events, pipeline)
         warmup, started = None, 0.0
         for ev in events:
             if state.learner is not None:
@@ -336,6 +348,18 @@ class ChatSession:
         return ProfileExport(str(out), p.routings, p.sessions, len(p.ranked()))
 
 
+def _across_ranks(events: Iterator, pipeline) -> Iterator:
+    """A reply's events on a rank of a pipeline: a collective that fails because another rank went away is one line."""
+    from tqbench.distributed.world import lost
+
+    try:
+        yield from events
+    except RuntimeError as e:
+        if "[ring]" in str(e) or "peer" in str(e) or "NCCL" in str(e) or "MPI" in str(e):
+            raise lost(e, pipeline) from None
+        raise
+
+
 def _profile(loaded, opts: ProfileOptions) -> tuple[ProfileInfo | None, object | None]:
     """Choose the profile, pin and preload its hottest experts (streaming), start learning. (None, None) for a model
     without streamable routed experts (nothing to profile)."""
@@ -343,7 +367,9 @@ def _profile(loaded, opts: ProfileOptions) -> tuple[ProfileInfo | None, object |
                                  ProfileStore, choose, tap)
 
     experts = loaded.streamer.store if loaded.streamer is not None else expert_layout(loaded.path)
-    if experts is None:
+    if experts is not None and loaded.pipeline is not None and loaded.streamer is None:
+        experts = experts.only(loaded.pipeline.holds)  # a rank learns its own layers' profile
+    if experts is None or not experts.layers:
         return None, None
     store = None
     if opts.learn or opts.file is None:

@@ -150,7 +150,12 @@ def _open_ui(path: Path | None) -> None:
 
 
 def run() -> None:
-    """Console-script entry point: one-line errors and documented exit codes."""
+    """Console-script entry point: one-line errors and documented exit codes. Under a launcher of several ranks
+    (mlx.launch) only rank 0 is a face: the others run headless, printing nothing (rank 0 names a rank that failed)."""
+    from tqbench.distributed.world import env_rank
+
+    if env_rank():
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     with _readers_may_leave():
         try:
             # Without standalone mode click returns the code of a typer.Exit instead of exiting.

@@ -54,6 +54,7 @@ class Loaded:
     turboquant_modules: int  # stored TurboQuant modules (each part of a fused module counts)
     weight_bytes: int  # bytes of every resident parameter (streamed experts' slot pools not included)
     streamer: Any = None  # tqbench.stream.Streamer when routed experts are streamed
+    pipeline: Any = None  # tqbench.distributed.world.Pipeline: this rank's layers, when several ranks run the model
 
     @property
     def generation_config(self) -> dict[str, Any]:
@@ -165,12 +166,13 @@ def preflight(given: str | Path, trust_remote_code: bool = False) -> tuple[Path,
 
 
 def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False, streaming: Any = None,
-         tokenizer: bool = True) -> Loaded:
+         tokenizer: bool = True, group: Any = None) -> Loaded:
     """Load a model directory (tqbench conversion, TurboQuant-MLX build, MLX or source checkpoint) with its tokenizer.
     `streaming` (a tqbench.stream.StreamConfig) keeps routed experts on disk: they are swapped for streamed ones
     before any stacked expert array is evaluated. `tokenizer=False` skips the tokenizer (benchmarks that feed token
-    ids; Loaded.tokenizer is then None). Must run on the engine's MLX thread. Raises LoadError (or
-    tqbench.stream.StoreError) with one line naming the directory and the problem."""
+    ids; Loaded.tokenizer is then None). `group` (MLX's distributed group, tqbench.distributed.world.join): this
+    rank keeps only its pipeline layers, and streams only their experts. Must run on the engine's MLX thread. Raises
+    LoadError (or tqbench.stream.StoreError) with one line naming the directory and the problem."""
     import mlx_lm.utils as mu
 
     from tqbench.cubin import keep_mlx_kernels
@@ -192,7 +194,12 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
             model, config = mu.load_model(path, lazy=True, model_config=overrides, get_model_classes=classes)
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise LoadError(f"mlx-lm cannot build the model ({_one_line(e)})", path) from None
-        streamer = _stream(model, path, streaming) if streaming is not None else None
+        pipeline = None
+        if group is not None:
+            from tqbench.distributed.world import split
+
+            pipeline = split(group, model)  # before any weight is evaluated: the others' layers are never read
+        streamer = _stream(model, path, streaming, pipeline) if streaming is not None else None
         if not lazy:
             mx.eval(model.parameters())
         if not tokenizer:
@@ -205,15 +212,21 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
             except (ValueError, OSError) as e:  # transformers: no tokenizer files, a broken tokenizer.json, ...
                 raise LoadError(f"cannot load its tokenizer ({_one_line(e)})", path) from None
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    return Loaded(model, tok, config, path, model_type(config), len(swapped), nbytes, streamer)
+    return Loaded(model, tok, config, path, model_type(config), len(swapped), nbytes, streamer, pipeline)
 
 
-def _stream(model: nn.Module, path: Path, config: Any):
+def _stream(model: nn.Module, path: Path, config: Any, pipeline: Any = None):
     from tqbench.stream.attach import attach
     from tqbench.stream.store import ExpertStore
     from tqbench.stream.streamer import Streamer
 
-    streamer = Streamer(ExpertStore.open(path), config)
+    store = ExpertStore.open(path)
+    if pipeline is not None:
+        store = store.only(pipeline.holds)
+        if not store.layers:  # this rank's layers have no routed experts: nothing to stream
+            store.close()
+            return None
+    streamer = Streamer(store, config)
     attach(model, streamer)
     return streamer
 

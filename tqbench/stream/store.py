@@ -100,6 +100,10 @@ class ExpertStore:
             except OSError as e:
                 raise StoreError(f"cannot open an expert file: {e.strerror}", self.root / f) from None
 
+    def only(self, keep) -> ExpertStore:
+        """The same files with the layers `keep(layer)` accepts (a pipeline rank's)."""
+        return ExpertStore(self.root, self.files, {n: lay for n, lay in self.layers.items() if keep(n)})
+
     @classmethod
     def from_expert_map(cls, root: Path) -> ExpertStore:
         from tqbench.layout.expert_map import ExpertMap

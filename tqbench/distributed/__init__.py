@@ -1,0 +1,1 @@
+"""Several processes, one model: layers split across ranks with MLX's own distributed layer (tqbench.distributed.world)."""

@@ -1,0 +1,105 @@
+"""The ranks a command runs on, when `mlx.launch` (or MPI) started several: MLX's distributed group, the layers a
+rank holds, and how every rank learns that one of them failed.
+
+Pipeline parallel by layers, as mlx-lm's `pipeline(group)` splits them: rank 0 runs the last layers and is the face
+(it prints, serves, draws); the other ranks are headless and run the same forward passes in step. Nothing here is a
+transport of tqbench's own: the group is `mx.distributed.init()`, the messages its collectives.
+
+A rank that fails before the first forward pass (a bad model path, a budget that cannot hold one expert) must not
+leave the others waiting on it: every rank reaches `agree` after loading, with its error or none, and every rank
+raises the same one line naming the first rank that failed and why. A rank that dies later closes its sockets; the
+others' next collective fails within a second (the ring backend), and `lost` turns that into one line."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+from tqbench.errors import TqbenchError
+
+RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+MESSAGE_BYTES = 512  # an error's one line, as every rank receives it
+
+
+def env_rank() -> int | None:
+    """This process's rank as the launcher set it, None when no launcher did (no MLX needed: the CLI decides from it
+    whether to print)."""
+    for var in RANK_VARS:
+        value = os.environ.get(var)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """This rank's place in a pipeline: its rank, the group's size, and its layers [start, end)."""
+
+    rank: int
+    size: int
+    start: int
+    end: int
+
+    @property
+    def face(self) -> bool:
+        return self.rank == 0
+
+    def holds(self, layer: int) -> bool:
+        return self.start <= layer < self.end
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "size": self.size, "layers": [self.start, self.end]}
+
+
+@cache
+def join():
+    """MLX's distributed group when a launcher started several ranks, else None (made once per process). Engine
+    thread (MLX)."""
+    if env_rank() is None:
+        return None
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def split(group, model) -> Pipeline:
+    """Give this rank its contiguous layers (mlx-lm's own split: rank 0 the last ones). Raises TqbenchError for a model
+    family mlx-lm cannot pipeline."""
+    inner = getattr(model, "language_model", model)
+    inner = getattr(inner, "model", None)
+    if inner is None or not hasattr(inner, "pipeline"):
+        raise TqbenchError(f"this model's family has no pipeline split in mlx-lm: it cannot run across "
+                           f"{group.size()} ranks")
+    if len(inner.layers) < group.size():
+        raise TqbenchError(f"{len(inner.layers)} layers cannot be split across {group.size()} ranks")
+    inner.pipeline(group)
+    return Pipeline(group.rank(), group.size(), inner.start_idx, inner.end_idx)
+
+
+def agree(group, error: BaseException | None) -> None:
+    """Every rank calls this after loading, with the error it met (None: it loaded). If any rank failed, every rank
+    raises TqbenchError naming the first that did and its one line; the rank that failed re-raises its own error."""
+    import mlx.core as mx
+    import numpy as np
+
+    line = "" if error is None else (str(error) or type(error).__name__).splitlines()[0]
+    mine = np.zeros(MESSAGE_BYTES + 1, dtype=np.uint8)
+    if error is not None:
+        data = line.encode()[:MESSAGE_BYTES]
+        mine[0] = 1
+        mine[1:1 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    every = np.array(mx.distributed.all_gather(mx.array(mine)[None], group=group)).reshape(group.size(), -1)
+    failed = [r for r in range(group.size()) if every[r, 0]]
+    if error is not None:
+        raise error
+    if failed:
+        r = failed[0]
+        why = bytes(every[r, 1:]).rstrip(b"\0").decode(errors="replace")
+        raise TqbenchError(f"rank {r} of {group.size()} failed to load: {why}")
+
+
+def lost(error: BaseException, pipeline: Pipeline) -> TqbenchError:
+    """The one line for a collective that failed because another rank went away."""
+    return TqbenchError(f"rank {pipeline.rank} of {pipeline.size}: another rank stopped ({str(error).strip()})")
