@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -149,13 +150,26 @@ def _open_ui(path: Path | None) -> None:
     TqbenchApp(path).run()
 
 
+def _stopped_by_launcher(signum, frame) -> None:
+    """One line, then out at once: the engine thread may be inside a collective that waits for the rank that ended,
+    and would keep the process alive."""
+    from tqbench.distributed.world import env_rank
+
+    print(f"tqbench: error: rank {env_rank()}: stopped by the launcher (another rank ended; its line, if any, is "
+          "above)", file=sys.stderr, flush=True)
+    os._exit(ExitCode.BAD_INPUT)
+
+
 def run() -> None:
     """Console-script entry point: one-line errors and documented exit codes. Under a launcher of several ranks
     (mlx.launch) only rank 0 is a face: the others run headless, printing nothing (rank 0 names a rank that failed)."""
     from tqbench.distributed.world import env_rank
 
-    if env_rank():
+    rank = env_rank()
+    if rank:
         sys.stdout = sys.stderr = open(os.devnull, "w")
+    if rank is not None:  # the launcher stops every rank with SIGTERM once one has ended
+        signal.signal(signal.SIGTERM, _stopped_by_launcher)
     with _readers_may_leave():
         try:
             # Without standalone mode click returns the code of a typer.Exit instead of exiting.
