@@ -73,15 +73,29 @@ def one_process(model) -> list[int]:
 
 
 @pytest.mark.parametrize("ranks, budget", [(2, None), (3, "200KB")])
-def test_ranks_give_one_process_greedy_tokens(model, one_process, ranks, budget):
+def test_ranks_give_one_process_greedy_tokens(model, one_process, ranks, budget, tmp_path):
     """Two resident ranks, and three ranks each streaming its own layers' experts through a small cache: the same
-    greedy tokens as one resident process, printed once (rank 0 is the only face)."""
-    extra = ["--max-tokens", "16"] + (["--cache-budget-gb", budget] if budget else [])
+    greedy tokens as one resident process, printed once (rank 0 is the only face), and rank 0's --stats-json has
+    every rank's streaming figures."""
+    stats = tmp_path / "stats.json"
+    extra = ["--max-tokens", "16"] + (["--cache-budget-gb", budget, "--stats-json", str(stats)] if budget else [])
     p = launch(ranks, chat_args(model, *extra))
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
     assert token_ids(out) == one_process
     assert sum(json.loads(line)["event"] == "done" for line in out.splitlines()) == 1  # one face
+    if budget:
+        doc = json.loads(stats.read_text())
+        by_rank = doc["ranks"]
+        assert [r["rank"] for r in by_rank] == list(range(ranks))
+        # contiguous layers, rank 0 the last ones (mlx-lm's split), together every layer of the model
+        spans = sorted(tuple(r["layers"]) for r in by_rank)
+        assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert by_rank[0]["layers"][1] == spans[-1][1]
+        # rank 0's own figures are the document's; every streaming rank ran the same forward passes
+        assert {k: by_rank[0][k] for k in ("misses", "critical_bytes", "tokens")} == {
+            k: doc[k] for k in ("misses", "critical_bytes", "tokens")}
+        assert len({r["tokens"] for r in by_rank if r["streamed"]}) == 1 and doc["tokens"] > 0
 
 
 def test_a_rank_killed_mid_reply_ends_every_rank_within_10_s(model):

@@ -89,6 +89,26 @@ class ModelLoaded:
 
 
 @dataclass(frozen=True)
+class RankStats:
+    """One pipeline rank's expert streaming, as rank 0 gathers it after each reply (tqbench.distributed.world)."""
+
+    rank: int
+    layers: tuple[int, int]  # [start, end)
+    streamed: bool  # False: its experts are resident (or its layers have none)
+    hits_gpu: int
+    hits_host: int
+    misses: int
+    critical_bytes: int  # read from disk while its layers waited
+    stall_s: float
+    tokens: int  # forward passes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "layers": list(self.layers), "streamed": self.streamed, "hits_gpu": self.hits_gpu,
+                "hits_host": self.hits_host, "misses": self.misses, "critical_bytes": self.critical_bytes,
+                "stall_s": round(self.stall_s, 4), "tokens": self.tokens}
+
+
+@dataclass(frozen=True)
 class StreamReport:
     """Streaming totals and per-layer figures after a reply, with this disk's measured read bandwidth and the
     bandwidth the page-ins got (bytes read on the critical path over the time waited for them)."""
@@ -97,11 +117,12 @@ class StreamReport:
     disk: DiskSpeed | None
     profile: ProfileInfo | None
     learned_routings: int | None = None  # this session's routings added to the learned profile; None: not learning
+    ranks: tuple[RankStats, ...] = ()  # every pipeline rank's, after the last reply (one process: none)
 
     @classmethod
     def snapshot(cls, stats: StreamStats, disk: DiskSpeed | None, profile: ProfileInfo | None,
-                 learned_routings: int | None = None) -> StreamReport:
-        return cls(copy.deepcopy(stats), disk, profile, learned_routings)
+                 learned_routings: int | None = None, ranks: tuple[RankStats, ...] = ()) -> StreamReport:
+        return cls(copy.deepcopy(stats), disk, profile, learned_routings, ranks)
 
     @property
     def hit_rate(self) -> float:
@@ -117,7 +138,8 @@ class StreamReport:
         d = self.stats.to_dict()
         on_misses = d["critical_bytes"] / d["stall_s"] if d["stall_s"] > 0 else None  # as the document rounds it
         return {**d, **disk_fields(self.disk), "disk_bytes_per_s_on_misses": on_misses,
-                "profile": self.profile.to_dict() if self.profile else None, "learned_routings": self.learned_routings}
+                "profile": self.profile.to_dict() if self.profile else None, "learned_routings": self.learned_routings,
+                **({"ranks": [r.to_dict() for r in self.ranks]} if self.ranks else {})}
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,10 @@ def stats_lines(m: ModelLoaded, status: ConversationStatus, report: StreamReport
                      f"{s.reads} reads, {s.evictions} evictions; cache {units.size(s.cache_bytes)} of "
                      f"{units.size(s.budget_bytes)} (max {units.size(s.cache_bytes_max)}); stalled {s.stall_s:.2f} s "
                      f"over {s.tokens} forward passes")
+        for r in report.ranks:
+            lines.append(f"rank {r.rank} (layers {r.layers[0]}-{r.layers[1] - 1}): " + (
+                f"{r.hits_gpu + r.hits_host} hits, {r.misses} misses, {units.size(r.critical_bytes)} read, stalled "
+                f"{r.stall_s:.2f} s over {r.tokens} forward passes" if r.streamed else "experts resident"))
         got, disk = report.disk_bytes_per_s_on_misses, report.disk
         if got or disk:
             lines.append("disk: " + (f"{units.bandwidth(got)} while waiting on misses" if got else "no misses yet")

@@ -109,6 +109,7 @@ class _Open:
     learner: object | None  # tqbench.profile.Learner while the session learns
     prompt_cache_bytes: int = 0
     completions: object | None = None  # tqbench.runtime.complete.Completions, made by the first completion
+    ranks: tuple = ()  # every pipeline rank's RankStats after the last reply (several ranks only)
 
 
 class ChatSession:
@@ -325,6 +326,10 @@ class ChatSession:
                 warmup, started = mlx_warmup(), time.perf_counter()
                 if warmup is not None:
                     yield warmup
+        if pipeline is not None:  # every rank ends its reply here, in step: rank 0 learns how each one streamed
+            from tqbench.distributed.world import gather_stats, join
+
+            state.ranks = gather_stats(join(), pipeline, streamer.stats if streamer is not None else None)
 
     def _stats(self) -> StreamReport | None:
         if self._open is None or self._open.conversation.loaded.streamer is None:
@@ -332,7 +337,7 @@ class ChatSession:
         disk = self._disk[1] if self._disk else None
         learner = self._open.learner  # it counts a reply's routing before each of its events
         return StreamReport.snapshot(self._open.conversation.loaded.streamer.stats, disk, self._open.loaded.profile,
-                                     learner.routings if learner is not None else None)
+                                     learner.routings if learner is not None else None, self._open.ranks)
 
     def _export(self, out: Path) -> ProfileExport:
         from tqbench.profile import export_learned

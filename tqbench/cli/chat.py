@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tqbench.chat import report
+from tqbench.distributed.world import env_rank
 from tqbench.cli import options
 from tqbench.chat.records import ModelLoaded
 from tqbench.errors import ExitCode, TqbenchError, UsageError
@@ -89,7 +90,7 @@ def chat(
         print(f"tqbench: error: {e}", file=sys.stderr)
         raise typer.Exit(e.exit_code) from None
     finally:
-        if stats_json is not None:
+        if stats_json is not None and not env_rank():  # rank 0 writes every rank's figures; the others write nothing
             _write_stats(chat_session, stats_json)
         chat_session.close()
 

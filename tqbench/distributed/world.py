@@ -100,6 +100,30 @@ def agree(group, error: BaseException | None) -> None:
         raise TqbenchError(f"rank {r} of {group.size()} failed to load: {why}")
 
 
+def gather_stats(group, pipeline: Pipeline, stats) -> tuple:
+    """Every rank's streaming counters (`stats`: its StreamStats, None when it streams nothing), on every rank: one
+    all_gather after a reply, every rank calling it. Returns RankStats per rank, rank 0 first."""
+    import mlx.core as mx
+    import numpy as np
+
+    from tqbench.chat.records import RankStats
+
+    s = stats
+    mine = np.array([pipeline.start, pipeline.end, s is not None, s.hits_gpu if s else 0, s.hits_host if s else 0,
+                     s.misses if s else 0, s.critical_bytes if s else 0, round(s.stall_s * 1e6) if s else 0,
+                     s.tokens if s else 0], dtype=np.int64)  # stall in microseconds
+    # The reply's generator may have launched one more forward pass on mlx-lm's generation stream (it evaluates the
+    # next token's asynchronously) whose collectives are still in flight: they end first, on every rank, or this
+    # gather would read their bytes.
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+    raw = mx.distributed.all_gather(mx.array(mine.view(np.uint8))[None], group=group)
+    rows = np.array(raw).reshape(group.size(), -1).view(np.int64)
+    return tuple(RankStats(r, (int(x[0]), int(x[1])), bool(x[2]), int(x[3]), int(x[4]), int(x[5]), int(x[6]),
+                           int(x[7]) / 1e6, int(x[8])) for r, x in enumerate(rows))
+
+
 def lost(error: BaseException, pipeline: Pipeline) -> TqbenchError:
     """The one line for a collective that failed because another rank went away."""
     return TqbenchError(f"rank {pipeline.rank} of {pipeline.size}: another rank stopped ({str(error).strip()})")
