@@ -22,6 +22,7 @@ from tqbench.cli import options
 from tqbench.cli.render import hub_line, show
 from tqbench.source.hub.disk import HubDisk, hub_disk
 from tqbench.errors import ExitCode, TqbenchError
+from tqbench.distributed.split import split_lines, split_plan
 from tqbench.recipe.fit import GB, Fit, Machine, assess, cached_disk_speed, disk_speed, machine, parse_size
 from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan
 from tqbench.recipe.recipe import Recipe
@@ -71,6 +72,9 @@ def plan(
     tensors: Annotated[Optional[str], typer.Option(
         metavar="GLOB", help="List planned output tensors of modules matching GLOB, e.g. '*layers.3.*'.")] = None,
     limit: Annotated[int, typer.Option(min=0, help="Rows of the tensor table (JSON lists all).")] = 50,
+    machines: Annotated[int, typer.Option(
+        min=1, help="Plan for N machines of this size running the model as a pipeline (mlx.launch): each one's "
+                    "layers, what it holds and streams, bytes per token and the disk-bound ceiling.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plans as JSON (stable schema) on stdout.")] = False,
 ) -> None:
     """Preview the exact converted size of recipes, from shard headers only, and whether each fits.
@@ -101,14 +105,20 @@ def plan(
             m = _measured(m, ckpt.path, err)
             fits = [assess(p.footprint, m, hit_rate, reduced_k) for p in plans]
         hub = hub_disk(ckpt) if ckpt.origin else None
+        splits = [split_plan(p, m, machines, hit_rate) for p in plans] if machines > 1 else None
     except TqbenchError as e:
         print(f"tqbench: error: {e}", file=sys.stderr)  # one line, never wrapped
         raise typer.Exit(e.exit_code) from None
 
     if as_json:
-        print(json.dumps(plan_document(plans, fits, m, tensors, ckpt.origin, hub), indent=2))
+        doc = plan_document(plans, fits, m, tensors, ckpt.origin, hub)
+        for entry, s in zip(doc["plans"], splits or []):
+            entry["split"] = s.to_dict()
+        print(json.dumps(doc, indent=2))
     else:
         show(_out, _header(plans[0], m, ckpt.origin), plan_table(plans, fits, hub))
+        for p, s in zip(plans, splits or []):
+            show(_out, *(Text(line) for line in split_lines(p.recipe.name, s)))
         for p in plans:
             for w in p.warnings:
                 show(_out, Text(f"{p.recipe.name}: {w}", style="yellow"))
