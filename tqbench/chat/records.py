@@ -29,6 +29,7 @@ class StreamSetup:
     disk: DiskSpeed | None  # the disk holding the model: measured once per disk (tqbench.recipe.fit), None unknown
     layers: tuple[tuple[int, int], ...]  # (MoE layer, routed experts) of every streamed layer
     why: str  # why the experts stream: "asked" or "does not fit"
+    cache_routing: float = 0.0  # decode favours cached experts within this margin (0: off); the output changes
 
     @property
     def disk_bytes_per_s(self) -> float | None:
@@ -38,7 +39,8 @@ class StreamSetup:
         return {"budget_bytes": self.budget_bytes, "slots": self.slots, "slot_bytes": self.slot_bytes,
                 "staging_bytes": self.staging_bytes, "workers": self.workers, "policy": self.policy,
                 "fanout": self.fanout, "page_cache": self.page_cache, "lookahead": self.lookahead,
-                "reads_in_flight": self.reads_in_flight, **disk_fields(self.disk)}
+                "reads_in_flight": self.reads_in_flight, "cache_routing": self.cache_routing,
+                **disk_fields(self.disk)}
 
 
 @dataclass(frozen=True)

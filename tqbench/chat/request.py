@@ -43,6 +43,7 @@ class StreamRequest:
     lookahead: bool = False  # during decode, read the next layer's likely experts early
     page_cache: str = "auto"  # read through the OS page cache (on), around it (off), or decide by size (auto)
     reads_in_flight: int = 0  # at most this many reads at once (0: one per worker)
+    cache_routing: float = 0.0  # margin by which decode may favour cached experts (0: off; changes the output)
 
     def check(self) -> StreamRequest:
         parse_budget(self.budget)
@@ -54,6 +55,8 @@ class StreamRequest:
             raise TqbenchError(f"page cache {self.page_cache!r}: choose auto, on or off")
         if not 0 <= self.reads_in_flight <= MAX_WORKERS:
             raise TqbenchError(f"reads in flight {self.reads_in_flight}: give 0 (one per worker) to {MAX_WORKERS}")
+        if not 0 <= self.cache_routing <= 1:
+            raise TqbenchError(f"cache routing margin {self.cache_routing:g}: give 0 (off) to 1")
         return self
 
 

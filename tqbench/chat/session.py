@@ -53,7 +53,16 @@ class StreamPlan:
 
 
 def plan_streaming(path: str | Path, request: StreamRequest) -> StreamPlan:
-    """Resident or streamed, and with which cache budget. Reads shard headers only."""
+    """Resident or streamed, and with which cache budget. Reads shard headers only. Cache-aware routing asked of a
+    model that runs resident is refused: there is no cache to favour."""
+    plan = _plan(path, request)
+    if request.cache_routing and plan.config is None:
+        raise TqbenchError(f"--cache-routing favours experts in the expert cache, and this model's experts run "
+                           f"resident ({plan.reason}): stream them with a cache budget, or leave cache routing at 0")
+    return plan
+
+
+def _plan(path: str | Path, request: StreamRequest) -> StreamPlan:
     from tqbench.stream.budget import auto_budget, needs_streaming
 
     budget = parse_budget(request.budget)
@@ -74,7 +83,7 @@ def plan_streaming(path: str | Path, request: StreamRequest) -> StreamPlan:
     nbytes = auto_budget(path, store=experts) if budget == "auto" else int(budget)
     r = request
     return StreamPlan(StreamConfig(nbytes, r.workers, r.policy, r.fanout, r.page_cache, lookahead=r.lookahead,
-                                   reads_in_flight=r.reads_in_flight), reason)
+                                   reads_in_flight=r.reads_in_flight, cache_routing=r.cache_routing), reason)
 
 
 def expert_layout(path: str | Path) -> ExpertStore | None:
@@ -237,7 +246,7 @@ class ChatSession:
         self._disk = (str(loaded.path), disk)
         layers = tuple(sorted((n, lay.experts) for n, lay in loaded.streamer.store.layers.items()))
         return StreamSetup(st.budget_bytes, st.slots, st.slot_bytes, st.staging_bytes, c.workers, c.policy, c.fanout,
-                           st.page_cache, c.lookahead, c.reads_in_flight, disk, layers, plan.reason)
+                           st.page_cache, c.lookahead, c.reads_in_flight, disk, layers, plan.reason, c.cache_routing)
 
     def _reply(self, text: str, sampling: Sampling | None) -> Iterator:
         state = self._current()

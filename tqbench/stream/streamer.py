@@ -44,6 +44,8 @@ class StreamConfig:
     reads_in_flight: int = 0  # at most this many reads at once (0: one per worker); the workers' copies into the
     # slots still run in parallel. Some disks read one request at a time fastest (the lent H200's: random experts at
     # 2.35 GB/s with one reader, 1.62 with four), and a worker that reads then copies leaves the disk idle meanwhile.
+    cache_routing: float = 0.0  # margin: in decode, a resident expert within this selection score of an uncached
+    # one may take its place (attach.CacheRoutedBlock; 0: off, the model's own routing, untouched)
 
 
 def read_buffers(workers: int) -> int:
@@ -115,7 +117,7 @@ class Streamer:
         workers = max(1, config.workers)
         staging = staging_bytes(biggest, workers)
         self.stats = StreamStats(budget_bytes=config.budget_bytes, staging_bytes=staging,
-                                 page_cache="off" if self.direct else "on")
+                                 page_cache="off" if self.direct else "on", cache_routing=config.cache_routing)
         # Pools per signature; the budget left after staging is shared in proportion to the experts' bytes. No pool
         # array may exceed config.max_array_bytes (MLX's CUDA gather kernels fail on arrays over 2 GiB): a signature
         # whose slots would is split into pools that each serve a contiguous run of layers.
@@ -165,6 +167,7 @@ class Streamer:
         self._guess: tuple[int, mx.array] | None = None  # (next layer, its router's picks on this layer's input)
         self._ahead: dict[int, tuple[np.ndarray, list[Future]]] = {}  # expert -> read in flight for _ahead_layer
         self._ahead_layer: int | None = None
+        self._native: dict[int, mx.array] = {}  # layer -> its router's own picks for the call cache routing changed
 
     # ---- a profile's pins ----
 
@@ -264,6 +267,19 @@ class Streamer:
             raise
         return critical, speculative
 
+    # ---- cache-aware routing (attach.CacheRoutedBlock) ----
+
+    def resident_mask(self, layer: int) -> np.ndarray:
+        """1.0 for each of `layer`'s experts resident in its pool now (pinned or cached), else 0.0."""
+        mask = np.zeros(self.store.layers[layer].experts, dtype=np.float32)
+        mask[[e for n, e in self.pool_of[layer].cache.slots if n == layer]] = 1.0
+        return mask
+
+    def routed_natively(self, layer: int, indices: mx.array) -> None:
+        """The picks `layer`'s router would have made without the boost (lazy): run() evaluates them with the routed
+        indices and counts the routed experts not among them as substitutions."""
+        self._native[layer] = indices
+
     # ---- called by the streamed layers, on the engine thread ----
 
     def run(self, layer: int, inner: Any, x: mx.array, indices: mx.array) -> mx.array:
@@ -271,9 +287,13 @@ class Streamer:
             self.token += 1
             self.stats.tokens = self.token
         self._last_layer = layer
-        mx.eval(indices)  # also runs the layers before this one (MLX is lazy): not counted as a stall
+        native = self._native.pop(layer, None)
+        mx.eval(indices, *(() if native is None else (native,)))  # also runs the layers before this one (MLX is
+        # lazy): not counted as a stall
         t0 = time.perf_counter()
         ids = np.array(indices)
+        if native is not None:
+            self.stats.substitutions += substitutions(ids, np.array(native))
         experts = [int(e) for e in np.unique(ids)]
         pool = self.pool_of[layer]
         self._tick = self.token  # cache ages count forward passes
@@ -475,6 +495,11 @@ class Streamer:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self.store.close()
+
+
+def substitutions(routed: np.ndarray, native: np.ndarray) -> int:
+    """Routed experts (..., k) that the native picks (..., k) of the same token do not hold."""
+    return int((routed[..., :, None] != native[..., None, :]).all(axis=-1).sum())
 
 
 def _much_larger_than_ram(store: ExpertStore) -> bool:
