@@ -46,6 +46,7 @@ def chat(
     lookahead: options.Lookahead = False,
     page_cache: options.PageCache = "auto",
     max_active_experts: options.MaxActiveExperts = 0,
+    cache_routing: options.CacheRouting = 0.0,
     profile: options.Profile = None,
     profile_force: options.ProfileForce = False,
     no_learn: options.NoLearn = False,
@@ -68,7 +69,7 @@ def chat(
         request = chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_template,
                                trust_remote_code, cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy,
                                fanout, lookahead, page_cache, max_active_experts, profile, profile_force, no_learn,
-                               cold, pin_share)
+                               cold, pin_share, cache_routing)
         if stats_json is not None:  # it can be written once the chat is over: checked before any work
             check_output_file(stats_json, "--stats-json")
         loaded = open_chat(chat_session, request, err, quiet=as_json, streaming_stats=stats_json is not None)
@@ -95,7 +96,7 @@ def chat(
 
 def chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_template, trust_remote_code,
                  cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy, fanout, lookahead, page_cache,
-                 max_active_experts, profile, profile_force, no_learn, cold, pin_share, **more):
+                 max_active_experts, profile, profile_force, no_learn, cold, pin_share, cache_routing=0.0, **more):
     """The ChatRequest of the options chat and serve share (`more`: ChatRequest's other fields)."""
     from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest
 
@@ -103,7 +104,7 @@ def chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_te
         str(model) if model is not None else None,
         SamplingRequest(max_tokens, temp, top_p, top_k, seed), system, not no_chat_template, trust_remote_code,
         StreamRequest(cache_budget_gb or "fit", prefetch_workers, cache_policy, fanout, lookahead, page_cache,
-                      reads_in_flight),
+                      reads_in_flight, cache_routing),
         max_active_experts,
         ProfileOptions(str(profile) if profile else None, not no_learn, pin_share, profile_force, cold=cold), **more)
 
