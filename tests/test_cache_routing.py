@@ -291,3 +291,65 @@ def test_eval_cli_prints_the_routing_change(model, capsys, monkeypatch):
     assert doc["routing_changed"] is True and doc["per_token"]["substitutions"] > 0
     r = tqbench(capsys, monkeypatch, "eval", model, "--against", model, "--layers", "--decode")
     assert r.code == 2 and r.err.strip().splitlines()[-1].endswith("leave out --decode and --cache-routing")
+
+
+async def test_the_tui_streaming_settings_set_the_margin():
+    from textual.app import App
+    from textual.widgets import Input, Static
+
+    from tqbench.chat.request import ChatRequest
+    from tui.screens.chat_settings import SettingsScreen
+
+    chosen = []
+
+    class Host(App):
+        def on_mount(self) -> None:
+            self.push_screen(SettingsScreen(ChatRequest()), chosen.append)
+
+    app = Host()
+    async with app.run_test(size=(80, 30)) as pilot:
+        field = app.screen.query_one("#opt-routing", Input)
+        assert field.value == "0"
+        field.value = "1.5"
+        field.focus()
+        await pilot.press("enter")
+        error = app.screen.query_one("#settings-error", Static)
+        assert error.display and str(error.render()) == "cache routing margin 1.5: give 0 (off) to 1"  # in place
+        field.value = "0.05"
+        await pilot.press("enter")
+        await pilot.pause()
+    assert [c.stream.cache_routing for c in chosen] == [0.05]
+
+
+def test_chat_and_serve_figures_say_the_routing_changed(model):
+    from tqbench.chat import report
+    from tqbench.chat.request import ChatRequest
+    from tqbench.chat.session import ChatSession
+    from tqbench.runtime.chat import Sampling
+    from tqbench.serve import metrics, wire
+    from tqbench.serve import report as serve_report
+    from tqbench.serve.service import ServeStatus
+
+    chat = ChatSession()
+    try:
+        with chat.open(ChatRequest(str(model), stream=StreamRequest("1MB", WORKERS, cache_routing=0.05))) as job:
+            loaded = job.result()[-1]
+        with chat.reply("hello", Sampling(max_tokens=8, temp=0.0)) as job:
+            job.result()
+        stats = chat.stats()
+        status = chat.status()
+    finally:
+        chat.close()
+    assert loaded.stream.cache_routing == 0.05 and loaded.stream.to_dict()["cache_routing"] == 0.05
+    assert report.streaming_text(loaded).endswith(", routing changed: cache routing margin 0.05")
+    s = stats.stats
+    assert s.cache_routing == 0.05 and s.substitutions > 0 and stats.to_dict()["substitutions"] == s.substitutions
+    assert (f"routing changed: cache routing margin 0.05: {s.substitutions} experts routed in place of the model's own "
+            f"picks ({s.substitutions / s.tokens:.2f} per forward pass)") in report.stats_lines(loaded, status, stats)
+
+    served = ServeStatus("demo", "http://127.0.0.1:1", 1.0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 8, 10.0, 0.1, stats)
+    assert (f"routing changed: cache routing margin 0.05: {s.substitutions:,} experts routed in place of the model's "
+            "own picks") in serve_report.status_lines(served)
+    assert f"tqbench_expert_substitutions_total {s.substitutions}\n" in metrics.prometheus(served)
+    back = wire.decode_status(wire.status_dict(served))  # a face attached to the server sees it too
+    assert (back.stream.stats.cache_routing, back.stream.stats.substitutions) == (0.05, s.substitutions)
