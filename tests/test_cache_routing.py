@@ -96,6 +96,22 @@ def test_a_margin_cuts_misses_and_counts_substitutions(model, native):
     assert np.abs(logits[n:] - native[n:]).max() > 0  # decode does not
 
 
+def test_cache_routing_goes_with_lookahead(model):
+    from tqbench.stream.attach import LookaheadBlock
+
+    loaded = load(model, streaming=StreamConfig(budget_for(model, 150), WORKERS, page_cache="on", lookahead=True,
+                                                cache_routing=0.05))
+    try:
+        blocks = [b for _, b in loaded.model.named_modules() if isinstance(b, LookaheadBlock)]
+        assert len(blocks) == 6 and all(isinstance(b.block, CacheRoutedBlock) for b in blocks)  # the last has no next
+        assert len(wrappers(loaded.model)) == 7
+        decode(loaded.model)
+        st = loaded.streamer.stats
+        assert st.substitutions > 0 and st.lookahead_reads > 0 and st.lookahead_used > 0
+    finally:
+        loaded.streamer.close()
+
+
 class _GateRecorder(nn.Module):
     """Stands in for a block's gate: the gate's output and the layer's resident experts at each call."""
 
