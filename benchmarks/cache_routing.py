@@ -16,8 +16,9 @@ workers, the default cache policy, no profile. Per budget:
   `--window` over the demo's held-out code and chat, no greedy part. MODEL routes with each margin of `--margins`, or
   natively to each K of `--ks`; SRC routes natively. Recorded: KL(SRC || MODEL), top-1 agreement, perplexity and its
   increase over SRC's, MODEL's misses and substitutions per token;
-- speed (the first budget only): greedy decode after a 12-token prompt, one streamed model per margin loaded side by
-  side (each its own expert cache; page cache off, so each miss is a read from the disk), the margins taking turns
+- speed (the first budget only): decode passes of one token after a 32-token prompt, all margins fed the same tokens
+  of the held-out chat text, one streamed model per margin loaded side by side (each its own expert cache; page
+  cache off, so each miss is a read from the disk), the margins taking turns
   `--block` tokens at a time for `--rounds` rounds, the order reversed every other round; the tok/s of each margin
   over margin 0's in the same round, median over rounds. (Each margin decoding alone after the other, once per
   margin, measured the machine: on this shared 2-core VM it gave ratios from 0.4 to 0.9 run to run.)
@@ -44,10 +45,10 @@ from harness import convert_demo, dump_json, log, machine_info, median  # noqa: 
 SCHEMA = "tqbench.bench.cache-routing/1"
 RELEVANT = ("tqbench/stream", "tqbench/eval", "tqbench/chat", "tqbench/runtime")
 DEFAULTS = dict(slots="300,600", margins="0,0.01,0.02,0.03,0.05,0.1", ks="6,5,4", tokens=256, window=128, block=8,
-                rounds=8)
+                rounds=12)
 QUICK = dict(slots="300", margins="0,0.05", ks="6", tokens=32, window=16, block=4, rounds=2)
 WORKERS = 2
-PROMPT = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]
+PROMPT_TOKENS = 32  # the speed part's prompt
 GOAL_MISS_CUT, GOAL_PPL = 0.40, 0.01  # the issue's goal: >= 40% fewer misses at <= 1% perplexity increase
 
 
@@ -85,32 +86,35 @@ def expert_bytes(model: Path) -> int:
 
 
 def decode_speed(model: Path, budget: int, margins: list[float], block: int, rounds: int) -> dict:
-    """Greedy decode after PROMPT with one streamed model per margin (each its own expert cache, page cache off), the
-    margins taking turns `block` tokens at a time for `rounds` rounds (the order reversed every other round), so a
-    change in the machine's speed hits them alike. Per margin: tok/s over all its blocks, misses per token, and per
-    round its tok/s over margin 0's."""
+    """Decode passes of one token through a KV cache with one streamed model per margin (each its own expert cache,
+    page cache off), all fed the same tokens (the demo's held-out chat text, teacher-forced, after its first
+    PROMPT_TOKENS as the prompt: greedy outputs would differ by margin, and so would the work), the margins taking
+    turns `block` tokens at a time for `rounds` rounds (the order reversed every other round), so a change in the
+    machine's speed hits them alike. Per margin: tok/s over all its blocks, misses per token, and per round its tok/s
+    over margin 0's."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from tqbench.eval.texts import default_texts, token_stream
     from tqbench.runtime.load import load
     from tqbench.stream.streamer import StreamConfig
 
-    runs = {}
+    runs, ids = {}, None
     try:
         for m in margins:
             loaded = load(model, streaming=StreamConfig(budget, WORKERS, page_cache="off", cache_routing=m))
+            if ids is None:
+                chat = next(t for t in default_texts() if t.name == "chat")
+                ids = [int(t) for t in token_stream(chat, loaded.tokenizer)[:PROMPT_TOKENS + block * rounds]]
             cache = make_prompt_cache(loaded.model)
-            logits = loaded.model(mx.array([PROMPT]), cache=cache)
-            mx.eval(logits)
-            runs[m] = dict(loaded=loaded, cache=cache, logits=logits, misses=loaded.streamer.stats.misses,
-                           seconds=[])
+            mx.eval(loaded.model(mx.array([ids[:PROMPT_TOKENS]]), cache=cache))
+            runs[m] = dict(loaded=loaded, cache=cache, misses=loaded.streamer.stats.misses, seconds=[])
         for r in range(rounds):
             for m in margins if r % 2 == 0 else margins[::-1]:
                 run = runs[m]
                 t0 = time.perf_counter()
-                for _ in range(block):
-                    run["logits"] = run["loaded"].model(mx.argmax(run["logits"][:, -1:], axis=-1), cache=run["cache"])
-                    mx.eval(run["logits"])
+                for t in ids[PROMPT_TOKENS + r * block:PROMPT_TOKENS + (r + 1) * block]:
+                    mx.eval(run["loaded"].model(mx.array([[t]]), cache=run["cache"]))
                 run["seconds"].append(time.perf_counter() - t0)
         base, tokens = runs[margins[0]]["seconds"], block * rounds
         return {f"{m:g}": dict(tok_s=tokens / sum(run["seconds"]),
