@@ -132,9 +132,10 @@ def _top(values: np.ndarray, k: int) -> set[int]:
     return {int(e) for e in np.argsort(-values, kind="stable")[:k]}
 
 
-def test_substitutions_equal_a_numpy_recomputation_of_the_router(model):
+@pytest.mark.parametrize("slots", [150, 600])  # fewer slots than a layer's 448 experts, and more
+def test_substitutions_equal_a_numpy_recomputation_of_the_router(model, slots):
     margin, k = 0.05, 8
-    loaded = streamed(model, 150, margin)
+    loaded = streamed(model, slots, margin)
     try:
         m, s = loaded.model, loaded.streamer
         recorders = {}

@@ -271,8 +271,13 @@ class Streamer:
 
     def resident_mask(self, layer: int) -> np.ndarray:
         """1.0 for each of `layer`'s experts resident in its pool now (pinned or cached), else 0.0."""
-        mask = np.zeros(self.store.layers[layer].experts, dtype=np.float32)
-        mask[[e for n, e in self.pool_of[layer].cache.slots if n == layer]] = 1.0
+        experts, slots = self.store.layers[layer].experts, self.pool_of[layer].cache.slots
+        if len(slots) < experts:
+            resident = [e for n, e in slots if n == layer]
+        else:  # a pool shared by many layers: ask for this layer's experts only
+            resident = [e for e in range(experts) if (layer, e) in slots]
+        mask = np.zeros(experts, dtype=np.float32)
+        mask[resident] = 1.0
         return mask
 
     def routed_natively(self, layer: int, indices: mx.array) -> None:
@@ -287,9 +292,9 @@ class Streamer:
             self.token += 1
             self.stats.tokens = self.token
         self._last_layer = layer
-        native = self._native.pop(layer, None)
-        mx.eval(indices, *(() if native is None else (native,)))  # also runs the layers before this one (MLX is
-        # lazy): not counted as a stall
+        native = self._native.pop(layer, None)  # cache routing: the router's own picks for this call
+        # also runs the layers before this one (MLX is lazy): not counted as a stall
+        mx.eval(indices, *([] if native is None else [native]))
         t0 = time.perf_counter()
         ids = np.array(indices)
         if native is not None:
