@@ -32,6 +32,7 @@ class StreamSetup:
     host_budget_bytes: int = 0  # the host-RAM tier under the cache (0: none)
     host_slots: int = 0
     host_why: str = "off"  # tqbench.stream.budget.HostTierPlan.why
+    cache_routing: float = 0.0  # decode favours cached experts within this margin (0: off); the output changes
 
     @property
     def disk_bytes_per_s(self) -> float | None:
@@ -42,7 +43,8 @@ class StreamSetup:
                 "staging_bytes": self.staging_bytes, "workers": self.workers, "policy": self.policy,
                 "fanout": self.fanout, "page_cache": self.page_cache, "lookahead": self.lookahead,
                 "reads_in_flight": self.reads_in_flight, "host_budget_bytes": self.host_budget_bytes,
-                "host_slots": self.host_slots, "host_why": self.host_why, **disk_fields(self.disk)}
+                "host_slots": self.host_slots, "host_why": self.host_why, "cache_routing": self.cache_routing,
+                **disk_fields(self.disk)}
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ def loaded_line(m: ModelLoaded) -> str:
                   f"workers, {st.policy}{', fan-out' if st.fanout else ''}{', look-ahead' if st.lookahead else ''}"
                   f"{gate}, page cache {st.page_cache}); {host_tier_text(st)}")
     routed = f"; {m.experts_active} of {m.experts_native} experts per token" if m.fewer_experts else ""
+    if m.stream is not None and m.stream.cache_routing:
+        routed += f"; {cache_routing_text(m.stream.cache_routing)}"
     return (f"loaded {m.model_type}{tq}: {units.size(m.weight_bytes)} of resident weights in {m.seconds:.1f} s; "
             f"{sampling_line(m.sampling)}{template}{stream}{routed}")
 
@@ -85,9 +87,16 @@ def streaming_text(m: ModelLoaded) -> str | None:
         return None
     extra = "".join(x for x, on in ((", fan-out", st.fanout), (", look-ahead", st.lookahead)) if on)
     active = f", {m.experts_active} of {m.experts_native} experts" if m.experts_active else ""
+    if st.cache_routing:
+        active += f", {cache_routing_text(st.cache_routing)}"
     workers = f"{st.workers} worker" + ("s" if st.workers != 1 else "")
     host = f" + host {units.gb(st.host_budget_bytes)}" if st.host_budget_bytes else ""
     return f"streaming experts: cache {units.gb(st.budget_bytes)}{host}, {workers}, {st.policy}{extra}{active}"
+
+
+def cache_routing_text(margin: float) -> str:
+    """How a chat whose routing favours cached experts says so (its output is not the model's own)."""
+    return f"routing changed: cache routing margin {margin:g}"
 
 
 def fewer_experts_warning(m: ModelLoaded) -> str | None:
@@ -184,6 +193,9 @@ def stats_lines(m: ModelLoaded, status: ConversationStatus, report: StreamReport
             lines.append(f"rank {r.rank} (layers {r.layers[0]}-{r.layers[1] - 1}): " + (
                 f"{r.hits_gpu + r.hits_host} hits, {r.misses} misses, {units.size(r.critical_bytes)} read, stalled "
                 f"{r.stall_s:.2f} s over {r.tokens} forward passes" if r.streamed else "experts resident"))
+        if s.cache_routing:
+            lines.append(f"{cache_routing_text(s.cache_routing)}: {s.substitutions} experts routed in place of the "
+                         f"model's own picks ({s.substitutions / max(1, s.tokens):.2f} per forward pass)")
         got, disk = report.disk_bytes_per_s_on_misses, report.disk
         if got or disk:
             lines.append("disk: " + (f"{units.bandwidth(got)} while waiting on misses" if got else "no misses yet")

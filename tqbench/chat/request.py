@@ -61,6 +61,7 @@ class StreamRequest:
     reads_in_flight: int = 0  # at most this many reads at once (0: one per worker)
     host_cache: str = "auto"  # the host-RAM tier under the expert cache: auto (CUDA: free RAM minus a reserve;
     # unified memory: none), off, or a size (tqbench.stream.host)
+    cache_routing: float = 0.0  # margin by which decode may favour cached experts (0: off; changes the output)
 
     def check(self) -> StreamRequest:
         parse_budget(self.budget)
@@ -73,6 +74,8 @@ class StreamRequest:
             raise TqbenchError(f"page cache {self.page_cache!r}: choose auto, on or off")
         if not 0 <= self.reads_in_flight <= MAX_WORKERS:
             raise TqbenchError(f"reads in flight {self.reads_in_flight}: give 0 (one per worker) to {MAX_WORKERS}")
+        if not 0 <= self.cache_routing <= 1:
+            raise TqbenchError(f"cache routing margin {self.cache_routing:g}: give 0 (off) to 1")
         return self
 
 

@@ -56,7 +56,16 @@ class StreamPlan:
 
 
 def plan_streaming(path: str | Path, request: StreamRequest) -> StreamPlan:
-    """Resident or streamed, and with which cache budget. Reads shard headers only."""
+    """Resident or streamed, and with which cache budget. Reads shard headers only. Cache-aware routing asked of a
+    model that runs resident is refused: there is no cache to favour."""
+    plan = _plan(path, request)
+    if request.cache_routing and plan.config is None:
+        raise TqbenchError(f"--cache-routing favours experts in the expert cache, and this model's experts run "
+                           f"resident ({plan.reason}): stream them with a cache budget, or leave cache routing at 0")
+    return plan
+
+
+def _plan(path: str | Path, request: StreamRequest) -> StreamPlan:
     from tqbench.chat.request import parse_host_cache
     from tqbench.stream.budget import auto_budget, host_tier_plan, needs_streaming
 
@@ -79,8 +88,8 @@ def plan_streaming(path: str | Path, request: StreamRequest) -> StreamPlan:
     r = request
     host = host_tier_plan(parse_host_cache(r.host_cache), path, nbytes, store=experts)
     return StreamPlan(StreamConfig(nbytes, r.workers, r.policy, r.fanout, r.page_cache, lookahead=r.lookahead,
-                                   reads_in_flight=r.reads_in_flight, host_cache_bytes=host.nbytes), reason,
-                      host.why)
+                                   reads_in_flight=r.reads_in_flight, host_cache_bytes=host.nbytes,
+                                   cache_routing=r.cache_routing), reason, host.why)
 
 
 def expert_layout(path: str | Path) -> ExpertStore | None:
@@ -257,7 +266,7 @@ class ChatSession:
         layers = tuple(sorted((n, lay.experts) for n, lay in loaded.streamer.store.layers.items()))
         return StreamSetup(st.budget_bytes, st.slots, st.slot_bytes, st.staging_bytes, c.workers, c.policy, c.fanout,
                            st.page_cache, c.lookahead, c.reads_in_flight, disk, layers, plan.reason,
-                           st.host_budget_bytes, st.host_slots, plan.host_why)
+                           st.host_budget_bytes, st.host_slots, plan.host_why, c.cache_routing)
 
     def _reply(self, text: str, sampling: Sampling | None) -> Iterator:
         state = self._current()

@@ -48,6 +48,7 @@ def chat(
     page_cache: options.PageCache = "auto",
     host_cache_gb: options.HostCache = "auto",
     max_active_experts: options.MaxActiveExperts = 0,
+    cache_routing: options.CacheRouting = 0.0,
     profile: options.Profile = None,
     profile_force: options.ProfileForce = False,
     no_learn: options.NoLearn = False,
@@ -70,7 +71,7 @@ def chat(
         request = chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_template,
                                trust_remote_code, cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy,
                                fanout, lookahead, page_cache, max_active_experts, profile, profile_force, no_learn,
-                               cold, pin_share, host_cache=host_cache_gb)
+                               cold, pin_share, cache_routing, host_cache=host_cache_gb)
         if stats_json is not None:  # it can be written once the chat is over: checked before any work
             check_output_file(stats_json, "--stats-json")
         loaded = open_chat(chat_session, request, err, quiet=as_json, streaming_stats=stats_json is not None)
@@ -97,7 +98,8 @@ def chat(
 
 def chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_template, trust_remote_code,
                  cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy, fanout, lookahead, page_cache,
-                 max_active_experts, profile, profile_force, no_learn, cold, pin_share, host_cache="auto", **more):
+                 max_active_experts, profile, profile_force, no_learn, cold, pin_share, cache_routing=0.0,
+                 host_cache="auto", **more):
     """The ChatRequest of the options chat and serve share (`more`: ChatRequest's other fields)."""
     from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest
 
@@ -105,7 +107,7 @@ def chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_te
         str(model) if model is not None else None,
         SamplingRequest(max_tokens, temp, top_p, top_k, seed), system, not no_chat_template, trust_remote_code,
         StreamRequest(cache_budget_gb or "fit", prefetch_workers, cache_policy, fanout, lookahead, page_cache,
-                      reads_in_flight, host_cache=host_cache),
+                      reads_in_flight, cache_routing, host_cache=host_cache),
         max_active_experts,
         ProfileOptions(str(profile) if profile else None, not no_learn, pin_share, profile_force, cold=cold), **more)
 

@@ -43,6 +43,10 @@ def eval_model(
         "--layers", help="Quick mode: each layer's hidden-state relative error, both models run on SRC's own input "
                          "to that layer.")] = False,
     max_active_experts: options.MaxActiveExperts = 0,
+    cache_routing: options.CacheRouting = 0.0,
+    decode: Annotated[bool, typer.Option(
+        "--decode", help="Score token by token through a KV cache, one token per pass as a chat decodes (always with "
+                         "--cache-routing): the expert cache sees decode's misses.")] = False,
     cache_budget_gb: options.CacheBudget = None,
     prefetch_workers: options.PrefetchWorkers = 4,
     reads_in_flight: options.ReadsInFlight = 0,
@@ -58,8 +62,8 @@ def eval_model(
 
     Both models run on the same token windows; their experts stream from disk with the usual budget flags (the same
     for both), so models larger than memory and source checkpoints (mxfp4, bf16) are evaluated as they are.
-    --max-active-experts changes MODEL's routing only, so `tqbench eval M --against M --max-active-experts 4`
-    measures a routing setting against native routing.
+    --max-active-experts and --cache-routing change MODEL's routing only, so `tqbench eval M --against M
+    --max-active-experts 4` measures a routing setting against native routing.
     """
     from tqbench.chat.request import StreamRequest
     from tqbench.engine import submit
@@ -72,7 +76,8 @@ def eval_model(
             str(model), str(against) if against is not None else None, tuple(str(t) for t in text or ()), window,
             tokens, prompts, min(32, window), generate, layers, max_active_experts,
             StreamRequest(cache_budget_gb or "fit", prefetch_workers, cache_policy, fanout, lookahead, page_cache,
-                          reads_in_flight, host_cache=host_cache_gb), trust_remote_code).check()
+                          reads_in_flight, cache_routing, host_cache=host_cache_gb), trust_remote_code,
+            decode=decode).check()
         report = None
         with submit(lambda: evaluate(request)) as events:
             progress = _Progress(err)
@@ -100,7 +105,9 @@ def started_line(ev) -> str:
     routing = ""
     if ev.native_experts and ev.max_active_experts != ev.native_experts:
         routing = f", {ev.max_active_experts} of {ev.native_experts} experts per token"
-    mode = "layer by layer, " if ev.layers else ""
+    if ev.cache_routing:
+        routing += f", routing changed: cache routing margin {ev.cache_routing:g}"
+    mode = "layer by layer, " if ev.layers else "token by token, " if ev.decode else ""
     return (f"evaluating {what}: {mode}{ev.tokens:,} tokens in {ev.windows} windows of {ev.window} "
             f"({', '.join(ev.texts)}){routing}")
 
@@ -157,6 +164,13 @@ def tables(r) -> list:
             notes.append(f"recipe {r.recipe}")
         if r.native_experts:
             notes.append(f"{r.max_active_experts} of {r.native_experts} experts per token")
+        if r.cache_routing:
+            notes.append(f"routing changed: cache routing margin {r.cache_routing:g}")
+        if r.decode:
+            notes.append("scored token by token")
+        if r.model_misses_per_token is not None:
+            notes.append(f"model {r.model_misses_per_token:.2f} misses and {r.model_substitutions_per_token:.2f} "
+                         "substitutions a token")
         for who, n in (("model", r.model_read_bytes), ("SRC", r.against_read_bytes)):
             if n is not None:
                 notes.append(f"{who} streamed {units.gb(n)} of experts ({units.gb(n // r.total.tokens)} a token)")

@@ -90,6 +90,11 @@ MaxActiveExperts = Annotated[int, typer.Option(
     "--max-active-experts", metavar="K", min=0,
     help="Route each token to K experts instead of the model's top-k (0: native). Fewer bytes per token, but it "
          "changes the model's output.")]
+CacheRouting = Annotated[float, typer.Option(
+    "--cache-routing", metavar="MARGIN", min=0.0, max=1.0,
+    help="In decode, let the router pick an expert already in the expert cache over an uncached one whose selection "
+         "score is at most MARGIN higher (streaming; kimi_k3 and deepseek_v3 routers; 0: off). Fewer misses, but it "
+         "changes the model's output.")]
 TrustRemoteCode = Annotated[bool, typer.Option(
     "--trust-remote-code", help="Allow the model's own tokenizer code (needed for hub ids and non-K3 models "
                                 "that ship code; a local kimi_k3 directory is trusted).")]

@@ -54,6 +54,7 @@ def serve(
     page_cache: options.PageCache = "auto",
     host_cache_gb: options.HostCache = "auto",
     max_active_experts: options.MaxActiveExperts = 0,
+    cache_routing: options.CacheRouting = 0.0,
     profile: options.Profile = None,
     profile_force: options.ProfileForce = False,
     no_learn: options.NoLearn = False,
@@ -64,7 +65,7 @@ def serve(
 
     Requests run one at a time on the engine, the rest wait in order. A request that extends an earlier
     conversation reuses its prompt cache. Streamed experts, the learned profile (which keeps learning) and
-    --max-active-experts work as in chat. Sampling options set the defaults a request may override.
+    --max-active-experts and --cache-routing work as in chat. Sampling options set the defaults a request may override.
     """
     from tqbench.chat.session import ChatSession
     from tqbench.serve.http import Server, warn_if_exposed
@@ -77,7 +78,7 @@ def serve(
         request = chat_request(model, max_tokens, temp, top_p, top_k, seed, None, no_chat_template, trust_remote_code,
                                cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy, fanout, lookahead,
                                page_cache, max_active_experts, profile, profile_force, no_learn, cold, pin_share,
-                               host_cache=host_cache_gb, prompt_cache_bytes=int(prompt_cache_gb * 1e9))
+                               cache_routing, host_cache=host_cache_gb, prompt_cache_bytes=int(prompt_cache_gb * 1e9))
         server = Server(host, port)  # a port in use is an error before the model loads
         loaded = open_chat(session, request, err, quiet=False, streaming_stats=False)
         err.print(chat_report.loaded_line(loaded), markup=False)

@@ -36,6 +36,12 @@ class EvalRequest:
     trust_remote_code: bool = False
     store: str | None = None  # where evaluations of conversions against their source are remembered (None: the
     # user cache; tqbench.eval.store)
+    decode: bool = False  # score token by token through a KV cache, as a chat decodes (always with cache routing)
+
+    @property
+    def token_by_token(self) -> bool:
+        """Decode-shaped passes: asked, or MODEL routes with cache routing, which acts in decode only."""
+        return self.decode or self.stream.cache_routing > 0
 
     def check(self) -> EvalRequest:
         self.stream.check()
@@ -49,6 +55,8 @@ class EvalRequest:
             raise TqbenchError(f"max active experts {self.max_active_experts}: give 0 (the model's own) or more")
         if self.layers and self.against is None:
             raise UsageError("--layers compares two models layer by layer: give --against SRC")
+        if self.layers and self.token_by_token:
+            raise UsageError("--layers runs whole windows: leave out --decode and --cache-routing")
         return self
 
 
@@ -63,6 +71,8 @@ class EvalStarted:
     max_active_experts: int  # MODEL routes to this many experts (its own top-k when not changed)
     native_experts: int  # the model's own top-k (0: no routed experts)
     layers: bool
+    cache_routing: float = 0.0  # MODEL's cache-routing margin (0: its own routing)
+    decode: bool = False  # scored token by token
 
 
 @dataclass(frozen=True)
@@ -172,3 +182,12 @@ class EvalReport:
     model_bytes: int  # resident bytes of MODEL (streamed experts not included)
     model_read_bytes: int | None = None  # expert bytes MODEL's streamer read from disk (None: experts resident)
     against_read_bytes: int | None = None
+    cache_routing: float = 0.0  # MODEL's cache-routing margin (0: its own routing)
+    decode: bool = False  # scored token by token through a KV cache (one token per pass, as a chat decodes)
+    model_misses_per_token: float | None = None  # MODEL's expert misses per scored token (None: experts resident)
+    model_substitutions_per_token: float | None = None  # routed experts cache routing put in place of the model's
+
+    @property
+    def routing_changed(self) -> bool:
+        """MODEL does not route as the model was trained to (fewer experts, or cache routing)."""
+        return self.max_active_experts != self.native_experts or self.cache_routing > 0

@@ -35,4 +35,8 @@ def report_dict(r: EvalReport) -> dict:
         "seconds": r.seconds,
         "model_bytes": r.model_bytes,
         "read_bytes": {"model": r.model_read_bytes, "against": r.against_read_bytes},
+        "routing_changed": r.routing_changed,
+        "cache_routing": r.cache_routing,
+        "decode": r.decode,
+        "per_token": {"misses": r.model_misses_per_token, "substitutions": r.model_substitutions_per_token},
     }

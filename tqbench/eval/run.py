@@ -3,12 +3,17 @@ thread (tqbench.engine); yields EvalStarted, EvalProgress events and one EvalRep
 
 Both models load as a chat loads them (tqbench.runtime.load, experts streamed when asked or when a model does not fit)
 and run window by window on the same token ids, so a model larger than memory is evaluated with one expert cache per
-model and a source checkpoint (mxfp4, bf16) as it is, without converting it."""
+model and a source checkpoint (mxfp4, bf16) as it is, without converting it.
+
+Windows are scored in batched passes, or token by token through a KV cache (`decode`, and always with cache routing,
+which acts in decode passes only): then each pass routes one token, so the expert cache sees what a chat's decode
+does (misses and cache-routing substitutions per token)."""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -37,26 +42,36 @@ def evaluate(request: EvalRequest) -> Iterator:
     t0 = time.perf_counter()
     model = ref = None
     try:
-        model = _load(request.model, request)
+        model = _load(request.model, request.stream, request.trust_remote_code)
         native = active = native_top_k(model.model)
         if request.max_active_experts:
             active = set_active_experts(model.model, request.max_active_experts).active
-        ref = _load(request.against, request) if request.against is not None else None
+        ref = None
+        if request.against is not None:  # SRC routes natively
+            ref = _load(request.against, replace(request.stream, cache_routing=0.0), request.trust_remote_code)
         streams = {t.name: token_stream(t, model.tokenizer) for t in texts}
         if ref is not None:
             _same_tokens(texts, streams, ref.tokenizer, request.against)
         windows = plan_windows(streams, request.window, request.tokens)
         forget = _page_in_sink(model, ref)
         total = sum(w.tokens for w in windows)
+        margin, decode = request.stream.cache_routing, request.token_by_token
         yield EvalStarted(str(model.path), str(ref.path) if ref else None, tuple(w.name for w in windows),
-                          sum(len(w.x) for w in windows), request.window, total, active, native, request.layers)
+                          sum(len(w.x) for w in windows), request.window, total, active, native, request.layers,
+                          margin, decode)
+        misses = substitutions = None
         if request.layers:
             scores, greedy = (), None
             layers = yield from _layers(model.model, ref.model, windows, total, forget)
             overall = None
         else:
             layers = ()
-            scores = yield from _score(model.model, ref.model if ref else None, windows, total, forget)
+            before = _counts(model)
+            score = _score_decode if decode else _score
+            scores = yield from score(model.model, ref.model if ref else None, windows, total, forget)
+            if before is not None:  # per scored token: per pass when token by token
+                after = _counts(model)
+                misses, substitutions = (after[0] - before[0]) / total, (after[1] - before[1]) / total
             overall = scores[0]
             for s in scores[1:]:
                 overall = overall.plus(s, "all")
@@ -66,8 +81,8 @@ def evaluate(request: EvalRequest) -> Iterator:
         report = EvalReport(str(model.path), str(ref.path) if ref else None, _recipe(model.path), request.window,
                             active, native, tuple(scores), overall, greedy, tuple(layers), digest(windows),
                             time.perf_counter() - t0, model.weight_bytes, _read_bytes(model),
-                            _read_bytes(ref) if ref is not None else None)
-        if ref is not None and overall is not None:
+                            _read_bytes(ref) if ref is not None else None, margin, decode, misses, substitutions)
+        if ref is not None and overall is not None and not margin:  # a recipe's quality, not a routing setting's
             from tqbench.eval.store import remember
 
             remember(report, ref.path, request.store)
@@ -78,12 +93,12 @@ def evaluate(request: EvalRequest) -> Iterator:
                 m.streamer.close()
 
 
-def _load(path: str, request: EvalRequest):
+def _load(path: str, stream, trust_remote_code: bool):
     from tqbench.chat.session import plan_streaming
     from tqbench.runtime.load import load
 
-    plan = plan_streaming(path, request.stream)
-    return load(path, request.trust_remote_code, streaming=plan.config)
+    plan = plan_streaming(path, stream)
+    return load(path, trust_remote_code, streaming=plan.config)
 
 
 def _same_tokens(texts, streams: dict[str, np.ndarray], tokenizer, against: str) -> None:
@@ -107,6 +122,14 @@ def _read_bytes(loaded) -> int | None:
     return st.critical_bytes + st.speculative_bytes + st.preload_bytes
 
 
+def _counts(loaded) -> tuple[int, int] | None:
+    """(expert misses, cache-routing substitutions) of a streamed model so far; None when its experts are resident."""
+    if loaded.streamer is None:
+        return None
+    st = loaded.streamer.stats
+    return st.misses, st.substitutions
+
+
 def _page_in_sink(*loaded):
     """Streamed models log a PageIn per layer and pass for a chat's live view; an evaluation shows none: the
     returned function drops them (called after every pass, so they never pile up)."""
@@ -127,12 +150,34 @@ def _batches(windows: list[Windows], window: int):
 
 
 def _score(model, ref, windows: list[Windows], total: int, forget) -> Iterator:
+    """Batched passes of whole windows."""
+    batches = _batches(windows, windows[0].x.shape[1])
+    return (yield from _scored(model, ref, batches, windows, total, forget, lambda m, x: m(x)))
+
+
+def _score_decode(model, ref, windows: list[Windows], total: int, forget) -> Iterator:
+    """One window at a time, token by token through a KV cache: each pass is one token, as in a chat's decode."""
+    def one_by_one(m, x: mx.array) -> mx.array:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(m)
+        out = []
+        for t in range(x.shape[1]):
+            out.append(m(x[:, t:t + 1], cache=cache))
+            mx.eval(out[-1])
+        return mx.concatenate(out, axis=1)
+
+    rows = ((w.name, mx.array(w.x[i:i + 1]), mx.array(w.y[i:i + 1])) for w in windows for i in range(len(w.x)))
+    return (yield from _scored(model, ref, rows, windows, total, forget, one_by_one))
+
+
+def _scored(model, ref, batches, windows: list[Windows], total: int, forget, logits) -> Iterator:
+    """Sums per text over `batches` ((text, inputs, targets) each), `logits(model, inputs)` giving each model's."""
     t0, done = time.perf_counter(), 0
     sums: dict[str, list] = {w.name: [0, 0, 0.0, 0.0, 0.0, 0, 0.0, ()] for w in windows}  # tokens windows nll, ref:
     # nll kl top1 top5, per-window kl
-    for name, x, y in _batches(windows, windows[0].x.shape[1]):
-        logits = model(x)
-        s = window_sums(logits, y, ref(x) if ref is not None else None)
+    for name, x, y in batches:
+        s = window_sums(logits(model, x), y, logits(ref, x) if ref is not None else None)
         acc = sums[name]
         acc[0] += s.tokens
         acc[1] += int(x.shape[0])

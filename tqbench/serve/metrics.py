@@ -40,4 +40,9 @@ def prometheus(st: ServeStatus) -> str:
                [("", float(s.stall_s))])
         metric("expert_cache_bytes", "gauge", "Bytes the expert cache holds.", [("", s.cache_bytes)])
         metric("expert_hit_rate", "gauge", "Hits over routings since the server started.", [("", float(s.hit_rate()))])
+        if s.cache_routing:
+            metric("cache_routing_margin", "gauge", "Cache-aware routing's margin: the output is not the model's own.",
+                   [("", float(s.cache_routing))])
+            metric("expert_substitutions_total", "counter", "Routed experts cache routing put in place of the model's "
+                   "own picks.", [("", s.substitutions)])
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from tqbench.errors import TqbenchError
 from tqbench.layout.names import mlx_module_path
 from tqbench.stream.store import ExpertStore, StoreError
 from tqbench.stream.streamer import Streamer
@@ -48,6 +49,44 @@ class LookaheadBlock(nn.Module):
         return self.block(x)
 
 
+class CacheRoutedBlock(nn.Module):
+    """Wraps a streamed MoE block for cache-aware routing: in decode (one position), the block's selection bias gets
+    `margin` added for each of its layer's experts resident in the streamer's cache (pinned or cached) now, for this
+    call only. So an uncached expert is passed over for a resident one whose score plus bias is within `margin` of its
+    own, and the weights stay the model's: its unbiased scores of the experts selected, renormalised as it does. The
+    picks the router would have made are handed to the streamer, which counts the substitutions."""
+
+    def __init__(self, block: nn.Module, layer: int, bias_at: tuple[nn.Module, str], native: Any, margin: float,
+                 streamer: Streamer):
+        super().__init__()
+        self.block = block
+        self._hidden = _Hidden(layer=layer, bias_at=bias_at, native=native, margin=margin, streamer=streamer)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = self._hidden
+        if x.ndim >= 2 and x.shape[-2] > 1:  # a prefill chunk routes natively
+            return self.block(x)
+        h.streamer.routed_natively(h.layer, h.native(x))  # traced before the bias changes
+        holder, name = h.bias_at
+        bias = holder[name]
+        holder[name] = bias + mx.array(h.margin * h.streamer.resident_mask(h.layer))
+        try:
+            return self.block(x)
+        finally:
+            holder[name] = bias
+
+
+def selection_bias(block: nn.Module) -> tuple[nn.Module, str] | None:
+    """(module, attribute) of the bias a MoE block's router adds to its scores to select experts, but not to weight
+    them (kimi_k3's block, deepseek_v3's gate: e_score_correction_bias); None for a router without one."""
+    if "e_score_correction_bias" in block and "gate" in block:  # kimi_k3
+        return block, "e_score_correction_bias"
+    gate = block.get("gate") if isinstance(block, nn.Module) else None
+    if isinstance(gate, nn.Module) and "e_score_correction_bias" in gate and hasattr(gate, "norm_topk_prob"):
+        return gate, "e_score_correction_bias"  # deepseek_v3
+    return None
+
+
 def router(block: nn.Module) -> Any:
     """A function x -> the expert indices `block`'s own router would pick, for the families we know; else None."""
     if "gate" not in block:
@@ -87,20 +126,36 @@ def attach(model: nn.Module, streamer: Streamer) -> list[str]:
             setattr(proj, part.param, pool.arrays[(part.projection, part.param)])
         new.append((path, StreamedExperts(n, inner, streamer)))
     model.update_modules(_tree(new))
+    blocks = [p.rpartition(".switch_mlp")[0] for p, _ in new]
+    originals = [modules[b] for b in blocks]  # before any wrapping: their routers are the model's own
+    if streamer.config.cache_routing:
+        _wrap_for_cache_routing(model, blocks, originals, sorted(store.layers), streamer)
     if streamer.config.lookahead:
-        _wrap_for_lookahead(model, [p for p, _ in new], sorted(store.layers), streamer)
+        _wrap_for_lookahead(model, blocks, originals, sorted(store.layers), streamer)
     return [p for p, _ in new]
 
 
-def _wrap_for_lookahead(model: nn.Module, paths: list[str], layers: list[int], streamer: Streamer) -> None:
-    modules = dict(model.named_modules())
-    blocks = [p.rpartition(".switch_mlp")[0] for p in paths]
+def _wrap_for_cache_routing(model: nn.Module, blocks: list[str], originals: list[nn.Module], layers: list[int],
+                            streamer: Streamer) -> None:
     wraps = []
-    for (block, _), (next_block, next_layer) in zip(zip(blocks, layers), zip(blocks[1:], layers[1:])):
-        r = router(modules[next_block])
+    for path, block, layer in zip(blocks, originals, layers):
+        bias_at, native = selection_bias(block), router(block)
+        if bias_at is None or native is None:
+            raise TqbenchError(f"--cache-routing: {path}'s router has no selection bias to favour cached experts "
+                               "with (kimi_k3 and deepseek_v3 have one); leave it at 0 for this model")
+        wraps.append((path, CacheRoutedBlock(block, layer, bias_at, native, streamer.config.cache_routing, streamer)))
+    model.update_modules(_tree(wraps))
+
+
+def _wrap_for_lookahead(model: nn.Module, blocks: list[str], originals: list[nn.Module], layers: list[int],
+                        streamer: Streamer) -> None:
+    modules = dict(model.named_modules())
+    wraps = []
+    for i in range(len(blocks) - 1):
+        r = router(originals[i + 1])
         if r is None:
-            raise StoreError(f"look-ahead: no router tqbench knows in {next_block}", streamer.store.root)
-        wraps.append((block, LookaheadBlock(modules[block], next_layer, r, streamer)))
+            raise StoreError(f"look-ahead: no router tqbench knows in {blocks[i + 1]}", streamer.store.root)
+        wraps.append((blocks[i], LookaheadBlock(modules[blocks[i]], layers[i + 1], r, streamer)))
     model.update_modules(_tree(wraps))
 
 

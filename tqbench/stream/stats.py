@@ -84,6 +84,8 @@ class StreamStats:
     miss_before_reads_s: float = 0.0
     miss_reading_s: float = 0.0
     miss_after_reads_s: float = 0.0
+    cache_routing: float = 0.0  # the margin of cache-aware routing (0: off, the model's own routing)
+    substitutions: int = 0  # routed experts the model's own routing would not have picked (per token: / tokens)
     layers: dict[int, LayerTotals] = field(default_factory=dict)
 
     @property
@@ -121,5 +123,6 @@ class StreamStats:
                 "preload_reads": self.preload_reads,
                 "preload_s": round(self.preload_s, 4),
                 **{k: (getattr(self, k) if k == "miss_timed" else round(getattr(self, k), 6)) for k in MISS_TIMES},
+                "cache_routing": self.cache_routing, "substitutions": self.substitutions,
                 "layers": {str(k): {"hits": v.hits, "misses": v.misses, "stall_s": round(v.stall_s, 4)}
                            for k, v in sorted(self.layers.items())}}

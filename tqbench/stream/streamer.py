@@ -46,6 +46,8 @@ class StreamConfig:
     # slots still run in parallel. Some disks read one request at a time fastest (the lent H200's: random experts at
     # 2.35 GB/s with one reader, 1.62 with four), and a worker that reads then copies leaves the disk idle meanwhile.
     host_cache_bytes: int = 0  # a host-RAM tier for experts evicted from the pools (tqbench.stream.host; 0: none)
+    cache_routing: float = 0.0  # margin: in decode, a resident expert within this selection score of an uncached
+    # one may take its place (attach.CacheRoutedBlock; 0: off, the model's own routing, untouched)
 
 
 def read_buffers(workers: int) -> int:
@@ -130,7 +132,7 @@ class Streamer:
         workers = max(1, config.workers)
         staging = staging_bytes(biggest, workers)
         self.stats = StreamStats(budget_bytes=config.budget_bytes, staging_bytes=staging,
-                                 page_cache="off" if self.direct else "on")
+                                 page_cache="off" if self.direct else "on", cache_routing=config.cache_routing)
         # Pools per signature; the budget left after staging is shared in proportion to the experts' bytes. No pool
         # array may exceed config.max_array_bytes (MLX's CUDA gather kernels fail on arrays over 2 GiB): a signature
         # whose slots would is split into pools that each serve a contiguous run of layers.
@@ -190,6 +192,7 @@ class Streamer:
         self._guess: tuple[int, mx.array] | None = None  # (next layer, its router's picks on this layer's input)
         self._ahead: dict[int, tuple[np.ndarray, list[Future]]] = {}  # expert -> read in flight for _ahead_layer
         self._ahead_layer: int | None = None
+        self._native: dict[int, mx.array] = {}  # layer -> its router's own picks for the call cache routing changed
 
     # ---- a profile's pins ----
 
@@ -293,6 +296,24 @@ class Streamer:
             raise
         return critical, speculative
 
+    # ---- cache-aware routing (attach.CacheRoutedBlock) ----
+
+    def resident_mask(self, layer: int) -> np.ndarray:
+        """1.0 for each of `layer`'s experts resident in its pool now (pinned or cached), else 0.0."""
+        experts, slots = self.store.layers[layer].experts, self.pool_of[layer].cache.slots
+        if len(slots) < experts:
+            resident = [e for n, e in slots if n == layer]
+        else:  # a pool shared by many layers: ask for this layer's experts only
+            resident = [e for e in range(experts) if (layer, e) in slots]
+        mask = np.zeros(experts, dtype=np.float32)
+        mask[resident] = 1.0
+        return mask
+
+    def routed_natively(self, layer: int, indices: mx.array) -> None:
+        """The picks `layer`'s router would have made without the boost (lazy): run() evaluates them with the routed
+        indices and counts the routed experts not among them as substitutions."""
+        self._native[layer] = indices
+
     # ---- called by the streamed layers, on the engine thread ----
 
     def run(self, layer: int, inner: Any, x: mx.array, indices: mx.array) -> mx.array:
@@ -300,9 +321,13 @@ class Streamer:
             self.token += 1
             self.stats.tokens = self.token
         self._last_layer = layer
-        mx.eval(indices)  # also runs the layers before this one (MLX is lazy): not counted as a stall
+        native = self._native.pop(layer, None)  # cache routing: the router's own picks for this call
+        # also runs the layers before this one (MLX is lazy): not counted as a stall
+        mx.eval(indices, *([] if native is None else [native]))
         t0 = time.perf_counter()
         ids = np.array(indices)
+        if native is not None:
+            self.stats.substitutions += substitutions(ids, np.array(native))
         experts = [int(e) for e in np.unique(ids)]
         pool = self.pool_of[layer]
         self._tick = self.token  # cache ages count forward passes
@@ -557,6 +582,11 @@ class Streamer:
         if self._copier is not None:
             self._copier.shutdown(wait=True)
         self.store.close()
+
+
+def substitutions(routed: np.ndarray, native: np.ndarray) -> int:
+    """Routed experts (..., k) that the native picks (..., k) of the same token do not hold."""
+    return int((routed[..., :, None] != native[..., None, :]).all(axis=-1).sum())
 
 
 def _much_larger_than_ram(store: ExpertStore) -> bool:

@@ -20,8 +20,8 @@ The live expert view (streaming only, tui.widgets.expert_panel): beside the tran
 the MoE layers x routed experts map with each layer's recent misses and stall time, and the engine's figures. The
 reply worker posts the page-ins (tqbench.stream.PageIn) in batches with the text (ChatExperts, never one message per
 event); after the reply the summary takes the engine's StreamReport. v pauses the view; o opens the streaming
-settings (cache budget, max active experts, prefetch workers, fan-out, look-ahead, cache policy), which re-open the
-model: a new conversation; e exports the learned hot-expert profile (as `tqbench profile export`) to a file in the
+settings (cache budget, max active experts, prefetch workers, fan-out, look-ahead, cache policy, cache routing),
+which re-open the model: a new conversation; e exports the learned hot-expert profile (as `tqbench profile export`) to a file in the
 cache directory, whose path is shown.
 
 While the message field has focus, printable keys type: the app's one-letter keys (q, s, p, c) are hidden from the

@@ -1,6 +1,6 @@
 """The Chat screen's streaming settings (key o, between turns): the expert cache budget, the host-RAM tier, experts
-routed per token, prefetch workers, fan-out, look-ahead and cache policy, as `tqbench chat` takes them. They are fixed
-when a model is opened, so applying them re-opens the model: a new conversation."""
+routed per token, prefetch workers, fan-out, look-ahead, cache policy and cache routing's margin, as `tqbench chat`
+takes them. They are fixed when a model is opened, so applying them re-opens the model: a new conversation."""
 
 from __future__ import annotations
 
@@ -68,12 +68,17 @@ class SettingsScreen(ModalScreen[ChatRequest | None]):
             with Horizontal(classes="row"):
                 yield Label("look-ahead")
                 yield Select(ON_OFF, value=o.lookahead, allow_blank=False, id="opt-lookahead", compact=True)
+            with Horizontal(classes="row"):
+                yield Label("cache routing margin")
+                yield Input(f"{o.cache_routing:g}", type="number", id="opt-routing", compact=True)
             yield Static("Applying re-opens the model with these settings: a new conversation.\n"
                          "budget: fit (stream only a model that does not fit in memory), auto, off or a size (a bare "
                          "number is GB). host RAM tier: experts evicted from GPU memory kept in RAM (auto: on "
                          "CUDA only; unified memory has one tier). "
                          "max active experts: 0 keeps the model's top-k. fan-out splits each read across the "
-                         "workers; look-ahead reads the next layer's likely experts early.", id="settings-note")
+                         "workers; look-ahead reads the next layer's likely experts early. cache routing: "
+                         "decode may pick a cached expert scored up to the margin lower (0: off; changes the output).",
+                         id="settings-note")
             yield Static("", id="settings-error")
             with Horizontal(id="settings-buttons"):
                 yield Button("Apply", variant="primary", id="settings-apply", compact=True)
@@ -88,13 +93,18 @@ class SettingsScreen(ModalScreen[ChatRequest | None]):
             except ValueError:
                 raise TqbenchError(f"not a whole number: {text!r}") from None
 
+        margin = self.query_one("#opt-routing", Input).value.strip() or "0"
+        try:
+            routing = float(margin)
+        except ValueError:
+            raise TqbenchError(f"not a number: {margin!r}") from None
         budget = self.query_one("#opt-budget", Input).value.strip() or "fit"
         host = self.query_one("#opt-host", Input).value.strip() or "auto"
         stream = replace(self.request.stream, budget=budget.lower() if budget.lower() in BUDGET_WORDS else budget,
                          host_cache=host.lower() if host.lower() in HOST_WORDS else host,
                          workers=number("#opt-workers"), policy=str(self.query_one("#opt-policy", Select).value),
                          fanout=self.query_one("#opt-fanout", Select).value is True,
-                         lookahead=self.query_one("#opt-lookahead", Select).value is True)
+                         lookahead=self.query_one("#opt-lookahead", Select).value is True, cache_routing=routing)
         return replace(self.request, stream=stream, max_active_experts=number("#opt-active")).check()
 
     @on(Button.Pressed, "#settings-apply")
