@@ -168,6 +168,7 @@ RANGES = [
     ("plan", "--hit-rate", "1.5", "less than or equal to 1"),
     ("plan", "--reduced-k", "0", "greater than or equal to 1"),
     ("plan", "--limit", "-5", "greater than or equal to 0"),
+    ("plan", "--machines", "0", "greater than or equal to 1"),
     ("chat", "--max-tokens", "0", "greater than or equal to 1"),
     ("chat", "--temp", "-1", "greater than or equal to 0"),
     ("chat", "--top-p", "1.5", "less than or equal to 1"),

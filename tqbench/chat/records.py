@@ -6,6 +6,8 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tqbench.distributed.world import RankStats
+
 if TYPE_CHECKING:  # named only: importing them loads MLX
     from tqbench.recipe.fit import DiskSpeed
     from tqbench.runtime.chat import ReplyDone, Sampling
@@ -88,26 +90,6 @@ class ModelLoaded:
     def far_fewer_experts(self) -> bool:
         """More than a 2x cut of the experts per token: answers get worse (both faces warn)."""
         return bool(self.experts_active) and self.experts_native > 2 * self.experts_active
-
-
-@dataclass(frozen=True)
-class RankStats:
-    """One pipeline rank's expert streaming, as rank 0 gathers it after each reply (tqbench.distributed.world)."""
-
-    rank: int
-    layers: tuple[int, int]  # [start, end)
-    streamed: bool  # False: its experts are resident (or its layers have none)
-    hits_gpu: int
-    hits_host: int
-    misses: int
-    critical_bytes: int  # read from disk while its layers waited
-    stall_s: float
-    tokens: int  # forward passes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "layers": list(self.layers), "streamed": self.streamed, "hits_gpu": self.hits_gpu,
-                "hits_host": self.hits_host, "misses": self.misses, "critical_bytes": self.critical_bytes,
-                "stall_s": round(self.stall_s, 4), "tokens": self.tokens}
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_te
         str(model) if model is not None else None,
         SamplingRequest(max_tokens, temp, top_p, top_k, seed), system, not no_chat_template, trust_remote_code,
         StreamRequest(cache_budget_gb or "fit", prefetch_workers, cache_policy, fanout, lookahead, page_cache,
-                      reads_in_flight, cache_routing, host_cache=host_cache),
+                      reads_in_flight, cache_routing=cache_routing, host_cache=host_cache),
         max_active_experts,
         ProfileOptions(str(profile) if profile else None, not no_learn, pin_share, profile_force, cold=cold), **more)
 

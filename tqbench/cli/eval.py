@@ -76,7 +76,7 @@ def eval_model(
             str(model), str(against) if against is not None else None, tuple(str(t) for t in text or ()), window,
             tokens, prompts, min(32, window), generate, layers, max_active_experts,
             StreamRequest(cache_budget_gb or "fit", prefetch_workers, cache_policy, fanout, lookahead, page_cache,
-                          reads_in_flight, cache_routing, host_cache=host_cache_gb), trust_remote_code,
+                          reads_in_flight, cache_routing=cache_routing, host_cache=host_cache_gb), trust_remote_code,
             decode=decode).check()
         report = None
         with submit(lambda: evaluate(request)) as events:

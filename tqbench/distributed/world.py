@@ -100,13 +100,31 @@ def agree(group, error: BaseException | None) -> None:
         raise TqbenchError(f"rank {r} of {group.size()} failed to load: {why}")
 
 
+@dataclass(frozen=True)
+class RankStats:
+    """One pipeline rank's expert streaming, as rank 0 gathers it after each reply (a chat's StreamReport.ranks)."""
+
+    rank: int
+    layers: tuple[int, int]  # [start, end)
+    streamed: bool  # False: its experts are resident (or its layers have none)
+    hits_gpu: int
+    hits_host: int
+    misses: int
+    critical_bytes: int  # read from disk while its layers waited
+    stall_s: float
+    tokens: int  # forward passes
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "layers": list(self.layers), "streamed": self.streamed, "hits_gpu": self.hits_gpu,
+                "hits_host": self.hits_host, "misses": self.misses, "critical_bytes": self.critical_bytes,
+                "stall_s": round(self.stall_s, 4), "tokens": self.tokens}
+
+
 def gather_stats(group, pipeline: Pipeline, stats) -> tuple:
     """Every rank's streaming counters (`stats`: its StreamStats, None when it streams nothing), on every rank: one
     all_gather after a reply, every rank calling it. Returns RankStats per rank, rank 0 first."""
     import mlx.core as mx
     import numpy as np
-
-    from tqbench.chat.records import RankStats
 
     s = stats
     mine = np.array([pipeline.start, pipeline.end, s is not None, s.hits_gpu if s else 0, s.hits_host if s else 0,
