@@ -228,3 +228,22 @@ def test_chat_with_a_host_tier_says_so_and_counts_it(model, expert, tmp_path, ca
     small = tqbench(capsys, monkeypatch, *args, "--host-cache-gb", "100B")
     assert small.code == 1 and small.err.splitlines()[-1] == (
         f"tqbench: error: {model}: the host cache (100 bytes) cannot hold one expert ({expert:,} bytes)")
+
+
+def test_eval_reports_tiers_and_a_host_tier_changes_nothing(model, expert, tmp_path, capsys, monkeypatch):
+    """`tqbench eval M --against M` with a small cache and a host tier, token by token: the same logits as the
+    reference (KL 0, every top-1 agreeing: the tier only moves bytes), and where MODEL's experts came from."""
+    import json
+
+    from cli_helpers import tqbench
+
+    budget = staging_bytes(expert, 2) + 12 * expert
+    r = tqbench(capsys, monkeypatch, "eval", model, "--against", model, "--decode", "--tokens", "48", "--window", "48",
+                "--prompts", "0", "--prefetch-workers", "2", "--cache-budget-gb", f"{budget}B", "--host-cache-gb",
+                f"{200 * expert}B", "--json")
+    assert r.code == 0, r.err
+    doc = json.loads(r.out)
+    t = doc["tiers"]
+    assert t["host"] > 0 and t["disk"] > 0 and sum(t.values()) == pytest.approx(1.0, abs=2e-4)
+    total = doc["total"]
+    assert total["kl"] == 0.0 and total["top1_agreement"] == 1.0

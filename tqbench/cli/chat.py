@@ -72,6 +72,9 @@ def chat(
                                trust_remote_code, cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy,
                                fanout, lookahead, page_cache, max_active_experts, profile, profile_force, no_learn,
                                cold, pin_share, cache_routing, host_cache=host_cache_gb)
+        if prompt is None and env_rank() is not None:
+            raise UsageError("under mlx.launch every rank runs the same turns: give the turn with --prompt "
+                             "(typed or piped turns reach rank 0 only)")
         if stats_json is not None:  # it can be written once the chat is over: checked before any work
             check_output_file(stats_json, "--stats-json")
         loaded = open_chat(chat_session, request, err, quiet=as_json, streaming_stats=stats_json is not None)

@@ -171,6 +171,9 @@ def tables(r) -> list:
         if r.model_misses_per_token is not None:
             notes.append(f"model {r.model_misses_per_token:.2f} misses and {r.model_substitutions_per_token:.2f} "
                          "substitutions a token")
+        if r.model_tiers is not None and r.model_tiers.host:
+            t = r.model_tiers
+            notes.append(f"model experts from gpu {t.gpu:.1%}, host {t.host:.1%}, disk {t.disk:.1%}")
         for who, n in (("model", r.model_read_bytes), ("SRC", r.against_read_bytes)):
             if n is not None:
                 notes.append(f"{who} streamed {units.gb(n)} of experts ({units.gb(n // r.total.tokens)} a token)")

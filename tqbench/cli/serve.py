@@ -14,7 +14,8 @@ from rich.text import Text
 from tqbench.chat import report as chat_report
 from tqbench.cli import options
 from tqbench.cli.chat import chat_request, open_chat
-from tqbench.errors import TqbenchError
+from tqbench.distributed.world import env_rank
+from tqbench.errors import TqbenchError, UsageError
 from tqbench.serve import report
 
 REFRESH_S = 0.5
@@ -75,6 +76,9 @@ def serve(
     session = ChatSession()
     server = None
     try:
+        if env_rank() is not None:
+            raise UsageError("serve runs on one process: requests reach rank 0 only, so it cannot drive several "
+                             "ranks yet (tqbench chat --prompt runs under mlx.launch)")
         request = chat_request(model, max_tokens, temp, top_p, top_k, seed, None, no_chat_template, trust_remote_code,
                                cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy, fanout, lookahead,
                                page_cache, max_active_experts, profile, profile_force, no_learn, cold, pin_share,

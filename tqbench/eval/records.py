@@ -61,6 +61,18 @@ class EvalRequest:
 
 
 @dataclass(frozen=True)
+class TierShares:
+    """Shares of a streamed model's routed experts served by each tier: its GPU cache, the host-RAM tier, the disk."""
+
+    gpu: float
+    host: float
+    disk: float
+
+    def to_dict(self) -> dict:
+        return {"gpu": round(self.gpu, 4), "host": round(self.host, 4), "disk": round(self.disk, 4)}
+
+
+@dataclass(frozen=True)
 class EvalStarted:
     model: str
     against: str | None
@@ -186,6 +198,7 @@ class EvalReport:
     decode: bool = False  # scored token by token through a KV cache (one token per pass, as a chat decodes)
     model_misses_per_token: float | None = None  # MODEL's expert misses per scored token (None: experts resident)
     model_substitutions_per_token: float | None = None  # routed experts cache routing put in place of the model's
+    model_tiers: TierShares | None = None  # where MODEL's routed experts came from while scoring (None: resident)
 
     @property
     def routing_changed(self) -> bool:

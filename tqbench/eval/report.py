@@ -39,4 +39,5 @@ def report_dict(r: EvalReport) -> dict:
         "cache_routing": r.cache_routing,
         "decode": r.decode,
         "per_token": {"misses": r.model_misses_per_token, "substitutions": r.model_substitutions_per_token},
+        "tiers": r.model_tiers.to_dict() if r.model_tiers else None,
     }

@@ -24,7 +24,7 @@ from tqbench.errors import TqbenchError
 from tqbench.eval.layers import describe, layer_errors, layer_list
 from tqbench.eval.metrics import window_sums
 from tqbench.eval.records import (EvalProgress, EvalReport, EvalRequest, EvalStarted, GreedyAgreement, LayerError,
-                                  TextScore)
+                                  TextScore, TierShares)
 from tqbench.eval.texts import Windows, default_texts, digest, file_text, plan_windows, token_stream
 
 BATCH_TOKENS = 2048  # tokens per forward pass (whole windows)
@@ -59,7 +59,7 @@ def evaluate(request: EvalRequest) -> Iterator:
         yield EvalStarted(str(model.path), str(ref.path) if ref else None, tuple(w.name for w in windows),
                           sum(len(w.x) for w in windows), request.window, total, active, native, request.layers,
                           margin, decode)
-        misses = substitutions = None
+        misses = substitutions = tiers = None
         if request.layers:
             scores, greedy = (), None
             layers = yield from _layers(model.model, ref.model, windows, total, forget)
@@ -72,6 +72,9 @@ def evaluate(request: EvalRequest) -> Iterator:
             if before is not None:  # per scored token: per pass when token by token
                 after = _counts(model)
                 misses, substitutions = (after[0] - before[0]) / total, (after[1] - before[1]) / total
+                gpu, host, disk = after[2] - before[2], after[3] - before[3], after[0] - before[0]
+                routed = max(1, gpu + host + disk)
+                tiers = TierShares(gpu / routed, host / routed, disk / routed)
             overall = scores[0]
             for s in scores[1:]:
                 overall = overall.plus(s, "all")
@@ -81,7 +84,8 @@ def evaluate(request: EvalRequest) -> Iterator:
         report = EvalReport(str(model.path), str(ref.path) if ref else None, _recipe(model.path), request.window,
                             active, native, tuple(scores), overall, greedy, tuple(layers), digest(windows),
                             time.perf_counter() - t0, model.weight_bytes, _read_bytes(model),
-                            _read_bytes(ref) if ref is not None else None, margin, decode, misses, substitutions)
+                            _read_bytes(ref) if ref is not None else None, margin, decode, misses, substitutions,
+                            tiers)
         if ref is not None and overall is not None and not margin:  # a recipe's quality, not a routing setting's
             from tqbench.eval.store import remember
 
@@ -122,12 +126,13 @@ def _read_bytes(loaded) -> int | None:
     return st.critical_bytes + st.speculative_bytes + st.preload_bytes
 
 
-def _counts(loaded) -> tuple[int, int] | None:
-    """(expert misses, cache-routing substitutions) of a streamed model so far; None when its experts are resident."""
+def _counts(loaded) -> tuple[int, int, int, int] | None:
+    """(expert misses, cache-routing substitutions, GPU-cache hits, host-tier hits) of a streamed model so far; None
+    when its experts are resident."""
     if loaded.streamer is None:
         return None
     st = loaded.streamer.stats
-    return st.misses, st.substitutions
+    return st.misses, st.substitutions, st.hits_gpu, st.hits_host
 
 
 def _page_in_sink(*loaded):
