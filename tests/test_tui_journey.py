@@ -118,7 +118,8 @@ async def test_source_recipe_convert_chat_profile(tmp_path, monkeypatch):
         await pilot.press("escape", "o")  # leave the message field; the streaming settings
         assert isinstance(app.screen, SettingsScreen)
         assert app.focused is app.screen.query_one("#opt-budget", Input)
-        await pilot.press("ctrl+u", *BUDGET, "tab", "tab")  # the budget, then on to the prefetch workers
+        await pilot.press("ctrl+u", *BUDGET, "tab", "tab", "tab")  # the budget, then past the host tier and the
+        # experts per token, on to the prefetch workers
         assert app.focused is app.screen.query_one("#opt-workers", Input)
         await pilot.press("ctrl+u", *str(STREAM.workers), "enter")  # enter applies
         assert app.screen is screen
