@@ -89,6 +89,7 @@ def test_a_margin_cuts_misses_and_counts_substitutions(model, native):
         finally:
             loaded.streamer.close()
     (logits0, st0), (logits, st) = runs[0.0], runs[0.05]
+    np.testing.assert_array_equal(logits0, native)  # margin 0: the model's own routing, streamed or not
     assert st.misses < st0.misses and st.substitutions > 0 and st0.substitutions == 0
     assert st.to_dict()["cache_routing"] == 0.05 and st.to_dict()["substitutions"] == st.substitutions
     n = len(PROMPT)
