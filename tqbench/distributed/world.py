@@ -41,15 +41,8 @@ class Pipeline:
     start: int
     end: int
 
-    @property
-    def face(self) -> bool:
-        return self.rank == 0
-
     def holds(self, layer: int) -> bool:
         return self.start <= layer < self.end
-
-    def to_dict(self) -> dict:
-        return {"rank": self.rank, "size": self.size, "layers": [self.start, self.end]}
 
 
 @cache
