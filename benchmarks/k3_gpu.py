@@ -82,11 +82,11 @@ QUICK_SPEC = dict(SPEC, hidden_size=256, routed_expert_hidden_size=256, moe_inte
                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_num_heads=4,
                   kda_head_dim=32, num_shards=2)
 DEFAULTS = dict(layers=9, experts=384, budget_gb=6.0, host_gb=24.0, workers=4, prompt=4, tokens=24, warmup=2,
-                pin_share=0.5,
+                pin_share=0.5, cache_margins="0.02,0.1",
                 convert_layers=2, convert_experts=32, convert_pairs=2, convert_modes="arena,passes",
                 raw_bytes=1536 * 2**20)
 QUICK = dict(layers=3, experts=16, budget_gb=0.004, host_gb=0.008, workers=2, prompt=3, tokens=4, warmup=1,
-             pin_share=0.5,
+             pin_share=0.5, cache_margins="0.02,0.1",
              convert_layers=2, convert_experts=4, convert_pairs=1, convert_modes="arena,bytes,compare",
              raw_bytes=8 * 2**20)
 
@@ -443,7 +443,7 @@ def summarize(run: dict) -> dict:
                    hits_prefetched=d["hits_prefetched"], hits_host=host, misses_per_token=d["misses"] / n,
                    tiers=dict(gpu=(d["hits"] - host) / max(1, routed), host=host / max(1, routed),
                               disk=d["misses"] / max(1, routed)),
-                   host_hits_per_token=host / n,
+                   host_hits_per_token=host / n, substitutions_per_token=d.get("substitutions", 0) / n,
                    host_copy_ms=d["host_copy_s"] / host * 1e3 if host else None,
                    bytes_per_token=d["critical_bytes"] / n, speculative_bytes_per_token=d["speculative_bytes"] / n,
                    stall_s_per_token=stall, stall_share=d["stall_s"] / run["decode_s"],
@@ -564,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default="A,B,W,8,L", help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead, "
                                                        "F fan-out, X 16 workers, 1 one worker, 2 two, R one read in "
                                                        "flight, H host tier (--host-gb), P page cache on, T both "
-                                                       "tiers at the shares full K3 gets on the lent box (B cold)")
+                                                       "tiers at the shares full K3 gets on the lent box (B cold), C cache-aware "
+                                                       "routing at each of --cache-margins")
     p.add_argument("--work", type=Path, help="work directory on the disk to measure (kept)")
     p.add_argument("--out", type=Path, default=Path("bench-results/k3_gpu.json"))
     p.add_argument("--timeout", type=float, default=900)
@@ -673,9 +674,13 @@ def main(argv: list[str] | None = None) -> int:
                 dict(label="B cold, page cache on", prompt="B", stream=dict(stream, page_cache="on")),
                 dict(label="B cold, K3 box tiers", prompt="B", stream=dict(
                     stream, budget_bytes=box_budget(model, K3_BOX_SHARES["gpu"], cfg["workers"]),
-                    host_cache_bytes=max(eb, int(K3_BOX_SHARES["host"] * model["expert_total_bytes"]))))]
+                    host_cache_bytes=max(eb, int(K3_BOX_SHARES["host"] * model["expert_total_bytes"]))))
+            ] + [  # cache-aware routing: a cached expert within the margin of an uncached one is chosen instead
+                dict(label=f"B cold, cache routing {m:g}", prompt="B", stream=dict(stream, cache_routing=m))
+                for m in map(float, str(cfg["cache_margins"]).split(","))]
         chosen = set(a.runs.split(","))
-        runs = [r for r, key in zip(runs, "ABW8LFX12RHPT") if key in chosen]
+        keys = "ABW8LFX12RHPT" + "C" * (len(runs) - 13)
+        runs = [r for r, key in zip(runs, keys) if key in chosen]
         drop_cache(files)
         res = run_child(SCRIPT, "decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
                                                tokens=cfg["tokens"], runs=runs, compile_warmup=True), a.timeout)

@@ -489,7 +489,7 @@ def streamer_stats(streamer) -> dict:
                 hits_host=s.hits_host, misses=s.misses, host_copy_s=s.host_copy_s,
                 reads=s.reads, critical_bytes=s.critical_bytes, speculative_bytes=s.speculative_bytes,
                 stall_s=s.stall_s, tokens=s.tokens, evictions=s.evictions, lookahead_reads=s.lookahead_reads,
-                lookahead_used=s.lookahead_used, cache_bytes_max=s.cache_bytes_max)
+                lookahead_used=s.lookahead_used, cache_bytes_max=s.cache_bytes_max, substitutions=s.substitutions)
 
 
 def child_decode(a: dict) -> None:
