@@ -177,6 +177,7 @@ static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4
 template <typename T> static inline T as_type(unsigned u) { T f; std::memcpy(&f, &u, 4); return f; }
 using std::fma;
 static inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+static inline unsigned mulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
 namespace metal { using std::fma; }
 static inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 static inline int min(int a, int b) { return a < b ? a : b; }
