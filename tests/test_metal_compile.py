@@ -151,7 +151,8 @@ def test_every_metal_variant_compiles_strictly(levels, kind) -> None:
         metal = mlx_metal_source(spec, pairs)
         seen += 1
         if errors := compile_errors(metal):
-            failed[f"batch {spec.batch} {spec.scale_dtype}/{spec.book_dtype} rows {spec.rows} wide {spec.wide}"] = errors
+            what = f"batch {spec.batch} {spec.scale_dtype}/{spec.book_dtype} rows {spec.rows} wide {spec.wide}"
+            failed[what] = errors
     assert seen == 32 and not failed, failed
 
 

@@ -15,10 +15,11 @@ Kernel design (docs: benchmarks/README.md, "Fused TurboQuant kernels"):
 - A warp (simdgroup) splits into row tiles of `lanes` lanes; a tile owns `rows` consecutive rows of W and its lanes
   walk the units of those rows. A lane loads x once per block and uses it for all its rows (and the codes of a
   row once for all rows of x), so x traffic is divided by `rows` and lookups by the batch. Few lanes per tile and
-  many rows per lane measured fastest on an H200 (a warp's fixed costs are paid once): `choose_layout` in
-  tqbench.runtime.kernels. Binary formats load the next unit's words before the current unit's arithmetic
+  many rows per lane measured fastest on an H200 (a warp's fixed costs are paid once); Metal takes fewer where its
+  registers would not fit: tqbench.runtime.kernel_layout. Binary formats load the next unit's words before the current unit's arithmetic
   (`prefetch`); ternary does not, and does not preload x as float4s (`xpre`): both raise its registers (to
   195-255) and were no faster.
+- Weight and scale offsets are 32-bit on Metal where the tensors' sizes allow (`offset_type`), 64-bit on CUDA.
 - A threadgroup has at most 256 threads, so that even 255 registers a thread fit the register file: MLX does not
   report a launch that asks for too many, the output is then left unwritten (seen on the H200 with 320 threads
   and 255 registers, and caught by the self-check).
@@ -29,7 +30,7 @@ Kernel design (docs: benchmarks/README.md, "Fused TurboQuant kernels"):
 - Codes: b-bit codes are shifted and masked and looked up in a float table in shared memory (at most 16 entries,
   so every entry has its own bank and lookups never conflict). Ternary words are split into runs of at most 10
   trits, each turned into a 32-bit fixed-point fraction whose trits come out top-down, one 32x32->64-bit
-  multiply by 3 per trit; the multiply's addend puts the trit t into the bits of the float 2^23 + t, so
+  multiply by 3 per trit (Metal: `mulhi` and a 32-bit multiply, since Apple GPUs emulate 64-bit integers); the multiply's addend puts the trit t into the bits of the float 2^23 + t, so
   e = t - 1 in {-1, 0, 1} costs one float subtraction, and codebook[t] = c1 + beta * e + gamma * e^2
   (gamma = 0 for a symmetric codebook: one multiply-add per trit and row).
 """

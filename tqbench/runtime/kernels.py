@@ -2,11 +2,12 @@
 else the pure-MLX reference (tqbench.runtime.codebook).
 
 The fused kernels are codebook matrix-vector products for decode and tiny batches (up to MAX_ROWS rows of x); their
-source comes from tqbench.runtime.kernel_source. Here: the layout each product's shape gets (`choose_layout`),
-building a kernel once per process (Metal: `mx.fast.metal_kernel`; CUDA: the cubin NVRTC compiled once per machine,
-`tqbench.cubin`, since `mx.fast.cuda_kernel` would compile every kernel shape again in every process), launching it
-(`fused_matmul`, `fused_gather`), and the dispatcher that self-checks each configuration once against the reference
-and falls back to it with one warning.
+source comes from tqbench.runtime.kernel_source, their layouts per backend from tqbench.runtime.kernel_layout. Here:
+the kernels of each product (`make_spec`, `matmul_specs`, `gather_specs`), building a kernel once per process
+(Metal: `mx.fast.metal_kernel`; CUDA: the cubin NVRTC compiled once per machine, `tqbench.cubin`, since
+`mx.fast.cuda_kernel` would compile every kernel shape again in every process), launching it
+(`fused_matmul`, `fused_gather`), and the dispatcher that self-checks each configuration once against the reference,
+evaluates each shape's first product, and falls back to the reference with one warning where either fails.
 """
 
 from __future__ import annotations
@@ -390,7 +391,8 @@ class Dispatcher:
                    weight.shape[1], weight.shape[0], tuple(x_rot.shape[:-1]), tuple(indices.shape))
             what = self._what("gather", codebook, scales, n, weight.shape[1],
                               f"x {tuple(x_rot.shape)}, indices {tuple(indices.shape)}")
-            return self._first_use(key, what, lambda: self.gather_kernel(x_rot, weight, scales, codebook, indices, backend),
+            return self._first_use(key, what,
+                                   lambda: self.gather_kernel(x_rot, weight, scales, codebook, indices, backend),
                                    lambda: ref.gather_matmul(x_rot, weight, scales, codebook, indices, sorted_indices))
         return ref.gather_matmul(x_rot, weight, scales, codebook, indices, sorted_indices)
 
