@@ -3,6 +3,9 @@ H200, the H200's layouts kept on CUDA, and Metal's within Apple's register budge
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from tqbench.runtime import kernel_layout as L
@@ -52,3 +55,29 @@ def test_metal_4_bit_takes_fewer_rows_per_lane_from_two_rows_of_x() -> None:
     assert L.choose_layout(16, 4096, 7168, batch=2, backend="metal")["rows"] == 4
     assert [s.batch for s in K.matmul_specs(8, 3, 64, 4096, 7168, "float16", "float16", "metal")] == [3, 3, 2]
     assert [s.batch for s in K.matmul_specs(8, 3, 64, 4096, 7168, "float16", "float16")] == [4, 4]
+
+
+RECORD = Path(__file__).resolve().parent.parent / "results" / "kernel-registers-sm90.json"
+
+
+def test_recorded_ptxas_run_matches_today_s_layouts_and_backs_metal_s_choice() -> None:
+    """scripts/kernel_registers.py's run (ptxas for sm_90, each kernel also capped at 128 registers as on an Apple
+    GPU): its layouts and estimates are today's; Metal's layouts spill nothing at 128 registers but ternary's few bytes
+    (its mulhi step: docs/metal.md), while the H200's layouts spill 8-248 bytes exactly where Metal chose otherwise
+    (2- and 4-bit at 3-4 rows of x, ternary at 4)."""
+    rec = json.loads(RECORD.read_text())
+    seen = set()
+    for r in rec["rows"]:
+        backend = "metal" if r["variant"] == "metal" else "cuda"
+        spec = K.make_spec(r["levels"], 64, rec["n"], rec["out"], 1, r["batch"], False, backend=backend,
+                           wide=r["variant"] == "h200")
+        assert (spec.rows, spec.lanes, spec.tiles, spec.prefetch) == (r["rows"], r["lanes"], r["tiles"], r["prefetch"])
+        assert L.registers(spec, backend) == r["estimate"]
+        if backend == "metal":
+            assert r["spill_bytes_at_128"] <= (16 if r["levels"] == 3 else 0), r
+        seen.add((r["levels"], r["batch"], r["variant"]))
+    for levels in (3, 4, 8, 16):
+        top = L.kernel_batch(levels, rec["n"], rec["out"], 1, "metal")
+        assert {b for lv, b, v in seen if lv == levels and v == "metal"} == set(range(1, top + 1))
+    spilled = {(r["levels"], r["batch"]) for r in rec["rows"] if r["variant"] == "h200" and r["spill_bytes_at_128"]}
+    assert spilled == {(4, 3), (4, 4), (16, 3), (16, 4), (3, 4)}
