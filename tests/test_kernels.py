@@ -454,8 +454,8 @@ def test_emulated_layouts(monkeypatch, levels, layout) -> None:
 
 @needs_gxx
 def test_emulated_metal_layouts_split_batches_and_64_bit_offsets(monkeypatch) -> None:
-    """Metal's own layouts: ternary takes 3 rows of x a launch (4 rows: launches of 3 and 1), 4-bit 4 rows per lane
-    from 2 rows of x; and the 64-bit offset variant computes the same products."""
+    """Metal's own layouts: ternary takes 3 rows of x a launch (4 rows: launches of 3 and 1, plain and gathered), 4-bit
+    4 rows per lane from 2 rows of x; and the 64-bit offset variant computes the same products."""
     monkeypatch.setattr(K, "compiled", _emulated("metal"))
     for levels in (3, 16):
         w, s, cb = _case(levels, 64, 896, 48, key=levels + 20)
@@ -465,6 +465,10 @@ def test_emulated_metal_layouts_split_batches_and_64_bit_offsets(monkeypatch) ->
         assert [(sp.batch, sp.rows) for sp in specs] == ([(3, 4), (1, 4)] if levels == 3 else [(4, 4)])
         assert _rel(K.fused_matmul(x, w[0], s[0], cb, "metal"), want) < 1e-5
         assert _rel(K.fused_matmul(x, w[0], s[0], cb, "metal", wide=True), want) < 1e-5
+    w, s, cb = _case(3, 32, 640, 40, experts=5, key=2)
+    idx = mx.array([[4, 0, 2], [1, 1, 3]], dtype=mx.uint32)
+    x = mx.random.normal((2, 3, 4, 640), key=mx.random.key(15))  # 4 rows of x per pair: launches of 3 and 1
+    assert _rel(K.fused_gather(x, w, s, cb, idx, "metal"), ref.gather_matmul(x, w, s, cb, idx)) < 1e-5
 
 
 @needs_gxx
