@@ -113,16 +113,16 @@ def self_check_specs(kind: str, levels: int, group: int, sdtype, bdtype, backend
                         *names, backend=backend)
 
 
-def _batches(rows: int, step: int) -> list[tuple[int, int]]:
-    """(first row, rows) of each launch over `rows` rows of x, `step` at a time."""
-    return [(s, min(step, rows - s)) for s in range(0, rows, step)]
+def _launch_rows(rows: int, step: int) -> list[int]:
+    """The rows of x each launch takes, `step` at a time."""
+    return [min(step, rows - s) for s in range(0, rows, step)]
 
 
 def matmul_specs(x_rows: int, levels: int, group: int, n: int, out: int, scale_dtype: str, book_dtype: str,
                  backend: str = "cuda", **layout) -> list[Spec]:
     """The kernel of each launch `fused_matmul` makes for `x_rows` rows of x: batches of up to `kernel_batch` rows."""
     return [make_spec(levels, group, n, out, 1, m, False, scale_dtype, book_dtype, backend=backend, **layout)
-            for _, m in _batches(x_rows, kernel_batch(levels, n, out, 1, backend))]
+            for m in _launch_rows(x_rows, kernel_batch(levels, n, out, 1, backend))]
 
 
 def fused_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, backend: str,
@@ -164,7 +164,7 @@ def gather_specs(m: int, xbatch: tuple, ishape: tuple, levels: int, group: int, 
     npairs, xdiv = math.prod(bshape), _x_divisor(tuple(xbatch), bshape)
     return [make_spec(levels, group, n, out, experts, b, True, scale_dtype, book_dtype, pairs=npairs, xdiv=xdiv,
                       backend=backend, **layout)
-            for _, b in _batches(m, kernel_batch(levels, n, out, experts, backend))]
+            for b in _launch_rows(m, kernel_batch(levels, n, out, experts, backend))]
 
 
 def fused_gather(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, indices: mx.array,
