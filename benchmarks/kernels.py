@@ -12,6 +12,10 @@
   HBM, not L2 (the graph is built before the clock starts, so Python's cost is not timed), repeated; the median
   per product is reported, and each ratio is against the affine time measured in the same run.
 - `--variants`: also times other kernel layouts (rows per lane, lanes per row tile, warps per threadgroup).
+- first use: `tq_first_s` (each timed product's first build and launch; Metal compiles the kernel's source then) and
+  the dispatch check's `first_s` (the same, plus the self-check of the first product of its configuration).
+
+Runs unchanged on a Mac (Metal: the kernels built by `mx.fast.metal_kernel`, Metal's layouts) and on CUDA.
 - `--launch-cost`: what one launch costs on tiny products, NVRTC's cubin (with it, and with an empty source once the
   module is loaded) against MLX's build of the same kernel (`launch_cost`); CUDA only. With `--skip-timing`:
   `python3 benchmarks/kernels.py --launch-cost --skip-timing --out bench-launch-cost.json`.
@@ -101,7 +105,16 @@ def n_copies(nbytes: int) -> int:
     return max(2, math.ceil(4 * L2_BYTES / nbytes))
 
 
+def first_launch(make) -> float:
+    """Seconds from nothing built to the first product's result: the kernel's build (Metal compiles its source here;
+    CUDA loads or compiles the cubin) and one launch."""
+    t0 = time.perf_counter()
+    mx.eval(make(0))
+    return time.perf_counter() - t0
+
+
 def bench_matvec(args, results: list, variants: bool) -> None:
+    backend = K.default_backend()
     x32 = {n: mx.random.normal((1, n), key=mx.random.key(n)) for _, n in SHAPES}
     for (out, n) in SHAPES:
         xb = x32[n].astype(mx.bfloat16)
@@ -117,16 +130,17 @@ def bench_matvec(args, results: list, variants: bool) -> None:
                     layouts += [dict(lanes=8, tiles=1), dict(lanes=4, tiles=1), dict(rows=8, lanes=8, tiles=1),
                                 dict(lanes=16, tiles=1), dict(lanes=8, tiles=1, prefetch=True),
                                 dict(lanes=4, tiles=1, prefetch=not (levels == 3))]
-            seen, best = set(), None
+            seen, best, first_s = set(), None, None
             for lay in layouts:
-                key = K.make_spec(levels, GROUP, n, out, 1, 1, False, **lay)
+                key = K.make_spec(levels, GROUP, n, out, 1, 1, False, backend=backend, **lay)
                 if key in seen:
                     continue
                 seen.add(key)
-                f = lambda i, lay=lay: K.fused_matmul(x32[n], *tq[i], "cuda" if mx.cuda.is_available() else "metal",
-                                                      **lay)
+                f = lambda i, lay=lay: K.fused_matmul(x32[n], *tq[i], backend, **lay)
+                if first_s is None:
+                    first_s = first_launch(f)  # the default layout's
                 med, mn = time_chain(f, copies, args.chain, args.repeats)
-                spec = K.make_spec(levels, GROUP, n, out, 1, 1, False, **lay)
+                spec = K.make_spec(levels, GROUP, n, out, 1, 1, False, backend=backend, **lay)
                 rec = dict(layout=dict(rows=spec.rows, lanes=spec.lanes, tiles=spec.tiles, xpre=spec.xpre,
                                        prefetch=spec.prefetch), median_s=med, min_s=mn)
                 if best is None or med < best["median_s"]:
@@ -142,7 +156,7 @@ def bench_matvec(args, results: list, variants: bool) -> None:
             a32med, _ = time_chain(fa32, copies_a, args.chain, args.repeats)
             aff = None
             row = dict(kind="matvec", format=name, levels=levels, affine_bits=bits, out=out, n=n, group=GROUP,
-                       tq_s=best["median_s"], tq_min_s=best["min_s"], tq_layout=best["layout"],
+                       tq_s=best["median_s"], tq_min_s=best["min_s"], tq_layout=best["layout"], tq_first_s=first_s,
                        affine_bf16_s=amed, affine_bf16_min_s=amin, affine_f32x_s=a32med,
                        ratio=best["median_s"] / amed,
                        tq_gbps=tq_bytes(levels, out, n) / best["median_s"] / 1e9,
@@ -154,7 +168,7 @@ def bench_matvec(args, results: list, variants: bool) -> None:
 
 
 def bench_gather(args, results: list, experts: int = 64, top: int = 16) -> None:
-    backend = "cuda" if mx.cuda.is_available() else "metal"
+    backend = K.default_backend()
     rng = np.random.default_rng(0)
     idxs = [mx.array(rng.choice(experts, top, replace=False).reshape(1, 1, top).astype(np.uint32))
             for _ in range(64)]
@@ -166,6 +180,7 @@ def bench_gather(args, results: list, experts: int = 64, top: int = 16) -> None:
         for name, levels, bits in FORMATS:
             w, s, cb = tq_weights(levels, out, n, (experts,), key=300)
             f = lambda i: K.fused_gather(x32, w, s, cb, idxs[i % len(idxs)], backend)
+            first_s = first_launch(f)
             med, mn = time_chain(f, len(idxs), args.chain, args.repeats)
             w = s = None
             aw = affine_weights(bits, out, n, (experts,), key=400)
@@ -174,7 +189,8 @@ def bench_gather(args, results: list, experts: int = 64, top: int = 16) -> None:
             amed, amin = time_chain(fa, len(idxs), args.chain, args.repeats)
             aw = None
             row = dict(kind="gather", format=name, levels=levels, affine_bits=bits, out=out, n=n, group=GROUP,
-                       experts=experts, top=top, x_shared=shared, tq_s=med, tq_min_s=mn, affine_bf16_s=amed,
+                       experts=experts, top=top, x_shared=shared, tq_s=med, tq_min_s=mn, tq_first_s=first_s,
+                       affine_bf16_s=amed,
                        affine_bf16_min_s=amin, ratio=med / amed,
                        tq_gbps=top * tq_bytes(levels, out, n) / med / 1e9,
                        affine_gbps=top * affine_bytes(bits, out, n) / amed / 1e9)
@@ -192,7 +208,7 @@ def reference64(x: mx.array, w: mx.array, s: mx.array, cb: mx.array) -> np.ndarr
 
 def check(results: list, quick: bool = False) -> float:
     """Every variant against a float64 reference; returns the largest relative error."""
-    backend = "cuda" if mx.cuda.is_available() else "metal"
+    backend = K.default_backend()
     worst = 0.0
     n, out = 896, 136  # 3-bit rows of 90 words, ternary 45: misaligned rows; a partial 160-code unit
     for levels in K.LEVELS:
@@ -223,12 +239,14 @@ def check(results: list, quick: bool = False) -> float:
         for name, levels, _ in FORMATS:
             w, s, cb = tq_weights(levels, out, n, (), key=7)
             x = mx.random.normal((1, n), key=mx.random.key(3))
-            got = np.array(K.matmul(x, w, s, cb), np.float64)
+            t0 = time.perf_counter()
+            got = np.array(K.matmul(x, w, s, cb), np.float64)  # builds the kernel (and self-checks a configuration)
+            first_s = time.perf_counter() - t0
             want = reference64(x, w, s, cb)
             err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             worst = max(worst, err)
             results.append(dict(kind="check", op="dispatch", levels=levels, group=GROUP, rows=1, n=n, out=out,
-                                rel_error=err))
+                                rel_error=err, first_s=first_s))
     checked = {str(k): v for k, v in K.dispatcher.checked.items()}
     results.append(dict(kind="self_check", results=checked, warnings=list(K.dispatcher.warnings)))
     print(f"dispatch self-checks: {checked}; warnings: {K.dispatcher.warnings}", flush=True)
@@ -362,7 +380,8 @@ def main() -> int:
                       f"| {r['tq_gbps']:.0f} | {r['affine_gbps']:.0f} |")
     from tqbench.cubin import STATS
     info.update(nvrtc=dict(compiled=STATS.compiled, compile_s=STATS.compile_s, loaded=STATS.loaded),
-                nvrtc_error=K.NVRTC_ERROR)
+                nvrtc_error=K.NVRTC_ERROR, kernels_built=K._compiled.cache_info().currsize,
+                first_use_warnings=[w for w in K.dispatcher.warnings if "on first use" in w])
     print(f"kernels built: {K._compiled.cache_info().currsize}; NVRTC compiled {STATS.compiled} in "
           f"{STATS.compile_s:.1f} s, loaded {STATS.loaded}" + (f"; NVRTC error: {K.NVRTC_ERROR}" if K.NVRTC_ERROR else ""))
     if args.out:

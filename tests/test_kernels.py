@@ -177,6 +177,7 @@ static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4
 template <typename T> static inline T as_type(unsigned u) { T f; std::memcpy(&f, &u, 4); return f; }
 using std::fma;
 static inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+static inline unsigned mulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
 namespace metal { using std::fma; }
 static inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 static inline int min(int a, int b) { return a < b ? a : b; }
@@ -224,9 +225,9 @@ _EMU_DIR = Path(tempfile.gettempdir()) / "tqbench-kernel-emu"
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel emulation needs g++")
 
 
-def _emulator(spec: S.Spec, dialect: str) -> Path:
+def _emulator(spec: S.Spec, dialect: str, broken: bool = False) -> Path:
     """CUDA: the whole NVRTC program (`cuda_program`: prelude, 16-bit widening, parameter list); Metal: the body inside
-    a function with mx.fast.metal_kernel's parameters."""
+    a function with mx.fast.metal_kernel's parameters. `broken`: the source with a syntax error (a build that fails)."""
     if dialect == "cuda":
         src = (_SHIM + "#define __global__\n" + S.cuda_program(spec, "kern")
                + _DRIVER.replace("HALF", "tq_half").replace("SEL", "sel.data()," if spec.gather else ""))
@@ -239,22 +240,26 @@ def _emulator(spec: S.Spec, dialect: str) -> Path:
         params += "device float* y"
         src = (_SHIM + header + f"\nstatic void kern({params}) {{\n{body}}}\n"
                + _DRIVER.replace("HALF", "half").replace("SEL", "sel.data()," if spec.gather else ""))
+    if broken:
+        src = src.replace("const tq_u32 tid =", "const tq_u32 tid = = ")
     _EMU_DIR.mkdir(exist_ok=True)
     exe = _EMU_DIR / hashlib.sha1(src.encode()).hexdigest()[:16]
     if not exe.exists():
         cpp = exe.with_suffix(".cpp")
         cpp.write_text(src)
         tmp = exe.with_suffix(f".{os.getpid()}")
-        subprocess.run(["g++", "-std=c++20", "-O0", "-pthread", "-w", "-o", str(tmp), str(cpp)], check=True)
+        subprocess.run(["g++", "-std=c++20", "-O0", "-pthread", "-w", "-o", str(tmp), str(cpp)], check=True,
+                       stderr=subprocess.DEVNULL if broken else None)
         tmp.replace(exe)
     return exe
 
 
-def _emulated(dialect: str):
-    """A stand-in for K.compiled: a callable with mx.fast kernels' call signature that runs the emulation."""
+def _emulated(dialect: str, broken=lambda spec: False):
+    """A stand-in for K.compiled: a callable with mx.fast kernels' call signature that runs the emulation (built from
+    a broken source for the specs `broken` names)."""
 
     def compiled(spec: S.Spec, backend: str):
-        exe = _emulator(spec, dialect)
+        exe = _emulator(spec, dialect, broken(spec))
 
         def call(inputs, grid, threadgroup, output_shapes, output_dtypes):
             x, w, s, cb = (np.array(a) for a in inputs[:4])
@@ -445,6 +450,49 @@ def test_emulated_layouts(monkeypatch, levels, layout) -> None:
     w, s, cb = _case(levels, 32, 640, 44, key=4)
     x = mx.random.normal((2, 640), key=mx.random.key(1))
     assert _rel(K.fused_matmul(x, w[0], s[0], cb, "cuda", **layout), ref.matmul(x, w[0], s[0], cb)) < 1e-5
+
+
+@needs_gxx
+def test_emulated_metal_layouts_split_batches_and_64_bit_offsets(monkeypatch) -> None:
+    """Metal's own layouts: ternary takes 3 rows of x a launch (4 rows: launches of 3 and 1, plain and gathered), 4-bit
+    4 rows per lane from 2 rows of x; and the 64-bit offset variant computes the same products."""
+    monkeypatch.setattr(K, "compiled", _emulated("metal"))
+    for levels in (3, 16):
+        w, s, cb = _case(levels, 64, 896, 48, key=levels + 20)
+        x = mx.random.normal((4, 896), key=mx.random.key(12))
+        want = ref.matmul(x, w[0], s[0], cb)
+        specs = K.matmul_specs(4, levels, 64, 896, 48, "float16", "float16", "metal")
+        assert [(sp.batch, sp.rows) for sp in specs] == ([(3, 4), (1, 4)] if levels == 3 else [(4, 4)])
+        assert _rel(K.fused_matmul(x, w[0], s[0], cb, "metal"), want) < 1e-5
+        assert _rel(K.fused_matmul(x, w[0], s[0], cb, "metal", wide=True), want) < 1e-5
+    w, s, cb = _case(3, 32, 640, 40, experts=5, key=2)
+    idx = mx.array([[4, 0, 2], [1, 1, 3]], dtype=mx.uint32)
+    x = mx.random.normal((2, 3, 4, 640), key=mx.random.key(15))  # 4 rows of x per pair: launches of 3 and 1
+    assert _rel(K.fused_gather(x, w, s, cb, idx, "metal"), ref.gather_matmul(x, w, s, cb, idx)) < 1e-5
+
+
+@needs_gxx
+def test_a_kernel_that_fails_to_build_on_first_use_falls_back_with_one_warning(monkeypatch) -> None:
+    """The self-check builds the kernels of 1 and 3 rows of x; a product of 2 rows needs another, which here fails to
+    build (its source broken for the test). That shape gets the reference path, with one warning line, however often
+    it comes; the checked shapes keep the fused kernel."""
+    monkeypatch.setattr(K, "compiled", _emulated("metal", broken=lambda spec: spec.batch == 2))
+    stream = io.StringIO()
+    d = K.Dispatcher(backend="metal", stream=stream)
+    w, s, cb = _case(16, 64, 896, 48, key=3)
+    x2 = mx.random.normal((2, 896), key=mx.random.key(13))
+    for _ in range(3):
+        assert mx.array_equal(d.matmul(x2, w[0], s[0], cb), ref.matmul(x2, w[0], s[0], cb))
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and d.warnings == lines
+    assert lines[0].startswith("tqbench: fused TurboQuant kernel failed on first use on metal (matmul, 16 levels, "
+                               "group 64, float16, 896 -> 48, 2 rows of x: CalledProcessError: Command ")
+    assert lines[0].endswith("); this shape uses the reference path")
+    x1 = mx.random.normal((1, 896), key=mx.random.key(14))
+    got = d.matmul(x1, w[0], s[0], cb)
+    assert _rel(got, ref.matmul(x1, w[0], s[0], cb)) < 1e-5 and not mx.array_equal(got, ref.matmul(x1, w[0], s[0], cb))
+    assert len(stream.getvalue().splitlines()) == 1
+    assert all(d.checked.values()) and list(d.shapes.values()) == [False, True]
 
 
 # ---------------------------------------------------------------------------------------------------------------

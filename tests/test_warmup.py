@@ -111,6 +111,10 @@ def test_decode_kernels_are_counted_from_the_model_files(model):
     assert len(specs) == len(want) == 7 and all(s.batch == 1 for s in specs)
     assert sum(s.gather for s in specs) == 1  # the routed experts' down projection (gate/up are mxfp4 in tq4)
     assert len(kernels_to_build(loaded.model, d)) == len(want) + checks == 10
+    # a Mac compiles as many, in Metal's layouts (the same shapes: one row of x, the self-checks' 1 and 3 rows)
+    metal = kernels_to_build(loaded.model, d, "metal")
+    assert len(metal) == 10 and {(s.levels, s.n, s.out, s.batch) for s in metal} == \
+        {(s.levels, s.n, s.out, s.batch) for s in kernels_to_build(loaded.model, d)}
 
 
 @pytest.mark.parametrize("budget", [None, 40_000], ids=["resident", "streamed"])

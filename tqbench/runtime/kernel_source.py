@@ -15,10 +15,11 @@ Kernel design (docs: benchmarks/README.md, "Fused TurboQuant kernels"):
 - A warp (simdgroup) splits into row tiles of `lanes` lanes; a tile owns `rows` consecutive rows of W and its lanes
   walk the units of those rows. A lane loads x once per block and uses it for all its rows (and the codes of a
   row once for all rows of x), so x traffic is divided by `rows` and lookups by the batch. Few lanes per tile and
-  many rows per lane measured fastest on an H200 (a warp's fixed costs are paid once): `choose_layout` in
-  tqbench.runtime.kernels. Binary formats load the next unit's words before the current unit's arithmetic
+  many rows per lane measured fastest on an H200 (a warp's fixed costs are paid once); Metal takes fewer where its
+  registers would not fit: tqbench.runtime.kernel_layout. Binary formats load the next unit's words before the current unit's arithmetic
   (`prefetch`); ternary does not, and does not preload x as float4s (`xpre`): both raise its registers (to
   195-255) and were no faster.
+- Weight and scale offsets are 32-bit on Metal where the tensors' sizes allow (`offset_type`), 64-bit on CUDA.
 - A threadgroup has at most 256 threads, so that even 255 registers a thread fit the register file: MLX does not
   report a launch that asks for too many, the output is then left unwritten (seen on the H200 with 320 threads
   and 255 registers, and caught by the self-check).
@@ -29,7 +30,7 @@ Kernel design (docs: benchmarks/README.md, "Fused TurboQuant kernels"):
 - Codes: b-bit codes are shifted and masked and looked up in a float table in shared memory (at most 16 entries,
   so every entry has its own bank and lookups never conflict). Ternary words are split into runs of at most 10
   trits, each turned into a 32-bit fixed-point fraction whose trits come out top-down, one 32x32->64-bit
-  multiply by 3 per trit; the multiply's addend puts the trit t into the bits of the float 2^23 + t, so
+  multiply by 3 per trit (Metal: `mulhi` and a 32-bit multiply, since Apple GPUs emulate 64-bit integers); the multiply's addend puts the trit t into the bits of the float 2^23 + t, so
   e = t - 1 in {-1, 0, 1} costs one float subtraction, and codebook[t] = c1 + beta * e + gamma * e^2
   (gamma = 0 for a symmetric codebook: one multiply-add per trit and row).
 """
@@ -112,6 +113,7 @@ class Dialect:
     u2f: str  # format with {v}
     inline: str
     fma: str
+    mulhi: str | None  # 32x32 -> high 32 bits of the product (None: the trit step multiplies in 64 bits)
 
 
 def _cuda_h2f(v: str, dtype: str) -> str:
@@ -123,7 +125,7 @@ def _metal_h2f(v: str, dtype: str) -> str:
 
 
 _COMMON_HELPERS = """
-{inline} uint4 tq_load4(const {dev} tq_u32* w, tq_u64 word, tq_u64 total) {{
+{inline} uint4 tq_load4(const {dev} tq_u32* w, {off} word, {off} total) {{
   // Four words from a 16-byte aligned word index; words past `total` read as 0 (only ever at the very end).
   if (word + 4 <= total) {{
     return ((const {dev} uint4*)(w + word))[0];
@@ -145,6 +147,7 @@ DIALECTS = {
         tid="threadIdx.x", bid_x="blockIdx.x", bid_y="blockIdx.y",
         shfl="__shfl_xor_sync(0xffffffffu, {v}, {o})",
         h2f=_cuda_h2f, u2f="__uint_as_float({v})", inline="__device__ __forceinline__", fma="__fmaf_rn",
+        mulhi=None,  # as measured on the H200 (the compiler makes the 64-bit product one wide multiply)
     ),
     "metal": Dialect(
         name="metal",
@@ -154,6 +157,7 @@ DIALECTS = {
         bid_y="threadgroup_position_in_grid.y",
         shfl="simd_shuffle_xor({v}, (ushort)({o}))",
         h2f=_metal_h2f, u2f="as_type<float>({v})", inline="inline", fma="metal::fma",
+        mulhi="mulhi",  # Apple GPUs emulate 64-bit integers
     ),
 }
 
@@ -177,6 +181,7 @@ class Spec:
     prefetch: bool | None = None  # load the next unit's words before this unit's arithmetic (None: not for ternary)
     scale_dtype: str = "float16"
     book_dtype: str = "float16"
+    wide: bool | None = None  # 64-bit weight and scale offsets (None: the dialect's choice, `offset_type`)
 
     def __post_init__(self):
         bits, per = format_of(self.levels)
@@ -188,6 +193,16 @@ class Spec:
             raise ValueError("3-bit and ternary kernels take rows=4 or 8 and need out % 4 == 0")
         if self.threads > 256:
             raise ValueError(f"{self.threads} threads a threadgroup: at most 256 (255 registers each must fit)")
+        if self.wide is False and not self.offsets_fit_32:
+            raise ValueError(f"{self.experts} x {self.out} rows of {self.words} words need 64-bit offsets")
+
+    @property
+    def offsets_fit_32(self) -> bool:
+        """Whether every weight and scale offset the kernel computes fits 32 bits: the last row tile may start 7 rows
+        past the last row (its words guarded), and a load reads at most a 16-byte frame past a row's end."""
+        words = (self.experts * self.out + 8) * self.words + 64
+        scales = self.experts * self.out * (self.n // self.group)
+        return max(words, scales) < 1 << 32
 
     @property
     def per_word(self) -> int:
@@ -232,6 +247,26 @@ class Spec:
     def grid(self, pairs: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         blocks = -(-self.out // self.rows_per_block)
         return (blocks * self.threads, pairs, 1), (self.threads, 1, 1)
+
+
+def offset_type(spec: Spec, dialect: str) -> str:
+    """The integer type of weight and scale offsets: 64-bit on CUDA (as measured on the H200) and wherever the sizes
+    need it, else 32-bit (Metal: Apple GPUs emulate 64-bit integer arithmetic). x and y offsets stay 64-bit: their
+    sizes depend on the launch (pairs), and each thread computes them once."""
+    wide = spec.wide if spec.wide is not None else (dialect == "cuda" or not spec.offsets_fit_32)
+    return "tq_u64" if wide else "tq_u32"
+
+
+# The ternary step: f * 3 with TRIT_MAGIC added in the high word, which is then the float 2^23 + trit; with `mulhi`
+# the high and low words come from two 32-bit multiplies.
+_TRIT_STEP_64 = r"""            const tq_u64 p = (tq_u64)f * 3u + ((tq_u64)TQ_TRIT_MAGIC << 32); \
+            f = (tq_u32)p; \
+            const float e = TQ_U2F((tq_u32)(p >> 32)) - 8388609.0f; \
+"""
+_TRIT_STEP_MULHI = r"""            const tq_u32 hi = {mulhi}(f, 3u) + TQ_TRIT_MAGIC; \
+            f = f * 3u; \
+            const float e = TQ_U2F(hi) - 8388609.0f; \
+"""
 
 
 def _c(d: Dialect) -> str:
@@ -313,10 +348,7 @@ _MACROS = r"""
         tq_u32 f = v * tq_trit_k(cnt) + tq_trit_c(cnt); \
         _Pragma("unroll") for (int i = 0; i < 10; ++i) { \
           if (i < cnt) { \
-            const tq_u64 p = (tq_u64)f * 3u + ((tq_u64)TQ_TRIT_MAGIC << 32); \
-            f = (tq_u32)p; \
-            const float e = TQ_U2F((tq_u32)(p >> 32)) - 8388609.0f; \
-            _Pragma("unroll") for (int b = 0; b < TQ_M; ++b) { \
+@TRIT_STEP@            _Pragma("unroll") for (int b = 0; b < TQ_M; ++b) { \
               t[r][b] = TQ_FMA(e, xr[b][i], t[r][b]); \
               if (GEN) { uu[r][b] = TQ_FMA(e * e, xr[b][i], uu[r][b]); } \
             } \
@@ -347,7 +379,7 @@ _MACROS = r"""
 """
 
 
-def _defines(spec: Spec, d: Dialect) -> str:
+def _defines(spec: Spec, d: Dialect, off: str) -> str:
     consts = dict(
         TQ_R=spec.rows, TQ_M=spec.batch, TQ_PER=spec.per_word, TQ_BITS=max(spec.bits, 1),
         TQ_MASK=f"{(1 << spec.bits) - 1 if spec.bits else 0}u", TQ_UW=spec.unit_words, TQ_UNIT=f"{spec.unit}u",
@@ -369,7 +401,7 @@ def _defines(spec: Spec, d: Dialect) -> str:
             lines.append(f"#define TQ_LOAD(r, q, UU) tq_widen((({_c(d)} uint2*)(w + wrow[r]))[UU])")
             lines.append(f"{d.inline} uint4 tq_widen(uint2 v2) {{ return {mk.format()}; }}")
     else:
-        lines.append(f"#define TQ_LOAD(r, q, UU) tq_load4(w, wrow[r] + (tq_u64)(UU) * {spec.unit_words}u + 4u * (q), "
+        lines.append(f"#define TQ_LOAD(r, q, UU) tq_load4(w, wrow[r] + ({off})(UU) * {spec.unit_words}u + 4u * (q), "
                      "total_words)")
     lines.append("#define TQ_BLOCK(J) if (general) TQ_BLOCK_TER(J, true) else TQ_BLOCK_TER(J, false)"
                  if spec.levels == 3 else
@@ -404,9 +436,11 @@ def kernel_source(spec: Spec, dialect: str) -> tuple[str, str]:
     d = DIALECTS[dialect]
     R, M, Lanes = spec.rows, spec.batch, spec.lanes
     T = 32 // Lanes
-    header = (d.header + _COMMON_HELPERS.format(inline=d.inline, dev=d.dev,
+    off = offset_type(spec, dialect)
+    step = _TRIT_STEP_MULHI.format(mulhi=d.mulhi) if d.mulhi else _TRIT_STEP_64
+    header = (d.header + _COMMON_HELPERS.format(inline=d.inline, dev=d.dev, off=off,
                                                 zero4="{0u, 0u, 0u, 0u}" if dialect == "cuda" else "(0u)")
-              + _helpers(d) + _defines(spec, d) + _MACROS)
+              + _helpers(d) + _defines(spec, d, off) + _MACROS.replace("@TRIT_STEP@", step))
     L: list[str] = []
     a = L.append
     a(f"// TurboQuant fused codebook matvec: levels={spec.levels} group={spec.group} n={spec.n} out={spec.out} "
@@ -431,7 +465,7 @@ def kernel_source(spec: Spec, dialect: str) -> tuple[str, str]:
     else:
         a("const tq_u32 xblk = 0u;")
         a("const tq_u32 expert = 0u;")
-    a(f"const tq_u64 total_words = (tq_u64){spec.experts * spec.out}u * {spec.words}u;")
+    a(f"const {off} total_words = ({off}){spec.experts * spec.out}u * {spec.words}u;")
     if spec.levels == 3:
         a(f"const float c0 = {d.h2f('codebook[0]', spec.book_dtype)};")
         a(f"const float c1 = {d.h2f('codebook[1]', spec.book_dtype)};")
@@ -443,18 +477,18 @@ def kernel_source(spec: Spec, dialect: str) -> tuple[str, str]:
         a(f"{d.shared} float tab[16];")
         a(f"if (tid < {spec.levels}u) tab[tid] = {d.h2f('codebook[tid]', spec.book_dtype)};")
         a(d.barrier)
-    a("tq_u64 wrow[TQ_R];  // first word of each row's 16-byte aligned frame")
-    a("tq_u64 srow[TQ_R];")
+    a(f"{off} wrow[TQ_R];  // first word of each row's 16-byte aligned frame")
+    a(f"{off} srow[TQ_R];")
     a("_Pragma(\"unroll\") for (int r = 0; r < TQ_R; ++r) {")
     if spec.blocks == 1:
         a("  const tq_u32 rowc = row0 + (tq_u32)r < TQ_OUT ? row0 + (tq_u32)r : TQ_OUT - 1u;  "
           "// clamped: loads stay in bounds")
     else:
         a("  const tq_u32 rowc = row0 + (tq_u32)r;")
-    a("  const tq_u64 grow = (tq_u64)expert * TQ_OUT + rowc;")
-    a("  wrow[r] = grow * (tq_u64)TQ_WORDS - (tq_u64)TQ_MISALIGN(r);")
+    a(f"  const {off} grow = ({off})expert * TQ_OUT + rowc;")
+    a(f"  wrow[r] = grow * ({off})TQ_WORDS - ({off})TQ_MISALIGN(r);")
     a("  // rows past the last (only in a tile of 8 rows) read clamped scales and guarded words; never written")
-    a(f"  srow[r] = ((tq_u64)expert * TQ_OUT + (rowc < TQ_OUT ? rowc : TQ_OUT - 1u)) * {spec.n // spec.group}u;")
+    a(f"  srow[r] = (({off})expert * TQ_OUT + (rowc < TQ_OUT ? rowc : TQ_OUT - 1u)) * {spec.n // spec.group}u;")
     a("}")
     a(f"{_c(d)} float* xb[TQ_M];")
     a("_Pragma(\"unroll\") for (int b = 0; b < TQ_M; ++b) { xb[b] = x + ((tq_u64)xblk * TQ_M + (tq_u64)b) * TQ_N; }")

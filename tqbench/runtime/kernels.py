@@ -2,11 +2,12 @@
 else the pure-MLX reference (tqbench.runtime.codebook).
 
 The fused kernels are codebook matrix-vector products for decode and tiny batches (up to MAX_ROWS rows of x); their
-source comes from tqbench.runtime.kernel_source. Here: the layout each product's shape gets (`choose_layout`),
-building a kernel once per process (Metal: `mx.fast.metal_kernel`; CUDA: the cubin NVRTC compiled once per machine,
-`tqbench.cubin`, since `mx.fast.cuda_kernel` would compile every kernel shape again in every process), launching it
-(`fused_matmul`, `fused_gather`), and the dispatcher that self-checks each configuration once against the reference
-and falls back to it with one warning.
+source comes from tqbench.runtime.kernel_source, their layouts per backend from tqbench.runtime.kernel_layout. Here:
+the kernels of each product (`make_spec`, `matmul_specs`, `gather_specs`), building a kernel once per process
+(Metal: `mx.fast.metal_kernel`; CUDA: the cubin NVRTC compiled once per machine, `tqbench.cubin`, since
+`mx.fast.cuda_kernel` would compile every kernel shape again in every process), launching it
+(`fused_matmul`, `fused_gather`), and the dispatcher that self-checks each configuration once against the reference,
+evaluates each shape's first product, and falls back to the reference with one warning where either fails.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import mlx.core as mx
 
 from tqbench.cubin import cached_cubin
 from tqbench.runtime import codebook as ref
-from tqbench.runtime.kernel_source import (GROUPS, KERNEL_BATCH, LEVELS, Spec, cuda_program, format_of, input_names,
-                                           kernel_name, kernel_source, unit_codes)
+from tqbench.runtime.kernel_layout import choose_layout, kernel_batch
+from tqbench.runtime.kernel_source import (GROUPS, LEVELS, Spec, cuda_program, format_of, input_names, kernel_name,
+                                           kernel_source)
 
 MAX_ROWS = 8  # rows of x (decode and tiny batches) up to which the fused kernel serves a product
 SELF_CHECK_TOL = 1e-4  # relative (Frobenius) error above which a kernel fails its self-check
@@ -84,25 +86,11 @@ def compiled(spec: Spec, dialect: str):
     return _compiled(spec, dialect, "mlx")
 
 
-def choose_layout(levels: int, n: int, out: int, pairs: int = 1) -> dict:
-    """Rows per lane, lanes per row tile and warps per threadgroup for a product: keeps lanes busy on short rows
-    (few units per row) and keeps enough threadgroups in flight on small matrices."""
-    units = -(-n // unit_codes(levels))
-    # Measured on an H200 (benchmarks/README.md): more work per lane wins, since a warp's fixed costs (codebook,
-    # lane reduction, shared-memory exchange) are paid once however many units its lanes walk.
-    if unit_codes(levels) == 32:  # 2- and 4-bit: 4 words a unit, many units per row
-        lanes = 16 if units >= 16 else 8
-        return {"rows": 8, "lanes": lanes, "tiles": 4}
-    if levels == 8:  # 3-bit: 4 lanes per row tile, with the next unit's words prefetched
-        return {"rows": 4, "lanes": 4 if units >= 8 else 8, "tiles": 1}
-    best = min((8, 16), key=lambda l: (-(units / (l * -(-units // l))), l))  # ternary
-    return {"rows": 4, "lanes": best, "tiles": 1}
-
-
 def make_spec(levels: int, group: int, n: int, out: int, experts: int, batch: int, gather: bool,
               scale_dtype: str = "float16", book_dtype: str = "float16", pairs: int = 1, xdiv: int = 0,
-              **layout) -> Spec:
-    lay = choose_layout(levels, n, out, pairs)
+              backend: str = "cuda", **layout) -> Spec:
+    """The kernel of one launch, in `backend`'s layout (tqbench.runtime.kernel_layout) unless `layout` says."""
+    lay = choose_layout(levels, n, out, pairs, batch, backend, experts)
     lay.update(layout)
     return Spec(levels=levels, group=group, n=n, out=out, experts=experts, batch=batch, gather=gather, xdiv=xdiv,
                 scale_dtype=scale_dtype, book_dtype=book_dtype, **lay)
@@ -113,22 +101,28 @@ def dtype_name(dtype) -> str:
     return {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}[dtype]
 
 
-def self_check_specs(kind: str, levels: int, group: int, sdtype, bdtype) -> list[Spec]:
+def self_check_specs(kind: str, levels: int, group: int, sdtype, bdtype, backend: str = "cuda") -> list[Spec]:
     """The kernels the self-check of a configuration launches (`Dispatcher.check`)."""
     n, out, experts = SELF_CHECK_SHAPE
     names = dtype_name(sdtype), dtype_name(bdtype)
     if kind == "matmul":
-        return [spec for rows in SELF_CHECK_ROWS for spec in matmul_specs(rows, levels, group, n, out, *names)]
+        return [spec for rows in SELF_CHECK_ROWS
+                for spec in matmul_specs(rows, levels, group, n, out, *names, backend=backend)]
     shape = (len(SELF_CHECK_INDICES), len(SELF_CHECK_INDICES[0]))
     return gather_specs(SELF_CHECK_GATHER_X[-1], SELF_CHECK_GATHER_X[:-1], shape, levels, group, n, out, experts,
-                        *names)
+                        *names, backend=backend)
+
+
+def _launch_rows(rows: int, step: int) -> list[int]:
+    """The rows of x each launch takes, `step` at a time."""
+    return [min(step, rows - s) for s in range(0, rows, step)]
 
 
 def matmul_specs(x_rows: int, levels: int, group: int, n: int, out: int, scale_dtype: str, book_dtype: str,
-                 **layout) -> list[Spec]:
-    """The kernel of each launch `fused_matmul` makes for `x_rows` rows of x: batches of up to KERNEL_BATCH rows."""
-    return [make_spec(levels, group, n, out, 1, min(KERNEL_BATCH, x_rows - s), False, scale_dtype, book_dtype,
-                      **layout) for s in range(0, x_rows, KERNEL_BATCH)]
+                 backend: str = "cuda", **layout) -> list[Spec]:
+    """The kernel of each launch `fused_matmul` makes for `x_rows` rows of x: batches of up to `kernel_batch` rows."""
+    return [make_spec(levels, group, n, out, 1, m, False, scale_dtype, book_dtype, backend=backend, **layout)
+            for m in _launch_rows(x_rows, kernel_batch(levels, n, out, 1, backend))]
 
 
 def fused_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, backend: str,
@@ -139,10 +133,12 @@ def fused_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: 
     lead = x_rot.shape[:-1]
     x2 = x_rot.reshape(-1, n).astype(mx.float32)
     specs = matmul_specs(x2.shape[0], codebook.shape[0], n // scales.shape[-1], n, out, dtype_name(scales.dtype),
-                         dtype_name(codebook.dtype), **layout)
+                         dtype_name(codebook.dtype), backend, **layout)
     parts = []
-    for s, spec in zip(range(0, x2.shape[0], KERNEL_BATCH), specs):
-        xs = x2[s:s + KERNEL_BATCH] if x2.shape[0] > KERNEL_BATCH else x2
+    s = 0
+    for spec in specs:
+        xs = x2[s:s + spec.batch] if len(specs) > 1 else x2
+        s += spec.batch
         grid, tg = spec.grid(1)
         y = compiled(spec, backend)(inputs=[xs, weight, scales, codebook], grid=grid, threadgroup=tg,
                                     output_shapes=[(1, xs.shape[0], out)], output_dtypes=[mx.float32])[0]
@@ -162,12 +158,13 @@ def _x_divisor(xbatch: tuple, bshape: tuple) -> int:
 
 
 def gather_specs(m: int, xbatch: tuple, ishape: tuple, levels: int, group: int, n: int, out: int, experts: int,
-                 scale_dtype: str, book_dtype: str, **layout) -> list[Spec]:
+                 scale_dtype: str, book_dtype: str, backend: str = "cuda", **layout) -> list[Spec]:
     """The kernel of each launch `fused_gather` makes for x (*xbatch, m, n) and indices of shape `ishape`."""
     bshape = tuple(mx.broadcast_shapes(tuple(xbatch), tuple(ishape)))
     npairs, xdiv = math.prod(bshape), _x_divisor(tuple(xbatch), bshape)
-    return [make_spec(levels, group, n, out, experts, min(KERNEL_BATCH, m - s), True, scale_dtype, book_dtype,
-                      pairs=npairs, xdiv=xdiv, **layout) for s in range(0, m, KERNEL_BATCH)]
+    return [make_spec(levels, group, n, out, experts, b, True, scale_dtype, book_dtype, pairs=npairs, xdiv=xdiv,
+                      backend=backend, **layout)
+            for b in _launch_rows(m, kernel_batch(levels, n, out, experts, backend))]
 
 
 def fused_gather(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, indices: mx.array,
@@ -191,10 +188,12 @@ def fused_gather(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: 
         sel = mx.stack([xidx, idx], axis=1)
     x3 = x_rot.reshape(nx, m, n).astype(mx.float32)
     specs = gather_specs(m, xbatch, tuple(indices.shape), codebook.shape[0], n // scales.shape[-1], n, out, experts,
-                         dtype_name(scales.dtype), dtype_name(codebook.dtype), **layout)
+                         dtype_name(scales.dtype), dtype_name(codebook.dtype), backend, **layout)
     parts = []
-    for s, spec in zip(range(0, m, KERNEL_BATCH), specs):
-        xs = x3[:, s:s + KERNEL_BATCH] if m > KERNEL_BATCH else x3
+    s = 0
+    for spec in specs:
+        xs = x3[:, s:s + spec.batch] if len(specs) > 1 else x3
+        s += spec.batch
         grid, tg = spec.grid(npairs)
         y = compiled(spec, backend)(inputs=[xs, weight, scales, codebook, sel], grid=grid, threadgroup=tg,
                                     output_shapes=[(npairs, xs.shape[1], out)], output_dtypes=[mx.float32])[0]
@@ -245,7 +244,10 @@ def rel_error(a: mx.array, b: mx.array) -> float:
 @dataclass
 class Dispatcher:
     """Chooses fused kernel or reference per call. `backend` None means detect (default_backend()); the kernels are
-    pluggable (tests give stand-ins); each (kind, levels, group, dtype) is self-checked once, at first use."""
+    pluggable (tests give stand-ins); each (kind, levels, group, dtype) is self-checked once, at first use. Every
+    other shape's kernel is built and launched by MLX when its first product is evaluated: that first product is
+    evaluated here, and a kernel that fails to build or launch then (a Metal compile error, a threadgroup too large for
+    its registers) leaves its shape to the reference path with one warning line instead of raising."""
 
     backend: str | None | Callable[[], str | None] = default_backend
     matmul_kernel: Callable | None = None  # (x2d, weight, scales, codebook, backend) -> (rows, out)
@@ -253,6 +255,7 @@ class Dispatcher:
     max_rows: int = MAX_ROWS
     stream: TextIO | None = None  # where the one warning line goes (None: sys.stderr at the time)
     checked: dict = field(default_factory=dict)  # key -> True (passed) / False (failed)
+    shapes: dict = field(default_factory=dict)  # product shape -> True (its first product ran) / False (it failed)
     warnings: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -341,13 +344,40 @@ class Dispatcher:
         self.warnings.append(line)
         print(line, file=self.stream or sys.stderr)
 
+    def _first_use(self, key: tuple, what: str, run: Callable[[], mx.array],
+                   fallback: Callable[[], mx.array]) -> mx.array:
+        """`run()`; the first time for `key`, evaluated here, and on failure `fallback()` for this key from then on."""
+        state = self.shapes.get(key)
+        if state is None:
+            try:
+                y = run()
+                mx.eval(y)
+            except Exception as e:  # noqa: BLE001 - a kernel MLX could not build or launch: use the reference
+                self.shapes[key] = False
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.warn(f"tqbench: fused TurboQuant kernel failed on first use on {key[1]} ({what}: "
+                          f"{type(e).__name__}: {msg[:200]}); this shape uses the reference path")
+                return fallback()
+            self.shapes[key] = True
+            return y
+        return run() if state else fallback()
+
+    @staticmethod
+    def _what(kind: str, codebook: mx.array, scales: mx.array, n: int, out: int, rows: str) -> str:
+        return (f"{kind}, {codebook.shape[0]} levels, group {n // scales.shape[-1]}, "
+                f"{str(scales.dtype).replace('mlx.core.', '')}, {n} -> {out}, {rows}")
+
     def matmul(self, x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array) -> mx.array:
         backend = self.resolved_backend()
         n = x_rot.shape[-1]
         rows = math.prod(x_rot.shape[:-1])
         if (backend is not None and self.fits_matmul(rows, n, weight, scales, codebook)
                 and self._ok("matmul", backend, codebook, scales, n)):
-            return self.matmul_kernel(x_rot, weight, scales, codebook, backend)
+            key = ("matmul", backend, codebook.shape[0], scales.shape[-1], str(scales.dtype), str(codebook.dtype), n,
+                   weight.shape[0], rows)
+            return self._first_use(key, self._what("matmul", codebook, scales, n, weight.shape[0], f"{rows} rows of x"),
+                                   lambda: self.matmul_kernel(x_rot, weight, scales, codebook, backend),
+                                   lambda: ref.matmul(x_rot, weight, scales, codebook))
         return ref.matmul(x_rot, weight, scales, codebook)
 
     def gather_matmul(self, x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array,
@@ -357,7 +387,13 @@ class Dispatcher:
         if (backend is not None and x_rot.ndim >= 2
                 and self.fits_gather(x_rot.shape[-2], indices.size, n, weight, scales, codebook)
                 and self._ok("gather", backend, codebook, scales, n)):
-            return self.gather_kernel(x_rot, weight, scales, codebook, indices, backend)
+            key = ("gather", backend, codebook.shape[0], scales.shape[-1], str(scales.dtype), str(codebook.dtype), n,
+                   weight.shape[1], weight.shape[0], tuple(x_rot.shape[:-1]), tuple(indices.shape))
+            what = self._what("gather", codebook, scales, n, weight.shape[1],
+                              f"x {tuple(x_rot.shape)}, indices {tuple(indices.shape)}")
+            return self._first_use(key, what,
+                                   lambda: self.gather_kernel(x_rot, weight, scales, codebook, indices, backend),
+                                   lambda: ref.gather_matmul(x_rot, weight, scales, codebook, indices, sorted_indices))
         return ref.gather_matmul(x_rot, weight, scales, codebook, indices, sorted_indices)
 
 

@@ -75,7 +75,7 @@ _SWITCH_INPUTS = {"gate_proj": _SHARED_X, "up_proj": _SHARED_X, "down_proj": _PA
 SORTED_FROM = 64  # routings (tokens x top-k) from which mlx-lm's switch layers sort a batch's routings by expert
 
 
-def decode_kernels(model: nn.Module, dispatcher: kernels.Dispatcher | None = None) -> list[Spec]:
+def decode_kernels(model: nn.Module, dispatcher: kernels.Dispatcher | None = None, backend: str = "cuda") -> list[Spec]:
     """The fused kernels one decode step of `model` launches (each once, in module order), as the dispatcher would
     choose them by shape, and the routed experts' kernels of a prompt whose sorted routings the fused kernels serve
     (64 to 128 routings: with K3's top-16, a prompt of 4 to 8 tokens at once); whether each configuration passes
@@ -84,7 +84,7 @@ def decode_kernels(model: nn.Module, dispatcher: kernels.Dispatcher | None = Non
     specs: dict[Spec, None] = {}
     for _, m in model.named_modules():
         if isinstance(m, TurboQuantLinear) and d.fits_matmul(1, m.input_dims, m.weight, m.scales, m.codebook):
-            specs.update(dict.fromkeys(kernels.matmul_specs(1, *_product(m))))
+            specs.update(dict.fromkeys(kernels.matmul_specs(1, *_product(m), backend=backend)))
     for switch, k in _routed_experts(model):
         for name, proj in switch.children().items():
             if not isinstance(proj, TurboQuantSwitchLinear) or name not in _SWITCH_INPUTS:
@@ -96,14 +96,16 @@ def decode_kernels(model: nn.Module, dispatcher: kernels.Dispatcher | None = Non
             for xbatch, ishape, routings in products:
                 if d.fits_gather(1, routings, n, proj.weight, proj.scales, proj.codebook):
                     specs.update(dict.fromkeys(kernels.gather_specs(1, xbatch, ishape, levels, group, n, out,
-                                                                    proj.weight.shape[0], sdtype, bdtype)))
+                                                                    proj.weight.shape[0], sdtype, bdtype, backend)))
     return list(specs)
 
 
-def kernels_to_build(model: nn.Module, dispatcher: kernels.Dispatcher | None = None) -> list[Spec]:
-    """The self-checks' kernels of each configuration the model's decode uses, then its decode kernels."""
-    decode = decode_kernels(model, dispatcher)
-    checks = [s for c in _configurations(decode) for s in kernels.self_check_specs(*c)]
+def kernels_to_build(model: nn.Module, dispatcher: kernels.Dispatcher | None = None,
+                     backend: str = "cuda") -> list[Spec]:
+    """The self-checks' kernels of each configuration the model's decode uses, then its decode kernels (in
+    `backend`'s layouts: Metal's count is the one a Mac compiles at first launch)."""
+    decode = decode_kernels(model, dispatcher, backend)
+    checks = [s for c in _configurations(decode) for s in kernels.self_check_specs(*c, backend=backend)]
     return list(dict.fromkeys(checks + decode))
 
 
