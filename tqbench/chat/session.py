@@ -11,6 +11,7 @@ engine thread (tqbench.engine) and hands the faces typed records only.
     with chat.complete(CompletionRequest(messages=...)) as job:
         for ev in job: ...       # a server's request: ReplyStarted, PageIn..., CompletionDelta..., CompletionDone
     chat.stats(); chat.reset(); chat.close()
+    with chat.follow() as job: ...  # a rank other than 0 of a pipeline: rank 0's turns, in step, until it ends
 
 `open` decides what runs (`plan_streaming`: resident or streamed, with which budget and why), loads the model,
 chooses and preloads the hot-expert profile and starts learning one; a later `open` replaces the model (a new
