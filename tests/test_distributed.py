@@ -1,6 +1,8 @@
 """Several ranks on loopback (MLX's ring backend), started by `mlx.launch` as a user would: each rank holds its
 pipeline layers, streams its own experts, and the greedy tokens are one process's; a rank killed mid-reply ends every
-rank within seconds; a rank that cannot load is one line on rank 0 naming it."""
+rank within seconds; a rank that cannot load is one line on rank 0 naming it. Rank 0 shares each turn (typed chat
+lines, a server's requests) and the other ranks follow it, stopping at the token where rank 0 stops; eval takes part
+on every rank."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import openai
 
 import pytest
 
@@ -21,6 +26,8 @@ pytestmark = pytest.mark.slow  # each run starts two or three processes that loa
 
 BIN = Path(sys.executable).parent
 PROMPT = "def fib(n):"
+SECOND = "class Stack:"
+N = 16  # tokens per reply where replies are compared
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +67,32 @@ def launch(n: int, args: list[str], **kw) -> subprocess.Popen:
     return subprocess.Popen([str(BIN / "mlx.launch"), "--backend", "ring", "-n", str(n), "--starting-port",
                              str(free_port(n)), str(BIN / "tqbench"), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
+
+
+def replies(stdout: str) -> list[dict]:
+    """Each reply of `chat --json`: its summary, with its token ids and text."""
+    out, ids, text = [], [], []
+    for ev in map(json.loads, stdout.splitlines()):
+        if ev["event"] == "token":
+            ids.append(ev["id"])
+            text.append(ev["text"])
+        elif ev["event"] == "done":
+            out.append({**ev, "ids": ids, "text": "".join(text)})
+            ids, text = [], []
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_turns(model, tmp_path_factory) -> tuple[list[dict], dict]:
+    """One process, two piped turns streaming through a small cache: its replies and its --stats-json."""
+    stats = tmp_path_factory.mktemp("one") / "stats.json"
+    p = subprocess.run([str(BIN / "tqbench"), "chat", "--model", str(model), "--no-learn", "--json", "--max-tokens",
+                        str(N), "--cache-budget-gb", "200KB", "--stats-json", str(stats)],
+                       input=f"{PROMPT}\n{SECOND}\n", capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = replies(p.stdout)
+    assert [r["generated_tokens"] for r in got] == [N, N] and got[1]["cached_tokens"] > 0
+    return got, json.loads(stats.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +185,138 @@ def test_a_rank_that_cannot_load_is_one_line_on_rank_0(model, tmp_path):
     assert out1 == err1 == "" and out0 == ""
     assert err0.splitlines()[-1] == f"tqbench: error: rank 1 of 2 failed to load: {missing}: no such model directory"
     assert sum(ln.startswith("tqbench: error:") for ln in err0.splitlines()) == 1
+
+
+def raw_get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return r.read().decode()
+
+
+def _drain(stream, into: list[str]) -> threading.Thread:
+    t = threading.Thread(target=lambda: into.extend(line.rstrip("\n") for line in stream), daemon=True)
+    t.start()
+    return t
+
+
+def test_typed_turns_reach_every_rank_and_ctrl_c_stops_them_at_one_token(model, two_turns, tmp_path):
+    """Turns typed into `mlx.launch` reach rank 0, which shares each with rank 1: the first reply is one process's,
+    /stats shows each rank in step, the second reply continues the cached conversation as one process does. Ctrl-C,
+    as a terminal sends it to the launcher and every rank, stops that reply on both ranks at the same forward pass,
+    and every process leaves."""
+    (one1, one2), one_stats = two_turns
+    stats = tmp_path / "stats.json"
+    p = launch(2, ["chat", "--model", str(model), "--no-learn", "--json", "--max-tokens", str(N), "--cache-budget-gb",
+                   "200KB", "--stats-json", str(stats)], stdin=subprocess.PIPE, start_new_session=True)
+    err: list[str] = []
+    _drain(p.stderr, err)
+    try:
+        p.stdin.write(f"{PROMPT}\n/stats\n{SECOND}\n")  # the pipe stays open: a terminal's input has no end
+        p.stdin.flush()
+        done, ids = [], [[]]
+        for line in p.stdout:
+            ev = json.loads(line)
+            if ev["event"] == "done":
+                done.append(ev)
+                ids.append([])
+            elif ev["event"] == "token":
+                ids[-1].append(ev["id"])
+                if done and len(ids[-1]) >= 4:  # well into the second reply
+                    break
+        first, second = ids[0], ids[1]
+        assert done[0]["generated_tokens"] == N
+        assert first == one1["ids"] and second == one2["ids"][:len(second)]
+        os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C: the launcher and every rank get it
+        t0 = time.monotonic()
+        p.wait(timeout=30)
+        while _rank_pid(0, p.pid) or _rank_pid(1, p.pid):
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.1)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    # /stats after the first reply: a line per rank, both in step
+    lines = [x for x in err if x.startswith("rank ")]
+    assert [x.split(" (")[0] for x in lines] == ["rank 0", "rank 1"], err
+    assert len({x.rsplit(" over ", 1)[1] for x in lines}) == 1
+    # the second reply stopped on both ranks at the same forward pass, before its end
+    ranks = json.loads(stats.read_text())["ranks"]
+    passes = {r["tokens"] for r in ranks}
+    assert len(passes) == 1 and passes.pop() < one_stats["tokens"]
+
+
+def test_a_server_on_two_ranks_answers_as_one_process_after_replies_stopped_mid_way(model, two_turns):
+    """`tqbench serve` under mlx.launch: rank 0 listens, each request runs on both ranks. A reply cut by a stop
+    string, one whose client leaves mid-way, and one cut by max tokens leave the ranks in step: the next request
+    answers as one process does, and /metrics shows each rank with the same forward passes. The server stops by
+    itself after --max-requests."""
+    (one1, one2), _ = two_turns
+    p = launch(2, ["serve", "--model", str(model), "--port", "0", "--no-learn", "--cache-budget-gb", "200KB",
+                   "--max-requests", "5"], start_new_session=True)
+    err: list[str] = []
+    drained = _drain(p.stderr, err)
+    try:
+        t0 = time.monotonic()
+        while not any(x.startswith("serving ") for x in err):
+            assert p.poll() is None and time.monotonic() - t0 < 120, err
+            time.sleep(0.1)
+        url = next(x for x in err if x.startswith("serving ")).split(" at ")[1].split("/v1")[0]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        def ask(content: str, **kw):
+            return client.chat.completions.create(model="tq4", messages=[{"role": "user", "content": content}],
+                                                  temperature=0, **kw)
+
+        full = one1["text"]
+        stop = full[len(full) // 3: len(full) // 3 + 3]
+        cut = ask(PROMPT, max_tokens=N, stop=[stop])  # 1: a stop string, mid-way
+        assert cut.choices[0].message.content == full[:full.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+        stream = ask(SECOND, max_tokens=1000, stream=True)  # 2: the client leaves after a few tokens
+        for i, _ in enumerate(stream):
+            if i >= 3:
+                break
+        stream.close()
+        short = ask(PROMPT, max_tokens=5)  # 3: max tokens
+        assert short.choices[0].finish_reason == "length" and full.startswith(short.choices[0].message.content)
+        whole = ask(PROMPT, max_tokens=N)  # 4: one process's reply
+        assert whole.choices[0].message.content == full and whole.usage.completion_tokens == N
+        metrics = raw_get(url + "/metrics")
+        passes = {m: float(v) for m, v in (x.split(" ") for x in metrics.splitlines()
+                                           if x.startswith("tqbench_rank_forward_passes_total{"))}
+        assert sorted(passes) == ['tqbench_rank_forward_passes_total{rank="0"}',
+                                  'tqbench_rank_forward_passes_total{rank="1"}']
+        assert len(set(passes.values())) == 1
+        status = json.loads(raw_get(url + "/tqbench/status"))
+        assert [r["rank"] for r in status["ranks"]] == [0, 1]
+        turn2 = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": full},
+                 {"role": "user", "content": SECOND}]  # 5: the conversation goes on, from the prompt cache
+        r = client.chat.completions.create(model="tq4", messages=turn2, temperature=0, max_tokens=N)
+        assert r.choices[0].message.content == one2["text"]
+        assert r.usage.prompt_tokens_details.cached_tokens == one2["cached_tokens"]
+        assert p.wait(timeout=60) == 0  # five completions: it stopped by itself, and rank 1 with it
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    drained.join(5)
+    assert any(x.startswith("requests 5 (4 ok, 1 cancelled") for x in err), err
+
+
+def test_eval_on_two_ranks_gives_one_process_numbers(model, tmp_path):
+    """`tqbench eval` under mlx.launch: both ranks hold their layers of both models and take part in every pass;
+    rank 0 alone prints, and its --json has one process's perplexity, KL, agreement and greedy agreement."""
+    from tqbench.demo import ensure_demo
+
+    args = ["eval", str(model), "--against", str(ensure_demo()), "--window", "16", "--tokens", "32", "--prompts", "1",
+            "--generate", "3", "--json"]
+    one = subprocess.run([str(BIN / "tqbench"), *args], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    p = launch(2, args, stdin=subprocess.DEVNULL)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    a, b = json.loads(one.stdout), json.loads(out)  # one document: rank 1 printed nothing
+    for doc in (a, b):
+        del doc["seconds"], doc["model_bytes"]  # the time, and the weights rank 0 holds (its layers)
+    assert b == a and a["greedy"]["share_alike"] > 0
+    assert sum(ln.startswith("evaluating ") for ln in err.splitlines()) == 1

@@ -473,3 +473,28 @@ def test_any_json_body_is_a_request_or_one_openai_error():
                 assert e.status == 400 and e.message and "\n" not in e.message
                 outcomes.add(400)
     assert outcomes == {"ok", 400}
+
+
+def test_each_pipeline_rank_shows_in_the_status_metrics_and_live_feed():
+    """A server on several ranks: every rank's figures after the last request, in its status lines, /metrics (a
+    `rank` label) and /tqbench/status, which a face attached to the server reads back as the same records."""
+    from tqbench.chat.records import StreamReport
+    from tqbench.distributed.world import RankStats
+    from tqbench.serve import metrics, report, wire
+    from tqbench.serve.service import ServeStatus
+    from tqbench.stream.stats import StreamStats
+
+    ranks = (RankStats(0, (4, 8), True, 90, 3, 700, 2_350_080, 0.25, 11),
+             RankStats(1, (0, 4), False, 0, 0, 0, 0, 0.0, 11))
+    stats = StreamStats(misses=700, critical_bytes=2_350_080, tokens=11)
+    served = ServeStatus("tq4", "http://127.0.0.1:1", 1.0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 8, 10.0, 0.1,
+                         StreamReport(stats, None, None, ranks=ranks))
+    lines = report.status_lines(served)
+    assert "rank 0 (layers 4-7): 93 hits, 700 misses, 2.35 MB (2.24 MiB) read, stalled 0.25 s over 11 forward passes" in lines
+    assert "rank 1 (layers 0-3): experts resident" in lines
+    text = metrics.prometheus(served)
+    assert 'tqbench_rank_expert_misses_total{rank="0"} 700\n' in text
+    assert 'tqbench_rank_expert_read_bytes_total{rank="1"} 0\n' in text
+    assert 'tqbench_rank_expert_stall_seconds_total{rank="0"} 0.25\n' in text
+    assert 'tqbench_rank_forward_passes_total{rank="1"} 11\n' in text
+    assert wire.decode_status(json.loads(json.dumps(wire.status_dict(served)))).stream.ranks == ranks

@@ -189,10 +189,7 @@ def stats_lines(m: ModelLoaded, status: ConversationStatus, report: StreamReport
                      f"{s.reads} reads, {s.evictions} evictions; cache {units.size(s.cache_bytes)} of "
                      f"{units.size(s.budget_bytes)} (max {units.size(s.cache_bytes_max)}); stalled {s.stall_s:.2f} s "
                      f"over {s.tokens} forward passes")
-        for r in report.ranks:
-            lines.append(f"rank {r.rank} (layers {r.layers[0]}-{r.layers[1] - 1}): " + (
-                f"{r.hits_gpu + r.hits_host} hits, {r.misses} misses, {units.size(r.critical_bytes)} read, stalled "
-                f"{r.stall_s:.2f} s over {r.tokens} forward passes" if r.streamed else "experts resident"))
+        lines += [rank_line(r) for r in report.ranks]
         if s.cache_routing:
             lines.append(f"{cache_routing_text(s.cache_routing)}: {s.substitutions} experts routed in place of the "
                          f"model's own picks ({s.substitutions / max(1, s.tokens):.2f} per forward pass)")
@@ -201,6 +198,13 @@ def stats_lines(m: ModelLoaded, status: ConversationStatus, report: StreamReport
             lines.append("disk: " + (f"{units.bandwidth(got)} while waiting on misses" if got else "no misses yet")
                          + (f", this disk reads {units.bandwidth(disk.bytes_per_s)} ({disk.source})" if disk else ""))
     return lines
+
+
+def rank_line(r) -> str:
+    """One pipeline rank's streaming after the last reply (a tqbench.distributed.world.RankStats)."""
+    return f"rank {r.rank} (layers {r.layers[0]}-{r.layers[1] - 1}): " + (
+        f"{r.hits_gpu + r.hits_host} hits, {r.misses} misses, {units.size(r.critical_bytes)} read, stalled "
+        f"{r.stall_s:.2f} s over {r.tokens} forward passes" if r.streamed else "experts resident")
 
 
 # ---- the live expert view -------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ engine thread (tqbench.engine) and hands the faces typed records only.
     with chat.complete(CompletionRequest(messages=...)) as job:
         for ev in job: ...       # a server's request: ReplyStarted, PageIn..., CompletionDelta..., CompletionDone
     chat.stats(); chat.reset(); chat.close()
+    with chat.follow() as job: ...  # a rank other than 0 of a pipeline: rank 0's turns, in step, until it ends
 
 `open` decides what runs (`plan_streaming`: resident or streamed, with which budget and why), loads the model,
 chooses and preloads the hot-expert profile and starts learning one; a later `open` replaces the model (a new
@@ -119,6 +120,7 @@ class _Open:
     prompt_cache_bytes: int = 0
     completions: object | None = None  # tqbench.runtime.complete.Completions, made by the first completion
     ranks: tuple = ()  # every pipeline rank's RankStats after the last reply (several ranks only)
+    can_trim: bool = True  # every rank's prompt caches can be trimmed (several ranks: all agreed)
 
 
 class ChatSession:
@@ -147,6 +149,11 @@ class ChatSession:
         """The reply's events; with streaming, each forward pass's PageIn events (one per MoE layer) come before the
         event that follows that pass. A learning session counts each token's routing and saves every few seconds."""
         return self._engine.submit(lambda: self._reply(text, sampling))
+
+    def follow(self) -> Job:
+        """A rank other than 0 of a pipeline: run every turn rank 0 shares, in step with it, until rank 0 ends
+        (tqbench.distributed.turns). Yields one ReplyDone per turn."""
+        return self._engine.submit(self._follow)
 
     def complete(self, request: CompletionRequest, ended: Callable[[ReplyDone], None] = lambda done: None) -> Job:
         """A stateless completion (a server's request) on the loaded model, beside the conversation: its prompt is
@@ -189,7 +196,9 @@ class ChatSession:
         return self._engine.call(lambda: fn(self._current().conversation))
 
     def close(self) -> None:
-        """Drop the model (stops its read workers) and save what was learned."""
+        """Drop the model (stops its read workers) and save what was learned. Rank 0 of a pipeline first tells the
+        other ranks that no more turns come."""
+        self._engine.call(self._end_turns)
         self._engine.call(self._drop)
 
     # ---- on the engine thread -------------------------------------------------------------------------------------
@@ -198,6 +207,17 @@ class ChatSession:
         if self._open is None:
             raise TqbenchError("no model is loaded in this chat")
         return self._open
+
+    def _end_turns(self) -> None:
+        pipeline = self._open.conversation.loaded.pipeline if self._open is not None else None
+        if pipeline is not None and pipeline.rank == 0:
+            from tqbench.distributed.turns import end
+            from tqbench.distributed.world import join
+
+            try:
+                end(join())
+            except RuntimeError:  # another rank has gone: nobody is left to tell
+                pass
 
     def _drop(self) -> None:
         old, self._open = self._open, None
@@ -236,15 +256,21 @@ class ChatSession:
             if group is not None:
                 agree(group, e)
             raise
+        can_trim = True
         if group is not None:
+            from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+            from tqbench.distributed.world import every
+
             agree(group, None)
+            can_trim = every(group, can_trim_prompt_cache(make_prompt_cache(loaded.model)))
         native = active = 0
         if request.max_active_experts:
             from tqbench.runtime.routing import set_active_experts
 
             ae = set_active_experts(loaded.model, request.max_active_experts)
             native, active = ae.native, ae.active
-        conv = Conversation(loaded, system=request.system, chat_template=request.chat_template)
+        conv = Conversation(loaded, system=request.system, chat_template=request.chat_template, can_trim=can_trim)
         try:
             yield from build_kernels(loaded.model)  # CUDA: the fused kernels its first token needs, with progress
             profile, learner = _profile(loaded, request.profile)
@@ -255,7 +281,7 @@ class ChatSession:
         info = ModelLoaded(str(loaded.path), loaded.model_type, loaded.turboquant_modules, loaded.weight_bytes,
                            conv.chat_template, Sampling.defaults(loaded.generation_config, **asdict(request.sampling)),
                            time.perf_counter() - t0, stream, native, active, profile)
-        self._open = _Open(conv, info, learner, request.prompt_cache_bytes)
+        self._open = _Open(conv, info, learner, request.prompt_cache_bytes, can_trim=can_trim)
         yield info
 
     def _stream_setup(self, loaded, plan: StreamPlan) -> StreamSetup:
@@ -270,18 +296,20 @@ class ChatSession:
 
     def _reply(self, text: str, sampling: Sampling | None) -> Iterator:
         state = self._current()
-        yield from self._watched(state, state.conversation.reply(text, sampling or state.loaded.sampling))
+        lockstep = _leader(state)
+        yield from self._watched(state, state.conversation.reply(text, sampling or state.loaded.sampling, lockstep),
+                                 lockstep)
         if state.learner is not None:
             state.learner.save()  # what the reply taught is in the store while the chat is idle
 
     def _complete(self, request: CompletionRequest, ended: Callable[[ReplyDone], None]) -> Iterator:
         from tqbench.chat.segment import Segmenter
-        from tqbench.runtime.complete import Completions, chat_prompt, text_prompt
+        from tqbench.runtime.complete import chat_prompt, text_prompt
 
         state = self._current()
         loaded = state.conversation.loaded
         if state.completions is None:
-            state.completions = Completions(loaded, state.prompt_cache_bytes)
+            state.completions = _completions(state)
         if request.messages is not None:
             tokens = chat_prompt(loaded, [dict(m) for m in request.messages],
                                  [dict(t) for t in request.tools] if request.tools else None,
@@ -293,7 +321,9 @@ class ChatSession:
         tools = [dict(t) for t in request.tools] if request.tools else None
         split = Segmenter(loaded.tokenizer, tools, loaded.tokenizer.decode(tokens[-8:]))
         content, reasoning, calls = [], [], []
-        for ev in self._watched(state, state.completions.run(tokens, sampling, request.stop, ended)):
+        lockstep = _leader(state)
+        for ev in self._watched(state, state.completions.run(tokens, sampling, request.stop, ended, lockstep),
+                                lockstep):
             if isinstance(ev, (TokenOut, ReplyDone)):
                 text, final = (ev.text, None) if isinstance(ev, TokenOut) else ("", ev.finish_reason)
                 c, r, t = split.feed(text, final)
@@ -311,10 +341,11 @@ class ChatSession:
         if loaded.streamer is not None:
             yield self._stats()
 
-    def _watched(self, state: _Open, events: Iterator) -> Iterator:
+    def _watched(self, state: _Open, events: Iterator, lockstep=None) -> Iterator:
         """A reply's events with, before each, the page-ins of the forward pass that made it (streaming), and the
         routing it taught the learner counted. The process's first forward pass on CUDA: MlxWarmup after
-        ReplyStarted (nothing has run yet), MlxWarmedUp before the first token (tqbench.runtime.warmup)."""
+        ReplyStarted (nothing has run yet), MlxWarmedUp before the first token (tqbench.runtime.warmup). Several
+        ranks (`lockstep` its turn): once the reply has ended, also stopped early, every rank's streaming figures."""
         from tqbench.runtime.warmup import mlx_warmed, mlx_warmup
 
         streamer = state.conversation.loaded.streamer
@@ -322,23 +353,66 @@ class ChatSession:
         if pipeline is not None:
             events = _across_ranks(events, pipeline)
         warmup, started = None, 0.0
-        for ev in events:
-            if state.learner is not None:
-                state.learner.flush()
-            if streamer is not None:
-                yield from streamer.drain()
-            if warmup is not None and isinstance(ev, (TokenOut, ReplyDone)):
-                yield mlx_warmed(warmup, time.perf_counter() - started)
-                warmup = None
-            yield ev
-            if isinstance(ev, ReplyStarted):  # the forward passes come next
-                warmup, started = mlx_warmup(), time.perf_counter()
-                if warmup is not None:
-                    yield warmup
-        if pipeline is not None:  # every rank ends its reply here, in step: rank 0 learns how each one streamed
-            from tqbench.distributed.world import gather_stats, join
+        ended = False  # the reply ended on this rank, or was stopped: not broken by an error
+        try:
+            for ev in events:
+                if state.learner is not None:
+                    state.learner.flush()
+                if streamer is not None:
+                    yield from streamer.drain()
+                if warmup is not None and isinstance(ev, (TokenOut, ReplyDone)):
+                    yield mlx_warmed(warmup, time.perf_counter() - started)
+                    warmup = None
+                yield ev
+                if isinstance(ev, ReplyStarted):  # the forward passes come next
+                    warmup, started = mlx_warmup(), time.perf_counter()
+                    if warmup is not None:
+                        yield warmup
+            ended = True
+        except GeneratorExit:  # stopped: the reply's own generator ends it first, on every rank at one token
+            ended = True
+            raise
+        finally:
+            events.close()
+            if pipeline is not None and ended and lockstep is not None and lockstep.shared:
+                # every rank ends its turn here, in step: rank 0 learns how each one streamed
+                from tqbench.distributed.world import gather_stats, join
 
-            state.ranks = gather_stats(join(), pipeline, streamer.stats if streamer is not None else None)
+                state.ranks = gather_stats(join(), pipeline, streamer.stats if streamer is not None else None)
+
+    def _follow(self) -> Iterator:
+        """Run rank 0's turns on this rank (tqbench.distributed.turns.follow), each on the prompt cache it names."""
+        from tqbench.distributed.turns import SLOT_CHAT, follow
+        from tqbench.distributed.world import join
+        from tqbench.runtime.chat import generate
+
+        state = self._current()
+        loaded = state.conversation.loaded
+        done: list[ReplyDone] = []
+
+        def run(turn, lockstep) -> None:
+            if turn.slot == SLOT_CHAT:
+                held = state.conversation
+            else:
+                if state.completions is None:
+                    state.completions = _completions(state)
+                held = state.completions
+            held.keep(turn.keep)
+            tokens = held.tokens if turn.slot == SLOT_CHAT else held.held
+            tokens.extend(turn.tokens)
+            sampling = Sampling(turn.max_tokens, turn.temp, turn.top_p, turn.top_k, turn.seed)
+            for ev in self._watched(state, generate(loaded, list(turn.tokens), held.cache, sampling, turn.keep,
+                                                    tokens, lockstep=lockstep, slot=turn.slot), lockstep):
+                if isinstance(ev, ReplyDone):
+                    done.append(ev)
+            if state.learner is not None and turn.slot == SLOT_CHAT:  # as rank 0 saves (a server's: now and then)
+                state.learner.save()
+
+        def turns() -> Iterator:
+            follow(join(), run)
+            yield from done
+
+        yield from _across_ranks(turns(), loaded.pipeline)
 
     def _stats(self) -> StreamReport | None:
         if self._open is None or self._open.conversation.loaded.streamer is None:
@@ -362,16 +436,31 @@ class ChatSession:
         return ProfileExport(str(out), p.routings, p.sessions, len(p.ranked()))
 
 
+def _leader(state: _Open):
+    """Rank 0 of a pipeline: a turn's side that shares it with the other ranks (tqbench.distributed.turns.Leader);
+    None on one process."""
+    pipeline = state.conversation.loaded.pipeline
+    if pipeline is None:
+        return None
+    from tqbench.distributed.turns import Leader
+    from tqbench.distributed.world import join
+
+    return Leader(join())
+
+
+def _completions(state: _Open):
+    from tqbench.runtime.complete import Completions
+
+    loaded = state.conversation.loaded
+    return Completions(loaded, state.prompt_cache_bytes, one_cache=loaded.pipeline is not None,
+                       can_trim=state.can_trim)
+
+
 def _across_ranks(events: Iterator, pipeline) -> Iterator:
     """A reply's events on a rank of a pipeline: a collective that fails because another rank went away is one line."""
-    from tqbench.distributed.world import lost
+    from tqbench.distributed.world import in_step
 
-    try:
-        yield from events
-    except RuntimeError as e:
-        if "[ring]" in str(e) or "peer" in str(e) or "NCCL" in str(e) or "MPI" in str(e):
-            raise lost(e, pipeline) from None
-        raise
+    yield from in_step(events, pipeline)
 
 
 def _profile(loaded, opts: ProfileOptions) -> tuple[ProfileInfo | None, object | None]:

@@ -24,6 +24,9 @@ if TYPE_CHECKING:  # importing them loads MLX: done when a chat starts
     from tqbench.runtime.chat import ReplyDone
 
 HELP_LINE = "commands: /reset (forget the conversation), /stats, /quit (or Ctrl-D); Ctrl-C stops a reply"
+# mlx.launch copies its standard input to every rank's but never closes theirs: only /quit ends the chat
+LAUNCHED_HELP_LINE = ("each line is a turn; commands: /reset, /stats, /quit (under mlx.launch the end of input does "
+                      "not reach the ranks: end with /quit)")
 
 
 def chat(
@@ -72,12 +75,12 @@ def chat(
                                trust_remote_code, cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy,
                                fanout, lookahead, page_cache, max_active_experts, profile, profile_force, no_learn,
                                cold, pin_share, cache_routing, host_cache=host_cache_gb)
-        if prompt is None and env_rank() is not None:
-            raise UsageError("under mlx.launch every rank runs the same turns: give the turn with --prompt "
-                             "(typed or piped turns reach rank 0 only)")
         if stats_json is not None:  # it can be written once the chat is over: checked before any work
             check_output_file(stats_json, "--stats-json")
         loaded = open_chat(chat_session, request, err, quiet=as_json, streaming_stats=stats_json is not None)
+        if env_rank():  # another rank than 0 of a pipeline: it runs the turns rank 0 shares, and prints nothing
+            follow_turns(chat_session)
+            return
         if not as_json:
             err.print(report.loaded_line(loaded), markup=False)
             if loaded.profile is not None:
@@ -88,6 +91,8 @@ def chat(
         interactive = prompt is None and sys.stdin.isatty()
         if interactive and not as_json:
             err.print(HELP_LINE, markup=False)
+        elif prompt is None and env_rank() is not None and not as_json:
+            err.print(LAUNCHED_HELP_LINE, markup=False)
         turns = [prompt] if prompt is not None else (_typed(err) if interactive else _lines(sys.stdin))
         _converse(chat_session, loaded, turns, as_json, interactive, err)
     except TqbenchError as e:
@@ -164,6 +169,13 @@ def open_chat(chat_session: ChatSession, request, err: Console, quiet: bool, str
     if loaded is None:
         raise TqbenchError("could not open a model")
     return loaded
+
+
+def follow_turns(chat_session: ChatSession) -> None:
+    """Another rank than 0: run the turns rank 0 shares until it ends (tqbench.distributed.turns)."""
+    with chat_session.follow() as job:
+        for _ in job:
+            pass
 
 
 def _write_stats(chat_session: ChatSession, file: Path) -> None:

@@ -170,6 +170,8 @@ def run() -> None:
         sys.stdout = sys.stderr = open(os.devnull, "w")
     if rank is not None:  # the launcher stops every rank with SIGTERM once one has ended
         signal.signal(signal.SIGTERM, _stopped_by_launcher)
+    if rank:  # a terminal's Ctrl-C reaches every rank: rank 0 alone decides what it stops, and tells the others
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     with _readers_may_leave():
         try:
             # Without standalone mode click returns the code of a typer.Exit instead of exiting.

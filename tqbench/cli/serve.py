@@ -13,9 +13,9 @@ from rich.text import Text
 
 from tqbench.chat import report as chat_report
 from tqbench.cli import options
-from tqbench.cli.chat import chat_request, open_chat
+from tqbench.cli.chat import chat_request, follow_turns, open_chat
 from tqbench.distributed.world import env_rank
-from tqbench.errors import TqbenchError, UsageError
+from tqbench.errors import TqbenchError
 from tqbench.serve import report
 
 REFRESH_S = 0.5
@@ -76,13 +76,14 @@ def serve(
     session = ChatSession()
     server = None
     try:
-        if env_rank() is not None:
-            raise UsageError("serve runs on one process: requests reach rank 0 only, so it cannot drive several "
-                             "ranks yet (tqbench chat --prompt runs under mlx.launch)")
         request = chat_request(model, max_tokens, temp, top_p, top_k, seed, None, no_chat_template, trust_remote_code,
                                cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy, fanout, lookahead,
                                page_cache, max_active_experts, profile, profile_force, no_learn, cold, pin_share,
                                cache_routing, host_cache=host_cache_gb, prompt_cache_bytes=int(prompt_cache_gb * 1e9))
+        if env_rank():  # another rank than 0 of a pipeline: no socket; it runs each request rank 0 shares
+            open_chat(session, request, err, quiet=True, streaming_stats=False)
+            follow_turns(session)
+            return
         server = Server(host, port)  # a port in use is an error before the model loads
         loaded = open_chat(session, request, err, quiet=False, streaming_stats=False)
         err.print(chat_report.loaded_line(loaded), markup=False)

@@ -93,6 +93,14 @@ def agree(group, error: BaseException | None) -> None:
         raise TqbenchError(f"rank {r} of {group.size()} failed to load: {why}")
 
 
+def every(group, flag: bool) -> bool:
+    """True on every rank when `flag` is true on every rank (one all_sum)."""
+    import mlx.core as mx
+
+    n = mx.distributed.all_sum(mx.array([1 if flag else 0], dtype=mx.int32), group=group)
+    return int(n.item()) == group.size()
+
+
 @dataclass(frozen=True)
 class RankStats:
     """One pipeline rank's expert streaming, as rank 0 gathers it after each reply (a chat's StreamReport.ranks)."""
@@ -133,6 +141,17 @@ def gather_stats(group, pipeline: Pipeline, stats) -> tuple:
     rows = np.array(raw).reshape(group.size(), -1).view(np.int64)
     return tuple(RankStats(r, (int(x[0]), int(x[1])), bool(x[2]), int(x[3]), int(x[4]), int(x[5]), int(x[6]),
                            int(x[7]) / 1e6, int(x[8])) for r, x in enumerate(rows))
+
+
+def in_step(events, pipeline: Pipeline):
+    """`events` (a generator) on a rank of a pipeline: a collective that fails because another rank went away is one
+    line."""
+    try:
+        return (yield from events)
+    except RuntimeError as e:
+        if "[ring]" in str(e) or "peer" in str(e) or "NCCL" in str(e) or "MPI" in str(e):
+            raise lost(e, pipeline) from None
+        raise
 
 
 def lost(error: BaseException, pipeline: Pipeline) -> TqbenchError:

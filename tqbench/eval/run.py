@@ -31,24 +31,72 @@ BATCH_TOKENS = 2048  # tokens per forward pass (whole windows)
 
 
 def evaluate(request: EvalRequest) -> Iterator:
+    """Under a launcher of several ranks (tqbench.distributed.world.join) every rank runs it with the same request:
+    each holds its layers of both models and takes part in every forward pass; each rank's report is the same, its
+    streaming figures (read bytes, misses) its own layers'. Rank 0 alone remembers the result."""
+    from tqbench.distributed.world import agree, in_step, join
+
+    group = join()
+    if group is None:
+        return (yield from _evaluate(request, None))
+    loaded: list = []
+    try:
+        _check(request, group)
+        for path, stream in _models(request):
+            loaded.append(_load(path, stream, request.trust_remote_code, group))
+    except TqbenchError as e:  # every rank learns which one failed, and why
+        _close(*loaded)
+        agree(group, e)
+        raise
+    agree(group, None)
+    return (yield from in_step(_evaluate(request, loaded), loaded[0].pipeline))
+
+
+def _check(request: EvalRequest, group=None) -> tuple:
+    """The texts, read; both models' files checked before either loads."""
     from tqbench.runtime.load import preflight
-    from tqbench.runtime.routing import native_top_k, set_active_experts
 
     request.check()
+    if group is not None and request.layers:
+        raise TqbenchError(f"--layers compares each layer with the reference's, and under {group.size()} ranks each "
+                           "holds some layers only: run it on one process")
     texts = tuple(file_text(t) for t in request.texts) or default_texts()  # a bad file fails before any load
-    for path in (request.model, request.against):  # both checked before either loads
+    for path in (request.model, request.against):
         if path is not None:
             preflight(path, request.trust_remote_code)
+    return texts
+
+
+def _models(request: EvalRequest) -> list[tuple[str, object]]:
+    """(path, stream request) of MODEL and SRC, which routes natively."""
+    out = [(request.model, request.stream)]
+    if request.against is not None:
+        out.append((request.against, replace(request.stream, cache_routing=0.0)))
+    return out
+
+
+def _close(*loaded) -> None:
+    for m in loaded:
+        if m is not None and m.streamer is not None:
+            m.streamer.close()
+
+
+def _evaluate(request: EvalRequest, loaded: list | None) -> Iterator:
+    """`loaded`: both models, loaded already (several ranks); None: loaded here."""
+    from tqbench.runtime.routing import native_top_k, set_active_experts
+
+    texts = _check(request)
     t0 = time.perf_counter()
     model = ref = None
     try:
-        model = _load(request.model, request.stream, request.trust_remote_code)
+        if loaded is None:
+            loaded = []  # what loaded is closed, also when the second model fails
+            for path, stream in _models(request):
+                loaded.append(_load(path, stream, request.trust_remote_code))
+        model, ref = loaded[0], loaded[1] if len(loaded) > 1 else None
         native = active = native_top_k(model.model)
         if request.max_active_experts:
             active = set_active_experts(model.model, request.max_active_experts).active
-        ref = None
-        if request.against is not None:  # SRC routes natively
-            ref = _load(request.against, replace(request.stream, cache_routing=0.0), request.trust_remote_code)
         streams = {t.name: token_stream(t, model.tokenizer) for t in texts}
         if ref is not None:
             _same_tokens(texts, streams, ref.tokenizer, request.against)
@@ -86,23 +134,22 @@ def evaluate(request: EvalRequest) -> Iterator:
                             time.perf_counter() - t0, model.weight_bytes, _read_bytes(model),
                             _read_bytes(ref) if ref is not None else None, margin, decode, misses, substitutions,
                             tiers)
-        if ref is not None and overall is not None and not margin:  # a recipe's quality, not a routing setting's
+        first = model.pipeline is None or model.pipeline.rank == 0
+        if ref is not None and overall is not None and not margin and first:  # a recipe's quality, not a routing's
             from tqbench.eval.store import remember
 
             remember(report, ref.path, request.store)
         yield report
     finally:
-        for m in (model, ref):
-            if m is not None and m.streamer is not None:
-                m.streamer.close()
+        _close(*(loaded or ()))
 
 
-def _load(path: str, stream, trust_remote_code: bool):
+def _load(path: str, stream, trust_remote_code: bool, group=None):
     from tqbench.chat.session import plan_streaming
     from tqbench.runtime.load import load
 
     plan = plan_streaming(path, stream)
-    return load(path, trust_remote_code, streaming=plan.config)
+    return load(path, trust_remote_code, streaming=plan.config, group=group)
 
 
 def _same_tokens(texts, streams: dict[str, np.ndarray], tokenizer, against: str) -> None:
@@ -182,7 +229,9 @@ def _scored(model, ref, batches, windows: list[Windows], total: int, forget, log
     sums: dict[str, list] = {w.name: [0, 0, 0.0, 0.0, 0.0, 0, 0.0, ()] for w in windows}  # tokens windows nll, ref:
     # nll kl top1 top5, per-window kl
     for name, x, y in batches:
-        s = window_sums(logits(model, x), y, logits(ref, x) if ref is not None else None)
+        mine = logits(model, x)
+        mx.eval(mine)  # one model's pass, then the other's: several ranks must run their collectives in one order
+        s = window_sums(mine, y, logits(ref, x) if ref is not None else None)
         acc = sums[name]
         acc[0] += s.tokens
         acc[1] += int(x.shape[0])

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
+from tqbench.errors import TqbenchError
 from tqbench.runtime.load import Loaded
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -80,6 +81,7 @@ class Conversation:
     tokens: list[int] = field(default_factory=list)  # exactly what the cache holds, in order
     cache: list[Any] | None = None
     turns: int = 0  # replies since the last reset
+    can_trim: bool = True  # False: never trim the cache (several ranks, one of whose caches cannot be trimmed)
 
     def __post_init__(self) -> None:
         if self.chat_template and getattr(self.loaded.tokenizer, "chat_template", None) is None:
@@ -106,22 +108,12 @@ class Conversation:
 
     def _reuse(self, full: list[int]) -> int:
         """How many of `full`'s first tokens the cache already holds; trims or resets the cache where it diverges."""
-        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+        self.cache, common = reuse(self.loaded, self.cache, self.tokens, full, self.can_trim)
+        return common
 
-        common = 0
-        for a, b in zip(self.tokens, full):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(full) - 1)  # the last token must be processed to get logits
-        if common == len(self.tokens):
-            return common
-        if common and can_trim_prompt_cache(self.cache):
-            trim_prompt_cache(self.cache, len(self.tokens) - common)
-            del self.tokens[common:]
-            return common
-        self.reset_cache()
-        return 0
+    def keep(self, n: int) -> None:
+        """Keep the cache's first `n` tokens only (a rank following rank 0's turn: tqbench.distributed.turns)."""
+        self.cache = keep_first(self.loaded, self.cache, self.tokens, n)
 
     def reset_cache(self) -> None:
         from mlx_lm.models.cache import make_prompt_cache
@@ -129,7 +121,9 @@ class Conversation:
         self.tokens = []
         self.cache = make_prompt_cache(self.loaded.model)
 
-    def reply(self, user: str, sampling: Sampling = Sampling()) -> Iterator[ReplyStarted | TokenOut | ReplyDone]:
+    def reply(self, user: str, sampling: Sampling = Sampling(),
+              lockstep: Any = None) -> Iterator[ReplyStarted | TokenOut | ReplyDone]:
+        """`lockstep` (tqbench.distributed.turns.Leader): the reply is shared with the other ranks of a pipeline."""
         full = self.conversation_tokens(user)
         cached = self._reuse(full)
         new = full[cached:]
@@ -144,7 +138,7 @@ class Conversation:
             if self.chat_template:
                 self.messages.append({"role": "assistant", "content": done.text})
 
-        yield from generate(self.loaded, new, self.cache, sampling, cached, self.tokens, ended)
+        yield from generate(self.loaded, new, self.cache, sampling, cached, self.tokens, ended, lockstep=lockstep)
 
     def close(self) -> None:
         """Stop the streamer's read workers (a streamed model), if any."""
@@ -157,20 +151,64 @@ class Conversation:
         return getattr(self, "_done", None)
 
 
+def reuse(loaded: Loaded, cache: list[Any], held: list[int], full: list[int], can_trim: bool = True
+          ) -> tuple[list[Any], int]:
+    """(the cache to continue, how many of `full`'s first tokens it holds) for a cache that holds `held`: trimmed where
+    they diverge (when it can be and `can_trim`), else a new one; `held` is cut to match."""
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    common = 0
+    for a, b in zip(held, full):
+        if a != b:
+            break
+        common += 1
+    common = min(common, len(full) - 1)  # the last token must be processed to get logits
+    if common == len(held):
+        return cache, common
+    if common and can_trim and can_trim_prompt_cache(cache):
+        return keep_first(loaded, cache, held, common), common
+    return keep_first(loaded, cache, held, 0), 0
+
+
+def keep_first(loaded: Loaded, cache: list[Any], held: list[int], n: int) -> list[Any]:
+    """The cache holding `held`'s first `n` tokens only (trimmed in place, or a new one for 0); `held` is cut to
+    match."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+    if n > len(held):
+        raise TqbenchError(f"a turn keeps {n} tokens of a prompt cache that holds {len(held)}: the ranks are out of "
+                           "step")
+    if n == len(held):
+        return cache
+    if n == 0:
+        held.clear()
+        return make_prompt_cache(loaded.model)
+    if not can_trim_prompt_cache(cache):
+        raise TqbenchError("a turn trims a prompt cache that cannot be trimmed: the ranks are out of step")
+    trim_prompt_cache(cache, len(held) - n)
+    del held[n:]
+    return cache
+
+
 def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Sampling, cached: int, held: list[int],
              ended: Callable[[ReplyDone], None] = lambda done: None,
-             stop: tuple[str, ...] = ()) -> Iterator[TokenOut | ReplyDone]:
+             stop: tuple[str, ...] = (), lockstep: Any = None, slot: int = 0) -> Iterator[TokenOut | ReplyDone]:
     """Process `new` on top of `cache` (which holds `cached` tokens) and generate with mlx-lm's loop: a TokenOut per
     token, then a ReplyDone. Each token the cache comes to hold is appended to `held`. `ended(done)` is called once
     however the generation ends, also when the caller closes it early (finish_reason "cancelled").
 
     `stop`: strings that end the reply where they appear in its text (as OpenAI's `stop`: matched on the text, not on
-    token ids, and left out of it); text that could be the start of one is held back until it is known not to be."""
+    token ids, and left out of it); text that could be the start of one is held back until it is known not to be.
+
+    `lockstep` (tqbench.distributed.turns): the generation runs on every rank of a pipeline: rank 0 shares it (the
+    prompt cache `slot` and its first `cached` tokens, `new`, the sampling) before the first forward pass, and each
+    token after that ends on every rank where it ends on rank 0."""
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    if sampling.seed is not None:
-        mx.random.seed(sampling.seed)
+    seed = sampling.seed if lockstep is None else lockstep.begin(slot, cached, new, sampling)
+    if seed is not None:
+        mx.random.seed(seed)
     sampler = make_sampler(sampling.temp, sampling.top_p, top_k=sampling.top_k)
     mx.reset_peak_memory()
     generated: list[int] = []
@@ -180,6 +218,8 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
     finish, prefill_tps, decode_tps = "cancelled", 0.0, 0.0
     steps = stream_generate(loaded.model, loaded.tokenizer, mx.array(new, dtype=mx.uint32),
                             max_tokens=sampling.max_tokens, sampler=sampler, prompt_cache=cache)
+    if lockstep is not None:
+        steps = lockstep.steps(steps)
     try:
         for r in steps:
             generated.append(r.token)

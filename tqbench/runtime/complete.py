@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from tqbench.errors import TqbenchError
-from tqbench.runtime.chat import ReplyDone, ReplyStarted, Sampling, TokenOut, generate
+from tqbench.runtime.chat import ReplyDone, ReplyStarted, Sampling, TokenOut, generate, keep_first, reuse
 from tqbench.runtime.load import Loaded
 
 PROMPT_CACHE_BYTES = 2 << 30  # the LRU's default bound
@@ -38,28 +38,47 @@ def text_prompt(loaded: Loaded, prompt: str) -> list[int]:
 
 
 class Completions:
-    """Completions on one loaded model with a byte-bounded LRU of prompt caches. Touch on the engine thread only."""
+    """Completions on one loaded model with a byte-bounded LRU of prompt caches. Touch on the engine thread only.
+
+    `one_cache` (the ranks of a pipeline): one prompt cache instead, the last request's, continued where the next
+    request begins with the same tokens. Every rank then holds the same tokens in it, whatever size its own layers'
+    caches have (an LRU bounded in bytes would keep and drop different ones on different ranks); `can_trim` False
+    when some rank's cache cannot be trimmed."""
 
     def __init__(self, loaded: Loaded, cache_bytes: int = PROMPT_CACHE_BYTES,
-                 entries: int = PROMPT_CACHE_ENTRIES) -> None:
-        from mlx_lm.models.cache import LRUPromptCache
+                 entries: int = PROMPT_CACHE_ENTRIES, one_cache: bool = False, can_trim: bool = True) -> None:
+        from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
         self.loaded = loaded
-        self.lru = LRUPromptCache(max_size=entries, max_bytes=cache_bytes)
+        self.lru = None if one_cache else LRUPromptCache(max_size=entries, max_bytes=cache_bytes)
+        self.can_trim = can_trim
+        self.cache = make_prompt_cache(loaded.model) if one_cache else None  # one_cache: and the tokens it holds
+        self.held: list[int] = []
 
     @property
     def cache_bytes(self) -> int:
+        if self.lru is None:
+            return sum(c.nbytes for c in self.cache)
         return self.lru.nbytes
 
+    def keep(self, n: int) -> None:
+        """one_cache: keep its first `n` tokens only (a rank following rank 0's turn)."""
+        self.cache = keep_first(self.loaded, self.cache, self.held, n)
+
     def run(self, tokens: list[int], sampling: Sampling, stop: tuple[str, ...] = (),
-            ended: Callable[[ReplyDone], None] = lambda done: None) -> Iterator[ReplyStarted | TokenOut | ReplyDone]:
+            ended: Callable[[ReplyDone], None] = lambda done: None,
+            lockstep: Any = None) -> Iterator[ReplyStarted | TokenOut | ReplyDone]:
         """ReplyStarted (the tokens processed and those reused), a TokenOut per token, ReplyDone. Once the prompt is
         processed, what the cache then holds is kept for later requests, also when the caller stops early.
-        `ended(done)` is called once however it ends (finish_reason "cancelled" when closed early)."""
+        `ended(done)` is called once however it ends (finish_reason "cancelled" when closed early). `lockstep`
+        (tqbench.distributed.turns.Leader, with one_cache): the request is shared with the other ranks."""
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
         if not tokens:
             raise TqbenchError("the prompt is empty")
+        if self.lru is None:
+            yield from self._run_one(list(tokens), sampling, stop, ended, lockstep)
+            return
         cache, rest = self.lru.fetch_nearest_cache(_KEY, list(tokens))
         if cache is not None and not rest:  # the whole prompt is cached: its last token must run again for logits
             if can_trim_prompt_cache(cache):
@@ -83,4 +102,15 @@ class Completions:
         finally:
             if generated and generated[0].generated_tokens:  # the prompt was processed: the cache matches `held`
                 self.lru.insert_cache(_KEY, held, cache)
+
+    def _run_one(self, tokens: list[int], sampling: Sampling, stop: tuple[str, ...],
+                 ended: Callable[[ReplyDone], None], lockstep: Any) -> Iterator:
+        from tqbench.distributed.turns import SLOT_COMPLETIONS
+
+        self.cache, cached = reuse(self.loaded, self.cache, self.held, tokens, self.can_trim)
+        rest = tokens[cached:]
+        yield ReplyStarted(len(rest), cached)
+        self.held.extend(rest)
+        yield from generate(self.loaded, rest, self.cache, sampling, cached, self.held, ended, stop, lockstep,
+                            SLOT_COMPLETIONS)
 

@@ -40,6 +40,16 @@ def prometheus(st: ServeStatus) -> str:
                [("", float(s.stall_s))])
         metric("expert_cache_bytes", "gauge", "Bytes the expert cache holds.", [("", s.cache_bytes)])
         metric("expert_hit_rate", "gauge", "Hits over routings since the server started.", [("", float(s.hit_rate()))])
+        ranks = st.stream.ranks  # several ranks: each one's, after the last request
+        if ranks:
+            metric("rank_expert_misses_total", "counter", "Routed experts read from disk when needed, by pipeline rank.",
+                   [(f'{{rank="{r.rank}"}}', r.misses) for r in ranks])
+            metric("rank_expert_read_bytes_total", "counter", "Expert bytes read on misses, by pipeline rank.",
+                   [(f'{{rank="{r.rank}"}}', r.critical_bytes) for r in ranks])
+            metric("rank_expert_stall_seconds_total", "counter", "Time forward passes waited on expert reads, by "
+                   "pipeline rank.", [(f'{{rank="{r.rank}"}}', float(r.stall_s)) for r in ranks])
+            metric("rank_forward_passes_total", "counter", "Forward passes, by pipeline rank (equal: in step).",
+                   [(f'{{rank="{r.rank}"}}', r.tokens) for r in ranks])
         if s.cache_routing:
             metric("cache_routing_margin", "gauge", "Cache-aware routing's margin: the output is not the model's own.",
                    [("", float(s.cache_routing))])

@@ -4,7 +4,7 @@ panel), made here once from the Service's records."""
 from __future__ import annotations
 
 from tqbench import units
-from tqbench.chat.report import cache_routing_text
+from tqbench.chat.report import cache_routing_text, rank_line
 from tqbench.serve.service import RequestDone, ServeStatus
 
 ENDINGS = {"length": "max tokens", "tool_calls": "tool calls", "cancelled": "client left"}
@@ -50,6 +50,7 @@ def status_lines(st: ServeStatus) -> list[str]:
         lines.append(f"experts: hit rate {s.hit_rate():.1%} ({s.hits:,} hits, {s.misses:,} misses), "
                      f"{units.size(s.critical_bytes)} read, stalled {s.stall_s:.2f} s; cache "
                      f"{units.size(s.cache_bytes)} of {units.size(s.budget_bytes)}")
+        lines += [rank_line(r) for r in st.stream.ranks]  # several ranks: each one's, after the last request
         if s.cache_routing:
             lines.append(f"{cache_routing_text(s.cache_routing)}: {s.substitutions:,} experts routed in place of the "
                          "model's own picks")

@@ -16,6 +16,7 @@ def status_dict(st: ServeStatus) -> dict[str, Any]:
     d = {f.name: getattr(st, f.name) for f in fields(ServeStatus) if f.name != "stream"}
     d["hit_rate"] = st.hit_rate
     d["stream"] = st.stream.stats.to_dict() if st.stream is not None else None
+    d["ranks"] = [r.to_dict() for r in st.stream.ranks] if st.stream is not None else []
     d["layers"] = [list(x) for x in st.layers]
     return {"schema": SCHEMA, **d}
 
@@ -43,11 +44,14 @@ def decode_event(d: dict[str, Any]) -> PageIn | RequestDone | ServeStatus | None
 
 def decode_status(d: dict[str, Any]) -> ServeStatus:
     from tqbench.chat.records import StreamReport
+    from tqbench.distributed.world import RankStats
 
     stream = None
     if d.get("stream") is not None:
         known = {f.name for f in fields(StreamStats)}
         stats = StreamStats(**{k: v for k, v in d["stream"].items() if k in known and not isinstance(v, (dict, list))})
-        stream = StreamReport(stats, None, None)
+        ranks = tuple(RankStats(r["rank"], tuple(r["layers"]), r["streamed"], r["hits_gpu"], r["hits_host"],
+                                r["misses"], r["critical_bytes"], r["stall_s"], r["tokens"]) for r in d.get("ranks", ()))
+        stream = StreamReport(stats, None, None, ranks=ranks)
     plain = {f.name: d[f.name] for f in fields(ServeStatus) if f.name not in ("stream", "layers")}
     return ServeStatus(**plain, stream=stream, layers=tuple((int(n), int(e)) for n, e in d.get("layers", ())))
