@@ -54,6 +54,7 @@ def chat(
     no_learn: options.NoLearn = False,
     cold: options.Cold = False,
     pin_share: options.PinShare = None,
+    parallel: options.Parallel = "pipeline",
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", metavar="FILE",
                                                        help="Write the streaming statistics here at exit.")] = None,
 ) -> None:
@@ -71,7 +72,10 @@ def chat(
         request = chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_template,
                                trust_remote_code, cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy,
                                fanout, lookahead, page_cache, max_active_experts, profile, profile_force, no_learn,
-                               cold, pin_share, cache_routing, host_cache=host_cache_gb)
+                               cold, pin_share, cache_routing, host_cache=host_cache_gb, parallel=parallel)
+        if parallel == "tensor" and env_rank() is None:
+            raise UsageError("--parallel tensor splits every layer across the ranks mlx.launch starts: run it under "
+                             "mlx.launch")
         if prompt is None and env_rank() is not None:
             raise UsageError("under mlx.launch every rank runs the same turns: give the turn with --prompt "
                              "(typed or piped turns reach rank 0 only)")
