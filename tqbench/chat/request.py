@@ -16,6 +16,7 @@ PAGE_CACHE = ("auto", "on", "off")
 POLICIES = ("lrfu-next", "lrfu", "lru")  # tqbench.stream.cache.POLICIES, the default first (importing it loads MLX)
 MAX_WORKERS = 256
 MAX_PIN_SHARE = 0.9
+PARALLEL = ("pipeline", "tensor")  # tqbench.distributed.tensor.PARALLEL (importing it loads MLX)
 PROMPT_CACHE_BYTES = 2 << 30  # completions' LRU of prompt caches (tqbench.runtime.complete), by default
 
 
@@ -137,6 +138,7 @@ class ChatRequest:
     max_active_experts: int = 0  # route each token to this many experts (0: the model's own top-k)
     profile: ProfileOptions = field(default_factory=ProfileOptions)
     prompt_cache_bytes: int = PROMPT_CACHE_BYTES  # completions (a server's requests) keep prompt caches up to this
+    parallel: str = "pipeline"  # several ranks: each holds its layers (pipeline) or a slice of every layer (tensor)
 
     def check(self) -> ChatRequest:
         """Raise TqbenchError (one line) for a value the engine would refuse; returns self."""
@@ -147,6 +149,8 @@ class ChatRequest:
             raise TqbenchError(f"max active experts {self.max_active_experts}: give 0 (the model's own) or more")
         if self.prompt_cache_bytes < 0:
             raise TqbenchError(f"prompt cache {self.prompt_cache_bytes} bytes: give 0 (none) or more")
+        if self.parallel not in PARALLEL:
+            raise TqbenchError(f"parallel {self.parallel!r}: choose {' or '.join(PARALLEL)}")
         return self
 
 

@@ -251,7 +251,8 @@ class ChatSession:
             plan = plan_streaming(path, request.stream)
             yield plan
             self._drop()
-            loaded = load(path, request.trust_remote_code, streaming=plan.config, group=group)
+            loaded = load(path, request.trust_remote_code, streaming=plan.config, group=group,
+                          parallel=request.parallel)
         except TqbenchError as e:
             if group is not None:
                 agree(group, e)

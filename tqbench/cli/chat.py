@@ -57,6 +57,7 @@ def chat(
     no_learn: options.NoLearn = False,
     cold: options.Cold = False,
     pin_share: options.PinShare = None,
+    parallel: options.Parallel = "pipeline",
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", metavar="FILE",
                                                        help="Write the streaming statistics here at exit.")] = None,
 ) -> None:
@@ -74,7 +75,10 @@ def chat(
         request = chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_template,
                                trust_remote_code, cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy,
                                fanout, lookahead, page_cache, max_active_experts, profile, profile_force, no_learn,
-                               cold, pin_share, cache_routing, host_cache=host_cache_gb)
+                               cold, pin_share, cache_routing, host_cache=host_cache_gb, parallel=parallel)
+        if parallel == "tensor" and env_rank() is None:
+            raise UsageError("--parallel tensor splits every layer across the ranks mlx.launch starts: run it under "
+                             "mlx.launch")
         if stats_json is not None:  # it can be written once the chat is over: checked before any work
             check_output_file(stats_json, "--stats-json")
         loaded = open_chat(chat_session, request, err, quiet=as_json, streaming_stats=stats_json is not None)

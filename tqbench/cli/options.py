@@ -121,6 +121,11 @@ ProfileForce = Annotated[bool, typer.Option(
 NoLearn = Annotated[bool, typer.Option("--no-learn", help="Do not learn from this session.")]
 Cold = Annotated[bool, typer.Option(
     "--cold", help="Start from no profile, whatever was learned or shipped (a baseline to compare with).")]
+Parallel = Annotated[str, typer.Option(
+    "--parallel", metavar="pipeline|tensor",
+    help="Under mlx.launch: each rank holds its own layers and streams their experts (pipeline), or a slice of "
+         "every layer, experts resident (tensor: a fraction of the bytes per token on each rank, two all-sums "
+         "per layer).")]
 PinShare = Annotated[Optional[float], typer.Option(
     "--pin-share", min=0.0, max=0.9,
     help="Share of the expert cache pinned from the profile (streaming; 0: none, the profile still ranks the "

@@ -166,12 +166,13 @@ def preflight(given: str | Path, trust_remote_code: bool = False) -> tuple[Path,
 
 
 def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False, streaming: Any = None,
-         tokenizer: bool = True, group: Any = None) -> Loaded:
+         tokenizer: bool = True, group: Any = None, parallel: str = "pipeline") -> Loaded:
     """Load a model directory (tqbench conversion, TurboQuant-MLX build, MLX or source checkpoint) with its tokenizer.
     `streaming` (a tqbench.stream.StreamConfig) keeps routed experts on disk: they are swapped for streamed ones
     before any stacked expert array is evaluated. `tokenizer=False` skips the tokenizer (benchmarks that feed token
     ids; Loaded.tokenizer is then None). `group` (MLX's distributed group, tqbench.distributed.world.join): this
-    rank keeps only its pipeline layers, and streams only their experts. Must run on the engine's MLX thread. Raises
+    rank keeps only its pipeline layers, and streams only their experts; with `parallel` "tensor" it keeps a slice of
+    every layer instead (tqbench.distributed.tensor), its experts resident. Must run on the engine's MLX thread. Raises
     LoadError (or tqbench.stream.StoreError) with one line naming the directory and the problem."""
     import mlx_lm.utils as mu
 
@@ -179,6 +180,11 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
 
     keep_mlx_kernels()
     path, config, trust = preflight(given, trust_remote_code)
+    tensor = group is not None and parallel == "tensor"
+    if tensor and streaming is not None:
+        from tqbench.distributed.tensor import refuse_streaming
+
+        raise refuse_streaming()
     rotations = _recorded_rotations(config, path / "config.json")
     swapped: list[str] = []
 
@@ -195,7 +201,11 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise LoadError(f"mlx-lm cannot build the model ({_one_line(e)})", path) from None
         pipeline = None
-        if group is not None:
+        if tensor:
+            from tqbench.distributed.tensor import shard
+
+            pipeline = shard(group, model)  # before any weight is evaluated: a rank keeps its slices only
+        elif group is not None:
             from tqbench.distributed.world import split
 
             pipeline = split(group, model)  # before any weight is evaluated: the others' layers are never read
