@@ -527,3 +527,48 @@ def test_lookahead_with_fewer_slots_than_one_tokens_experts_stays_exact(models, 
     np.testing.assert_array_equal(logits, resident[RECIPE][0])
     assert tokens == resident[RECIPE][1][:8]
     loaded.streamer.close()
+
+
+@pytest.mark.parametrize("max_slots", [1024, 25])  # one pool; one per 25 slots of the 60 (three pools)
+def test_pools_split_under_the_slot_limit_and_stay_bit_identical(models, resident, expert, max_slots):
+    """No pool holds more than StreamConfig.max_pool_slots slots (MLX's CUDA gather_mm takes at most 1,024
+    matrices: a pool of more is more than one float SwitchLinear's gather can take)."""
+    loaded = load(models[RECIPE], streaming=StreamConfig(staging_bytes(expert, 2) + 60 * expert, 2,
+                                                         max_pool_slots=max_slots))
+    pools = loaded.streamer.pools
+    assert len(pools) == {1024: 1, 25: 3}[max_slots] and all(p.slots <= max_slots for p in pools)
+    assert 58 <= sum(p.slots for p in pools) <= 60  # whole slots per pool, in proportion to its layers
+    logits, tokens = _run(loaded.model)
+    np.testing.assert_array_equal(logits, resident[RECIPE][0])
+    assert tokens == resident[RECIPE][1]
+    loaded.streamer.close()
+
+
+def test_a_prompt_of_more_routings_than_gather_mm_takes_streams_like_resident(models, expert, monkeypatch):
+    """140 tokens at top-8 (1,120 routings) with 1,217 slots (the demo's at a 4 MB budget): on CUDA this prompt
+    failed ("[gather_mm] Group count can not be larger than 1024"). Every gather_mm now takes at most 1,024 matrices,
+    and the streamed logits and tokens are resident's."""
+    from tqbench.runtime import codebook
+
+    prompt = mx.array([[4352] + [(7 * i) % 4000 + 100 for i in range(139)]])
+    resident_model = load(models[RECIPE]).model
+    want = np.array(resident_model(prompt).astype(mx.float32))
+    want_tokens = [int(t) for t, _ in zip((t for t, _ in generate_step(prompt[0], resident_model, max_tokens=3)),
+                                          range(3))]
+    calls = []
+    real = mx.gather_mm
+
+    def spy(a, b, *args, **kw):
+        calls.append(int(np.prod(b.shape[:-2])))
+        return real(a, b, *args, **kw)
+
+    monkeypatch.setattr(mx, "gather_mm", spy)
+    assert codebook.GATHER_MAX_GROUPS == 1024
+    loaded = load(models[RECIPE], streaming=StreamConfig(staging_bytes(expert, 4) + 1217 * expert, 4))
+    assert len(loaded.streamer.pools) == 2 and max(p.slots for p in loaded.streamer.pools) <= 1024  # was one pool
+    np.testing.assert_array_equal(np.array(loaded.model(prompt).astype(mx.float32)), want)
+    model = loaded.model
+    assert [int(t) for t, _ in zip((t for t, _ in generate_step(prompt[0], model, max_tokens=3)), range(3))] == \
+        want_tokens
+    assert calls and max(calls) <= 1024
+    loaded.streamer.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 
 from tqbench.quant.turboquant import unpack
 
@@ -51,26 +52,103 @@ def _matmul_graph(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook:
 _matmul = mx.compile(_matmul_graph)
 
 
+# MLX's CUDA gather_mm (the sorted one-row path that mlx-lm's SwitchGLU takes from 64 routings on) is a grouped GEMM
+# that takes at most 1,024 matrices in b and computes each matrix's byte offset in 32-bit integers, so past 2 GiB of
+# an operand it reads out of bounds ("an illegal memory access"). The reference gather never hands gather_mm more than
+# GATHER_MAX_GROUPS matrices or GATHER_MAX_BYTES of x, of the decoded weights or of the output, on every backend: the
+# same bound keeps the float32 weights a prefill decodes small (one K3 projection's 896 experts at once are 39 GB; a
+# piece's decoding needs about three times its bytes while it runs).
+GATHER_MAX_GROUPS = 1024
+GATHER_MAX_BYTES = 1 << 29
+
+
 def gather_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, indices: mx.array,
                   sorted_indices: bool = False) -> mx.array:
-    return (_gather_sorted if sorted_indices else _gather)(x_rot, weight, scales, codebook, indices)
+    """The routed-expert product, as mlx-lm's SwitchLinear computes it with `mx.gather_mm`: x_rot (..., m, n) and
+    expert indices (...) -> (..., m, out), float32. Small products run as one compiled graph; larger ones in pieces
+    (`_gather_in_pieces`), each within gather_mm's limits."""
+    n, m = x_rot.shape[-1], x_rot.shape[-2]
+    out, experts = weight.shape[-2], weight.shape[0]
+    expert_bytes = 4 * out * n  # one expert's decoded float32 weights
+    pairs = math.prod(mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape)))
+    if 4 * pairs * m * max(n, out) <= GATHER_MAX_BYTES:
+        copies_fit = indices.size <= GATHER_MAX_GROUPS and indices.size * expert_bytes <= GATHER_MAX_BYTES
+        all_fit = experts <= GATHER_MAX_GROUPS and experts * expert_bytes <= GATHER_MAX_BYTES
+        if copies_fit and (indices.size < experts or not all_fit):
+            return _GATHER[(sorted_indices, False)](x_rot, weight, scales, codebook, indices)
+        if all_fit:
+            return _GATHER[(sorted_indices, True)](x_rot, weight, scales, codebook, indices)
+    return _gather_in_pieces(x_rot, weight, scales, codebook, indices)
 
 
 def _gather_graph(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, indices: mx.array,
-                  sorted_indices: bool = False) -> mx.array:
-    """The routed-expert product, as mlx-lm's SwitchLinear computes it with `mx.gather_mm`: x_rot (..., m, n) and
-    expert indices (...) -> (..., m, out). Only the experts the indices name are dequantized, unless they name more
-    expert copies than the module holds (prefill), then every expert once."""
+                  sorted_indices: bool, every_expert: bool) -> mx.array:
+    """One gather_mm over the experts decoded in float32: every expert once (`every_expert`, a prefill's choice), or
+    one copy per index, in the indices' order (a few routings: only the experts they name)."""
     n = x_rot.shape[-1]
-    experts = weight.shape[0]
-    if indices.size < experts:
-        flat = indices.reshape(-1)
-        w = dequantize_rotated(weight[flat], scales[flat], codebook, n)
-        local = mx.arange(flat.size, dtype=mx.uint32).reshape(indices.shape)
-        return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=local, sorted_indices=sorted_indices)
-    w = dequantize_rotated(weight, scales, codebook, n)
-    return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+    if every_expert:
+        w = dequantize_rotated(weight, scales, codebook, n)
+        return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+    flat = indices.reshape(-1)
+    w = dequantize_rotated(weight[flat], scales[flat], codebook, n)
+    local = mx.arange(flat.size, dtype=mx.uint32).reshape(indices.shape)
+    return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=local, sorted_indices=sorted_indices)
 
 
-_gather = mx.compile(lambda x, w, s, b, i: _gather_graph(x, w, s, b, i, False))
-_gather_sorted = mx.compile(lambda x, w, s, b, i: _gather_graph(x, w, s, b, i, True))
+# Compiled per (sorted_indices, every_expert): decoding, lookup and scaling fuse.
+_GATHER = {(s, e): mx.compile(lambda x, w, sc, b, i, s=s, e=e: _gather_graph(x, w, sc, b, i, s, e))
+           for s in (False, True) for e in (False, True)}
+
+
+def _gather_in_pieces(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array,
+                      indices: mx.array) -> mx.array:
+    """gather_matmul for products past one gather_mm's limits. The indices are read on the host (they are evaluated
+    here), the (x block, expert) pairs sorted by expert, and each run of pairs whose distinct experts and rows fit the
+    limits is one gather_mm over just those experts, decoded once each; the results go back to the pairs' order."""
+    n, m = x_rot.shape[-1], x_rot.shape[-2]
+    out = weight.shape[-2]
+    xbatch = tuple(x_rot.shape[:-2])
+    bshape = tuple(mx.broadcast_shapes(xbatch, tuple(indices.shape)))
+    mx.eval(indices)
+    idx = np.broadcast_to(np.array(indices, dtype=np.int64), bshape).reshape(-1)
+    xblock = np.broadcast_to(np.arange(math.prod(xbatch)).reshape(xbatch), bshape).reshape(-1)
+    order = np.argsort(idx, kind="stable")
+    ranked = idx[order]
+    x2 = x_rot.reshape(-1, m, n)
+    parts = []
+    for lo, hi in gather_pieces(ranked, 4 * out * n, 4 * m * max(n, out)):
+        experts = np.unique(ranked[lo:hi])
+        local = mx.array(np.searchsorted(experts, ranked[lo:hi]).astype(np.uint32))
+        rows = mx.array(xblock[order[lo:hi]].astype(np.uint32))
+        pick = mx.array(experts.astype(np.uint32))
+        # not compiled: every piece has shapes of its own (mx.compile would trace each anew)
+        part = _gather_graph(x2[rows], weight[pick], scales[pick], codebook, local, True, True)
+        mx.eval(part)  # one piece's decoded weights at a time
+        parts.append(part)
+    y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    if not np.array_equal(order, np.arange(order.size)):
+        y = y[mx.array(np.argsort(order).astype(np.uint32))]
+    return y.reshape(*bshape, m, out)
+
+
+def gather_pieces(ranked: np.ndarray, expert_bytes: int, row_bytes: int) -> list[tuple[int, int]]:
+    """Runs [lo, hi) of expert-sorted pairs `ranked`, each naming at most GATHER_MAX_GROUPS distinct experts (decoded,
+    `expert_bytes` each) and rows (`row_bytes` each, of x or of the output) within GATHER_MAX_BYTES; an expert with
+    more rows than that is split over several runs."""
+    per_piece = max(1, min(GATHER_MAX_GROUPS, GATHER_MAX_BYTES // expert_bytes))
+    rows_max = max(1, GATHER_MAX_BYTES // row_bytes)
+    starts = np.flatnonzero(np.diff(ranked)) + 1
+    segments = zip(np.concatenate([[0], starts]).tolist(), np.concatenate([starts, [ranked.size]]).tolist())
+    pieces: list[tuple[int, int]] = []
+    lo = hi = experts = 0
+    for a, b in segments:
+        if experts and (experts == per_piece or b - lo > rows_max):
+            pieces.append((lo, hi))
+            lo, experts = a, 0
+        while b - lo > rows_max:  # one expert's rows alone exceed a piece
+            pieces.append((lo, lo + rows_max))
+            lo = lo + rows_max
+        hi, experts = b, experts + 1
+    if hi > lo:
+        pieces.append((lo, hi))
+    return pieces

@@ -41,6 +41,7 @@ class StreamConfig:
     page_cache: str = "auto"  # "on": buffered reads; "off": bypass (O_DIRECT / F_NOCACHE); "auto": off when the
     # model's files exceed 60% of physical memory (the page cache would only churn), else on
     max_array_bytes: int = 1 << 30  # no slot pool array larger than this (CUDA gathers fail past 2 GiB)
+    max_pool_slots: int = 1024  # no pool with more slots (MLX's CUDA gather_mm takes at most 1,024 matrices)
     lookahead: bool = False  # during decode, read layer L+1's likely experts (its router on layer L's input)
     reads_in_flight: int = 0  # at most this many reads at once (0: one per worker); the workers' copies into the
     # slots still run in parallel. Some disks read one request at a time fastest (the lent H200's: random experts at
@@ -134,8 +135,9 @@ class Streamer:
         self.stats = StreamStats(budget_bytes=config.budget_bytes, staging_bytes=staging,
                                  page_cache="off" if self.direct else "on", cache_routing=config.cache_routing)
         # Pools per signature; the budget left after staging is shared in proportion to the experts' bytes. No pool
-        # array may exceed config.max_array_bytes (MLX's CUDA gather kernels fail on arrays over 2 GiB): a signature
-        # whose slots would is split into pools that each serve a contiguous run of layers.
+        # array may exceed config.max_array_bytes (MLX's CUDA gather kernels fail on arrays over 2 GiB), nor hold more
+        # than config.max_pool_slots slots (its gather_mm takes at most 1,024 matrices): a signature whose slots would
+        # is split into pools that each serve a contiguous run of layers.
         groups: dict[tuple, list[LayerLayout]] = {}
         for lay in layouts.values():
             groups.setdefault(lay.signature, []).append(lay)
@@ -154,7 +156,7 @@ class Streamer:
                                  f"({per.nbytes:,} bytes) plus {read_buffers(workers)} read buffers "
                                  f"({staging:,} bytes)", store.root)
             widest = max(p.nbytes for p in per.parts)  # bytes per slot of the pool's largest array
-            cap = config.max_array_bytes // widest  # slots one pool may have
+            cap = min(config.max_array_bytes // widest, config.max_pool_slots)  # slots one pool may have
             if cap < 1:
                 raise StoreError(f"one expert's array ({widest:,} bytes) exceeds the pool array limit", store.root)
             n = min(len(group), -(-slots // cap))
