@@ -440,6 +440,25 @@ def test_emulated_gather_matches_reference(monkeypatch, levels) -> None:
 
 
 @needs_gxx
+@pytest.mark.parametrize("levels", [3, 16])
+def test_emulated_gather_at_the_most_routings_the_dispatcher_sends(monkeypatch, levels) -> None:
+    """The largest gathered product the fused kernel serves: 8 prompt tokens at top-16, sorted by expert as mlx-lm's
+    SwitchGLU sorts 64 routings and more (x (128, 1, n), indices (128,)), many routings per expert, a pool of 130."""
+    monkeypatch.setattr(K, "compiled", _emulated("cuda"))
+    w, s, cb = _case(levels, 32, 256, 12, experts=130, key=31)
+    idx = np.sort(np.concatenate([np.full(40, 7), np.full(30, 129), np.random.default_rng(3).integers(0, 130, 58)]))
+    x = mx.random.normal((128, 1, 256), key=mx.random.key(9))
+    indices = mx.array(idx.astype(np.uint32))
+    d = K.Dispatcher(backend="cuda")
+    assert d.fits_gather(1, 128, 256, w, s, cb) and not d.fits_gather(1, 129, 256, w, s, cb)
+    got = K.fused_gather(x, w, s, cb, indices, "cuda")
+    with mx.stream(mx.cpu):
+        want = ref.gather_matmul(x, w, s, cb, indices, True)
+    assert got.shape == want.shape == (128, 1, 12)
+    assert _rel(got, want) < 1e-5
+
+
+@needs_gxx
 @pytest.mark.parametrize("levels,layout", [(16, dict(rows=1, lanes=8, tiles=2)), (16, dict(rows=2, lanes=16, tiles=1)),
                                            (16, dict(rows=8, lanes=32, tiles=3)), (8, dict(rows=8, lanes=4, tiles=1)),
                                            (3, dict(rows=8, lanes=8, tiles=1)), (3, dict(rows=4, lanes=4, tiles=1)),
