@@ -56,10 +56,10 @@ def runs(model: dict, cfg: dict) -> list[tuple[str, dict]]:
     gpu = max(int(cfg["gpu_share"] * total // eb), 1) * eb + staging_bytes(eb + 2 * ALIGN, w)
     host = max(int(cfg["host_share"] * total // eb), 1) * eb
     base = dict(budget_bytes=gpu, workers=w, page_cache="off")
-    return [("cache", base), ("cache + host", dict(base, host_cache_bytes=host)),
+    return [("cache", base), ("cache + host", dict(base, host_budget_bytes=host)),
             ("cache, page cache on", dict(base, page_cache="on")),
-            ("cache + host, page cache on", dict(base, page_cache="on", host_cache_bytes=host)),
-            ("cache + host (all)", dict(base, host_cache_bytes=total + eb))]
+            ("cache + host, page cache on", dict(base, page_cache="on", host_budget_bytes=host)),
+            ("cache + host (all)", dict(base, host_budget_bytes=total + eb))]
 
 
 def summarize(r: dict, model: dict) -> dict:

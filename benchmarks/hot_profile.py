@@ -73,8 +73,9 @@ def run_session(model: str, turns: list[str], tokens: int, budget: int, opts) ->
     """One chat session through the engine; its streaming figures and the experts it routed (for the seed rule)."""
     from tqbench.chat.request import ChatRequest, StreamRequest
     from tqbench.chat.session import ChatSession
-    from tqbench.runtime.chat import ReplyDone, Sampling
-    from tqbench.stream.stats import PageIn
+    from tqbench.runtime.conversation import Sampling
+    from tqbench.events import ReplyDone
+    from tqbench.events import PageIn
 
     s = ChatSession()
     counts: dict[int, dict[int, int]] = {}

@@ -670,11 +670,11 @@ def main(argv: list[str] | None = None) -> int:
                 # issue 33: the host-RAM tier under the same GPU budget, the OS page cache instead, and both tiers at
                 # the shares of full K3's experts the lent box's GPU and RAM would hold
                 dict(label="B cold, host tier", prompt="B",
-                     stream=dict(stream, host_cache_bytes=int(cfg["host_gb"] * 1e9))),
+                     stream=dict(stream, host_budget_bytes=int(cfg["host_gb"] * 1e9))),
                 dict(label="B cold, page cache on", prompt="B", stream=dict(stream, page_cache="on")),
                 dict(label="B cold, K3 box tiers", prompt="B", stream=dict(
                     stream, budget_bytes=box_budget(model, K3_BOX_SHARES["gpu"], cfg["workers"]),
-                    host_cache_bytes=max(eb, int(K3_BOX_SHARES["host"] * model["expert_total_bytes"]))))
+                    host_budget_bytes=max(eb, int(K3_BOX_SHARES["host"] * model["expert_total_bytes"]))))
             ] + [  # cache-aware routing: a cached expert within the margin of an uncached one is chosen instead
                 dict(label=f"B cold, cache routing {m:g}", prompt="B", stream=dict(stream, cache_routing=m))
                 for m in map(float, str(cfg["cache_margins"]).split(","))]

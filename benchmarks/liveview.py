@@ -60,7 +60,7 @@ QUICK = dict(DEFAULTS, repeats=1, pairs=2)
 
 def _figures(done, before, after) -> dict:
     """A reply's decode rate and text, and its page-ins: StreamStats after it minus before it."""
-    b, a = before.to_dict(), after.to_dict()  # tqbench.chat.records.StreamReport
+    b, a = before.to_dict(), after.to_dict()  # tqbench.events.StreamReport
     return dict(decode_tps=done.decode_tps, tokens=done.generated_tokens, text=done.text,
                 misses=a["misses"] - b["misses"], hits=a["hits"] - b["hits"],
                 stall_s=round(a["stall_s"] - b["stall_s"], 4))

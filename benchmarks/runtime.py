@@ -23,7 +23,7 @@ What it does, all in one run:
 4. Speed and memory, one fresh subprocess per model and repeat (its peak RSS is that process's own), the model order
    rotated between repeats: import, `tqbench.runtime.load.load` (timed), one warm-up generation, then one greedy
    generation of `--gen-tokens` (default 128) after the prompt with mlx-lm's `stream_generate` (what
-   `tqbench.runtime.chat.Conversation` runs; its prefill/decode tok/s are the ones ReplyDone reports), also counted
+   `tqbench.runtime.conversation.Conversation` runs; its prefill/decode tok/s are the ones ReplyDone reports), also counted
    per CPU-second of the process. The end-of-message token is masked so every model generates the same number of
    tokens. A floor subprocess per repeat does the imports only.
 5. `--profile`: where a decode step's time goes per model (module classes timed; TurboQuant also with its weights

@@ -70,7 +70,7 @@ class Engine:
             job.result()
 
     def stream(self, messages: list[dict], max_tokens: int) -> dict:
-        from tqbench.chat.records import CompletionDelta, CompletionDone
+        from tqbench.events import CompletionDelta, CompletionDone
         from tqbench.chat.request import CompletionRequest, SamplingRequest
 
         request = CompletionRequest(messages=tuple(messages), sampling=SamplingRequest(max_tokens=max_tokens, temp=0.0))

@@ -13,7 +13,7 @@ runs what a user runs, with prompts of thousands of tokens:
 3. Per model, three modes, each in a process of its own (a CUDA fault ends a process: it is reported, not fatal):
    resident, streamed at the budget, and streamed at the budget over a host tier (`--k3-budget`/`--k3-host` for the
    K3-shaped model, `--budget`/`--host` for the others). Each runs every prompt in a fresh cache through tqbench's
-   engine (`tqbench.runtime.chat.generate`: the loop chat and serve run) and keeps the first `--tokens` greedy tokens.
+   engine (`tqbench.runtime.conversation.generate`: the loop chat and serve run) and keeps the first `--tokens` greedy tokens.
    A streamed mode passes when its tokens equal resident's (`--cpu-reference`: the CPU's, where resident fails).
 4. `--faces`: on the first model, streamed at its budget, the prompt of `--face-length` tokens through `tqbench chat
    --prompt --json`, through `tqbench serve` (one /v1/completions request over loopback, the server stopping after
@@ -80,7 +80,7 @@ def child_run(a: dict) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from tqbench.runtime.chat import Sampling, generate
+    from tqbench.runtime.conversation import Sampling, generate
     from tqbench.runtime.complete import text_prompt
     from tqbench.runtime.load import load
     from tqbench.stream.streamer import StreamConfig
@@ -89,7 +89,7 @@ def child_run(a: dict) -> None:
         mx.set_default_device(mx.cpu)
     stream = None
     if a["budget"] is not None:
-        stream = StreamConfig(budget_bytes=a["budget"], workers=4, host_cache_bytes=a["host"])
+        stream = StreamConfig(budget_bytes=a["budget"], workers=4, host_budget_bytes=a["host"])
     t0 = time.perf_counter()
     loaded = load(a["model"], streaming=stream)
     rows = []

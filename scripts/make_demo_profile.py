@@ -85,7 +85,7 @@ def main() -> None:
     from tqbench.profile import ProfileStore, identify
     from tqbench.profile.profile import dumps
     from tqbench.recipe import Recipe
-    from tqbench.runtime.chat import Sampling
+    from tqbench.runtime.conversation import Sampling
 
     texts = prompts(args.chars, args.lines)
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ from conftest import demo_tq4
 from test_runtime_families import write_deepseek_v3, write_qwen3_moe
 from tqbench.chat.request import StreamRequest
 from tqbench.convert import convert
-from tqbench.chat.session import plan_streaming
+from tqbench.chat.stream_plan import plan_streaming
 from tqbench.errors import TqbenchError
 from tqbench.eval import EvalReport, EvalRequest, EvalStarted, evaluate
 from tqbench.eval.report import report_dict
@@ -343,7 +343,7 @@ def test_chat_and_serve_figures_say_the_routing_changed(model):
     from tqbench.chat import report
     from tqbench.chat.request import ChatRequest
     from tqbench.chat.session import ChatSession
-    from tqbench.runtime.chat import Sampling
+    from tqbench.runtime.conversation import Sampling
     from tqbench.serve import metrics, wire
     from tqbench.serve import report as serve_report
     from tqbench.serve.service import ServeStatus

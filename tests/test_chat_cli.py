@@ -15,7 +15,7 @@ from cli_helpers import tqbench
 from tqbench.demo import SHIPPED_SPEC, ensure_demo
 from tqbench.chat.request import ChatRequest
 from tqbench.chat.session import ChatSession
-from tqbench.runtime.chat import Sampling
+from tqbench.runtime.conversation import Sampling
 
 pytestmark = pytest.mark.slow  # a demo conversion and several model loads (~15 s)
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from tqbench.chat import report
-from tqbench.chat.live import ExpertMap
+from tqbench.chat.live import PageInMap
 from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest, parse_budget
 from tqbench.errors import ExitCode, TqbenchError
-from tqbench.runtime.chat import ReplyDone, Sampling
+from tqbench.runtime.conversation import Sampling
+from tqbench.events import ReplyDone
 
 
 def test_one_budget_syntax():
@@ -63,7 +64,7 @@ def test_report_lines_are_the_faces_words():
                                                       "prompt  12 processed at 100.0 tok/s · 5 reused from the cache")
     assert report.sampling_line(Sampling(64, 0.7, 0.9, 40)) == "temp 0.7, top-p 0.9, top-k 40, up to 64 tokens per reply"
     assert report.sampling_text(Sampling(temp=0.0, top_p=0.9)) == "greedy"
-    empty = report.plain(report.expert_summary(ExpertMap({1: 4}), 2_000_000, None, None))
+    empty = report.plain(report.expert_summary(PageInMap({1: 4}), 2_000_000, None, None))
     assert empty == "no expert routed yet; cache 2.00 MB\n" + report.TIERS_LEGEND
 
 
@@ -86,7 +87,7 @@ def model(tmp_path_factory) -> Path:
 
 
 def test_the_engine_plans_what_runs(model):
-    from tqbench.chat.session import plan_streaming
+    from tqbench.chat.stream_plan import plan_streaming
     from tqbench.demo import DemoSpec, write_source
 
     assert plan_streaming(model, StreamRequest("off")).reason == "off"
@@ -111,10 +112,11 @@ def test_the_engine_plans_what_runs(model):
 
 @pytest.mark.slow  # a model load and a streamed reply (~3 s)
 def test_a_chat_session_end_to_end(model, tmp_path):
-    from tqbench.chat.records import ModelLoaded
-    from tqbench.chat.session import ChatSession, StreamPlan
-    from tqbench.runtime.models import ModelChosen
-    from tqbench.stream import PageIn
+    from tqbench.chat.events import ModelLoaded
+    from tqbench.chat.session import ChatSession
+    from tqbench.chat.events import StreamPlan
+    from tqbench.events import ModelChosen
+    from tqbench.events import PageIn
 
     chat = ChatSession()
     try:

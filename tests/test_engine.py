@@ -8,7 +8,7 @@ import time
 import mlx.core as mx
 import pytest
 
-from tqbench.engine import THREAD_NAME, Engine, Session, iterate_in_daemon
+from tqbench.engine import THREAD_NAME, Engine, iterate_in_daemon
 
 
 @pytest.fixture
@@ -111,32 +111,6 @@ def test_cancelled_consumer_returns_without_waiting(eng):
     assert got == [1] and j.stopping and not j.done  # returned while the job still waits inside its step
     gate.set()
     assert j.wait(5)
-
-
-def test_session_keeps_state_between_jobs(eng):
-    s = Session(eng)
-
-    def load(session):
-        session.state["model"] = mx.ones((4,)) * 3
-        mx.eval(session.state["model"])
-        yield "loaded"
-
-    def use(session):
-        yield float(session.state["model"].sum())
-
-    assert s.submit(load).result() == ["loaded"]
-    assert s.submit(use).result() == [12.0]
-    assert s.call(lambda session: sorted(session.state)) == ["model"]
-
-    class Handle:
-        closed = False
-
-        def close(self):
-            Handle.closed = True
-
-    s.call(lambda session: session.state.__setitem__("cache", Handle()))
-    s.close()
-    assert Handle.closed and s.state == {}
 
 
 def test_iterate_in_daemon_abandons_a_cancelled_producer():

@@ -32,7 +32,8 @@ from tqbench.paths import cache_dir, shipped_profiles
 from tqbench.profile import (DECAY, MATURE, PIN_SHARE, SCHEMA, SHIPPED_PIN_SHARE, Profile, ProfileStore, choose, diff,
                              hot_set, identify, merge, read_profile, summary)
 from tqbench.profile.report import coverage_report, number
-from tqbench.runtime.chat import ReplyDone, Sampling
+from tqbench.runtime.conversation import Sampling
+from tqbench.events import ReplyDone
 
 SMALL_BUDGET = "0.0005"  # GB: a few percent of the demo's tq4 experts
 P1, P2 = "def fib(n):", "class Stack:\n    def __init__(self):\n"

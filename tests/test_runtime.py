@@ -21,7 +21,8 @@ from tqbench.demo import SHIPPED_SPEC, ensure_demo
 from tqbench.layout import QuantizationBlock
 from tqbench.quant import turboquant as tq
 from tqbench.recipe import Recipe
-from tqbench.runtime.chat import Conversation, ReplyDone, ReplyStarted, Sampling, TokenOut
+from tqbench.runtime.conversation import Conversation, Sampling
+from tqbench.events import ReplyDone, ReplyStarted, TokenOut
 from tqbench.runtime.layers import TurboQuantConcat, TurboQuantLinear, TurboQuantSwitchLinear
 from tqbench.runtime.load import LoadError, load, trust_decision
 

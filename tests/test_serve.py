@@ -172,7 +172,7 @@ def test_stop_sequences_end_the_text_where_they_begin(server, cli_replies):
 
 
 def test_text_completions_continue_a_plain_prompt_as_the_engine_does(server, demo):
-    from tqbench.runtime.chat import Conversation, Sampling
+    from tqbench.runtime.conversation import Conversation, Sampling
     from tqbench.runtime.load import load
     from tqbench.engine import engine
 
@@ -433,7 +433,7 @@ def test_tool_calls_are_parsed_token_by_token_with_the_models_parser(demo):
 
 
 def test_stop_strings_hold_back_only_what_could_begin_one():
-    from tqbench.runtime.chat import _stop_prefix
+    from tqbench.runtime.conversation import _stop_prefix
 
     assert _stop_prefix("abc\n", ("\n\n",)) == 1
     assert _stop_prefix("abcEN", ("END", "x")) == 2
@@ -478,7 +478,7 @@ def test_any_json_body_is_a_request_or_one_openai_error():
 def test_each_pipeline_rank_shows_in_the_status_metrics_and_live_feed():
     """A server on several ranks: every rank's figures after the last request, in its status lines, /metrics (a
     `rank` label) and /tqbench/status, which a face attached to the server reads back as the same records."""
-    from tqbench.chat.records import StreamReport
+    from tqbench.chat.events import StreamReport
     from tqbench.distributed.world import RankStats
     from tqbench.serve import metrics, report, wire
     from tqbench.serve.service import ServeStatus

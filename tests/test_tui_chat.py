@@ -23,14 +23,15 @@ from tqbench.chat.session import ChatSession
 from tqbench.engine import engine
 from tqbench.errors import TqbenchError
 from tqbench.layout.names import INDEX_FILE
-from tqbench.runtime.chat import ReplyDone, TokenOut
-from tqbench.runtime.models import demo_converted_path
+from tqbench.events import ReplyDone, TokenOut
+from tqbench.chat.choose import demo_converted_path
 from tqbench.state import last_model, remember_model
-from tqbench.stream import ExpertStore, PageIn
+from tqbench.stream import ExpertStore
+from tqbench.events import PageIn
 from textual.app import App
 from textual.widgets import Input
 from tui.app import TqbenchApp
-from tqbench.chat.live import FADE, KINDS, ExpertMap, bins, fold, heat, sparkline
+from tqbench.chat.live import FADE, KINDS, PageInMap, bins, fold, heat, sparkline
 from tui.screens.chat import ChatScreen
 from tui.screens.chat_settings import SettingsScreen
 from tui.state import display_path
@@ -220,7 +221,7 @@ async def test_the_status_says_mlx_warms_up_before_the_first_token(model_dir, en
     says MLX is compiling its kernels until the first token, then the reply streams as the engine's."""
     from tqbench.chat import report
     from tqbench.runtime import kernels, warmup
-    from tqbench.runtime.warmup import MlxWarmup
+    from tqbench.events import MlxWarmup
 
     _, (first, _), _, _ = engine_run
     remember_model(model_dir)
@@ -499,7 +500,7 @@ def test_experts_fold_into_bins_and_fade():
     assert sorted(e for g in groups for e in g) == list(range(896))  # every expert in exactly one bin
     assert fold(64, 80) == 1 and fold(64, 63) == 2 and len(bins(448, fold(448, 30))) <= 30
 
-    m = ExpertMap({1: 896, 3: 896})
+    m = PageInMap({1: 896, 3: 896})
     m.apply([PageIn(1, 1, (0, 5, 13), ("pinned", "miss", "cache"), 200, 0.01, 500),
              PageIn(1, 3, (7,), ("prefetched",), 0, 0.0, 600)])
     assert m.cell(1, 5) == ("miss", 0) and m.cell(1, 1) == (None, -1) and m.cell(3, 7) == ("prefetched", 0)
@@ -534,7 +535,7 @@ class MapApp(App[None]):
         yield ExpertMapView()
 
     def on_mount(self) -> None:
-        model = ExpertMap({n: 448 for n in range(1, 8)})
+        model = PageInMap({n: 448 for n in range(1, 8)})
         model.apply(map_events(40))
         view = self.query_one(ExpertMapView)
         view.set_model(model)

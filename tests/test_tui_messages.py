@@ -14,8 +14,8 @@ import tqbench.chat.records
 import tqbench.convert
 import tqbench.events
 import tqbench.recipe
-import tqbench.runtime.chat
-import tqbench.runtime.models
+import tqbench.runtime.conversation
+import tqbench.chat.choose
 import tqbench.serve.service
 import tqbench.source
 import tqbench.stream
@@ -31,8 +31,8 @@ MESSAGES = [c for c in vars(messages).values()
 def hints(cls) -> dict:
     """The resolved field types, given the engine modules the messages name under TYPE_CHECKING."""
     names = {}
-    for module in (tqbench.convert, tqbench.events, tqbench.recipe, tqbench.source, tui.tally, tqbench.runtime.chat,
-                   tqbench.runtime.models, tqbench.chat.records, tqbench.stream, tqbench.serve.service):
+    for module in (tqbench.convert, tqbench.events, tqbench.recipe, tqbench.source, tui.tally, tqbench.runtime.conversation,
+                   tqbench.chat.choose, tqbench.chat.records, tqbench.stream, tqbench.serve.service):
         names.update({k: v for k, v in vars(module).items() if isinstance(v, type)})
     return typing.get_type_hints(cls, localns=names)
 

@@ -18,7 +18,7 @@ from tqbench.convert import convert
 from tqbench.demo import DemoSpec, write_source
 from tqbench.profile import Profile, ProfileStore, default_export_file, identify, overview, read_file
 from tqbench.recipe import Recipe
-from tqbench.runtime.chat import Sampling
+from tqbench.runtime.conversation import Sampling
 from tqbench.chat.request import ChatRequest, ProfileOptions
 from tqbench.chat.session import ChatSession
 from tqbench.state import remember_model
@@ -488,7 +488,7 @@ def test_engine_modules_import_no_ui_library():
     import subprocess
     import sys
 
-    code = ("import sys, tqbench.profile, tqbench.runtime.models; "
+    code = ("import sys, tqbench.profile, tqbench.chat.choose; "
             "print(json.dumps(sorted(m for m in ('textual', 'rich', 'typer') if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []

@@ -19,8 +19,8 @@ from tqbench.chat import report
 from tqbench.runtime import codebook as ref
 from tqbench.runtime import kernels as K
 from tqbench.runtime.kernel_source import GROUPS
-from tqbench.runtime.warmup import (KernelsCompiling, MlxWarmedUp, MlxWarmup, build_kernels, decode_kernels,
-                                    kernels_to_build)
+from tqbench.runtime.warmup import build_kernels, decode_kernels, kernels_to_build
+from tqbench.events import KernelsCompiling, MlxWarmedUp, MlxWarmup
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +299,7 @@ def test_mlx_warmup_events_frame_the_first_forward_pass(model, monkeypatch, tmp_
     from tqbench.chat.request import ChatRequest, SamplingRequest
     from tqbench.chat.session import ChatSession
     from tqbench.runtime import warmup
-    from tqbench.runtime.chat import ReplyDone, ReplyStarted, TokenOut
+    from tqbench.events import ReplyDone, ReplyStarted, TokenOut
 
     ptx = tmp_path / "ptx"
     ptx.mkdir()

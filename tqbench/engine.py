@@ -9,9 +9,9 @@ Why one thread:
 
 A *job* is a generator function run there; its items reach the caller's thread through a queue. Closing a job
 (`stop()`, leaving its `with` block, Ctrl-C in the CLI) makes the engine thread close the generator after the item in
-progress, so a conversion drops the shard it was writing and stays resumable. A *session* keeps state between jobs
-(a loaded model, its KV cache, its expert cache): jobs get it as their argument and only ever touch it on the engine
-thread. Helper threads may read bytes (os.pread releases the GIL) but never touch MLX.
+progress, so a conversion drops the shard it was writing and stays resumable. State kept between jobs (a chat's loaded
+model, its KV cache, its expert cache: tqbench.chat.session.ChatSession) is only ever touched on the engine thread.
+Helper threads may read bytes (os.pread releases the GIL) but never touch MLX.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
-from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
+from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -160,33 +160,6 @@ class Engine:
             return  # called from a job: the caller is the thread
         for job in jobs:
             job.wait(timeout)
-
-
-class Session:
-    """State kept on the engine thread between jobs (a loaded model stays loaded between chat turns).
-
-    `submit(make)` runs `make(session)` as a job; `state` is a plain dict that only jobs touch. `close()` drops the
-    state on the engine thread (values with a `close()` method are closed)."""
-
-    def __init__(self, eng: Engine | None = None) -> None:
-        self._engine = eng or engine()
-        self.state: dict[str, Any] = {}
-
-    def submit(self, make: Callable[[Session], Iterable[T]]) -> Job[T]:
-        return self._engine.submit(lambda: make(self))
-
-    def call(self, fn: Callable[[Session], R]) -> R:
-        return self._engine.call(lambda: fn(self))
-
-    def close(self) -> None:
-        def drop() -> None:
-            values = list(self.state.values())
-            self.state.clear()
-            for v in values:
-                if callable(getattr(v, "close", None)):
-                    v.close()
-
-        self._engine.call(drop)
 
 
 _engine = Engine()

@@ -1,9 +1,14 @@
-"""Events the engine yields to its faces. All are frozen dataclasses holding plain values (no lazy MLX arrays).
+"""The events the engine's jobs yield, at the ground floor of the house: frozen dataclasses of plain values (never a
+lazy MLX array), importing nothing of tqbench, so the layer that makes an event imports it from here.
 
-The CLI renders them with rich; the TUI's thread workers post them as Textual messages. This module holds the
-opening and conversion events; the others live beside what yields them: a chat's in tqbench.runtime.models
-(ModelChosen), tqbench.chat.session (StreamPlan), tqbench.chat.records (ModelLoaded and the summaries),
-tqbench.runtime.chat (ReplyStarted, TokenOut, ReplyDone) and tqbench.stream.stats (PageIn).
+- opening a checkpoint (`tqbench.source.open_checkpoint`): ShardScanned, then CheckpointOpened;
+- a conversion (`tqbench.convert.convert`): `ConvertEvent`;
+- a chat's jobs: the events made below the chat (a streamer's PageIn, the generation loop's ReplyStarted, TokenOut,
+  ReplyDone, the GPU's warm-up, a completion's deltas). The chat's own events, and the union each of its jobs yields,
+  are in tqbench.chat.events: the one place a face takes a chat's events from.
+
+The CLI renders them with rich; the TUI's thread workers post them as Textual messages; the server turns them into
+OpenAI's JSON.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# ---- opening a checkpoint, converting it -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ShardScanned:
@@ -126,3 +132,120 @@ class ConvertFinished:
     shards: int
     mean_rel_error: float | None
     max_rel_error: float | None
+
+
+ConvertEvent = ConvertStarted | UnitConverted | SourceProgress | SourceRemoved | ShardWritten | ConvertFinished
+
+
+# ---- a chat's events made below the chat ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelChosen:
+    path: str
+    why: str  # "last converted model", "demo (converted earlier)", "demo, converted now"
+
+
+@dataclass(frozen=True)
+class KernelsCompiling:
+    """One of the model's fused kernels is ready: `done` of `total`, `name` the latest, read from the cache directory
+    when `cached`, else compiled now; `compiled` of the `done` were compiled; seconds since the first."""
+
+    done: int
+    total: int
+    name: str
+    cached: bool
+    compiled: int
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class ReplyStarted:
+    prompt_tokens: int  # this turn's tokens the model processes
+    cached_tokens: int  # tokens reused from the conversation's cache
+
+
+@dataclass(frozen=True)
+class PageIn:
+    """One MoE layer call: the distinct experts its router picked and how each was served."""
+
+    token: int  # decode step of the session (prefill chunks count as one step each)
+    layer: int
+    experts: tuple[int, ...]
+    served: tuple[str, ...]  # per expert: "pinned", "cache", "prefetched" (look-ahead, in time), "host" (copied
+    # from the host-RAM tier) or "miss" (read from disk)
+    bytes_read: int
+    stall_s: float  # time the layer waited for reads and slot writes
+    cache_bytes: int = 0  # the expert cache's bytes after this layer (pinned and cached experts)
+
+
+@dataclass(frozen=True)
+class MlxWarmup:
+    """The process's first forward pass on CUDA is about to run: MLX compiles its own kernels in it (those its cache
+    directory lacks) and reports no progress. `first_run`: that cache held none (the first run on this machine)."""
+
+    first_run: bool
+    cached: int  # kernels MLX's cache directory held before
+
+
+@dataclass(frozen=True)
+class MlxWarmedUp:
+    """The first forward pass gave its token."""
+
+    seconds: float  # from the warm-up's start to the first token (the prompt's processing included)
+    compiled: int  # kernels MLX compiled and kept meanwhile (files its cache directory gained)
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    id: int
+    text: str  # this token's new text (may be "" while a multi-byte character is incomplete)
+    thinking: bool  # inside a <think> block
+
+
+@dataclass(frozen=True)
+class ReplyDone:
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    prefill_tps: float
+    decode_tps: float
+    peak_memory_bytes: int
+    finish_reason: str  # "stop" (end of message), "length" (max tokens), "cancelled"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": "done", "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "generated_tokens": self.generated_tokens, "prefill_tps": round(self.prefill_tps, 2),
+                "decode_tps": round(self.decode_tps, 2), "peak_memory_bytes": self.peak_memory_bytes,
+                "finish_reason": self.finish_reason}
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model made, parsed by mlx-lm's tool parser for the model's format."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI's API carries it
+
+
+@dataclass(frozen=True)
+class CompletionDelta:
+    """A completion's new text after one token, split as the model's markers say: the answer, its reasoning, and the
+    tool calls that closed with this token. All may be empty (text held back: it may be a marker or a stop string)."""
+
+    token: int
+    content: str
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class CompletionDone:
+    """A completion's end: the whole answer split as its deltas were, why it ended (OpenAI's finish_reason: "stop",
+    "length", "tool_calls", or "cancelled" when the caller stopped it) and the reply's figures."""
+
+    content: str
+    reasoning: str
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: str
+    reply: ReplyDone

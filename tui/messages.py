@@ -37,21 +37,18 @@ from typing import TYPE_CHECKING
 from rich.text import Text
 from textual.message import Message
 
+from tqbench.chat.events import SourceProgress
 from tqbench.chat.live import ReplyRates
 from tqbench.eval.records import EvalProgress, EvalStarted
 from tqbench.eval.store import RecipeQuality
-from tqbench.events import SourceProgress  # ConvertSource.can_replace tells progress from removals
 
 if TYPE_CHECKING:
-    from tqbench.chat.records import ModelLoaded, StreamReport
+    from tqbench.chat.events import (ConvertFinished, ConvertStarted, ModelChosen, ModelLoaded, PageIn, ReplyDone,
+                                     ReplyStarted, ShardWritten, SourceRemoved, StreamReport, UnitConverted)
     from tqbench.convert import DestinationStatus, Layout
-    from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, SourceRemoved, UnitConverted
     from tqbench.recipe import Machine, Plan, Recipe, Sources
-    from tqbench.runtime.chat import ReplyDone, ReplyStarted
-    from tqbench.runtime.models import ModelChosen
     from tqbench.serve.service import RequestDone, ServeStatus
     from tqbench.source import Checkpoint, Summary, Tensor
-    from tqbench.stream import PageIn
     from tui.tally import LayerStats
 
 
@@ -313,7 +310,7 @@ class ChatLoadStep(Message):
 
 @dataclass
 class ChatConvertProgress(Message):
-    """The latest UnitConverted of the demo's conversion (tqbench.runtime.models.choose_model)."""
+    """The latest UnitConverted of the demo's conversion (tqbench.chat.choose.choose_model)."""
 
     load_id: int
     unit: UnitConverted

@@ -45,7 +45,7 @@ class LayerState:
         self.last = [-1] * self.experts
 
 
-class ExpertMap:
+class PageInMap:
     """Layers x experts, from PageIn events. `layers`: each MoE layer's number of routed experts (from the model)."""
 
     def __init__(self, layers: dict[int, int]):

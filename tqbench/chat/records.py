@@ -1,17 +1,14 @@
-"""The typed records a chat hands its faces (all frozen, plain values; `to_dict()` where a face prints JSON)."""
+"""The records a chat's events carry and its calls return (all frozen, plain values; `to_dict()` where a face prints
+JSON). The events themselves are in tqbench.chat.events."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tqbench.distributed.world import RankStats
-
 if TYPE_CHECKING:  # named only: importing them loads MLX
+    from tqbench.events import ReplyDone
     from tqbench.recipe.fit import DiskSpeed
-    from tqbench.runtime.chat import ReplyDone, Sampling
-    from tqbench.stream.stats import StreamStats
 
 
 @dataclass(frozen=True)
@@ -68,65 +65,6 @@ class ProfileInfo:
 
 
 @dataclass(frozen=True)
-class ModelLoaded:
-    path: str
-    model_type: str
-    turboquant_modules: int
-    weight_bytes: int  # the resident parameters as held in memory
-    chat_template: bool  # False: a base model, turns are plain text
-    sampling: Sampling  # defaults from generation_config.json and the user's options
-    seconds: float
-    stream: StreamSetup | None = None  # None: the experts are resident
-    experts_native: int = 0  # routed experts per token as trained (0: not a MoE model we route)
-    experts_active: int = 0  # as run (--max-active-experts; 0: not changed)
-    profile: ProfileInfo | None = None  # None: no routed experts to profile
-
-    @property
-    def fewer_experts(self) -> bool:
-        """Routing to fewer experts than the model was trained with."""
-        return bool(self.experts_active) and self.experts_active != self.experts_native
-
-    @property
-    def far_fewer_experts(self) -> bool:
-        """More than a 2x cut of the experts per token: answers get worse (both faces warn)."""
-        return bool(self.experts_active) and self.experts_native > 2 * self.experts_active
-
-
-@dataclass(frozen=True)
-class StreamReport:
-    """Streaming totals and per-layer figures after a reply, with this disk's measured read bandwidth and the
-    bandwidth the page-ins got (bytes read on the critical path over the time waited for them)."""
-
-    stats: StreamStats  # a copy: the streamer's own keeps counting
-    disk: DiskSpeed | None
-    profile: ProfileInfo | None
-    learned_routings: int | None = None  # this session's routings added to the learned profile; None: not learning
-    ranks: tuple[RankStats, ...] = ()  # every pipeline rank's, after the last reply (one process: none)
-
-    @classmethod
-    def snapshot(cls, stats: StreamStats, disk: DiskSpeed | None, profile: ProfileInfo | None,
-                 learned_routings: int | None = None, ranks: tuple[RankStats, ...] = ()) -> StreamReport:
-        return cls(copy.deepcopy(stats), disk, profile, learned_routings, ranks)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.stats.hit_rate()
-
-    @property
-    def disk_bytes_per_s_on_misses(self) -> float | None:
-        s = self.stats
-        return s.critical_bytes / s.stall_s if s.stall_s > 0 else None
-
-    def to_dict(self) -> dict[str, Any]:
-        """`--stats-json`'s document."""
-        d = self.stats.to_dict()
-        on_misses = d["critical_bytes"] / d["stall_s"] if d["stall_s"] > 0 else None  # as the document rounds it
-        return {**d, **disk_fields(self.disk), "disk_bytes_per_s_on_misses": on_misses,
-                "profile": self.profile.to_dict() if self.profile else None, "learned_routings": self.learned_routings,
-                **({"ranks": [r.to_dict() for r in self.ranks]} if self.ranks else {})}
-
-
-@dataclass(frozen=True)
 class ConversationStatus:
     turns: int  # replies since the last reset
     tokens: int  # tokens the conversation's cache holds
@@ -143,35 +81,3 @@ class ProfileExport:
 
 def disk_fields(disk: DiskSpeed | None) -> dict[str, Any]:
     return {"disk_bytes_per_s": disk.bytes_per_s if disk else None, "disk_source": disk.source if disk else None}
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A tool call the model made, parsed by mlx-lm's tool parser for the model's format."""
-
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI's API carries it
-
-
-@dataclass(frozen=True)
-class CompletionDelta:
-    """A completion's new text after one token, split as the model's markers say: the answer, its reasoning, and the
-    tool calls that closed with this token. All may be empty (text held back: it may be a marker or a stop string)."""
-
-    token: int
-    content: str
-    reasoning: str = ""
-    tool_calls: tuple[ToolCall, ...] = ()
-
-
-@dataclass(frozen=True)
-class CompletionDone:
-    """A completion's end: the whole answer split as its deltas were, why it ended (OpenAI's finish_reason: "stop",
-    "length", "tool_calls", or "cancelled" when the caller stopped it) and the reply's figures."""
-
-    content: str
-    reasoning: str
-    tool_calls: tuple[ToolCall, ...]
-    finish_reason: str
-    reply: ReplyDone

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 import humanize
 
 from tqbench import units
-from tqbench.chat.live import GLYPHS, KINDS, ExpertMap, ReplyRates
-from tqbench.chat.records import ConversationStatus, ModelLoaded, ProfileInfo, StreamReport, StreamSetup
+from tqbench.chat.events import ModelLoaded, StreamReport
+from tqbench.chat.live import GLYPHS, KINDS, PageInMap, ReplyRates
+from tqbench.chat.records import ConversationStatus, ProfileInfo, StreamSetup
 
 if TYPE_CHECKING:  # named only: importing them loads MLX
-    from tqbench.runtime.chat import ReplyDone, Sampling
-    from tqbench.runtime.warmup import KernelsCompiling, MlxWarmedUp, MlxWarmup
+    from tqbench.chat.events import KernelsCompiling, MlxWarmedUp, MlxWarmup, ReplyDone
+    from tqbench.runtime.conversation import Sampling
 
 LABEL_WIDTH = 8  # the TUI status lines' labels ("reply   ", "prompt  ")
 ENDINGS = {"length": " (max tokens)", "cancelled": " (stopped)"}  # how a reply that did not stop by itself ended
@@ -209,7 +210,7 @@ def rank_line(r) -> str:
 
 # ---- the live expert view -------------------------------------------------------------------------------------------
 
-def expert_summary(view: ExpertMap, budget: int, rates: ReplyRates | None, report: StreamReport | None,
+def expert_summary(view: PageInMap, budget: int, rates: ReplyRates | None, report: StreamReport | None,
                    disk_bps: float | None = None, host_budget: int = 0) -> list[Line]:
     """The expert view's figures (at most 5 lines): hit rate split by tier, decode rate, expert bytes per token, disk
     reads per second against this disk's measured bandwidth (`disk_bps`), the cache's fill against its budget (and

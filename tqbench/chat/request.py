@@ -7,6 +7,7 @@ default), `auto` (stream, with the budget `tqbench plan` computes), `off` (keep 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from tqbench.errors import TqbenchError, UsageError
 
@@ -51,7 +52,8 @@ def parse_host_cache(text: str) -> str | int:
 
 @dataclass(frozen=True)
 class StreamRequest:
-    """How to run routed experts, as the user said it (decided against the model's files by `plan_streaming`)."""
+    """How to run routed experts, as the user said it (decided against the model's files by
+    tqbench.chat.stream_plan.plan_streaming). The two sizes are parsed once, by `check()` or at first use."""
 
     budget: str = "fit"  # fit | auto | off | a size (see the module's docstring)
     workers: int = 4  # threads reading experts from disk
@@ -60,13 +62,22 @@ class StreamRequest:
     lookahead: bool = False  # during decode, read the next layer's likely experts early
     page_cache: str = "auto"  # read through the OS page cache (on), around it (off), or decide by size (auto)
     reads_in_flight: int = 0  # at most this many reads at once (0: one per worker)
-    host_cache: str = "auto"  # the host-RAM tier under the expert cache: auto (CUDA: free RAM minus a reserve;
+    host_budget: str = "auto"  # the host-RAM tier under the expert cache: auto (CUDA: free RAM minus a reserve;
     # unified memory: none), off, or a size (tqbench.stream.host)
     cache_routing: float = 0.0  # margin by which decode may favour cached experts (0: off; changes the output)
 
+    @cached_property
+    def budget_value(self) -> str | int:
+        """`budget` parsed: fit, auto, off or bytes."""
+        return parse_budget(self.budget)
+
+    @cached_property
+    def host_budget_value(self) -> str | int:
+        """`host_budget` parsed: auto, off or bytes."""
+        return parse_host_cache(self.host_budget)
+
     def check(self) -> StreamRequest:
-        parse_budget(self.budget)
-        parse_host_cache(self.host_cache)
+        self.budget_value, self.host_budget_value  # noqa: B018 - parsed here: a bad size is refused before any work
         if not 1 <= self.workers <= MAX_WORKERS:
             raise TqbenchError(f"prefetch workers {self.workers}: give 1 to {MAX_WORKERS}")
         if self.policy not in POLICIES:
@@ -82,7 +93,7 @@ class StreamRequest:
 
 @dataclass(frozen=True)
 class SamplingRequest:
-    """Sampling the user asked for; None: the model's generation_config.json decides (tqbench.runtime.chat.Sampling)."""
+    """Sampling the user asked for; None: the model's generation_config.json decides (tqbench.runtime.conversation.Sampling)."""
 
     max_tokens: int | None = None
     temp: float | None = None
@@ -127,7 +138,7 @@ class ProfileOptions:
 @dataclass(frozen=True)
 class ChatRequest:
     """Everything a chat is opened with. `model` None: the model converted last, else the built-in demo (converted
-    first if needed: tqbench.runtime.models.choose_model)."""
+    first if needed: tqbench.chat.choose.choose_model)."""
 
     model: str | None = None
     sampling: SamplingRequest = field(default_factory=SamplingRequest)

@@ -8,7 +8,7 @@ import json
 import uuid
 from typing import Any
 
-from tqbench.chat.records import ToolCall
+from tqbench.events import ToolCall
 
 
 class Segmenter:

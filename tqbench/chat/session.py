@@ -13,101 +13,40 @@ engine thread (tqbench.engine) and hands the faces typed records only.
     chat.stats(); chat.reset(); chat.close()
     with chat.follow() as job: ...  # a rank other than 0 of a pipeline: rank 0's turns, in step, until it ends
 
-`open` decides what runs (`plan_streaming`: resident or streamed, with which budget and why), loads the model,
+`open` decides what runs (tqbench.chat.stream_plan: resident or streamed, with which budget and why), loads the model,
 chooses and preloads the hot-expert profile and starts learning one; a later `open` replaces the model (a new
 conversation)."""
 
 from __future__ import annotations
 
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Generator, Iterator, TypeVar
 
-from tqbench.chat.records import (CompletionDelta, CompletionDone, ConversationStatus, ModelLoaded, ProfileExport,
-                                  ProfileInfo, StreamReport, StreamSetup)
-from tqbench.chat.request import ChatRequest, CompletionRequest, ProfileOptions, StreamRequest, parse_budget
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+from tqbench.chat.choose import choose_model
+from tqbench.chat.events import (CompletionDelta, CompletionDone, CompletionEvent, ModelChosen, ModelLoaded, OpenEvent,
+                                 ReplyDone, ReplyEvent, ReplyStarted, StreamPlan, StreamReport, TokenOut, ToolCall)
+from tqbench.chat.profiling import start_profile
+from tqbench.chat.records import ConversationStatus, ProfileExport, StreamSetup
+from tqbench.chat.request import ChatRequest, CompletionRequest
+from tqbench.chat.segment import Segmenter
+from tqbench.chat.stream_plan import expert_layout, plan_streaming
+from tqbench.distributed.turns import SLOT_CHAT, Leader, end, follow
+from tqbench.distributed.world import agree, every, gather_stats, in_step, join
 from tqbench.engine import Engine, Job, engine
 from tqbench.errors import TqbenchError
-from tqbench.recipe.fit import DiskSpeed
-from tqbench.runtime.chat import Conversation, ReplyDone, ReplyStarted, Sampling, TokenOut
-from tqbench.runtime.models import ModelChosen
-from tqbench.stream.store import ExpertStore
-from tqbench.stream.streamer import StreamConfig
+from tqbench.profile import export_learned
+from tqbench.recipe.fit import DiskSpeed, disk_speed
+from tqbench.runtime.complete import Completions, chat_prompt, text_prompt
+from tqbench.runtime.conversation import Conversation, Sampling, generate
+from tqbench.runtime.load import load, preflight
+from tqbench.runtime.routing import set_active_experts
+from tqbench.runtime.warmup import build_kernels, mlx_warmed, mlx_warmup
 
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class StreamPlan:
-    """What `open` will run, decided from the request and the model's files: `config` None keeps the experts
-    resident. `reason`: "off" (asked), "fits", "no routed experts", "asked" or "does not fit"."""
-
-    config: StreamConfig | None
-    reason: str
-    host_why: str = "off"  # why the host-RAM tier has the size it has (tqbench.stream.budget.HostTierPlan.why)
-
-    @property
-    def note(self) -> str | None:
-        """A line for the user when the engine chose to stream unasked."""
-        if self.reason == "does not fit":
-            return "the model does not fit in memory: streaming its experts from disk (cache budget auto)"
-        return None
-
-
-def plan_streaming(path: str | Path, request: StreamRequest) -> StreamPlan:
-    """Resident or streamed, and with which cache budget. Reads shard headers only. Cache-aware routing asked of a
-    model that runs resident is refused: there is no cache to favour."""
-    plan = _plan(path, request)
-    if request.cache_routing and plan.config is None:
-        raise TqbenchError(f"--cache-routing favours experts in the expert cache, and this model's experts run "
-                           f"resident ({plan.reason}): stream them with a cache budget, or leave cache routing at 0")
-    return plan
-
-
-def _plan(path: str | Path, request: StreamRequest) -> StreamPlan:
-    from tqbench.chat.request import parse_host_cache
-    from tqbench.stream.budget import auto_budget, host_tier_plan, needs_streaming
-
-    budget = parse_budget(request.budget)
-    if budget == "off":
-        return StreamPlan(None, "off")
-    experts = expert_layout(path)
-    if budget == "fit":
-        if experts is None:
-            return StreamPlan(None, "no routed experts")
-        if not needs_streaming(path, store=experts):
-            return StreamPlan(None, "fits")
-        budget, reason = "auto", "does not fit"
-    else:
-        reason = "asked"
-    if experts is None:
-        raise TqbenchError("no routed experts to stream (tqbench's expert_map.json, stacked switch_mlp tensors or "
-                           "per-expert tensors); run it resident (cache budget fit or off)", path)
-    nbytes = auto_budget(path, store=experts) if budget == "auto" else int(budget)
-    r = request
-    host = host_tier_plan(parse_host_cache(r.host_cache), path, nbytes, store=experts)
-    return StreamPlan(StreamConfig(nbytes, r.workers, r.policy, r.fanout, r.page_cache, lookahead=r.lookahead,
-                                   reads_in_flight=r.reads_in_flight, host_cache_bytes=host.nbytes,
-                                   cache_routing=r.cache_routing), reason, host.why)
-
-
-def expert_layout(path: str | Path) -> ExpertStore | None:
-    """The model's routed-expert layout (an ExpertStore, closed), or None when it has none to stream."""
-    from tqbench.layout.names import EXPERT_MAP
-    from tqbench.stream.store import StoreError
-
-    root = Path(path)
-    if (root / EXPERT_MAP).is_file():
-        store = ExpertStore.from_expert_map(root)  # a broken map is an error (named), not "no experts"
-    else:
-        try:
-            store = ExpertStore.open(root)
-        except (StoreError, TqbenchError, OSError):
-            return None
-    store.close()
-    return store
 
 
 @dataclass
@@ -138,28 +77,29 @@ class ChatSession:
 
     # ---- jobs -----------------------------------------------------------------------------------------------------
 
-    def open(self, request: ChatRequest) -> Job:
+    def open(self, request: ChatRequest) -> Job[OpenEvent]:
         """Choose (request.model None: the last converted model, else the demo, converting it first with its
         progress events), plan, load; yields ModelChosen, StreamPlan, a KernelsCompiling per fused kernel built for
         the GPU (CUDA only: tqbench.runtime.warmup), then ModelLoaded."""
         request.check()
         return self._engine.submit(lambda: self._load(request))
 
-    def reply(self, text: str, sampling: Sampling | None = None) -> Job:
+    def reply(self, text: str, sampling: Sampling | None = None) -> Job[ReplyEvent]:
         """The reply's events; with streaming, each forward pass's PageIn events (one per MoE layer) come before the
         event that follows that pass. A learning session counts each token's routing and saves every few seconds."""
         return self._engine.submit(lambda: self._reply(text, sampling))
 
-    def follow(self) -> Job:
+    def follow(self) -> Job[ReplyDone]:
         """A rank other than 0 of a pipeline: run every turn rank 0 shares, in step with it, until rank 0 ends
         (tqbench.distributed.turns). Yields one ReplyDone per turn."""
         return self._engine.submit(self._follow)
 
-    def complete(self, request: CompletionRequest, ended: Callable[[ReplyDone], None] = lambda done: None) -> Job:
+    def complete(self, request: CompletionRequest,
+                 ended: Callable[[ReplyDone], None] = lambda done: None) -> Job[CompletionEvent]:
         """A stateless completion (a server's request) on the loaded model, beside the conversation: its prompt is
         the request's messages or text, reusing the longest prefix an earlier completion left in the prompt cache.
-        Yields ReplyStarted, PageIn... (streaming), TokenOut..., ReplyDone, then (streaming) a StreamReport of the
-        totals so far. The session keeps learning its profile (saved every few seconds, not after each request).
+        Yields ReplyStarted, PageIn... (streaming), CompletionDelta..., CompletionDone, then (streaming) a StreamReport
+        of the totals so far. The session keeps learning its profile (saved every few seconds, not after each request).
         `ended(done)` gets the reply's summary on the engine thread however it ends, also when the job is stopped
         (finish_reason "cancelled": the job yields nothing more then)."""
         request.check()
@@ -211,9 +151,6 @@ class ChatSession:
     def _end_turns(self) -> None:
         pipeline = self._open.conversation.loaded.pipeline if self._open is not None else None
         if pipeline is not None and pipeline.rank == 0:
-            from tqbench.distributed.turns import end
-            from tqbench.distributed.world import join
-
             try:
                 end(join())
             except RuntimeError:  # another rank has gone: nobody is left to tell
@@ -226,24 +163,8 @@ class ChatSession:
             if old.learner is not None:
                 old.learner.close()
 
-    def _load(self, request: ChatRequest) -> Iterator:
-        from tqbench.distributed.world import agree, join
-        from tqbench.runtime.load import load, preflight
-        from tqbench.runtime.models import choose_model
-        from tqbench.runtime.warmup import build_kernels
-
-        if request.model is None:
-            chosen = None
-            for ev in choose_model():
-                if isinstance(ev, ModelChosen):
-                    chosen = ev
-                yield ev
-            if chosen is None:
-                raise TqbenchError("could not choose a model")
-            path = chosen.path
-        else:
-            path = request.model
-            yield ModelChosen(path, "given")
+    def _load(self, request: ChatRequest) -> Iterator[OpenEvent]:
+        path = yield from self._choose(request)
         group = join()  # several ranks (mlx.launch): this one loads its layers; all agree it worked before going on
         t0 = time.perf_counter()
         try:
@@ -251,7 +172,7 @@ class ChatSession:
             plan = plan_streaming(path, request.stream)
             yield plan
             self._drop()
-            loaded = load(path, request.trust_remote_code, streaming=plan.config, group=group,
+            loaded = load(path, request.trust_remote_code, streaming=plan.config, store=plan.store, group=group,
                           parallel=request.parallel)
         except TqbenchError as e:
             if group is not None:
@@ -259,36 +180,45 @@ class ChatSession:
             raise
         can_trim = True
         if group is not None:
-            from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
-
-            from tqbench.distributed.world import every
-
             agree(group, None)
             can_trim = every(group, can_trim_prompt_cache(make_prompt_cache(loaded.model)))
-        native = active = 0
-        if request.max_active_experts:
-            from tqbench.runtime.routing import set_active_experts
-
-            ae = set_active_experts(loaded.model, request.max_active_experts)
-            native, active = ae.native, ae.active
+        routing = set_active_experts(loaded.model, request.max_active_experts) if request.max_active_experts else None
         conv = Conversation(loaded, system=request.system, chat_template=request.chat_template, can_trim=can_trim)
         try:
             yield from build_kernels(loaded.model)  # CUDA: the fused kernels its first token needs, with progress
-            profile, learner = _profile(loaded, request.profile)
+            experts = loaded.streamer.store if loaded.streamer is not None else plan.store
+            if plan.reason == "off":  # the plan read no layout
+                experts = expert_layout(path)
+            profile, learner = start_profile(loaded, request.profile, experts)
             stream = self._stream_setup(loaded, plan) if loaded.streamer is not None else None
         except BaseException:
             conv.close()
             raise
         info = ModelLoaded(str(loaded.path), loaded.model_type, loaded.turboquant_modules, loaded.weight_bytes,
                            conv.chat_template, Sampling.defaults(loaded.generation_config, **asdict(request.sampling)),
-                           time.perf_counter() - t0, stream, native, active, profile)
+                           time.perf_counter() - t0, stream, routing.native if routing else 0,
+                           routing.active if routing else 0, profile)
         self._open = _Open(conv, info, learner, request.prompt_cache_bytes, can_trim=can_trim)
         yield info
+
+    def _choose(self, request: ChatRequest) -> Generator[OpenEvent, None, str]:
+        """The model to open: the one asked for, else choose_model's (the demo, converted first when none is)."""
+        if request.model is not None:
+            yield ModelChosen(request.model, "given")
+            return request.model
+        chosen = None
+        for ev in choose_model():
+            if isinstance(ev, ModelChosen):
+                chosen = ev
+            yield ev
+        if chosen is None:
+            raise TqbenchError("could not choose a model")
+        return chosen.path
 
     def _stream_setup(self, loaded, plan: StreamPlan) -> StreamSetup:
         st, c = loaded.streamer.stats, loaded.streamer.config
         known = self._disk  # a re-open of the same model measures nothing again
-        disk = known[1] if known and known[0] == str(loaded.path) else _disk_speed(loaded.path)
+        disk = known[1] if known and known[0] == str(loaded.path) else _disk_of(loaded.path)
         self._disk = (str(loaded.path), disk)
         layers = tuple(sorted((n, lay.experts) for n, lay in loaded.streamer.store.layers.items()))
         return StreamSetup(st.budget_bytes, st.slots, st.slot_bytes, st.staging_bytes, c.workers, c.policy, c.fanout,
@@ -304,9 +234,6 @@ class ChatSession:
             state.learner.save()  # what the reply taught is in the store while the chat is idle
 
     def _complete(self, request: CompletionRequest, ended: Callable[[ReplyDone], None]) -> Iterator:
-        from tqbench.chat.segment import Segmenter
-        from tqbench.runtime.complete import chat_prompt, text_prompt
-
         state = self._current()
         loaded = state.conversation.loaded
         if state.completions is None:
@@ -321,23 +248,18 @@ class ChatSession:
         sampling = replace(state.loaded.sampling, **given)
         tools = [dict(t) for t in request.tools] if request.tools else None
         split = Segmenter(loaded.tokenizer, tools, loaded.tokenizer.decode(tokens[-8:]))
-        content, reasoning, calls = [], [], []
+        answer = _Answer()
         lockstep = _leader(state)
         for ev in self._watched(state, state.completions.run(tokens, sampling, request.stop, ended, lockstep),
                                 lockstep):
-            if isinstance(ev, (TokenOut, ReplyDone)):
-                text, final = (ev.text, None) if isinstance(ev, TokenOut) else ("", ev.finish_reason)
-                c, r, t = split.feed(text, final)
-                content.append(c)
-                reasoning.append(r)
-                calls += t
-                if isinstance(ev, TokenOut):
-                    ev = CompletionDelta(ev.id, c, r, t)
-                else:
-                    if c or r or t:
-                        yield CompletionDelta(-1, c, r, t)
-                    finish = "tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason
-                    ev = CompletionDone("".join(content), "".join(reasoning), tuple(calls), finish, ev)
+            match ev:  # a reply's tokens and end, split into the answer, its reasoning and its tool calls
+                case TokenOut():
+                    ev = answer.add(ev.id, *split.feed(ev.text, None))
+                case ReplyDone():
+                    tail = answer.add(-1, *split.feed("", ev.finish_reason))
+                    if tail.content or tail.reasoning or tail.tool_calls:
+                        yield tail
+                    ev = answer.done(ev)
             yield ev
         if loaded.streamer is not None:
             yield self._stats()
@@ -347,8 +269,6 @@ class ChatSession:
         routing it taught the learner counted. The process's first forward pass on CUDA: MlxWarmup after
         ReplyStarted (nothing has run yet), MlxWarmedUp before the first token (tqbench.runtime.warmup). Several
         ranks (`lockstep` its turn): once the reply has ended, also stopped early, every rank's streaming figures."""
-        from tqbench.runtime.warmup import mlx_warmed, mlx_warmup
-
         streamer = state.conversation.loaded.streamer
         pipeline = state.conversation.loaded.pipeline
         if pipeline is not None:
@@ -377,16 +297,10 @@ class ChatSession:
             events.close()
             if pipeline is not None and ended and lockstep is not None and lockstep.shared:
                 # every rank ends its turn here, in step: rank 0 learns how each one streamed
-                from tqbench.distributed.world import gather_stats, join
-
                 state.ranks = gather_stats(join(), pipeline, streamer.stats if streamer is not None else None)
 
     def _follow(self) -> Iterator:
         """Run rank 0's turns on this rank (tqbench.distributed.turns.follow), each on the prompt cache it names."""
-        from tqbench.distributed.turns import SLOT_CHAT, follow
-        from tqbench.distributed.world import join
-        from tqbench.runtime.chat import generate
-
         state = self._current()
         loaded = state.conversation.loaded
         done: list[ReplyDone] = []
@@ -424,8 +338,6 @@ class ChatSession:
                                      learner.routings if learner is not None else None, self._open.ranks)
 
     def _export(self, out: Path) -> ProfileExport:
-        from tqbench.profile import export_learned
-
         state = self._current()
         if state.learner is None:
             raise TqbenchError("this session does not learn a profile (a model without routed experts, or no "
@@ -437,21 +349,35 @@ class ChatSession:
         return ProfileExport(str(out), p.routings, p.sessions, len(p.ranked()))
 
 
+@dataclass
+class _Answer:
+    """A completion's answer so far, as its deltas split it."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def add(self, token: int, content: str, reasoning: str, calls: tuple[ToolCall, ...]) -> CompletionDelta:
+        self.content.append(content)
+        self.reasoning.append(reasoning)
+        self.calls += calls
+        return CompletionDelta(token, content, reasoning, calls)
+
+    def done(self, reply: ReplyDone) -> CompletionDone:
+        finish = "tool_calls" if self.calls and reply.finish_reason == "stop" else reply.finish_reason
+        return CompletionDone("".join(self.content), "".join(self.reasoning), tuple(self.calls), finish, reply)
+
+
 def _leader(state: _Open):
     """Rank 0 of a pipeline: a turn's side that shares it with the other ranks (tqbench.distributed.turns.Leader);
     None on one process."""
     pipeline = state.conversation.loaded.pipeline
     if pipeline is None:
         return None
-    from tqbench.distributed.turns import Leader
-    from tqbench.distributed.world import join
-
     return Leader(join())
 
 
 def _completions(state: _Open):
-    from tqbench.runtime.complete import Completions
-
     loaded = state.conversation.loaded
     return Completions(loaded, state.prompt_cache_bytes, one_cache=loaded.pipeline is not None,
                        can_trim=state.can_trim)
@@ -459,55 +385,12 @@ def _completions(state: _Open):
 
 def _across_ranks(events: Iterator, pipeline) -> Iterator:
     """A reply's events on a rank of a pipeline: a collective that fails because another rank went away is one line."""
-    from tqbench.distributed.world import in_step
-
     yield from in_step(events, pipeline)
 
 
-def _profile(loaded, opts: ProfileOptions) -> tuple[ProfileInfo | None, object | None]:
-    """Choose the profile, pin and preload its hottest experts (streaming), start learning. (None, None) for a model
-    without streamable routed experts (nothing to profile)."""
-    from tqbench.profile import (PIN_SHARE, PREFILL_WEIGHT, SHIPPED_PIN_SHARE, Learner, Profile, ProfileError,
-                                 ProfileStore, choose, tap)
-
-    experts = loaded.streamer.store if loaded.streamer is not None else expert_layout(loaded.path)
-    if experts is not None and loaded.pipeline is not None and loaded.streamer is None:
-        experts = experts.only(loaded.pipeline.holds)  # a rank learns its own layers' profile
-    if experts is None or not experts.layers:
-        return None, None
-    store = None
-    if opts.learn or opts.file is None:
-        try:
-            store = ProfileStore(opts.store)
-        except ProfileError as e:  # a chat still runs: it just neither learns nor uses what was learned
-            print(f"tqbench: warning: {e}; this session does not learn", file=sys.stderr)
-    choice = choose(loaded.path, opts.file, opts.force, store, opts.mature, experts, opts.cold)
-    pinned, preload_s = 0, 0.0
-    if choice.profile is not None and loaded.streamer is not None:  # share 0: no pins, history seeded
-        p = choice.profile
-        pw = PREFILL_WEIGHT if opts.prefill_weight is None else opts.prefill_weight
-        share = opts.pin_share
-        if share is None:
-            share = SHIPPED_PIN_SHARE if choice.source == "shipped" else PIN_SHARE
-        weights = {(n, int(e)): float(v) for n, c in p.counts(pw).items() for e, v in enumerate(c) if v > 0}
-        pinned = loaded.streamer.preload(p.ranked(pw), share, weights)
-        preload_s = loaded.streamer.stats.preload_s
-    learner = None
-    if opts.learn and store is not None:
-        learner = Learner(store, Profile.empty(choice.fingerprint, choice.geometry))
-        tap(loaded.model, learner)
-    elif store is not None:
-        store.close()
-    info = ProfileInfo(choice.source, choice.where, choice.fingerprint,
-                       round(choice.profile.routings) if choice.profile else 0, pinned, preload_s, learner is not None)
-    return info, learner
-
-
-def _disk_speed(path) -> DiskSpeed | None:
+def _disk_of(path) -> DiskSpeed | None:
     """The read bandwidth of the disk holding the model: the one figure `tqbench plan` and the TUI show for that disk
     (tqbench.recipe.fit.disk_speed: cached, else measured once and cached). None when it cannot be measured."""
-    from tqbench.recipe.fit import disk_speed
-
     try:
         return disk_speed(path)
     except (OSError, ValueError):

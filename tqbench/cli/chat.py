@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Iterable, Iterator, Optional
 
@@ -13,15 +14,16 @@ from rich.console import Console
 from rich.text import Text
 
 from tqbench.chat import report
-from tqbench.distributed.world import env_rank
+from tqbench.chat.events import (KernelsCompiling, MlxWarmedUp, MlxWarmup, ModelChosen, ModelLoaded, PageIn, ReplyDone,
+                                 ReplyStarted, StreamPlan, TokenOut)
+from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest
 from tqbench.cli import options
-from tqbench.chat.records import ModelLoaded
+from tqbench.distributed.world import env_rank
 from tqbench.errors import ExitCode, TqbenchError, UsageError
 from tqbench.writable import check_output_file
 
 if TYPE_CHECKING:  # importing them loads MLX: done when a chat starts
     from tqbench.chat.session import ChatSession
-    from tqbench.runtime.chat import ReplyDone
 
 HELP_LINE = "commands: /reset (forget the conversation), /stats, /quit (or Ctrl-D); Ctrl-C stops a reply"
 # mlx.launch copies its standard input to every rank's but never closes theirs: only /quit ends the chat
@@ -29,34 +31,19 @@ LAUNCHED_HELP_LINE = ("each line is a turn; commands: /reset, /stats, /quit (und
                       "not reach the ranks: end with /quit)")
 
 
+@options.takes(sampling=options.SAMPLING, stream=options.STREAMING, profile=options.PROFILE)
 def chat(
     model: options.Model = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", metavar="TEXT",
                                                   help="Answer this one message and exit.")] = None,
-    max_tokens: options.MaxTokens = None,
-    temp: options.Temp = None,
-    top_p: options.TopP = None,
-    top_k: options.TopK = None,
-    seed: options.SamplingSeed = None,
+    sampling: SamplingRequest = options.FROM_OPTIONS,
     system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="A system message.")] = None,
     no_chat_template: options.NoChatTemplate = False,
     trust_remote_code: options.TrustRemoteCode = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line: tokens and a summary per reply.")] = False,
-    cache_budget_gb: options.CacheBudget = None,
-    prefetch_workers: options.PrefetchWorkers = 4,
-    reads_in_flight: options.ReadsInFlight = 0,
-    cache_policy: options.CachePolicy = "lrfu-next",
-    fanout: options.Fanout = False,
-    lookahead: options.Lookahead = False,
-    page_cache: options.PageCache = "auto",
-    host_cache_gb: options.HostCache = "auto",
+    stream: StreamRequest = options.FROM_OPTIONS,
     max_active_experts: options.MaxActiveExperts = 0,
-    cache_routing: options.CacheRouting = 0.0,
-    profile: options.Profile = None,
-    profile_force: options.ProfileForce = False,
-    no_learn: options.NoLearn = False,
-    cold: options.Cold = False,
-    pin_share: options.PinShare = None,
+    profile: ProfileOptions = options.FROM_OPTIONS,
     parallel: options.Parallel = "pipeline",
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", metavar="FILE",
                                                        help="Write the streaming statistics here at exit.")] = None,
@@ -72,10 +59,9 @@ def chat(
     err = Console(stderr=True, highlight=False, soft_wrap=True)  # piped lines never wrap
     chat_session = ChatSession()
     try:
-        request = chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_template,
-                               trust_remote_code, cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy,
-                               fanout, lookahead, page_cache, max_active_experts, profile, profile_force, no_learn,
-                               cold, pin_share, cache_routing, host_cache=host_cache_gb, parallel=parallel)
+        request = ChatRequest(model=str(model) if model is not None else None, sampling=sampling, system=system,
+                              chat_template=not no_chat_template, trust_remote_code=trust_remote_code, stream=stream,
+                              max_active_experts=max_active_experts, profile=profile, parallel=parallel)
         if parallel == "tensor" and env_rank() is None:
             raise UsageError("--parallel tensor splits every layer across the ranks mlx.launch starts: run it under "
                              "mlx.launch")
@@ -108,68 +94,37 @@ def chat(
         chat_session.close()
 
 
-def chat_request(model, max_tokens, temp, top_p, top_k, seed, system, no_chat_template, trust_remote_code,
-                 cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy, fanout, lookahead, page_cache,
-                 max_active_experts, profile, profile_force, no_learn, cold, pin_share, cache_routing=0.0,
-                 host_cache="auto", **more):
-    """The ChatRequest of the options chat and serve share (`more`: ChatRequest's other fields)."""
-    from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest
-
-    return ChatRequest(
-        str(model) if model is not None else None,
-        SamplingRequest(max_tokens, temp, top_p, top_k, seed), system, not no_chat_template, trust_remote_code,
-        StreamRequest(cache_budget_gb or "fit", prefetch_workers, cache_policy, fanout, lookahead, page_cache,
-                      reads_in_flight, cache_routing=cache_routing, host_cache=host_cache),
-        max_active_experts,
-        ProfileOptions(str(profile) if profile else None, not no_learn, pin_share, profile_force, cold=cold), **more)
-
-
 def open_chat(chat_session: ChatSession, request, err: Console, quiet: bool, streaming_stats: bool) -> ModelLoaded:
     """Open the chat: the demo's conversion progress when it has to be converted first, then the model's lines.
     `streaming_stats`: --stats-json was given, so a model whose experts stay resident is refused before it loads."""
-    from tqbench.chat.session import StreamPlan
     from tqbench.cli.convert import render_progress
     from tqbench.cli.warmup import KernelProgress
-    from tqbench.runtime.models import ModelChosen
-    from tqbench.runtime.warmup import KernelsCompiling
 
     loaded, chosen = None, ""
     with chat_session.open(request) as job, KernelProgress(err) as kernels:
         events = iter(job)
-        after: list = []  # the event that ended the conversion's rendering
-
-        def conversion(first) -> Iterator:
-            yield first
-            for ev in events:
-                if isinstance(ev, ModelChosen):
-                    after.append(ev)
-                    return
-                yield ev
-
         for ev in events:
-            if isinstance(ev, KernelsCompiling):  # CUDA: after the model loads
-                kernels.show(ev)
-                continue
-            if not isinstance(ev, (ModelChosen, StreamPlan, ModelLoaded)):  # the demo's conversion comes first
-                err.print("no model given and none converted yet: converting the demo first", markup=False)
-                render_progress(conversion(ev), err)
-                if not after:
-                    continue
-                ev = after.pop()
-            if isinstance(ev, ModelChosen):
-                chosen = ev.path
-                if request.model is None:
-                    err.print(f"model: {ev.path} ({ev.why})", markup=False)
-            elif isinstance(ev, StreamPlan):  # comes before the model loads
-                if streaming_stats and ev.config is None:
-                    raise UsageError(f"--stats-json writes streaming statistics, and this model's experts run resident "
-                                     f"({ev.reason}): stream them with --cache-budget-gb, or leave out --stats-json")
-                if not quiet:
-                    err.print(f"loading {chosen} ...", markup=False)
-                if ev.note and not quiet:
-                    err.print(ev.note, markup=False)
-            else:
-                loaded = ev
+            match ev:
+                case ModelChosen():
+                    chosen = ev.path
+                    if request.model is None:
+                        err.print(f"model: {ev.path} ({ev.why})", markup=False)
+                case StreamPlan():  # before the model loads
+                    if streaming_stats and ev.config is None:
+                        raise UsageError(f"--stats-json writes streaming statistics, and this model's experts run "
+                                         f"resident ({ev.reason}): stream them with --cache-budget-gb, or leave out "
+                                         "--stats-json")
+                    if not quiet:
+                        err.print(f"loading {chosen} ...", markup=False)
+                    if ev.note and not quiet:
+                        err.print(ev.note, markup=False)
+                case KernelsCompiling():  # CUDA: after the model loads
+                    kernels.show(ev)
+                case ModelLoaded():
+                    loaded = ev
+                case _:  # a ConvertEvent: with no model named and none converted yet, the demo is converted first
+                    err.print("no model given and none converted yet: converting the demo first", markup=False)
+                    render_progress(chain([ev], events), err)  # up to its ConvertFinished
     if loaded is None:
         raise TqbenchError("could not open a model")
     return loaded
@@ -253,26 +208,27 @@ def _reply(chat_session: ChatSession, text: str, as_json: bool, out: Console, er
     """Stream one reply to stdout; its summary, or None when Ctrl-C stopped it. MLX's warm-up before the process's
     first token goes to stderr."""
     from tqbench.cli.warmup import MlxWarmupStatus
-    from tqbench.runtime.chat import ReplyDone, TokenOut
-    from tqbench.runtime.warmup import MlxWarmedUp, MlxWarmup
 
     done = None
     try:
         with chat_session.reply(text) as job, MlxWarmupStatus(err) as warmup:
             for ev in job:
-                if isinstance(ev, MlxWarmup):
-                    warmup.started(ev)
-                elif isinstance(ev, MlxWarmedUp):
-                    warmup.ended(ev)
-                elif isinstance(ev, TokenOut):
-                    if as_json:
+                match ev:
+                    case TokenOut() if as_json:
                         print(json.dumps({"event": "token", "id": ev.id, "text": ev.text, "thinking": ev.thinking}),
                               flush=True)
-                    elif ev.text:
-                        out.print(Text(ev.text, style="dim italic" if ev.thinking else ""), end="")
-                        out.file.flush()
-                elif isinstance(ev, ReplyDone):
-                    done = ev
+                    case TokenOut():
+                        if ev.text:
+                            out.print(Text(ev.text, style="dim italic" if ev.thinking else ""), end="")
+                            out.file.flush()
+                    case ReplyDone():
+                        done = ev
+                    case MlxWarmup():
+                        warmup.started(ev)
+                    case MlxWarmedUp():
+                        warmup.ended(ev)
+                    case ReplyStarted() | PageIn():  # the terminal face shows neither (the TUI does)
+                        pass
     except KeyboardInterrupt:  # leaving the with block closed the reply on the engine thread
         return None
     if not as_json:

@@ -15,16 +15,17 @@ from rich.table import Table
 
 from tqbench import units
 from tqbench.cli import options
-from tqbench.cli.render import show
 from tqbench.cli.plan import recipes_from
+from tqbench.cli.render import show
 from tqbench.engine import submit
 from tqbench.errors import TqbenchError
-from tqbench.events import (ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved,
-                            UnitConverted)
+from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved, UnitConverted
 from tqbench.recipe.fit import parse_size
+from tqbench.recipe.recipe import RecipeFlags
 from tqbench.state import remember_model
 
 
+@options.takes(flags=options.RECIPE_FLAGS)
 def convert(
     hf_path: Annotated[Path, typer.Option("--hf-path", help="Source checkpoint directory, or a hub repository "
                                           "(owner/name[@revision]): its shards then download as the conversion "
@@ -32,18 +33,7 @@ def convert(
     mlx_path: Annotated[Path, typer.Option("--mlx-path", help="Output directory (created; resumed if interrupted).")],
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", metavar="NAME",
                                                   help="Recipe name, e.g. tq3a-tqTe-down4-g64.")] = None,
-    bits: options.Bits = None,
-    group_size: options.GroupSize = None,
-    attn_bits: options.AttnBits = None,
-    mlp_bits: options.MlpBits = None,
-    ternary_experts: options.TernaryExperts = False,
-    expert_down_bits: options.ExpertDownBits = None,
-    mlp_group_size: options.MlpGroupSize = None,
-    no_rotation: options.NoRotation = False,
-    seed: options.Seed = None,
-    fmt: options.BaseFormat = None,
-    expert_format: options.ExpertFormat = None,
-    scales: options.Scales = None,
+    flags: RecipeFlags = options.FROM_OPTIONS,
     streaming: Annotated[bool, typer.Option(
         "--streaming", help="Lay experts out for streaming (one read per expert). Always on: the only layout "
                             "tqbench writes; accepted for TurboQuant-MLX's command line.")] = True,
@@ -64,11 +54,7 @@ def convert(
 
     err = Console(stderr=True, highlight=False)
     try:
-        recipes = recipes_from([recipe] if recipe else None,
-                           dict(bits=bits, group_size=group_size, attn_bits=attn_bits, mlp_bits=mlp_bits,
-                                ternary_experts=ternary_experts, expert_down_bits=expert_down_bits,
-                                mlp_group_size=mlp_group_size, rotation=not no_rotation, seed=seed, format=fmt,
-                                expert_format=expert_format, scales=scales))
+        recipes = recipes_from([recipe] if recipe else None, flags)
         if len(recipes) != 1:
             raise TqbenchError("give either --recipe NAME or recipe flags, not both")
         size = parse_size(shard_size)

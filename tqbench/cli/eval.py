@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tqbench import units
+from tqbench.chat.request import StreamRequest
 from tqbench.cli import options
 from tqbench.cli.render import show
 from tqbench.errors import TqbenchError
@@ -23,6 +24,7 @@ from tqbench.errors import TqbenchError
 STAGES = {"score": "scoring", "greedy": "generating", "layers": "layers"}
 
 
+@options.takes(stream=options.STREAMING)
 def eval_model(
     model: Annotated[Path, typer.Argument(metavar="MODEL", help="Model directory to evaluate (converted, MLX or "
                                                                 "source checkpoint).")],
@@ -43,18 +45,10 @@ def eval_model(
         "--layers", help="Quick mode: each layer's hidden-state relative error, both models run on SRC's own input "
                          "to that layer.")] = False,
     max_active_experts: options.MaxActiveExperts = 0,
-    cache_routing: options.CacheRouting = 0.0,
     decode: Annotated[bool, typer.Option(
         "--decode", help="Score token by token through a KV cache, one token per pass as a chat decodes (always with "
                          "--cache-routing): the expert cache sees decode's misses.")] = False,
-    cache_budget_gb: options.CacheBudget = None,
-    prefetch_workers: options.PrefetchWorkers = 4,
-    reads_in_flight: options.ReadsInFlight = 0,
-    cache_policy: options.CachePolicy = "lrfu-next",
-    fanout: options.Fanout = False,
-    lookahead: options.Lookahead = False,
-    page_cache: options.PageCache = "auto",
-    host_cache_gb: options.HostCache = "auto",
+    stream: StreamRequest = options.FROM_OPTIONS,
     trust_remote_code: options.TrustRemoteCode = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (stable schema) on stdout.")] = False,
 ) -> None:
@@ -65,7 +59,6 @@ def eval_model(
     --max-active-experts and --cache-routing change MODEL's routing only, so `tqbench eval M --against M
     --max-active-experts 4` measures a routing setting against native routing.
     """
-    from tqbench.chat.request import StreamRequest
     from tqbench.engine import submit
     from tqbench.eval import EvalProgress, EvalReport, EvalRequest, EvalStarted, evaluate
     from tqbench.eval.report import report_dict
@@ -73,11 +66,10 @@ def eval_model(
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         request = EvalRequest(
-            str(model), str(against) if against is not None else None, tuple(str(t) for t in text or ()), window,
-            tokens, prompts, min(32, window), generate, layers, max_active_experts,
-            StreamRequest(cache_budget_gb or "fit", prefetch_workers, cache_policy, fanout, lookahead, page_cache,
-                          reads_in_flight, cache_routing=cache_routing, host_cache=host_cache_gb), trust_remote_code,
-            decode=decode).check()
+            model=str(model), against=str(against) if against is not None else None,
+            texts=tuple(str(t) for t in text or ()), window=window, tokens=tokens, prompts=prompts,
+            prompt_tokens=min(32, window), generate=generate, layers=layers, max_active_experts=max_active_experts,
+            stream=stream, trust_remote_code=trust_remote_code, decode=decode).check()
         report = None
         with submit(lambda: evaluate(request)) as events:
             progress = _Progress(err)

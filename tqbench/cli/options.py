@@ -1,15 +1,25 @@
-"""Command-line options shared by several commands (the recipe flags: a second spelling of a recipe name), and the
-Typer app every command is registered on, whose usage lines read as Unix ones."""
+"""Command-line options shared by several commands, each declared once, and the Typer app every command is registered
+on, whose usage lines read as Unix ones.
+
+Options that make one record the engine takes (the recipe flags, expert streaming, sampling, the profile) form an
+`OptionGroup`: a command names the record as one parameter, `@takes(...)` gives the command every option of the group
+in its place, and the command receives the record they build."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import click
 import typer
 from typer.core import TyperCommand
+
+from tqbench.chat.request import ProfileOptions, SamplingRequest, StreamRequest
+from tqbench.recipe.recipe import RecipeFlags
 
 
 class UnixUsage(TyperCommand):
@@ -130,3 +140,73 @@ PinShare = Annotated[Optional[float], typer.Option(
     "--pin-share", min=0.0, max=0.9,
     help="Share of the expert cache pinned from the profile (streaming; 0: none, the profile still ranks the "
          "cache). Default 0.5 for a learned or given profile, 0.1 for a shipped one.")]
+
+
+# ---- option groups ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OptionGroup:
+    """Options declared once for every command that takes them: (parameter name, annotated type, default) each, and
+    `build`, which makes the record the command receives from their values (passed by parameter name)."""
+
+    options: tuple[tuple[str, Any, Any], ...]
+    build: Callable[..., Any]
+
+
+FROM_OPTIONS: Any = None  # the default a command gives a group's parameter: @takes hands it the record instead
+
+
+def takes(**groups: OptionGroup) -> Callable[[Callable], Callable]:
+    """A command decorator: the command's parameter named like a group (`stream=STREAMING`) is replaced, where it
+    stands in the signature Typer reads, by the group's options, and receives the record they build."""
+
+    def wrap(command: Callable) -> Callable:
+        params = []
+        for p in inspect.signature(command).parameters.values():
+            if p.name in groups:
+                params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=kind)
+                           for name, kind, default in groups[p.name].options]
+            else:
+                kind = eval(p.annotation, command.__globals__) if isinstance(p.annotation, str) else p.annotation
+                params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=kind))
+
+        @functools.wraps(command)
+        def run(**values: Any) -> Any:
+            for name, group in groups.items():
+                values[name] = group.build(**{option: values.pop(option) for option, _, _ in group.options})
+            return command(**values)
+
+        run.__signature__ = inspect.Signature(params)
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        return run
+
+    return wrap
+
+
+RECIPE_FLAGS = OptionGroup(
+    (("bits", Bits, None), ("group_size", GroupSize, None), ("attn_bits", AttnBits, None),
+     ("mlp_bits", MlpBits, None), ("ternary_experts", TernaryExperts, False), ("expert_down_bits", ExpertDownBits, None),
+     ("mlp_group_size", MlpGroupSize, None), ("no_rotation", NoRotation, False), ("seed", Seed, None),
+     ("fmt", BaseFormat, None), ("expert_format", ExpertFormat, None), ("scales", Scales, None)),
+    lambda no_rotation, fmt, **flags: RecipeFlags(rotation=not no_rotation, format=fmt, **flags))
+
+STREAMING = OptionGroup(
+    (("cache_budget_gb", CacheBudget, None), ("prefetch_workers", PrefetchWorkers, 4),
+     ("reads_in_flight", ReadsInFlight, 0), ("cache_policy", CachePolicy, "lrfu-next"), ("fanout", Fanout, False),
+     ("lookahead", Lookahead, False), ("page_cache", PageCache, "auto"), ("host_cache_gb", HostCache, "auto"),
+     ("cache_routing", CacheRouting, 0.0)),
+    lambda cache_budget_gb, prefetch_workers, cache_policy, host_cache_gb, **rest: StreamRequest(
+        budget=cache_budget_gb or "fit", workers=prefetch_workers, policy=cache_policy, host_budget=host_cache_gb,
+        **rest))
+
+SAMPLING = OptionGroup(
+    (("max_tokens", MaxTokens, None), ("temp", Temp, None), ("top_p", TopP, None), ("top_k", TopK, None),
+     ("seed", SamplingSeed, None)),
+    lambda **given: SamplingRequest(**given))
+
+PROFILE = OptionGroup(
+    (("profile", Profile, None), ("profile_force", ProfileForce, False), ("no_learn", NoLearn, False),
+     ("cold", Cold, False), ("pin_share", PinShare, None)),
+    lambda profile, profile_force, no_learn, cold, pin_share: ProfileOptions(
+        file=str(profile) if profile else None, learn=not no_learn, pin_share=pin_share, force=profile_force,
+        cold=cold))

@@ -20,14 +20,14 @@ from rich.text import Text
 from tqbench import units
 from tqbench.cli import options
 from tqbench.cli.render import hub_line, show
-from tqbench.source.hub.disk import HubDisk, hub_disk
-from tqbench.errors import ExitCode, TqbenchError
 from tqbench.distributed.split import split_lines, split_plan
+from tqbench.errors import ExitCode, TqbenchError
 from tqbench.recipe.fit import GB, Fit, Machine, assess, cached_disk_speed, disk_speed, machine, parse_size
 from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan
-from tqbench.recipe.recipe import Recipe
+from tqbench.recipe.recipe import Recipe, RecipeFlags
 from tqbench.recipe.report import PlanReport, plan_report
 from tqbench.source.checkpoint import HubOrigin
+from tqbench.source.hub.disk import HubDisk, hub_disk
 
 _out = Console(highlight=False, soft_wrap=False)
 
@@ -37,24 +37,14 @@ class Platform(str, Enum):
     linux = "linux"
 
 
+@options.takes(flags=options.RECIPE_FLAGS)
 def plan(
     src: Annotated[Path, typer.Argument(metavar="SRC", help="Source checkpoint directory (safetensors shards + "
                                         "config.json), or a hub repository: owner/name[@revision].")],
     recipe: Annotated[Optional[list[str]], typer.Option(
         "--recipe", "-r", metavar="NAME",
         help="A recipe name, e.g. tq3a-tqTe-down4-g64 (repeat to compare side by side).")] = None,
-    bits: options.Bits = None,
-    group_size: options.GroupSize = None,
-    attn_bits: options.AttnBits = None,
-    mlp_bits: options.MlpBits = None,
-    ternary_experts: options.TernaryExperts = False,
-    expert_down_bits: options.ExpertDownBits = None,
-    mlp_group_size: options.MlpGroupSize = None,
-    no_rotation: options.NoRotation = False,
-    seed: options.Seed = None,
-    fmt: options.BaseFormat = None,
-    expert_format: options.ExpertFormat = None,
-    scales: options.Scales = None,
+    flags: RecipeFlags = options.FROM_OPTIONS,
     memory: Annotated[Optional[str], typer.Option(
         metavar="SIZE", help="Memory to plan for, e.g. 512GB or 64GiB (default: this machine's RAM).")] = None,
     gpu_limit: Annotated[Optional[str], typer.Option(
@@ -84,10 +74,7 @@ def plan(
     """
     err = Console(stderr=True, highlight=False)
     try:
-        recipes = recipes_from(recipe, dict(bits=bits, group_size=group_size, attn_bits=attn_bits, mlp_bits=mlp_bits,
-                                        ternary_experts=ternary_experts, expert_down_bits=expert_down_bits,
-                                        mlp_group_size=mlp_group_size, rotation=not no_rotation, seed=seed,
-                                        format=fmt, expert_format=expert_format, scales=scales))
+        recipes = recipes_from(recipe, flags)
         shard_bytes = parse_size(shard_size)
         m = machine(parse_size(memory) if memory else None, parse_size(gpu_limit) if gpu_limit else None,
                     platform.value if platform else None, disk_gbps * GB if disk_gbps is not None else None)
@@ -131,14 +118,11 @@ def plan(
         raise typer.Exit(ExitCode.INCOMPLETE)
 
 
-def recipes_from(names: list[str] | None, flags: dict) -> list[Recipe]:
-    """The named recipes, then one from the flags when any flag differs from its default (or nothing was named)."""
+def recipes_from(names: list[str] | None, flags: RecipeFlags) -> list[Recipe]:
+    """The named recipes, then one from the flags when any flag was given (or nothing was named)."""
     recipes = [Recipe.parse(n) for n in names or []]
-    defaults = dict(bits=None, group_size=None, attn_bits=None, mlp_bits=None, ternary_experts=False,
-                    expert_down_bits=None, mlp_group_size=None, rotation=True, seed=None, format=None,
-                    expert_format=None, scales=None)
-    if any(v != defaults[k] for k, v in flags.items()) or not recipes:
-        recipes.append(Recipe.from_flags(**flags))
+    if flags.given or not recipes:
+        recipes.append(flags.recipe())
     return recipes
 
 

@@ -60,7 +60,7 @@ def _one_line_errors(output: Path | None = None) -> Iterator[None]:
 
 def _model(model: Path | None) -> Path:
     """The given model, else the last converted one, else the demo's tq4 conversion if it exists."""
-    from tqbench.runtime.models import default_model
+    from tqbench.chat.choose import default_model
 
     if model is not None:
         if not model.is_dir():

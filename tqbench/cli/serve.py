@@ -12,8 +12,9 @@ from rich.live import Live
 from rich.text import Text
 
 from tqbench.chat import report as chat_report
+from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest
 from tqbench.cli import options
-from tqbench.cli.chat import chat_request, follow_turns, open_chat
+from tqbench.cli.chat import follow_turns, open_chat
 from tqbench.distributed.world import env_rank
 from tqbench.errors import TqbenchError
 from tqbench.serve import report
@@ -21,6 +22,7 @@ from tqbench.serve import report
 REFRESH_S = 0.5
 
 
+@options.takes(sampling=options.SAMPLING, stream=options.STREAMING, profile=options.PROFILE)
 def serve(
     model: options.Model = None,
     host: Annotated[str, typer.Option("--host", metavar="HOST",
@@ -39,28 +41,12 @@ def serve(
         help="Prompt caches kept across requests, least recently used dropped first (0: none).")] = 2.0,
     max_requests: Annotated[int, typer.Option("--max-requests", min=0, metavar="N",
                                               help="Stop after N completions (0: serve until Ctrl-C).")] = 0,
-    max_tokens: options.MaxTokens = None,
-    temp: options.Temp = None,
-    top_p: options.TopP = None,
-    top_k: options.TopK = None,
-    seed: options.SamplingSeed = None,
+    sampling: SamplingRequest = options.FROM_OPTIONS,
     no_chat_template: options.NoChatTemplate = False,
     trust_remote_code: options.TrustRemoteCode = False,
-    cache_budget_gb: options.CacheBudget = None,
-    prefetch_workers: options.PrefetchWorkers = 4,
-    reads_in_flight: options.ReadsInFlight = 0,
-    cache_policy: options.CachePolicy = "lrfu-next",
-    fanout: options.Fanout = False,
-    lookahead: options.Lookahead = False,
-    page_cache: options.PageCache = "auto",
-    host_cache_gb: options.HostCache = "auto",
+    stream: StreamRequest = options.FROM_OPTIONS,
     max_active_experts: options.MaxActiveExperts = 0,
-    cache_routing: options.CacheRouting = 0.0,
-    profile: options.Profile = None,
-    profile_force: options.ProfileForce = False,
-    no_learn: options.NoLearn = False,
-    cold: options.Cold = False,
-    pin_share: options.PinShare = None,
+    profile: ProfileOptions = options.FROM_OPTIONS,
 ) -> None:
     """Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
@@ -70,16 +56,16 @@ def serve(
     """
     from tqbench.chat.session import ChatSession
     from tqbench.serve.http import Server, warn_if_exposed
-    from tqbench.serve.service import Service, ServeOptions
+    from tqbench.serve.service import ServeOptions, Service
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     session = ChatSession()
     server = None
     try:
-        request = chat_request(model, max_tokens, temp, top_p, top_k, seed, None, no_chat_template, trust_remote_code,
-                               cache_budget_gb, prefetch_workers, reads_in_flight, cache_policy, fanout, lookahead,
-                               page_cache, max_active_experts, profile, profile_force, no_learn, cold, pin_share,
-                               cache_routing, host_cache=host_cache_gb, prompt_cache_bytes=int(prompt_cache_gb * 1e9))
+        request = ChatRequest(model=str(model) if model is not None else None, sampling=sampling,
+                              chat_template=not no_chat_template, trust_remote_code=trust_remote_code, stream=stream,
+                              max_active_experts=max_active_experts, profile=profile,
+                              prompt_cache_bytes=int(prompt_cache_gb * 1e9))
         if env_rank():  # another rank than 0 of a pipeline: no socket; it runs each request rank 0 shares
             open_chat(session, request, err, quiet=True, streaming_stats=False)
             follow_turns(session)
@@ -92,7 +78,8 @@ def serve(
         warning = chat_report.fewer_experts_warning(loaded)
         if warning:
             err.print(warning, markup=False)
-        opts = ServeOptions(host, server.port, api_key or None, max_queue, int(max_body_mb * 1e6), max_requests)
+        opts = ServeOptions(host=host, port=server.port, api_key=api_key or None, max_queue=max_queue,
+                            max_body_bytes=int(max_body_mb * 1e6), max_requests=max_requests)
         service = Service(session, loaded, opts)
         server.start(service)
         exposed = warn_if_exposed(host)
@@ -142,7 +129,7 @@ def _watch(service, err: Console) -> None:
 
 def _warmup_lines(service, shown: list) -> list[str]:
     """MLX's warm-up in the first request (CUDA), each step told once: the chat's lines."""
-    from tqbench.runtime.warmup import MlxWarmup
+    from tqbench.chat.events import MlxWarmup
 
     ev = service.warmup
     if ev is None or ev in shown:

@@ -96,7 +96,7 @@ def _go_on(group, go: bool) -> bool:
 
 
 class Lockstep:
-    """One generation in step with the other ranks, as `tqbench.runtime.chat.generate` drives it: `begin` before the
+    """One generation in step with the other ranks, as `tqbench.runtime.conversation.generate` drives it: `begin` before the
     first forward pass, then its tokens through `steps`. Rank 0's (`Leader`) sends, the others' (`Follower`) receive.
     `shared`: the turn has gone to the other ranks (after that, every rank ends the reply at the same token)."""
 

@@ -145,11 +145,11 @@ def _evaluate(request: EvalRequest, loaded: list | None) -> Iterator:
 
 
 def _load(path: str, stream, trust_remote_code: bool, group=None):
-    from tqbench.chat.session import plan_streaming
+    from tqbench.chat.stream_plan import plan_streaming
     from tqbench.runtime.load import load
 
     plan = plan_streaming(path, stream)
-    return load(path, trust_remote_code, streaming=plan.config, group=group)
+    return load(path, trust_remote_code, streaming=plan.config, store=plan.store, group=group)
 
 
 def _same_tokens(texts, streams: dict[str, np.ndarray], tokenizer, against: str) -> None:

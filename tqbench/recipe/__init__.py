@@ -2,9 +2,9 @@
 
 from tqbench.recipe.fit import Fit, Footprint, Machine, Verdict, assess, machine, measure_disk, parse_size
 from tqbench.recipe.plan import ModulePlan, Plan, Sources, group_sources, make_plan, plan_checkpoint
-from tqbench.recipe.recipe import Format, Recipe, RecipeError
+from tqbench.recipe.recipe import Format, Recipe, RecipeError, RecipeFlags
 from tqbench.recipe.rules import Choice, choose
 
 __all__ = ["Choice", "Fit", "Footprint", "Format", "Machine", "ModulePlan", "Plan", "Recipe",
-           "RecipeError", "Sources", "Verdict", "assess", "choose", "group_sources", "machine", "make_plan",
+           "RecipeError", "RecipeFlags", "Sources", "Verdict", "assess", "choose", "group_sources", "machine", "make_plan",
            "measure_disk", "parse_size", "plan_checkpoint"]

@@ -382,3 +382,30 @@ def _parse(name: str) -> Recipe:
         return Recipe(**kw)
     except RecipeError as e:
         raise RecipeError(f"recipe {text!r}: {e.message}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeFlags:
+    """The recipe flags as a user gave them (`--bits 3 -g 64 --ternary-experts --expert-down-bits 4`): None or the
+    default where not given. A second spelling of a recipe name; `recipe()` makes the Recipe they spell."""
+
+    bits: int | None = None
+    group_size: int | None = None
+    attn_bits: int | None = None
+    mlp_bits: int | None = None
+    ternary_experts: bool = False
+    expert_down_bits: int | None = None
+    mlp_group_size: int | None = None
+    rotation: bool = True
+    seed: int | None = None
+    format: str | None = None
+    expert_format: str | None = None
+    scales: str | None = None
+
+    @property
+    def given(self) -> bool:
+        """Any flag differs from its default."""
+        return self != RecipeFlags()
+
+    def recipe(self) -> Recipe:
+        return Recipe.from_flags(**asdict(self))

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from tqbench.errors import TqbenchError
-from tqbench.runtime.chat import ReplyDone, ReplyStarted, Sampling, TokenOut, generate, keep_first, reuse
+from tqbench.events import ReplyDone, ReplyStarted, TokenOut
+from tqbench.runtime.conversation import Sampling, generate, keep_first, reuse
 from tqbench.runtime.load import Loaded
 
 PROMPT_CACHE_BYTES = 2 << 30  # the LRU's default bound

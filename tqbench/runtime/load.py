@@ -23,12 +23,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from tqbench.errors import TqbenchError
+from tqbench.errors import CheckpointError
 from tqbench.layout.names import mlx_module_path
 from tqbench.layout.quantization import QuantizationBlock
 from tqbench.quant.turboquant import hadamard_ok, rotation_block
 from tqbench.runtime.layers import TurboQuantConcat, TurboQuantLinear, TurboQuantSwitchLinear
 from tqbench.source.checkpoint import check_shards
+from tqbench.source.config import read_config_json
 from tqbench.source.naming import PROJECTIONS
 
 TRUSTED_TYPES = ("kimi_k3",)  # model types whose local tokenizer code is run without asking
@@ -40,7 +41,7 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 _PER_EXPERT = re.compile(r"(?P<moe>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<param>weight|scales|bias)")
 
 
-class LoadError(TqbenchError):
+class LoadError(CheckpointError):
     """A model directory that cannot be run."""
 
 
@@ -113,16 +114,10 @@ def trust_decision(given: str, trust_remote_code: bool) -> bool:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    p = path / "config.json"
-    if not p.is_file():
-        raise LoadError("no config.json: not a model directory", path)
     try:
-        config = json.loads(p.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoadError(f"invalid JSON ({e})", p) from None
-    if not isinstance(config, dict) or not model_type(config):
-        raise LoadError("no model_type: not a model config", p)
-    return config
+        return read_config_json(path)
+    except CheckpointError as e:  # the same line, as a model that cannot be run
+        raise LoadError(e.message, e.path) from None
 
 
 @contextlib.contextmanager
@@ -165,11 +160,12 @@ def preflight(given: str | Path, trust_remote_code: bool = False) -> tuple[Path,
     return path, config, trust
 
 
-def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False, streaming: Any = None,
-         tokenizer: bool = True, group: Any = None, parallel: str = "pipeline") -> Loaded:
+def load(given: str | Path, trust_remote_code: bool = False, *, lazy: bool = False, streaming: Any = None,
+         store: Any = None, tokenizer: bool = True, group: Any = None, parallel: str = "pipeline") -> Loaded:
     """Load a model directory (tqbench conversion, TurboQuant-MLX build, MLX or source checkpoint) with its tokenizer.
     `streaming` (a tqbench.stream.StreamConfig) keeps routed experts on disk: they are swapped for streamed ones
-    before any stacked expert array is evaluated. `tokenizer=False` skips the tokenizer (benchmarks that feed token
+    before any stacked expert array is evaluated; `store`, the model's ExpertStore where the caller has read it
+    already (tqbench.chat.stream_plan), is streamed from instead of reading its layout again. `tokenizer=False` skips the tokenizer (benchmarks that feed token
     ids; Loaded.tokenizer is then None). `group` (MLX's distributed group, tqbench.distributed.world.join): this
     rank keeps only its pipeline layers, and streams only their experts; with `parallel` "tensor" it keeps a slice of
     every layer instead (tqbench.distributed.tensor), its experts resident. Must run on the engine's MLX thread. Raises
@@ -209,7 +205,7 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
             from tqbench.distributed.world import split
 
             pipeline = split(group, model)  # before any weight is evaluated: the others' layers are never read
-        streamer = _stream(model, path, streaming, pipeline) if streaming is not None else None
+        streamer = _stream(model, path, streaming, pipeline, store) if streaming is not None else None
         if not lazy:
             mx.eval(model.parameters())
         if not tokenizer:
@@ -225,12 +221,12 @@ def load(given: str | Path, trust_remote_code: bool = False, lazy: bool = False,
     return Loaded(model, tok, config, path, model_type(config), len(swapped), nbytes, streamer, pipeline)
 
 
-def _stream(model: nn.Module, path: Path, config: Any, pipeline: Any = None):
+def _stream(model: nn.Module, path: Path, config: Any, pipeline: Any = None, store: Any = None):
     from tqbench.stream.attach import attach
     from tqbench.stream.store import ExpertStore
     from tqbench.stream.streamer import Streamer
 
-    store = ExpertStore.open(path)
+    store = store if store is not None else ExpertStore.open(path)
     if pipeline is not None:
         store = store.only(pipeline.holds)
         if not store.layers:  # this rank's layers have no routed experts: nothing to stream

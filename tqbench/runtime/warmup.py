@@ -20,47 +20,16 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from tqbench.events import KernelsCompiling, MlxWarmedUp, MlxWarmup
 from tqbench.runtime import kernels
 from tqbench.runtime.kernel_source import Spec, kernel_name
 from tqbench.runtime.layers import TurboQuantLinear, TurboQuantSwitchLinear
-
-
-@dataclass(frozen=True)
-class KernelsCompiling:
-    """One of the model's fused kernels is ready: `done` of `total`, `name` the latest, read from the cache directory
-    when `cached`, else compiled now; `compiled` of the `done` were compiled; seconds since the first."""
-
-    done: int
-    total: int
-    name: str
-    cached: bool
-    compiled: int
-    elapsed_s: float
-
-
-@dataclass(frozen=True)
-class MlxWarmup:
-    """The process's first forward pass on CUDA is about to run: MLX compiles its own kernels in it (those its cache
-    directory lacks) and reports no progress. `first_run`: that cache held none (the first run on this machine)."""
-
-    first_run: bool
-    cached: int  # kernels MLX's cache directory held before
-
-
-@dataclass(frozen=True)
-class MlxWarmedUp:
-    """The first forward pass gave its token."""
-
-    seconds: float  # from the warm-up's start to the first token (the prompt's processing included)
-    compiled: int  # kernels MLX compiled and kept meanwhile (files its cache directory gained)
-
 
 # ---- which kernels a model's decode launches ---------------------------------------------------------------------
 

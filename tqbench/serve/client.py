@@ -9,10 +9,10 @@ import urllib.error
 import urllib.request
 from typing import Callable, Iterator
 
+from tqbench.chat.events import PageIn
 from tqbench.errors import TqbenchError
 from tqbench.serve.service import RequestDone, ServeStatus
 from tqbench.serve.wire import decode_event, decode_status
-from tqbench.stream.stats import PageIn
 
 TIMEOUT_S = 5.0
 

@@ -16,9 +16,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from tqbench.chat.records import CompletionDelta, CompletionDone, ToolCall
+from tqbench.chat.events import CompletionDelta, CompletionDone, ReplyStarted, ToolCall
 from tqbench.errors import TqbenchError
-from tqbench.runtime.chat import ReplyStarted
 from tqbench.serve import openai, wire
 from tqbench.serve.metrics import prometheus
 from tqbench.serve.service import Service
@@ -190,26 +189,24 @@ class _Handler(BaseHTTPRequestHandler):
         model = self.service.model_id
         stream = request.stream
         events = self.service.run(request, rid, self._gone)
-        content, reasoning, calls = [], [], []
         done: CompletionDone | None = None
         started = False
+        streamed_calls = 0  # tool calls sent so far: the next one's index in the stream
         try:
             for ev in events:
-                if isinstance(ev, ReplyStarted) and stream and not started:
-                    started = True
-                    self._stream_headers()
-                    if kind == "chat":
-                        self._sse(openai.chunk(kind, rid, model, role=True))
-                elif isinstance(ev, CompletionDelta):
-                    if stream:
+                match ev:
+                    case ReplyStarted() if stream and not started:
+                        started = True
+                        self._stream_headers()
+                        if kind == "chat":
+                            self._sse(openai.chunk(kind, rid, model, role=True))
+                    case CompletionDelta() if stream:
                         if ev.content or ev.reasoning or ev.tool_calls:
                             self._sse(openai.chunk(kind, rid, model, ev.content, ev.reasoning,
-                                                   _calls(ev.tool_calls, True, len(calls))))
-                    content.append(ev.content)
-                    reasoning.append(ev.reasoning)
-                    calls += ev.tool_calls
-                elif isinstance(ev, CompletionDone):
-                    done = ev
+                                                   _calls(ev.tool_calls, True, streamed_calls)))
+                        streamed_calls += len(ev.tool_calls)
+                    case CompletionDone():
+                        done = ev
         except TqbenchError as e:  # the engine refused the request (a chat template that rejects the messages)
             err = openai.ApiError(400, str(e))
             if started:
@@ -232,9 +229,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._sse(openai.chunk(kind, rid, model, use=use))
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-        else:
-            self._send_json(200, openai.response(kind, rid, model, "".join(content), "".join(reasoning),
-                                                 _calls(tuple(calls), False), finish, use))
+        else:  # the whole answer, as the engine split it
+            self._send_json(200, openai.response(kind, rid, model, done.content, done.reasoning,
+                                                 _calls(done.tool_calls, False), finish, use))
 
     def _body(self) -> bytes:
         length = self.headers.get("Content-Length")

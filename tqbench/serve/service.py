@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from tqbench.chat.records import CompletionDelta, CompletionDone, ModelLoaded, StreamReport
-from tqbench.runtime.warmup import MlxWarmedUp, MlxWarmup
+from tqbench.chat.events import (CompletionDelta, CompletionDone, MlxWarmedUp, MlxWarmup, ModelLoaded, PageIn,
+                                 ReplyStarted, StreamReport)
 from tqbench.serve.openai import ApiError, ApiRequest
 
 MAX_QUEUE = 16  # requests waiting behind the running one
@@ -124,7 +124,7 @@ class Service:
         self._watchers: list[queue.Queue] = []
         self._ended = threading.Event()  # max_requests reached
         self._stop = threading.Event()  # the server is closing: running requests stop
-        self.warmup = None  # MLX's warm-up in the first request (tqbench.runtime.warmup.MlxWarmup, then MlxWarmedUp)
+        self.warmup = None  # MLX's warm-up in the first request (tqbench.events.MlxWarmup, then MlxWarmedUp)
 
     # ---- requests -------------------------------------------------------------------------------------------------
 
@@ -166,14 +166,17 @@ class Service:
                 for ev in job.items(cancelled=lambda: self._stop.is_set() or gone()):
                     if started is None:
                         started = time.monotonic()
-                    if isinstance(ev, CompletionDelta) and first is None:
-                        first = time.monotonic()
-                    elif isinstance(ev, CompletionDone):
-                        done = ev
-                    elif isinstance(ev, StreamReport):
-                        self._stream = ev
-                    elif isinstance(ev, (MlxWarmup, MlxWarmedUp)):
-                        self.warmup = ev
+                    match ev:
+                        case CompletionDelta():
+                            first = first or time.monotonic()
+                        case CompletionDone():
+                            done = ev
+                        case StreamReport():
+                            self._stream = ev
+                        case MlxWarmup() | MlxWarmedUp():
+                            self.warmup = ev
+                        case ReplyStarted() | PageIn():
+                            pass
                     self._publish(ev)
                     yield ev
             outcome = "ok" if done is not None and done.finish_reason != "cancelled" else "cancelled"
@@ -251,8 +254,6 @@ class Service:
         return self._ended.wait(timeout)
 
     def _publish(self, ev) -> None:
-        from tqbench.stream.stats import PageIn
-
         if not isinstance(ev, (PageIn, RequestDone, ServeStatus)):
             return
         with self._lock:

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from typing import Any
 
+from tqbench.chat.events import PageIn
 from tqbench.serve.service import RequestDone, ServeStatus
-from tqbench.stream.stats import PageIn, StreamStats
+from tqbench.stream.stats import StreamStats
 
 SCHEMA = "tqbench.serve/1"
 
@@ -43,7 +44,7 @@ def decode_event(d: dict[str, Any]) -> PageIn | RequestDone | ServeStatus | None
 
 
 def decode_status(d: dict[str, Any]) -> ServeStatus:
-    from tqbench.chat.records import StreamReport
+    from tqbench.chat.events import StreamReport
     from tqbench.distributed.world import RankStats
 
     stream = None

@@ -41,8 +41,15 @@ class ModelConfig:
 
 def read_config(directory: Path) -> ModelConfig:
     path = Path(directory) / "config.json"
+    return parse_config(read_config_json(directory), path)
+
+
+def read_config_json(directory: Path) -> dict[str, Any]:
+    """A model directory's config.json, checked to be a model config (a JSON object with a model_type, at the top level
+    or under text_config): the one reader of it. Raises CheckpointError naming the directory or the file."""
+    path = Path(directory) / "config.json"
     if not path.is_file():
-        raise CheckpointError("no config.json: not a model checkpoint directory", directory)
+        raise CheckpointError("no config.json: not a model directory", directory)
     try:
         raw = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -51,7 +58,7 @@ def read_config(directory: Path) -> ModelConfig:
         raise CheckpointError("not a JSON object", path)
     if not _model_type(raw):
         raise CheckpointError("no model_type (at the top level or under text_config): not a model config", path)
-    return parse_config(raw, path)
+    return raw
 
 
 def _model_type(raw: dict[str, Any]) -> str | None:

@@ -6,23 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
 MISS_TIMES = ("miss_timed", "miss_queue_s", "miss_read_s", "miss_buffer_wait_s", "miss_copy_s", "miss_to_gpu_s",
               "miss_to_host_s", "miss_before_reads_s", "miss_reading_s", "miss_after_reads_s")
-
-
-@dataclass(frozen=True)
-class PageIn:
-    """One MoE layer call: the distinct experts its router picked and how each was served."""
-
-    token: int  # decode step of the session (prefill chunks count as one step each)
-    layer: int
-    experts: tuple[int, ...]
-    served: tuple[str, ...]  # per expert: "pinned", "cache", "prefetched" (look-ahead, in time), "host" (copied
-    # from the host-RAM tier) or "miss" (read from disk)
-    bytes_read: int
-    stall_s: float  # time the layer waited for reads and slot writes
-    cache_bytes: int = 0  # the expert cache's bytes after this layer (pinned and cached experts)
 
 
 @dataclass

@@ -23,10 +23,11 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from tqbench.events import PageIn
+from tqbench.managed import GpuPrefetch, host_view
 from tqbench.stream.cache import DEFAULT_POLICY, SlotCache
 from tqbench.stream.host import HostTier
-from tqbench.managed import GpuPrefetch, host_view
-from tqbench.stream.stats import LayerTotals, PageIn, StreamStats
+from tqbench.stream.stats import LayerTotals, StreamStats
 from tqbench.stream.store import ExpertStore, LayerLayout, StoreError, aligned_buffer, part_array
 
 MLX_DTYPES = {"U32": mx.uint32, "F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32, "U8": mx.uint8}
@@ -46,7 +47,7 @@ class StreamConfig:
     reads_in_flight: int = 0  # at most this many reads at once (0: one per worker); the workers' copies into the
     # slots still run in parallel. Some disks read one request at a time fastest (the lent H200's: random experts at
     # 2.35 GB/s with one reader, 1.62 with four), and a worker that reads then copies leaves the disk idle meanwhile.
-    host_cache_bytes: int = 0  # a host-RAM tier for experts evicted from the pools (tqbench.stream.host; 0: none)
+    host_budget_bytes: int = 0  # a host-RAM tier for experts evicted from the pools (tqbench.stream.host; 0: none)
     cache_routing: float = 0.0  # margin: in decode, a resident expert within this selection score of an uncached
     # one may take its place (attach.CacheRoutedBlock; 0: off, the model's own routing, untouched)
 
@@ -172,13 +173,13 @@ class Streamer:
         self.stats.slots = sum(p.slots for p in self.pools)
         self.stats.slot_bytes = sum(p.slots * p.nbytes for p in self.pools)
         self.host: HostTier | None = None
-        if config.host_cache_bytes > 0:
+        if config.host_budget_bytes > 0:
             widest = max(lay.nbytes for lay in layouts.values())
-            if config.host_cache_bytes < widest:
-                raise StoreError(f"the host cache ({config.host_cache_bytes:,} bytes) cannot hold one expert "
+            if config.host_budget_bytes < widest:
+                raise StoreError(f"the host cache ({config.host_budget_bytes:,} bytes) cannot hold one expert "
                                  f"({widest:,} bytes)", store.root)
-            self.host = HostTier(config.host_cache_bytes, widest)
-            self.stats.host_budget_bytes = config.host_cache_bytes
+            self.host = HostTier(config.host_budget_bytes, widest)
+            self.stats.host_budget_bytes = config.host_budget_bytes
             self.stats.host_slots = self.host.capacity
         self._workers = workers
         self._buffers = [aligned_buffer(biggest) for _ in range(read_buffers(workers))]

@@ -2,7 +2,7 @@
 
 Which model: the one converted last (the Convert screen records each finished output with
 tqbench.state.remember_model), else the built-in demo converted with tq4 (converted first if needed, with its
-progress shown): tqbench.runtime.models.choose_model. Coming back to the screen after another conversion finished
+progress shown): tqbench.chat.choose.choose_model. Coming back to the screen after another conversion finished
 loads that one (a new conversation); a load that failed (one line on the screen) is tried again.
 
 The engine owns the chat (tqbench.chat): the screen keeps a ChatRequest (the streaming settings edit it) and a
@@ -139,12 +139,12 @@ class ChatScreen(Screen):
 
     @property
     def loaded(self):
-        """tqbench.chat.records.ModelLoaded of the model loaded (None while loading or after a failure)."""
+        """tqbench.events.ModelLoaded of the model loaded (None while loading or after a failure)."""
         return self.model.loaded
 
     @property
     def last_done(self):
-        """tqbench.runtime.chat.ReplyDone of the last reply."""
+        """tqbench.events.ReplyDone of the last reply."""
         return self.turns.last_done
 
     @property

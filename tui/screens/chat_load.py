@@ -34,7 +34,7 @@ def choosing_line() -> Content:
 
 
 def ready_line(loaded) -> Content:
-    """The status once `loaded` (tqbench.chat.records.ModelLoaded) is ready: its sampling, then how its experts are
+    """The status once `loaded` (tqbench.events.ModelLoaded) is ready: its sampling, then how its experts are
     held."""
     template = "; no chat template: turns are plain text" if not loaded.chat_template else ""
     streaming = report.streaming_text(loaded)
@@ -50,8 +50,8 @@ class ModelLoad:
         self._session = session  # the screen's ChatSession (made on the worker's thread the first time)
         self.load_id = 0
         self.loading = False
-        self.chosen = None  # tqbench.runtime.models.ModelChosen of the model loaded
-        self.loaded = None  # tqbench.chat.records.ModelLoaded
+        self.chosen = None  # tqbench.events.ModelChosen of the model loaded
+        self.loaded = None  # tqbench.events.ModelLoaded
 
     def start(self, request: ChatRequest) -> None:
         """Choose the model (the last converted, else the demo) and open it with `request`."""

@@ -12,6 +12,8 @@ from textual.message import Message
 
 from tqbench import units
 from tqbench.chat import report
+from tqbench.chat.events import (ConvertStarted, KernelsCompiling, MlxWarmedUp, MlxWarmup, ModelChosen, ModelLoaded,
+                                 PageIn, ReplyDone, ReplyStarted, TokenOut, UnitConverted)
 from tqbench.chat.live import ReplyClock
 from tqbench.errors import TqbenchError
 from tui.messages import (ChatConvertProgress, ChatExperts, ChatLoadFailed, ChatLoadStep, ChatModelReady,
@@ -33,35 +35,34 @@ def one_line(error: BaseException) -> str:
 def relay_load(post: Post, chat, request, load_id: int, cancelled: Callable[[], bool]) -> None:
     """Open `request` in `chat` (tqbench.chat.session.ChatSession): the demo's conversion progress if it is converted
     first, each step, the building of the GPU's kernels (CUDA), then ChatModelReady or ChatLoadFailed (one line)."""
-    from tqbench.chat.records import ModelLoaded
-    from tqbench.events import ConvertStarted, UnitConverted
-    from tqbench.runtime.models import ModelChosen
-    from tqbench.runtime.warmup import KernelsCompiling
-
     chosen = loaded = latest = None
     posted = 0.0
     try:
         with chat.open(request) as job:
             for ev in job.items(cancelled):
-                if isinstance(ev, UnitConverted):
-                    latest = ev
-                    if time.monotonic() - posted >= PROGRESS_INTERVAL:
-                        post(ChatConvertProgress(load_id, ev))
-                        posted, latest = time.monotonic(), None
-                elif isinstance(ev, ConvertStarted):
-                    post(ChatLoadStep(load_id, (f"no model converted yet: converting the demo with {ev.recipe} "
-                                                f"({ev.units:,} units, {units.gb(ev.bytes_in)})..."), converting=True))
-                elif isinstance(ev, ModelChosen):
-                    if latest is not None:
-                        post(ChatConvertProgress(load_id, latest))
-                    chosen = ev
-                    post(ChatLoadStep(load_id, f"loading {display_path(Path(ev.path))}..."))
-                elif isinstance(ev, KernelsCompiling):
-                    if time.monotonic() - posted >= PROGRESS_INTERVAL or ev.done == ev.total:
-                        post(ChatLoadStep(load_id, report.kernels_line(ev)))
-                        posted = time.monotonic()
-                elif isinstance(ev, ModelLoaded):
-                    loaded = ev
+                match ev:
+                    case UnitConverted():
+                        latest = ev
+                        if time.monotonic() - posted >= PROGRESS_INTERVAL:
+                            post(ChatConvertProgress(load_id, ev))
+                            posted, latest = time.monotonic(), None
+                    case ConvertStarted():
+                        post(ChatLoadStep(load_id, (f"no model converted yet: converting the demo with {ev.recipe} "
+                                                    f"({ev.units:,} units, {units.gb(ev.bytes_in)})..."),
+                                          converting=True))
+                    case ModelChosen():
+                        if latest is not None:
+                            post(ChatConvertProgress(load_id, latest))
+                        chosen = ev
+                        post(ChatLoadStep(load_id, f"loading {display_path(Path(ev.path))}..."))
+                    case KernelsCompiling():
+                        if time.monotonic() - posted >= PROGRESS_INTERVAL or ev.done == ev.total:
+                            post(ChatLoadStep(load_id, report.kernels_line(ev)))
+                            posted = time.monotonic()
+                    case ModelLoaded():
+                        loaded = ev
+                    case _:  # StreamPlan (shown once loaded) and the conversion's other events (its bar shows them)
+                        pass
     except Exception as e:  # TqbenchError (bad input) or a bug: one line either way
         post(ChatLoadFailed(load_id, one_line(e)))
         return
@@ -73,9 +74,6 @@ def relay_reply(post: Post, chat, job, turn_id: int, streaming: bool, cancelled:
     """A reply's events as messages: ChatReplyBegan, the text so far and the page-ins in batches (at most every
     STREAM_INTERVAL), then ChatReplyEnded with the engine's summary and streaming figures, or ChatReplyFailed. Before
     the process's first token on CUDA, ChatReplyNote says MLX is compiling its kernels."""
-    from tqbench.runtime.chat import ReplyDone, ReplyStarted, TokenOut
-    from tqbench.runtime.warmup import MlxWarmup
-    from tqbench.stream import PageIn
 
     runs: list[tuple[list[str], bool]] = []  # the reply so far: runs of (pieces, thinking)
     tokens = 0
@@ -96,28 +94,31 @@ def relay_reply(post: Post, chat, job, turn_id: int, streaming: bool, cancelled:
 
     try:
         for ev in job.items(cancelled):
-            if isinstance(ev, PageIn):
-                clock.page_in(ev)
-                batch.append(ev)
-            elif isinstance(ev, TokenOut):
-                tokens += 1
-                clock.token()
-                if ev.text:
-                    if runs and runs[-1][1] == ev.thinking:
-                        runs[-1][0].append(ev.text)
-                    else:
-                        runs.append(([ev.text], ev.thinking))
-                if time.monotonic() - posted >= STREAM_INTERVAL:
-                    flush()
-                    post(ChatReplyProgress(turn_id, parts(), tokens))
-                    posted = time.monotonic()
-            elif isinstance(ev, ReplyStarted):
-                started = True
-                post(ChatReplyBegan(turn_id, ev))
-            elif isinstance(ev, MlxWarmup):
-                post(ChatReplyNote(turn_id, report.mlx_warmup_line(ev)))
-            elif isinstance(ev, ReplyDone):
-                done = ev
+            match ev:
+                case PageIn():
+                    clock.page_in(ev)
+                    batch.append(ev)
+                case TokenOut():
+                    tokens += 1
+                    clock.token()
+                    if ev.text:
+                        if runs and runs[-1][1] == ev.thinking:
+                            runs[-1][0].append(ev.text)
+                        else:
+                            runs.append(([ev.text], ev.thinking))
+                    if time.monotonic() - posted >= STREAM_INTERVAL:
+                        flush()
+                        post(ChatReplyProgress(turn_id, parts(), tokens))
+                        posted = time.monotonic()
+                case ReplyStarted():
+                    started = True
+                    post(ChatReplyBegan(turn_id, ev))
+                case MlxWarmup():
+                    post(ChatReplyNote(turn_id, report.mlx_warmup_line(ev)))
+                case ReplyDone():
+                    done = ev
+                case MlxWarmedUp():  # the first token, which follows, says it
+                    pass
         job.stop()
         job.wait()  # the reply is closed on the engine thread: the conversation holds what was generated
         flush()

@@ -51,7 +51,7 @@ class SettingsScreen(ModalScreen[ChatRequest | None]):
                             compact=True)
             with Horizontal(classes="row"):
                 yield Label("host RAM tier")
-                yield Input(o.host_cache, placeholder="auto, off or a size (24GB)", id="opt-host", compact=True)
+                yield Input(o.host_budget, placeholder="auto, off or a size (24GB)", id="opt-host", compact=True)
             with Horizontal(classes="row"):
                 yield Label("max active experts")
                 yield Input(str(active), type="integer", id="opt-active", compact=True)
@@ -101,7 +101,7 @@ class SettingsScreen(ModalScreen[ChatRequest | None]):
         budget = self.query_one("#opt-budget", Input).value.strip() or "fit"
         host = self.query_one("#opt-host", Input).value.strip() or "auto"
         stream = replace(self.request.stream, budget=budget.lower() if budget.lower() in BUDGET_WORDS else budget,
-                         host_cache=host.lower() if host.lower() in HOST_WORDS else host,
+                         host_budget=host.lower() if host.lower() in HOST_WORDS else host,
                          workers=number("#opt-workers"), policy=str(self.query_one("#opt-policy", Select).value),
                          fanout=self.query_one("#opt-fanout", Select).value is True,
                          lookahead=self.query_one("#opt-lookahead", Select).value is True, cache_routing=routing)

@@ -52,7 +52,7 @@ class ChatTurns:
         self._screen = screen
         self._session = session  # the screen's ChatSession
         self.turn_id = 0
-        self.last_done = None  # tqbench.runtime.chat.ReplyDone of the last reply
+        self.last_done = None  # tqbench.events.ReplyDone of the last reply
         self.stopping = False  # the user stopped the reply going on
         self.resetting = False
         self._job: Job | None = None
@@ -86,7 +86,7 @@ class ChatTurns:
         return True
 
     def finish(self, parts: Parts, done) -> None:
-        """The reply ended (`done`: tqbench.runtime.chat.ReplyDone), marked with how."""
+        """The reply ended (`done`: tqbench.events.ReplyDone), marked with how."""
         self.last_done = done
         self._reply.end(parts, done.finish_reason)
 

@@ -130,8 +130,8 @@ class ProfileScreen(Screen):
 
     @work(thread=True, exclusive=True, group="profile", exit_on_error=False, description="read the profile")
     def _load(self, load_id: int, model: Path | None, file: Path | None) -> None:
+        from tqbench.chat.choose import default_model
         from tqbench.profile import profile_view
-        from tqbench.runtime.models import default_model
 
         try:
             model = model or default_model()
@@ -285,7 +285,7 @@ class ProfileScreen(Screen):
                                         "(Esc cancels)", "/path/to/model or profile.json"), opened)
 
     def _model_or_error(self) -> Path | None:
-        from tqbench.runtime.models import default_model
+        from tqbench.chat.choose import default_model
 
         model = self.model or self.shown_model or default_model()
         if model is None:

@@ -16,7 +16,7 @@ through tqbench.serve.client.watch; unreachable or a refused key is the client's
 
 Either way a thread worker (tui.screens.serve_relay) reads the feed (PageIn, RequestDone, ServeStatus records) and
 posts it in ServeFeed batches; the screen shows the status lines, the log of the last requests, and the page-ins on
-the same expert map widget the Chat screen has (tui.widgets.expert_map over tqbench.chat.live.ExpertMap, shaped by
+the same expert map widget the Chat screen has (tui.widgets.expert_map over tqbench.chat.live.PageInMap, shaped by
 the status's streamed layers), or one muted line for a server whose experts are resident.
 """
 
@@ -34,12 +34,12 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Label, RichLog, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from tqbench.chat.live import ExpertMap
+from tqbench.chat.live import PageInMap
 from tqbench.chat.request import ChatRequest
 from tqbench.errors import TqbenchError
 from tqbench.serve import report
-from tui.messages import (ChatConvertProgress, ChatLoadFailed, ChatLoadStep, ChatModelReady, ServeFeed,
-                          ServeFeedEnded, ServeStopped)
+from tui.messages import (ChatConvertProgress, ChatLoadFailed, ChatLoadStep, ChatModelReady, ServeFeed, ServeFeedEnded,
+                          ServeStopped)
 from tui.screens import chat_load
 from tui.screens.chat_load import ModelLoad, choosing_line
 from tui.screens.chat_relay import one_line
@@ -108,7 +108,7 @@ class ServeScreen(Screen):
         self.server = None  # tqbench.serve.http.Server while serving
         self.feed_id = 0  # the feed shown: messages of an older one are dropped
         self.status = None  # the newest tqbench.serve.service.ServeStatus
-        self.experts: ExpertMap | None = None  # the map's state (None: nothing streamed to show)
+        self.experts: PageInMap | None = None  # the map's state (None: nothing streamed to show)
         self._layers: tuple | None = None  # the shape the map was made for
         self.error: str | None = None
 
@@ -336,7 +336,7 @@ class ServeScreen(Screen):
         if layers == self._layers:
             return
         self._layers = layers
-        self.experts = ExpertMap(dict(layers)) if layers else None
+        self.experts = PageInMap(dict(layers)) if layers else None
         self.map_view.set_model(self.experts)
         self.map_view.display = self.experts is not None
         self.query_one("#serve-resident").display = layers == ()

@@ -18,8 +18,8 @@ STATUS_INTERVAL = 0.5  # an idle server's status (running, queued) is posted thi
 
 def batch(feed_id: int, events: list, status=None) -> ServeFeed:
     """The events (PageIn, RequestDone, ServeStatus) as one message; the status given, else the newest among them."""
+    from tqbench.chat.events import PageIn
     from tqbench.serve.service import RequestDone, ServeStatus
-    from tqbench.stream import PageIn
 
     statuses = [ev for ev in events if isinstance(ev, ServeStatus)]
     return ServeFeed(feed_id, tuple(ev for ev in events if isinstance(ev, PageIn)),

@@ -1,5 +1,5 @@
 """The live expert view's map: one row per MoE layer, one cell per routed expert (or per bin of experts when the
-width is short), drawn with Textual's Line API from a tqbench.chat.live.ExpertMap.
+width is short), drawn with Textual's Line API from a tqbench.chat.live.PageInMap.
 
 A cell tells how its expert was served on its last routing by glyph (readable without colour) and colour: P pinned,
 = cache hit, + prefetched (read ahead in time), h copied from the host-RAM tier, # read from disk (a miss),
@@ -21,7 +21,7 @@ from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from tqbench.chat.live import FADE, GLYPHS, KINDS, SPARK, ExpertMap, bins, fold, heat, sparkline
+from tqbench.chat.live import FADE, GLYPHS, KINDS, SPARK, PageInMap, bins, fold, heat, sparkline
 
 STALL_W = 7  # "12.3 s", "999 ms"
 DRAW_INTERVAL = 0.1  # seconds between redraws while batches come (every ~50 ms; the last is drawn with force)
@@ -57,7 +57,7 @@ class ExpertMapView(ScrollView, can_focus=True):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.model: ExpertMap | None = None
+        self.model: PageInMap | None = None
         self.per: int | None = None  # experts per cell (None: fit the width)
         self.first = 0  # first bin shown
         self.cursor = 0  # index of the chosen layer
@@ -72,7 +72,7 @@ class ExpertMapView(ScrollView, can_focus=True):
 
     # ---- state ----
 
-    def set_model(self, model: ExpertMap | None) -> None:
+    def set_model(self, model: PageInMap | None) -> None:
         self.model, self.per, self.first, self.cursor, self.opened = model, None, 0, 0, set()
         self._relayout()
 
@@ -257,7 +257,7 @@ class ExpertMapView(ScrollView, can_focus=True):
         return Strip(segs).adjust_cell_length(f["width"], f["base"])
 
 
-def natural_width(model: ExpertMap) -> int:
+def natural_width(model: PageInMap) -> int:
     """Columns the map needs to show every expert in its own cell, with the layer labels and the tail."""
     label = max(len(f"L{max(model.layers, default=0)}"), len(str(max(0, model.widest - 1)))) + 1
     return label + model.widest + 1 + SPARK + STALL_W + 1

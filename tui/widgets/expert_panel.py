@@ -15,8 +15,9 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 from tqbench.chat import report
-from tqbench.chat.live import ExpertMap, ReplyRates
-from tqbench.chat.records import StreamReport, StreamSetup
+from tqbench.chat.events import StreamReport
+from tqbench.chat.live import PageInMap, ReplyRates
+from tqbench.chat.records import StreamSetup
 from tui.spans import content
 from tui.widgets.expert_map import ExpertMapView, natural_width
 
@@ -27,7 +28,7 @@ NARROW = 70  # screens narrower than this show the view under the transcript, no
 class ExpertPanel(Vertical):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.experts: ExpertMap | None = None  # the view's state (None: resident experts, nothing to show)
+        self.experts: PageInMap | None = None  # the view's state (None: resident experts, nothing to show)
         self.setup: StreamSetup | None = None
         self.report: StreamReport | None = None  # the engine's figures after the last reply
         self.rates: ReplyRates | None = None  # the last reply's rates
@@ -49,7 +50,7 @@ class ExpertPanel(Vertical):
     def show(self, setup: StreamSetup | None) -> None:
         """A new model: its streamed layers, or None (resident experts: the panel hides)."""
         self.setup = setup
-        self.experts = ExpertMap(dict(setup.layers)) if setup is not None and setup.layers else None
+        self.experts = PageInMap(dict(setup.layers)) if setup is not None and setup.layers else None
         self.report, self.rates, self._held = None, None, []
         self.map_view.set_model(self.experts)
         self.display = self.experts is not None

@@ -43,7 +43,7 @@ class ModelBand(Widget):
         self.refresh(layout=True)
 
     def show_model(self, chosen, loaded) -> None:
-        """chosen: tqbench.runtime.models.ModelChosen; loaded: tqbench.chat.records.ModelLoaded."""
+        """chosen: tqbench.events.ModelChosen; loaded: tqbench.events.ModelLoaded."""
         self._model = (display_path(Path(loaded.path)), chosen.why, model_figures(loaded))
         self.refresh(layout=True)
 

@@ -3,20 +3,14 @@ DEMO_RECIPE (converting it first, with the conversion's own progress events)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from tqbench.events import ModelChosen
 from tqbench.layout.names import INDEX_FILE
 from tqbench.state import last_model, remember_model
 
 DEMO_RECIPE = "tq4"  # the demo's chat default (see docs/demo-model.md for each recipe's quality on it)
-
-
-@dataclass(frozen=True)
-class ModelChosen:
-    path: str
-    why: str  # "last converted model", "demo (converted earlier)", "demo, converted now"
 
 
 def demo_converted_path(recipe: str = DEMO_RECIPE) -> Path:

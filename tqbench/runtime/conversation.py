@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
+from tqbench.events import ReplyDone, ReplyStarted, TokenOut
 from tqbench.errors import TqbenchError
 from tqbench.runtime.load import Loaded
 
@@ -39,37 +40,6 @@ class Sampling:
                    top_p=float(gc.get("top_p") or 0.0) if sample else 0.0,
                    top_k=int(gc.get("top_k") or 0) if sample else 0)
         return replace(base, **{k: v for k, v in given.items() if v is not None})
-
-
-@dataclass(frozen=True)
-class ReplyStarted:
-    prompt_tokens: int  # this turn's tokens the model processes
-    cached_tokens: int  # tokens reused from the conversation's cache
-
-
-@dataclass(frozen=True)
-class TokenOut:
-    id: int
-    text: str  # this token's new text (may be "" while a multi-byte character is incomplete)
-    thinking: bool  # inside a <think> block
-
-
-@dataclass(frozen=True)
-class ReplyDone:
-    text: str
-    prompt_tokens: int
-    cached_tokens: int
-    generated_tokens: int
-    prefill_tps: float
-    decode_tps: float
-    peak_memory_bytes: int
-    finish_reason: str  # "stop" (end of message), "length" (max tokens), "cancelled"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"event": "done", "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "generated_tokens": self.generated_tokens, "prefill_tps": round(self.prefill_tps, 2),
-                "decode_tps": round(self.decode_tps, 2), "peak_memory_bytes": self.peak_memory_bytes,
-                "finish_reason": self.finish_reason}
 
 
 @dataclass
