@@ -134,13 +134,14 @@ keys t
 wait_for "(last converted model)" "ready: greedy"
 save 05-chat-loaded
 
-# 5. The streaming settings (esc leaves the message field, o opens them): a 1 MB expert cache, one read worker.
+# 5. The streaming settings (esc leaves the message field, o opens them): a 1 MB expert cache, one read worker (tab
+# three times: past the host RAM tier and max active experts to prefetch workers).
 leave_field
 keys o
-wait_for "streaming settings" "expert cache budget"
+wait_for "streaming settings" "expert cache budget" "cache routing margin"
 clear
 type_text "1MB"
-keys Tab Tab
+keys Tab Tab Tab
 clear
 type_text "1"
 save 06-chat-settings
