@@ -59,9 +59,15 @@ def test_piped_lines_are_turns_and_json_lines(model, capsys, monkeypatch):
     done = [x for x in lines if x["event"] == "done"]
     tokens = [x for x in lines if x["event"] == "token"]
     assert len(done) == 2 and len(tokens) == 16
+    loaded = lines[0]  # what runs comes first
+    assert loaded["event"] == "loaded" and loaded["path"] == str(model) and loaded["model_type"] == "kimi_k3"
+    assert loaded["routing_changed"] is False and loaded["stream"] is None and loaded["sampling"]["max_tokens"] == 8
     assert set(tokens[0]) == {"event", "id", "text", "thinking"}
     assert set(done[0]) == {"event", "prompt_tokens", "cached_tokens", "generated_tokens", "prefill_tps",
-                            "decode_tps", "peak_memory_bytes", "finish_reason"}
+                            "prefill_s", "warmup", "decode_tps", "peak_memory_bytes", "finish_reason",
+                            "routing_changed", "substitutions"}
+    assert done[0]["routing_changed"] is False and done[0]["substitutions"] == 0
+    assert done[0]["prefill_s"] > 0 and not done[1]["warmup"]  # turn 2 is no first pass, whatever ran before
     assert done[0]["cached_tokens"] == 0 and done[0]["generated_tokens"] == 8
     assert done[1]["cached_tokens"] == done[0]["prompt_tokens"] + 8  # turn 2 reuses turn 1 whole
     replies = _engine_replies(model, ["def fib(n):", "class Node:"], 8)

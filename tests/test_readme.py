@@ -9,7 +9,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 FIRST_COMMANDS = [
     'python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/tqbench convert --hf-path "$(.venv/bin/tqbench '
     'demo)" --mlx-path demo-tq3a-tqTe-down4-g64 --bits 3 -g 64 --ternary-experts --expert-down-bits 4 --streaming '
-    "&& .venv/bin/tqbench chat --model demo-tq3a-tqTe-down4-g64 --no-chat-template --prompt $'def fibonacci(n):\\n'",
+    "&& .venv/bin/tqbench chat --model demo-tq3a-tqTe-down4-g64 --no-chat-template --max-tokens 24 "
+    "--prompt $'def add(a, b):\\n    return a + b\\n\\n\\ndef sub(a, b):\\n'",
     'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest -q',
 ]
 # A command word `tqbench` (not `.venv/bin/tqbench`, not the package `tqbench/` or `tqbench.demo`) that is run: inside

@@ -103,7 +103,7 @@ def demo(tmp_path_factory) -> Path:
 def server(demo, tmp_path_factory):
     s = Served(demo, tmp_path_factory.mktemp("served-cache"), "--max-queue", "16")
     yield s
-    assert s.stop() == 0, "\n".join(s.lines)
+    assert s.stop() == 130, "\n".join(s.lines)  # Ctrl-C: 130, as every command interrupted
 
 
 @pytest.fixture(scope="module")
@@ -186,13 +186,17 @@ def test_text_completions_continue_a_plain_prompt_as_the_engine_does(server, dem
     assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
 
 
-def test_a_tools_request_is_answered(server):
+def test_tools_the_chat_template_drops_are_refused_with_a_400_that_says_so(server):
+    """The demo's template renders no tools: answering as if they were given would mislead the client."""
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
-    r = ask(server, [{"role": "user", "content": "Weather in Tokyo?"}], max_tokens=8, tools=tools)
-    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    assert r.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(server, [{"role": "user", "content": "Weather in Tokyo?"}], max_tokens=8, tools=tools)
+    assert e.value.status_code == 400
+    assert "chat template does not render tools: it would answer without the 1 tool given" in e.value.message
+    r = ask(server, [{"role": "user", "content": "Weather in Tokyo?"}], max_tokens=2)  # the same without tools: fine
+    assert r.usage.completion_tokens == 2
 
 
 # ---- the service around the answers ---------------------------------------------------------------------------------
@@ -498,3 +502,72 @@ def test_each_pipeline_rank_shows_in_the_status_metrics_and_live_feed():
     assert 'tqbench_rank_expert_stall_seconds_total{rank="0"} 0.25\n' in text
     assert 'tqbench_rank_forward_passes_total{rank="1"} 11\n' in text
     assert wire.decode_status(json.loads(json.dumps(wire.status_dict(served)))).stream.ranks == ranks
+
+
+# ---- the server's edges ---------------------------------------------------------------------------------------------
+
+def test_a_full_queue_is_counted_once_and_one_token_has_no_rate(demo, tmp_path):
+    """--max-queue 0: a bad request (400) is refused, a request while another runs is rejected (429), each counted
+    once; a one-token reply's log line gives no decode rate (one token has none)."""
+    s = Served(demo, tmp_path, "--max-queue", "0", "--max-requests", "2", key=None)
+    code, _, _ = raw(s.port, "POST", "/v1/chat/completions", b"{not json", {"Content-Type": "application/json"})
+    assert code == 400
+    stream = ask(s, [{"role": "user", "content": U2}], max_tokens=40, stream=True)
+    next(iter(stream))  # running
+    with pytest.raises(openai.RateLimitError):
+        ask(s, [{"role": "user", "content": "y"}], max_tokens=2)
+    text = s.get("/metrics", key=None)[2].decode()
+    assert metric(text, 'requests_total{outcome="rejected"}') == 1 and metric(text, 'requests_total{outcome="refused"}') == 1
+    list(stream)
+    one = ask(s, [{"role": "user", "content": "x"}], max_tokens=1)
+    assert one.usage.completion_tokens == 1
+    assert s.proc.wait(60) == 0  # --max-requests: a normal end
+    line = next(x for x in s.lines if " 1 generated (" in x)
+    assert "tok/s" not in line and "first token" in line
+    assert any(x.startswith("requests 2 (2 ok, 1 rejected (queue full), 1 refused)") for x in s.lines), s.lines
+
+
+def test_ctrl_c_mid_stream_ends_the_clients_stream_with_an_error_and_exits_130(demo, tmp_path):
+    """A client must tell a cut reply from a finished one: the server sends an error event before it closes."""
+    s = Served(demo, tmp_path, key=None)
+    stream = ask(s, [{"role": "user", "content": U2}], max_tokens=200, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    next(chunks)
+    s.proc.send_signal(signal.SIGINT)
+    with pytest.raises(openai.APIError) as e:
+        for _ in chunks:
+            pass
+    assert "the server stopped while this reply was being generated" in str(e.value)
+    assert s.proc.wait(60) == 130
+    assert "stopped" in s.lines and s.lines[-1] == "tqbench: interrupted"
+
+
+def test_requests_after_a_burst_of_429s_are_answered(demo, tmp_path):
+    """Once seen: two requests sent right after a burst of refusals (an API key, no queue, a small body limit) hung.
+    Ten rounds of a burst (a running request, refused ones: 429, 401, 413) and then two requests in turn, each of which
+    must be answered within its timeout."""
+    s = Served(demo, tmp_path, "--max-queue", "0", "--max-body-mb", "0.01")
+    for _ in range(10):
+        running = ask(s, [{"role": "user", "content": U1}], max_tokens=12, stream=True)
+        next(iter(running))
+        refused = []
+
+        def refuse(i: int) -> None:
+            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY if i % 3 else 'wrong'}"}
+            body = json.dumps({"messages": [{"role": "user", "content": "x" * (20_000 if i % 3 == 2 else 1)}]})
+            refused.append(raw(s.port, "POST", "/v1/chat/completions", body.encode(), headers)[0])
+
+        burst = [threading.Thread(target=refuse, args=(i,)) for i in range(6)]
+        for t in burst:
+            t.start()
+        for t in burst:
+            t.join(30)
+        assert sorted(set(refused)) == [401, 413, 429] and len(refused) == 6
+        list(running)
+        for _ in range(2):
+            r = s.client.with_options(timeout=30).chat.completions.create(
+                model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=2, temperature=0)
+            assert r.usage.completion_tokens == 2
+    assert s.stop() == 130
+

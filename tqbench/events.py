@@ -212,12 +212,28 @@ class ReplyDone:
     decode_tps: float
     peak_memory_bytes: int
     finish_reason: str  # "stop" (end of message), "length" (max tokens), "cancelled"
+    prefill_s: float = 0.0  # the prompt's processing, to its first token
+    warmup: bool = False  # the process's first generation: its prompt time includes MLX compiling (not a speed)
+    routing_changed: bool = False  # routed otherwise than the model's own top-k (--max-active-experts, cache routing)
+    substitutions: int = 0  # cache routing: experts routed in place of the model's own picks in this reply
+
+    @property
+    def decode_rate(self) -> float | None:
+        """Tokens per second after the first; None with fewer than two tokens (no rate to speak of)."""
+        return self.decode_tps if self.generated_tokens > 1 else None
+
+    @property
+    def prefill_rate(self) -> float | None:
+        """Prompt tokens per second; None in a warm-up, whose time is mostly compiling."""
+        return None if self.warmup else self.prefill_tps
 
     def to_dict(self) -> dict[str, Any]:
         return {"event": "done", "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "generated_tokens": self.generated_tokens, "prefill_tps": round(self.prefill_tps, 2),
+                "prefill_s": round(self.prefill_s, 3), "warmup": self.warmup,
                 "decode_tps": round(self.decode_tps, 2), "peak_memory_bytes": self.peak_memory_bytes,
-                "finish_reason": self.finish_reason}
+                "finish_reason": self.finish_reason, "routing_changed": self.routing_changed,
+                "substitutions": self.substitutions}
 
 @dataclass(frozen=True)
 class ToolCall:

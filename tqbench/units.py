@@ -6,8 +6,8 @@ import humanize
 
 
 def gb(n: int | float) -> str:
-    """Decimal units: 1.56 TB."""
-    return humanize.naturalsize(n, format="%.2f")
+    """Decimal units: 1.56 TB (576 B below a kB, as B everywhere, not humanize's "576 Bytes")."""
+    return f"{int(n)} B" if abs(n) < 1000 else humanize.naturalsize(n, format="%.2f")
 
 
 def bandwidth(bytes_per_s: float) -> str:
@@ -16,8 +16,8 @@ def bandwidth(bytes_per_s: float) -> str:
 
 
 def gib(n: int | float) -> str:
-    """Binary units: 1.42 TiB."""
-    return humanize.naturalsize(n, binary=True, format="%.2f")
+    """Binary units: 1.42 TiB (576 B below a KiB)."""
+    return f"{int(n)} B" if abs(n) < 1024 else humanize.naturalsize(n, binary=True, format="%.2f")
 
 
 def size(n: int | float) -> str:

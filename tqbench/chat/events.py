@@ -16,7 +16,7 @@ are defined in tqbench.events and named here again, so that every chat event has
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tqbench.chat.records import ProfileInfo, StreamSetup, disk_fields
@@ -80,6 +80,21 @@ class ModelLoaded:
     def far_fewer_experts(self) -> bool:
         """More than a 2x cut of the experts per token: answers get worse (both faces warn)."""
         return bool(self.experts_active) and self.experts_native > 2 * self.experts_active
+
+    @property
+    def routing_changed(self) -> bool:
+        """Routed otherwise than the model was trained to: fewer experts, or cache-aware routing on."""
+        return self.fewer_experts or bool(self.stream is not None and self.stream.cache_routing)
+
+    def to_dict(self) -> dict[str, Any]:
+        """`chat --json`'s first record: what runs."""
+        return {"event": "loaded", "path": self.path, "model_type": self.model_type,
+                "turboquant_modules": self.turboquant_modules, "weight_bytes": self.weight_bytes,
+                "chat_template": self.chat_template, "sampling": asdict(self.sampling),
+                "seconds": round(self.seconds, 3), "experts_native": self.experts_native,
+                "experts_active": self.experts_active, "routing_changed": self.routing_changed,
+                "stream": self.stream.to_dict() if self.stream is not None else None,
+                "profile": self.profile.to_dict() if self.profile is not None else None}
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ class StreamSetup:
                 "fanout": self.fanout, "page_cache": self.page_cache, "lookahead": self.lookahead,
                 "reads_in_flight": self.reads_in_flight, "host_budget_bytes": self.host_budget_bytes,
                 "host_slots": self.host_slots, "host_why": self.host_why, "cache_routing": self.cache_routing,
-                **disk_fields(self.disk)}
+                "why": self.why, **disk_fields(self.disk)}
 
 
 @dataclass(frozen=True)

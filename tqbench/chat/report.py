@@ -150,12 +150,25 @@ def mlx_warmed_line(ev: MlxWarmedUp) -> str:
 
 # ---- replies --------------------------------------------------------------------------------------------------------
 
+def decode_text(d: ReplyDone) -> str:
+    """The reply's decode rate, or why there is none."""
+    return f"{d.decode_rate:.1f} tok/s" if d.decode_rate is not None else "no decode rate from one token"
+
+
+def prefill_text(d: ReplyDone) -> tuple[str, str]:
+    """How the prompt's figure reads: (" at ", its rate), or for the process's first reply (" in ", its time): that
+    is mostly MLX warming up."""
+    if d.prefill_rate is None:
+        return " in ", f"{d.prefill_s:.1f} s (warming up: the first pass compiles)"
+    return " at ", f"{d.prefill_rate:.1f} tok/s"
+
+
 def reply_line(d: ReplyDone) -> str:
     """The CLI's summary after a reply."""
     cached = f", {d.cached_tokens} reused from the cache" if d.cached_tokens else ""
-    return (f"[{d.generated_tokens} tokens{ENDINGS.get(d.finish_reason, '')}, {d.decode_tps:.1f} tok/s; prompt "
-            f"{d.prompt_tokens} tokens at {d.prefill_tps:.1f} tok/s{cached}; peak memory "
-            f"{units.size(d.peak_memory_bytes)}]")
+    prefill = "".join(prefill_text(d))
+    return (f"[{d.generated_tokens} tokens{ENDINGS.get(d.finish_reason, '')}, {decode_text(d)}; prompt "
+            f"{d.prompt_tokens} tokens{prefill}{cached}; peak memory {units.size(d.peak_memory_bytes)}]")
 
 
 def reply_lines(d: ReplyDone) -> tuple[Line, Line]:
@@ -163,11 +176,12 @@ def reply_lines(d: ReplyDone) -> tuple[Line, Line]:
     processed (prefill rate) and those reused from the cache."""
     sep = Span(" · ", "muted")
     return ((Span(f"{'reply':<{LABEL_WIDTH}}", "label"),
-             Span(f"{d.generated_tokens} tokens{ENDINGS.get(d.finish_reason, '')}", "value"), Span(" at "),
-             Span(f"{d.decode_tps:.1f} tok/s", "value"), sep, Span("peak memory "),
+             Span(f"{d.generated_tokens} tokens{ENDINGS.get(d.finish_reason, '')}", "value"),
+             Span(" at " if d.decode_rate is not None else ", "), Span(decode_text(d), "value"), sep,
+             Span("peak memory "),
              Span(units.gb(d.peak_memory_bytes), "value")),
             (Span(f"{'prompt':<{LABEL_WIDTH}}", "label"), Span(f"{d.prompt_tokens} processed", "value"),
-             Span(" at "), Span(f"{d.prefill_tps:.1f} tok/s", "value"), sep,
+             Span(prefill_text(d)[0]), Span(prefill_text(d)[1], "value"), sep,
              Span(f"{d.cached_tokens} reused", "value"), Span(" from the cache")))
 
 

@@ -62,6 +62,8 @@ def chat(
         request = ChatRequest(model=str(model) if model is not None else None, sampling=sampling, system=system,
                               chat_template=not no_chat_template, trust_remote_code=trust_remote_code, stream=stream,
                               max_active_experts=max_active_experts, profile=profile, parallel=parallel)
+        if prompt is not None and not prompt.strip():
+            raise UsageError("--prompt is empty: give the message to answer")
         if parallel == "tensor" and env_rank() is None:
             raise UsageError("--parallel tensor splits every layer across the ranks mlx.launch starts: run it under "
                              "mlx.launch")
@@ -71,7 +73,9 @@ def chat(
         if env_rank():  # another rank than 0 of a pipeline: it runs the turns rank 0 shares, and prints nothing
             follow_turns(chat_session)
             return
-        if not as_json:
+        if as_json:  # what runs, first: a script can tell a native model from a changed one
+            print(json.dumps(loaded.to_dict()), flush=True)
+        else:
             err.print(report.loaded_line(loaded), markup=False)
             if loaded.profile is not None:
                 err.print(report.profile_line(loaded.profile), markup=False)
@@ -159,9 +163,9 @@ def _typed(err: Console) -> Iterator[str]:
         except EOFError:
             print(file=sys.stderr)
             return
-        except KeyboardInterrupt:  # at the prompt, Ctrl-C leaves
+        except KeyboardInterrupt:  # at the prompt, Ctrl-C leaves (exit 130, as every command interrupted)
             print(file=sys.stderr)
-            return
+            raise typer.Exit(ExitCode.INTERRUPTED) from None
         if line.strip():
             yield line
 

@@ -100,8 +100,9 @@ def started_line(ev) -> str:
     if ev.cache_routing:
         routing += f", routing changed: cache routing margin {ev.cache_routing:g}"
     mode = "layer by layer, " if ev.layers else "token by token, " if ev.decode else ""
+    fewer = f" (all the texts hold: fewer than the {ev.asked_tokens:,} asked)" if ev.asked_tokens else ""
     return (f"evaluating {what}: {mode}{ev.tokens:,} tokens in {ev.windows} windows of {ev.window} "
-            f"({', '.join(ev.texts)}){routing}")
+            f"({', '.join(ev.texts)}){routing}{fewer}")
 
 
 class _Progress:

@@ -20,6 +20,7 @@ from typer.core import TyperCommand
 
 from tqbench.chat.request import ProfileOptions, SamplingRequest, StreamRequest
 from tqbench.recipe.recipe import RecipeFlags
+from tqbench.testhooks import interrupt_point
 
 
 class UnixUsage(TyperCommand):
@@ -31,11 +32,21 @@ class UnixUsage(TyperCommand):
 
 
 class App(typer.Typer):
-    """A Typer app whose commands are UnixUsage ones."""
+    """A Typer app whose commands are UnixUsage ones (and pass the interrupt test hook first)."""
 
     def command(self, name: str | None = None, *, cls: type[TyperCommand] | None = UnixUsage,
                 **kwargs: Any) -> Callable:
-        return super().command(name, cls=cls, **kwargs)
+        register = super().command(name, cls=cls, **kwargs)
+
+        def wrap(command: Callable) -> Callable:
+            @functools.wraps(command)
+            def run(*args: Any, **values: Any) -> Any:
+                interrupt_point("command")  # TQBENCH_TEST_INTERRUPT=command: Ctrl-C as the command starts
+                return command(*args, **values)
+
+            return register(run)
+
+        return wrap
 
 
 def positive(value: float | None) -> float | None:

@@ -16,7 +16,7 @@ from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, S
 from tqbench.cli import options
 from tqbench.cli.chat import follow_turns, open_chat
 from tqbench.distributed.world import env_rank
-from tqbench.errors import TqbenchError
+from tqbench.errors import ExitCode, TqbenchError
 from tqbench.serve import report
 
 REFRESH_S = 0.5
@@ -90,8 +90,9 @@ def serve(
     except TqbenchError as e:
         print(f"tqbench: error: {e}", file=sys.stderr)
         raise typer.Exit(e.exit_code) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the running requests stop after their token (`finally`); exit 130 as every command
         err.print("stopped", markup=False)
+        raise typer.Exit(ExitCode.INTERRUPTED) from None
     finally:
         if server is not None:
             server.close()

@@ -85,6 +85,7 @@ class EvalStarted:
     layers: bool
     cache_routing: float = 0.0  # MODEL's cache-routing margin (0: its own routing)
     decode: bool = False  # scored token by token
+    asked_tokens: int = 0  # --tokens, when the texts hold fewer windows than it asks for (0: they hold enough)
 
 
 @dataclass(frozen=True)

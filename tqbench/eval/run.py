@@ -106,7 +106,7 @@ def _evaluate(request: EvalRequest, loaded: list | None) -> Iterator:
         margin, decode = request.stream.cache_routing, request.token_by_token
         yield EvalStarted(str(model.path), str(ref.path) if ref else None, tuple(w.name for w in windows),
                           sum(len(w.x) for w in windows), request.window, total, active, native, request.layers,
-                          margin, decode)
+                          margin, decode, asked_tokens=request.tokens if _ran_short(windows, streams, request) else 0)
         misses = substitutions = tiers = None
         if request.layers:
             scores, greedy = (), None
@@ -150,6 +150,12 @@ def _load(path: str, stream, trust_remote_code: bool, group=None):
 
     plan = plan_streaming(path, stream)
     return load(path, trust_remote_code, streaming=plan.config, store=plan.store, group=group)
+
+
+def _ran_short(windows: list, streams: dict, request: EvalRequest) -> bool:
+    """The texts hold fewer windows than --tokens asks for (plan_windows takes what there is)."""
+    per_text = max(1, round(request.tokens / request.window / max(len(streams), 1)))
+    return any(len(w.x) < per_text for w in windows)
 
 
 def _same_tokens(texts, streams: dict[str, np.ndarray], tokenizer, against: str) -> None:
@@ -256,7 +262,7 @@ def _greedy(model, ref, windows: list[Windows], request: EvalRequest, forget) ->
     for i in range(max(len(w.x) for w in windows)):  # the texts' windows in turn: code, chat, code, ...
         prompts += [w.x[i, : request.prompt_tokens] for w in windows if i < len(w.x)]
     prompts = prompts[: request.prompts]
-    total, t0 = 2 * len(prompts) * request.generate, time.perf_counter()
+    total, t0 = len(prompts) * request.generate, time.perf_counter()  # tokens compared: each prompt's, once
     done, alike, same = 0, [], []
 
     def argmax(logprobs: mx.array) -> mx.array:
@@ -269,7 +275,7 @@ def _greedy(model, ref, windows: list[Windows], request: EvalRequest, forget) ->
             for tok, _ in generate_step(mx.array(p), m, max_tokens=request.generate, sampler=argmax):
                 out.append(int(tok))
             outs.append(out)
-            done += request.generate
+            done += request.generate // 2 if m is model else request.generate - request.generate // 2
             forget()
             yield EvalProgress("greedy", done, total, time.perf_counter() - t0)
         a, b = outs

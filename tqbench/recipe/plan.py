@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -138,6 +139,42 @@ def group_sources(ckpt: Checkpoint) -> Sources:
     if ckpt.missing:
         warnings.append(f"incomplete checkpoint: {len(ckpt.missing)} shard(s) missing, sizes undercount")
     return Sources(ckpt, _experts_in_glu_order(modules), tuple(warnings))
+
+
+_LAYER_NUMBER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _kept_experts_warnings(modules: list) -> list[str]:
+    """Routed experts a recipe meant to quantize that stay at source precision: one line per module kind and reason,
+    naming its layers (a model's every MoE layer would otherwise repeat the same line)."""
+    kept: dict[tuple[str, str], list[tuple[int | None, int]]] = {}
+    for m in modules:
+        if m.role is Role.ROUTED_EXPERT and m.choice.format is Format.SOURCE and m.choice.reason != "recipe":
+            number = _LAYER_NUMBER.search(m.name)
+            kind = _LAYER_NUMBER.sub(".layers.N.", m.name, count=1) if number else m.name
+            kept.setdefault((kind, m.choice.reason), []).append((int(number.group(1)) if number else None, m.bytes))
+    lines = []
+    for (kind, reason), where in kept.items():
+        total = sum(b for _, b in where)
+        if len(where) == 1:
+            name = kind.replace(".layers.N.", f".layers.{where[0][0]}.") if where[0][0] is not None else kind
+            lines.append(f"{name} stays at source precision ({reason}): {total:,} bytes")
+        else:
+            layers = layer_ranges(sorted(n for n, _ in where if n is not None))
+            lines.append(f"{kind} stays at source precision ({reason}) in layers {layers}: {total:,} bytes")
+    return lines
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """1, 3-7, 9: consecutive layers as a range."""
+    out, start = [], None
+    for i, n in enumerate(layers):
+        if start is None:
+            start = n
+        if i + 1 == len(layers) or layers[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
 
 
 _GLU_ORDER = {"gate": 0, "gate_up": 1, "up": 2, "down": 3}
@@ -380,9 +417,7 @@ def make_plan(sources: Sources, recipe: Recipe, shard_size: int = SHARD_SIZE, la
                             or recipe.mlp_bits is not None or recipe.expert_down_bits is not None
                             or recipe.mlp_group_size is not None):
         warnings.append(f"recipe {recipe.name} sets an expert tier, but the model has no routed experts")
-    for m in modules:
-        if m.role is Role.ROUTED_EXPERT and m.choice.format is Format.SOURCE and m.choice.reason != "recipe":
-            warnings.append(f"{m.name} stays at source precision ({m.choice.reason}): {m.bytes:,} bytes")
+    warnings += _kept_experts_warnings(modules)
 
     return Plan(
         recipe=recipe, path=ckpt.name, model_type=ckpt.config.model_type, modules=modules,

@@ -26,12 +26,21 @@ def chat_prompt(loaded: Loaded, messages: list[dict[str, Any]], tools: list[dict
     `tools` where given) or, for a model without one (or `template` False), the contents one per line."""
     tok = loaded.tokenizer
     if template and getattr(tok, "chat_template", None) is not None:
-        try:
-            text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - a template refusing the messages (jinja raises anything)
-            raise TqbenchError(f"the chat template refused these messages: {e}") from None
+        text = _render(tok, messages, tools)
+        if tools and text == _render(tok, messages, None):
+            raise TqbenchError(f"this model's chat template does not render tools: it would answer without the "
+                               f"{len(tools)} tool{'s' if len(tools) != 1 else ''} given (leave out `tools`)")
         return list(tok.encode(text, add_special_tokens=False))
+    if tools:
+        raise TqbenchError("this model has no chat template to render tools with (leave out `tools`)")
     return text_prompt(loaded, "\n".join(str(m.get("content") or "") for m in messages))
+
+
+def _render(tok, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    try:
+        return tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - a template refusing the messages (jinja raises anything)
+        raise TqbenchError(f"the chat template refused these messages: {e}") from None
 
 
 def text_prompt(loaded: Loaded, prompt: str) -> list[int]:

@@ -17,6 +17,8 @@ import mlx.core as mx
 from tqbench.events import ReplyDone, ReplyStarted, TokenOut
 from tqbench.errors import TqbenchError
 from tqbench.runtime.load import Loaded
+from tqbench.runtime.routing import routing_changed
+from tqbench.runtime.warmup import first_generation
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -181,6 +183,9 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
         mx.random.seed(seed)
     sampler = make_sampler(sampling.temp, sampling.top_p, top_k=sampling.top_k)
     mx.reset_peak_memory()
+    warmup = first_generation()
+    streamer = loaded.streamer
+    substituted = streamer.stats.substitutions if streamer is not None else 0
     generated: list[int] = []
     text: list[str] = []
     pending = ""  # text held back: it may begin a stop string
@@ -222,7 +227,9 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
     finally:
         steps.close()  # here, on the MLX thread, not whenever it is collected
         done = ReplyDone("".join(text), len(new), cached, len(generated), prefill_tps, decode_tps,
-                         int(mx.get_peak_memory()), finish)
+                         int(mx.get_peak_memory()), finish, prefill_s=len(new) / prefill_tps if prefill_tps else 0.0,
+                         warmup=warmup, routing_changed=routing_changed(loaded.model, streamer),
+                         substitutions=(streamer.stats.substitutions - substituted) if streamer is not None else 0)
         ended(done)
     if finish == "cancelled":  # the loop ended without a final response: the caller stopped early
         finish = "length"

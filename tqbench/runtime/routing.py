@@ -79,3 +79,17 @@ def set_active_experts(model: nn.Module, k: int) -> ActiveExperts:
             seen.add(id(obj))
             setattr(obj, attr, k)
     return ActiveExperts(native, k, len(knobs))
+
+
+def routing_changed(model: nn.Module, streamer=None) -> bool:
+    """Whether the model routes otherwise than it was trained to: fewer experts per token (set_active_experts), or
+    cache-aware routing on (a streamer whose config has a margin; tqbench.stream.attach.CacheRoutedBlock)."""
+    native = getattr(model, "_tqbench_native_top_k", None)
+    if native is not None:
+        for _, m in model.named_modules():
+            k = top_k(m)
+            if k is not None:
+                if k != native:
+                    return True
+                break
+    return streamer is not None and streamer.config.cache_routing > 0

@@ -145,6 +145,15 @@ def _build_cubin(spec: Spec) -> bool:
 # ---- MLX's own kernels -------------------------------------------------------------------------------------------
 
 _warmed = False  # this process ran its first forward pass on CUDA
+_generated = False  # this process ran a generation
+
+
+def first_generation() -> bool:
+    """True for the process's first generation only, on every backend: its first forward passes compile MLX's
+    kernels and trace tqbench's compiled graphs, so its prompt's time is a warm-up, not a speed."""
+    global _generated
+    first, _generated = not _generated, True
+    return first
 
 
 def mlx_warmup() -> MlxWarmup | None:

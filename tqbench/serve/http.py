@@ -137,7 +137,8 @@ class _Handler(BaseHTTPRequestHandler):
                                       f"{self.command} {path}: no such route on this server")
             route()
         except openai.ApiError as e:
-            self.service.refused()
+            if e.status != 429:  # the service counted a full queue as rejected already
+                self.service.refused()
             self._send_json(e.status, e.body(), e.headers, close=e.status in (413, 411))
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
@@ -215,6 +216,16 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(err.status, err.body())
             return
         except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+            return
+        if self.service.stopping and (done is None or done.finish_reason == "cancelled"):
+            # the server is closing mid-reply: say so, so that a client can tell a cut reply from a finished one
+            err = openai.ApiError(503, "the server stopped while this reply was being generated; it was cut short",
+                                  type="server_error", code="server_stopped")
+            if started:
+                self._sse(err.body())
+            else:
+                self._send_json(err.status, err.body())
             self.close_connection = True
             return
         if done is None:  # the client left: nothing to answer

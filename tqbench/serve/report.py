@@ -31,8 +31,9 @@ def request_line(r: RequestDone) -> str:
         return f"{r.id}: the client left before the first token ({r.seconds:.2f} s)"
     end = ENDINGS.get(r.finish_reason, r.finish_reason) if r.outcome != "error" else "failed"
     cached = f" (+{r.cached_tokens} cached)" if r.cached_tokens else ""
+    rate = f", {r.decode_tps:.1f} tok/s" if r.completion_tokens > 1 else ""  # one token has no decode rate
     return (f"{r.id}: {r.prompt_tokens} prompt tokens{cached}, {r.completion_tokens} generated ({end}); first token "
-            f"{r.ttft_s * 1000:.0f} ms (queued {r.queued_s * 1000:.0f} ms), {r.decode_tps:.1f} tok/s")
+            f"{r.ttft_s * 1000:.0f} ms (queued {r.queued_s * 1000:.0f} ms){rate}")
 
 
 def status_lines(st: ServeStatus) -> list[str]:

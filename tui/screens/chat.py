@@ -271,7 +271,7 @@ class ChatScreen(Screen):
             self.turns.finish(message.parts, done)
             self.transcript.follow()
             self._status(content(report.reply_lines(done)))
-        self.experts.finish(message.stream, done.decode_tps if done is not None else None)
+        self.experts.finish(message.stream, done.decode_rate if done is not None else None)
         self._ended()
 
     def on_chat_reply_failed(self, message: ChatReplyFailed) -> None:
