@@ -32,7 +32,7 @@ Part 1, routing-trace replay (no model runs during the replay):
    off/on, and fan-out whose loop waits only on pending reads, "fan*"): every miss is read with
    `ExpertStore.read_direct` (O_DIRECT) by a thread pool into page-aligned staging buffers, as many as the streamer
    has (`read_buffers`: two per worker), and placed into the cache as its read completes: the loop of
-   `Streamer.page_in` without the slot copy, which the streamer's worker makes right after the read (with fan-out
+   `Pager.page_in` (tqbench/stream/pagein.py) without the slot copy, which the streamer's worker makes right after the read (with fan-out
    each expert's aligned range is cut into `workers` pieces by `ExpertStore.direct_pieces`). Before every replay the
    store file's pages are dropped (posix_fadvise DONTNEED) and after it `mincore` measures how much of it is cached.
    Throughput on misses = expert bytes read / seconds spent in page-ins, divided by this disk's raw O_DIRECT bandwidth
@@ -319,7 +319,7 @@ def raw_direct(files: list[Path], chunk: int, total: int, workers: int, start: i
 
 
 class Reader:
-    """The streamer's page-in loop (Streamer.page_in + _submit, direct or buffered) without the slot copy: misses
+    """The streamer's page-in loop (Pager.page_in + submit in tqbench/stream/pagein.py, direct or buffered) without the slot copy: misses
     are read by `workers` threads into page-aligned staging buffers, as many as the streamer has
     (`read_buffers(workers)`), and placed into the cache as their reads complete.
 
@@ -329,7 +329,7 @@ class Reader:
 
     def __init__(self, store, workers: int, fanout: bool, pending_only: bool = False):
         from tqbench.stream.store import aligned_buffer
-        from tqbench.stream.streamer import read_buffers
+        from tqbench.stream.pagein import read_buffers
 
         self.store = store
         self.workers = workers
@@ -352,7 +352,7 @@ class Reader:
         n = store.layers[layer].nbytes
         if not self.fanout:
             return [ex.submit(store.read, layer, e, buf)], n
-        from tqbench.stream.streamer import read_pieces
+        from tqbench.stream.pagein import read_pieces
 
         return [ex.submit(read_pieces, store, piece, buf) for piece in store.split(layer, e, self.workers)], n
 
@@ -776,7 +776,7 @@ def run_e2e(work: Path, cfg: dict, quick: bool, timeout: float, notes: list[str]
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 256, cfg["e2e_prompt"]).tolist()  # byte tokens of the random model's vocabulary
     eb, total, w = model["expert_bytes"], model["expert_total_bytes"], cfg["e2e_workers"]
-    from tqbench.stream.streamer import staging_bytes
+    from tqbench.stream.pagein import staging_bytes
 
     staging = staging_bytes(eb + 2 * ALIGN, w)  # the streamer's staging buffers (O_DIRECT: an aligned superset each)
     small = max(int(cfg["e2e_share"] * total // eb), 1) * eb + staging

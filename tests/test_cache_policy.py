@@ -384,7 +384,7 @@ def test_streamed_generation_with_lrfu_next_is_bit_identical_with_a_seeded_and_p
     from tqbench.runtime.load import load
     from tqbench.stream import StreamConfig
     from tqbench.stream.budget import model_bytes
-    from tqbench.stream.streamer import staging_bytes
+    from tqbench.stream.pagein import staging_bytes
 
     path = tmp_path / "src"
     list(convert(ensure_demo(), path, Recipe.parse("src")))

@@ -19,7 +19,7 @@ from tqbench.runtime.load import load
 from tqbench.stream import StoreError, StreamConfig
 from tqbench.stream.host import HostTier
 from tqbench.stream.store import ExpertStore, part_array
-from tqbench.stream.streamer import staging_bytes
+from tqbench.stream.pagein import staging_bytes
 
 PROMPT = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]
 RECIPE = "tq3a-tqTe-down4-g32"
