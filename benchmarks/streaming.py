@@ -22,7 +22,7 @@ Part 1, routing-trace replay (no model runs during the replay):
    skeleton) after a 1,000-byte prefix (a safetensors header's place: expert offsets are not page aligned, as in a
    real conversion), and an `expert_map.json` in tqbench's layout, so `ExpertStore.from_expert_map` reads it.
 3. Hit rates, bookkeeping only, over the whole trace, for every budget (cache slots = expert-layers): `SlotCache`
-   with `lru` and `lrfu` (tqbench/stream/cache.py, default lam 0.01) driven as the streamer drives it (per token and
+   with `lru` and `lrfu` (tqbench/stream/policies.py, default lam 0.01) driven as the streamer drives it (per token and
    MoE layer: look up the distinct routed experts, then place the misses with the hits locked); Belady (offline
    optimum: on a miss with the cache full, evict the resident key whose next use is furthest, never one the current
    layer call uses); the best fixed set in hindsight (the budget's most-used keys: hits = their routings). An LRFU
@@ -90,7 +90,7 @@ K3_EXPERT_PARTS = (("w1.weight", 2_555_904), ("w3.weight", 2_555_904), ("w2.weig
 K3_EXPERT_BYTES = sum(n for _, n in K3_EXPERT_PARTS)  # 10,960,896
 STORE_PREFIX = 1000  # bytes before the first expert: offsets are not page aligned, as in a real shard
 DEFAULT_POLICY = "lrfu"
-DEFAULT_LAM = 0.01  # tqbench.stream.cache.LRFU's default
+DEFAULT_LAM = 0.01  # tqbench.stream.policies.LRFU's default
 RATIO_GOAL = 0.9
 RELEVANT = ("tqbench/stream", "tqbench/runtime", "tqbench/demo", "training/modelstats.py", "tqbench/convert",
             "benchmarks/streaming.py")
@@ -128,7 +128,8 @@ def batches_of(trace: np.ndarray, layer_ids: list[int]) -> list[list[tuple[int, 
 
 
 def make_cache(budget: int, policy: str, lam: float | None = None):
-    from tqbench.stream.cache import LRFU, SlotCache
+    from tqbench.stream.cache import SlotCache
+    from tqbench.stream.policies import LRFU
 
     cache = SlotCache(budget, policy)
     if lam is not None and policy == "lrfu":

@@ -19,7 +19,8 @@ from tqbench.demo import SHIPPED_SPEC, ensure_demo
 from tqbench.recipe import Recipe
 from tqbench.runtime.load import load
 from tqbench.stream import StoreError, StreamConfig
-from tqbench.stream.cache import LRFU, LRU, SlotCache
+from tqbench.stream.cache import SlotCache
+from tqbench.stream.policies import LRFU, LRU
 from tqbench.stream.store import ExpertStore
 from tqbench.stream.pagein import read_buffers, staging_bytes
 

@@ -27,9 +27,9 @@ import numpy as np
 
 from tqbench.events import PageIn
 from tqbench.managed import GpuPrefetch
-from tqbench.stream.cache import DEFAULT_POLICY
 from tqbench.stream.host import HostTier
 from tqbench.stream.pagein import Pager, read_buffers, staging_bytes
+from tqbench.stream.policies import DEFAULT_POLICY
 from tqbench.stream.pool import Pool
 from tqbench.stream.stats import LayerTotals, StreamStats
 from tqbench.stream.store import ExpertStore, LayerLayout, StoreError
