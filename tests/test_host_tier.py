@@ -183,7 +183,7 @@ def test_host_tier_plan_by_machine(model, expert):
     assert host_tier_plan(parse_host_cache("off"), model, gpu, unified=False).why == "off"
     assert parse_host_cache("0") == "off" and parse_host_cache("24") == 24 * 10**9
     # CUDA: what is free now minus the reserve, at most the experts the GPU budget leaves out (plus one)
-    from tqbench.recipe.fit import physical_memory
+    from tqbench.machine import physical_memory
 
     reserve = max(HOST_RESERVE, physical_memory() // 10)
     plan = host_tier_plan("auto", model, gpu, unified=False, available=reserve + 5 * expert)

@@ -12,7 +12,8 @@ import typer
 from typer.testing import CliRunner
 
 from tqbench.cli.plan import plan as plan_command
-from tqbench.recipe.fit import GB, assess, machine
+from tqbench.machine import GB, machine
+from tqbench.recipe.fit import assess
 from tqbench.recipe.plan import Sources, group_sources, make_plan
 from tqbench.recipe.recipe import Format, Recipe
 from tqbench.skeleton import K3_TEXT_CONFIG, k3_config, k3_tensor_specs, write_skeleton

@@ -362,7 +362,7 @@ def substitutions(routed: np.ndarray, native: np.ndarray) -> int:
 
 
 def _much_larger_than_ram(store: ExpertStore) -> bool:
-    from tqbench.recipe.fit import physical_memory
+    from tqbench.machine import physical_memory
 
     total = sum((store.root / f).stat().st_size for f in store.files)
     return total > 0.6 * physical_memory()
