@@ -32,7 +32,7 @@ from tqbench.events import ConvertFinished, ConvertStarted, LayerErrors
 from tqbench.layout import expert_map
 from tqbench.layout.quantization import ModuleQuant, quantization_block
 from tqbench.layout.names import EXPERT_MAP, INDEX_FILE, REPORT, SHARD_NAME, shard_file
-from tqbench.layout.units import Unit, chunks, iter_units, shard_counts, split, unit_sizes
+from tqbench.layout.shard_units import Unit, chunks, iter_units, shard_counts, split, unit_sizes
 from tqbench.recipe.plan import SHARD_SIZE, Plan, group_sources, make_plan
 from tqbench.quant import turboquant as tq
 from tqbench.recipe.recipe import Format, Recipe

@@ -14,7 +14,7 @@ from tqbench.convert.journal import JOURNAL, Journal
 from tqbench.convert.produce import Produced, Producer
 from tqbench.errors import ConvertError
 from tqbench.events import ShardWritten, UnitConverted
-from tqbench.layout.units import Unit
+from tqbench.layout.shard_units import Unit
 from tqbench.recipe.recipe import Recipe
 from tqbench.source.reader import ShardReader
 from tqbench.shards import ShardWriter, TensorSpec

@@ -19,7 +19,7 @@ from tqbench.source.hub.client import Snapshot, cached_file, download, hf_cache,
 from tqbench.source.hub.disk import check_free, disk_need, snapshot_of
 from tqbench.source.hub.fetch import WINDOW, ShardFetcher
 from tqbench.source.hub.ref import HubRef
-from tqbench.layout.units import Unit
+from tqbench.layout.shard_units import Unit
 from tqbench.shards.header import INDEX_FILE
 from tqbench.source.checkpoint import Checkpoint
 
