@@ -390,7 +390,7 @@ def _across_ranks(events: Iterator, pipeline) -> Iterator:
 
 def _disk_of(path) -> DiskSpeed | None:
     """The read bandwidth of the disk holding the model: the one figure `tqbench plan` and the TUI show for that disk
-    (tqbench.recipe.fit.disk_speed: cached, else measured once and cached). None when it cannot be measured."""
+    (tqbench.machine.disk_speed: cached, else measured once and cached). None when it cannot be measured."""
     try:
         return disk_speed(path)
     except (OSError, ValueError):
