@@ -165,6 +165,24 @@ class ReplyStarted:
 
 
 @dataclass(frozen=True)
+class PrefillProgress:
+    """A prompt's processing so far, after each chunk of it (mlx-lm's prefill step: 2,048 tokens) and at its end,
+    before the first token: tokens done of the prompt's, its seconds so far, and the routed experts read from disk
+    for it (streaming; 0 when the experts are resident)."""
+
+    done: int
+    total: int
+    seconds: float
+    experts_read: int = 0
+    bytes_read: int = 0
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate so far (None before the first chunk)."""
+        return self.seconds * (self.total - self.done) / self.done if self.done else None
+
+
+@dataclass(frozen=True)
 class PageIn:
     """One MoE layer call: the distinct experts its router picked and how each was served."""
 

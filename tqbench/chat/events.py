@@ -4,7 +4,8 @@ dispatches on one `match` (tqbench.chat.session.ChatSession's jobs are typed wit
 - `open`: `OpenEvent`: the demo's conversion first when no model is named and none was converted (ConvertStarted,
   UnitConverted, ...), ModelChosen, StreamPlan, KernelsCompiling (CUDA), ModelLoaded;
 - `reply`: `ReplyEvent`: ReplyStarted, PageIn (streaming, one per MoE layer of each forward pass), MlxWarmup and
-  MlxWarmedUp (the process's first forward pass on CUDA), TokenOut, ReplyDone;
+  MlxWarmedUp (the process's first forward pass on CUDA), PrefillProgress (the prompt's chunks), TokenOut,
+  ReplyDone;
 - `complete` (a server's request): `CompletionEvent`: as a reply, with CompletionDelta and CompletionDone for the
   tokens and the end, then StreamReport (streaming);
 - `follow` (a rank other than 0): ReplyDone per turn.
@@ -21,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from tqbench.chat.records import ProfileInfo, StreamSetup, disk_fields
 from tqbench.events import (CompletionDelta, CompletionDone, ConvertEvent, ConvertFinished, ConvertStarted,
-                            KernelsCompiling, MlxWarmedUp, MlxWarmup, ModelChosen, PageIn, ReplyDone, ReplyStarted,
-                            ShardWritten, SourceProgress, SourceRemoved, TokenOut, ToolCall, UnitConverted)
+                            KernelsCompiling, MlxWarmedUp, MlxWarmup, ModelChosen, PageIn, PrefillProgress, ReplyDone,
+                            ReplyStarted, ShardWritten, SourceProgress, SourceRemoved, TokenOut, ToolCall,
+                            UnitConverted)
 
 if TYPE_CHECKING:  # named only: importing them loads MLX
     from tqbench.distributed.world import RankStats
@@ -34,7 +36,7 @@ if TYPE_CHECKING:  # named only: importing them loads MLX
 
 __all__ = ["ChatEvent", "CompletionDelta", "CompletionDone", "CompletionEvent", "ConvertEvent", "ConvertFinished",
            "ConvertStarted", "KernelsCompiling", "MlxWarmedUp", "MlxWarmup", "ModelChosen", "ModelLoaded", "OpenEvent",
-           "PageIn", "ReplyDone", "ReplyEvent", "ReplyStarted", "ShardWritten", "SourceProgress", "SourceRemoved",
+           "PageIn", "PrefillProgress", "ReplyDone", "ReplyEvent", "ReplyStarted", "ShardWritten", "SourceProgress", "SourceRemoved",
            "StreamPlan", "StreamReport", "TokenOut", "ToolCall", "UnitConverted"]
 
 
@@ -132,7 +134,7 @@ class StreamReport:
 
 
 OpenEvent = ConvertEvent | ModelChosen | StreamPlan | KernelsCompiling | ModelLoaded
-ReplyEvent = ReplyStarted | PageIn | MlxWarmup | MlxWarmedUp | TokenOut | ReplyDone
-CompletionEvent = (ReplyStarted | PageIn | MlxWarmup | MlxWarmedUp | CompletionDelta | CompletionDone
-                   | StreamReport)
+ReplyEvent = ReplyStarted | PageIn | MlxWarmup | MlxWarmedUp | PrefillProgress | TokenOut | ReplyDone
+CompletionEvent = (ReplyStarted | PageIn | MlxWarmup | MlxWarmedUp | PrefillProgress | CompletionDelta
+                   | CompletionDone | StreamReport)
 ChatEvent = OpenEvent | ReplyEvent | CompletionEvent

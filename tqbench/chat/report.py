@@ -15,7 +15,7 @@ from tqbench.chat.live import GLYPHS, KINDS, PageInMap, ReplyRates
 from tqbench.chat.records import ConversationStatus, ProfileInfo, StreamSetup
 
 if TYPE_CHECKING:  # named only: importing them loads MLX
-    from tqbench.chat.events import KernelsCompiling, MlxWarmedUp, MlxWarmup, ReplyDone
+    from tqbench.chat.events import KernelsCompiling, MlxWarmedUp, MlxWarmup, PrefillProgress, ReplyDone
     from tqbench.runtime.conversation import Sampling
 
 LABEL_WIDTH = 8  # the TUI status lines' labels ("reply   ", "prompt  ")
@@ -134,6 +134,15 @@ def kernels_done_line(ev: KernelsCompiling) -> str:
     """Once the last is built (`ev` the last event)."""
     return (f"tqbench's CUDA kernels: {ev.total} ready in {ev.elapsed_s:.1f} s ({ev.compiled} compiled by NVRTC and "
             f"kept for the next start, {ev.total - ev.compiled} from the cache)")
+
+
+def prefill_line(ev: PrefillProgress) -> str:
+    """A prompt's processing so far: tokens, experts read, time (what a piped chat prints and the TUI's note shows)."""
+    read = f", {ev.experts_read:,} experts read ({units.gb(ev.bytes_read)})" if ev.experts_read else ""
+    if ev.done >= ev.total:
+        return f"prompt: {ev.total:,} tokens processed in {ev.seconds:.1f} s{read}"
+    left = f", about {ev.eta_s:.0f} s left" if ev.eta_s is not None else ""
+    return f"prompt: {ev.done:,} of {ev.total:,} tokens ({ev.done / ev.total:.0%}) in {ev.seconds:.1f} s{read}{left}"
 
 
 def mlx_warmup_line(ev: MlxWarmup) -> str:

@@ -14,10 +14,11 @@ from rich.console import Console
 from rich.text import Text
 
 from tqbench.chat import report
-from tqbench.chat.events import (KernelsCompiling, MlxWarmedUp, MlxWarmup, ModelChosen, ModelLoaded, PageIn, ReplyDone,
-                                 ReplyStarted, StreamPlan, TokenOut)
+from tqbench.chat.events import (KernelsCompiling, MlxWarmedUp, MlxWarmup, ModelChosen, ModelLoaded, PageIn,
+                                 PrefillProgress, ReplyDone, ReplyStarted, StreamPlan, TokenOut)
 from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest
 from tqbench.cli import options
+from tqbench.cli.errors import say_error
 from tqbench.distributed.world import env_rank
 from tqbench.errors import ExitCode, TqbenchError, UsageError
 from tqbench.writable import check_output_file
@@ -90,7 +91,7 @@ def chat(
         turns = [prompt] if prompt is not None else (_typed(err) if interactive else _lines(sys.stdin))
         _converse(chat_session, loaded, turns, as_json, interactive, err)
     except TqbenchError as e:
-        print(f"tqbench: error: {e}", file=sys.stderr)
+        say_error(e)
         raise typer.Exit(e.exit_code) from None
     finally:
         if stats_json is not None and not env_rank():  # rank 0 writes every rank's figures; the others write nothing
@@ -211,13 +212,15 @@ def _converse(chat_session: ChatSession, loaded: ModelLoaded, turns: Iterable[st
 def _reply(chat_session: ChatSession, text: str, as_json: bool, out: Console, err: Console) -> ReplyDone | None:
     """Stream one reply to stdout; its summary, or None when Ctrl-C stopped it. MLX's warm-up before the process's
     first token goes to stderr."""
-    from tqbench.cli.warmup import MlxWarmupStatus
+    from tqbench.cli.warmup import MlxWarmupStatus, PrefillStatus
 
     done = None
     try:
-        with chat_session.reply(text) as job, MlxWarmupStatus(err) as warmup:
+        with chat_session.reply(text) as job, MlxWarmupStatus(err) as warmup, PrefillStatus(err) as prompt:
             for ev in job:
                 match ev:
+                    case PrefillProgress():
+                        prompt.show(ev)
                     case TokenOut() if as_json:
                         print(json.dumps({"event": "token", "id": ev.id, "text": ev.text, "thinking": ev.thinking}),
                               flush=True)

@@ -6,7 +6,6 @@ Registered in main.py with `app.command(name="eval")(eval_model)`."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -18,6 +17,7 @@ from rich.table import Table
 from tqbench import units
 from tqbench.chat.request import StreamRequest
 from tqbench.cli import options
+from tqbench.cli.errors import say_error
 from tqbench.cli.render import show
 from tqbench.errors import TqbenchError
 
@@ -82,7 +82,7 @@ def eval_model(
                     report = ev
             progress.close()
     except TqbenchError as e:
-        print(f"tqbench: error: {e}", file=sys.stderr)
+        say_error(e)
         raise typer.Exit(e.exit_code) from None
     if report is None:
         raise TqbenchError("the evaluation ended without a result")

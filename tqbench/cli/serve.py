@@ -3,7 +3,6 @@ then a live status on a terminal, or one line per request when stderr is not one
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Optional
 
 import typer
@@ -14,6 +13,7 @@ from rich.text import Text
 from tqbench.chat import report as chat_report
 from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest
 from tqbench.cli import options
+from tqbench.cli.errors import say_error
 from tqbench.cli.chat import follow_turns, open_chat
 from tqbench.distributed.world import env_rank
 from tqbench.errors import ExitCode, TqbenchError
@@ -88,7 +88,7 @@ def serve(
         err.print(report.serving_line(server.url, service.model_id, bool(api_key)), markup=False)
         _watch(service, err)
     except TqbenchError as e:
-        print(f"tqbench: error: {e}", file=sys.stderr)
+        say_error(e)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:  # the running requests stop after their token (`finally`); exit 130 as every command
         err.print("stopped", markup=False)

@@ -1,6 +1,7 @@
-"""What the first token waits for, on stderr (tqbench.runtime.warmup's events): tqbench's CUDA kernels being built
-while the model opens, and MLX compiling its own in the first forward pass. A rich progress line on a terminal
-(gone once done), whole lines when piped; nothing at all where nothing is compiled (a CPU, every kernel cached)."""
+"""What the first token waits for, on stderr: tqbench's CUDA kernels being built while the model opens, MLX compiling
+its own in the first forward pass (tqbench.runtime.warmup's events; nothing at all where nothing is compiled: a CPU,
+every kernel cached), and a long prompt's processing (PrefillProgress). A rich progress line on a terminal (gone once
+done), whole lines when piped."""
 
 from __future__ import annotations
 
@@ -88,6 +89,47 @@ class MlxWarmupStatus:
             self._progress = None
 
     def __enter__(self) -> MlxWarmupStatus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PrefillStatus:
+    """Renders PrefillProgress: a bar with the experts read on a terminal (gone once the prompt is processed), a line
+    per chunk when piped; a prompt of one chunk (tqbench.runtime.prefill.PREFILL_STEP tokens or fewer) shows nothing
+    when piped, its figures being in the reply's summary."""
+
+    def __init__(self, err: Console) -> None:
+        self.err = err
+        self._progress: Progress | None = None
+        self._task = None
+        self._chunks = False  # the prompt runs in several chunks (its first event is not its last but one)
+
+    def show(self, ev) -> None:
+        if self.err.is_terminal:
+            if self._progress is None and ev.done < ev.total:
+                self._progress = Progress(TextColumn("processing the prompt"), BarColumn(), MofNCompleteColumn(),
+                                          TextColumn("tokens {task.fields[what]}"), TimeElapsedColumn(),
+                                          console=self.err, transient=True)
+                self._progress.start()
+                self._task = self._progress.add_task("prompt", total=ev.total, what="")
+            if self._progress is not None:
+                read = f"· {ev.experts_read:,} experts read" if ev.experts_read else ""
+                self._progress.update(self._task, completed=ev.done, what=read)
+        else:
+            self._chunks = self._chunks or ev.done < ev.total - 1
+            if self._chunks:
+                print(report.prefill_line(ev), file=self.err.file, flush=True)
+        if ev.done >= ev.total:
+            self.close()
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def __enter__(self) -> PrefillStatus:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -9,14 +9,16 @@ the cache stays consistent with it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
-from tqbench.events import ReplyDone, ReplyStarted, TokenOut
+from tqbench.events import PrefillProgress, ReplyDone, ReplyStarted, TokenOut
 from tqbench.errors import TqbenchError
 from tqbench.runtime.load import Loaded
+from tqbench.runtime.prefill import prefill
 from tqbench.runtime.routing import routing_changed
 from tqbench.runtime.warmup import first_generation
 
@@ -164,9 +166,10 @@ def keep_first(loaded: Loaded, cache: list[Any], held: list[int], n: int) -> lis
 
 def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Sampling, cached: int, held: list[int],
              ended: Callable[[ReplyDone], None] = lambda done: None,
-             stop: tuple[str, ...] = (), lockstep: Any = None, slot: int = 0) -> Iterator[TokenOut | ReplyDone]:
-    """Process `new` on top of `cache` (which holds `cached` tokens) and generate with mlx-lm's loop: a TokenOut per
-    token, then a ReplyDone. Each token the cache comes to hold is appended to `held`. `ended(done)` is called once
+             stop: tuple[str, ...] = (), lockstep: Any = None, slot: int = 0) -> Iterator[PrefillProgress | TokenOut | ReplyDone]:
+    """Process `new` on top of `cache` (which holds `cached` tokens) and generate with mlx-lm's loop: a
+    PrefillProgress per chunk of a prompt of more than one token (tqbench.runtime.prefill) and once it is done, a
+    TokenOut per token, then a ReplyDone. Each token the cache comes to hold is appended to `held`. `ended(done)` is called once
     however the generation ends, also when the caller closes it early (finish_reason "cancelled").
 
     `stop`: strings that end the reply where they appear in its text (as OpenAI's `stop`: matched on the text, not on
@@ -186,20 +189,30 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
     warmup = first_generation()
     streamer = loaded.streamer
     substituted = streamer.stats.substitutions if streamer is not None else 0
+    read_before = _read_since(streamer, (0, 0))
     generated: list[int] = []
     text: list[str] = []
     pending = ""  # text held back: it may begin a stop string
     thinking = False
-    finish, prefill_tps, decode_tps = "cancelled", 0.0, 0.0
-    steps = stream_generate(loaded.model, loaded.tokenizer, mx.array(new, dtype=mx.uint32),
+    finish, prefill_s, decode_tps = "cancelled", 0.0, 0.0
+    t0 = time.perf_counter()
+    progress = None
+    for progress in prefill(loaded, new[:-1], cache, total=len(new)):  # all but the last token, told chunk by chunk
+        yield progress
+    head_s = time.perf_counter() - t0
+    steps = stream_generate(loaded.model, loaded.tokenizer, mx.array(new[-1:], dtype=mx.uint32),
                             max_tokens=sampling.max_tokens, sampler=sampler, prompt_cache=cache)
     if lockstep is not None:
         steps = lockstep.steps(steps)
     try:
         for r in steps:
+            if not generated:  # the prompt is processed: its last token ran with the first step
+                prefill_s = head_s + (1 / r.prompt_tps if r.prompt_tps else 0.0)
+                if progress is not None:
+                    yield PrefillProgress(len(new), len(new), prefill_s, *_read_since(streamer, read_before))
             generated.append(r.token)
             held.append(r.token)  # the cache holds every token generate_step has yielded
-            prefill_tps, decode_tps = r.prompt_tps, r.generation_tps
+            decode_tps = r.generation_tps
             piece = r.text
             if stop:
                 pending += piece
@@ -226,14 +239,21 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
                 thinking = False
     finally:
         steps.close()  # here, on the MLX thread, not whenever it is collected
-        done = ReplyDone("".join(text), len(new), cached, len(generated), prefill_tps, decode_tps,
-                         int(mx.get_peak_memory()), finish, prefill_s=len(new) / prefill_tps if prefill_tps else 0.0,
+        done = ReplyDone("".join(text), len(new), cached, len(generated), len(new) / prefill_s if prefill_s else 0.0,
+                         decode_tps, int(mx.get_peak_memory()), finish, prefill_s=prefill_s,
                          warmup=warmup, routing_changed=routing_changed(loaded.model, streamer),
                          substitutions=(streamer.stats.substitutions - substituted) if streamer is not None else 0)
         ended(done)
     if finish == "cancelled":  # the loop ended without a final response: the caller stopped early
         finish = "length"
     yield replace(done, finish_reason=finish)
+
+
+def _read_since(streamer, before: tuple[int, int]) -> tuple[int, int]:
+    """(experts read, bytes read) on the critical path since `before`; (0, 0) without a streamer."""
+    if streamer is None:
+        return 0, 0
+    return streamer.stats.misses - before[0], streamer.stats.critical_bytes - before[1]
 
 
 def _stop_prefix(text: str, stop: tuple[str, ...]) -> int:

@@ -16,7 +16,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from tqbench.chat.events import CompletionDelta, CompletionDone, ReplyStarted, ToolCall
+from tqbench.chat.events import CompletionDelta, CompletionDone, PrefillProgress, ReplyStarted, ToolCall
 from tqbench.errors import TqbenchError
 from tqbench.serve import openai, wire
 from tqbench.serve.metrics import prometheus
@@ -201,6 +201,9 @@ class _Handler(BaseHTTPRequestHandler):
                         self._stream_headers()
                         if kind == "chat":
                             self._sse(openai.chunk(kind, rid, model, role=True))
+                    case PrefillProgress() if started:  # a long prompt: the stream stays alive, and says how far
+                        self.wfile.write(f": prompt {ev.done}/{ev.total} tokens processed\n\n".encode())
+                        self.wfile.flush()
                     case CompletionDelta() if stream:
                         if ev.content or ev.reasoning or ev.tool_calls:
                             self._sse(openai.chunk(kind, rid, model, ev.content, ev.reasoning,

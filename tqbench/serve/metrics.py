@@ -26,6 +26,12 @@ def prometheus(st: ServeStatus) -> str:
     metric("decode_tokens_per_second", "gauge", "Decode rate over the recent requests.", [("", float(st.decode_tps))])
     metric("time_to_first_token_seconds", "gauge", "The last request's time from arrival to its first token.",
            [("", float(st.ttft_s))])
+    metric("prefill_seconds_total", "counter", "Seconds spent processing prompts, to their first tokens.",
+           [("", float(st.prefill_s))])
+    metric("prefill_tokens_done", "gauge", "The running request's prompt tokens processed so far (0: none running).",
+           [("", st.prefilling.done if st.prefilling is not None else 0)])
+    metric("prefill_tokens_total", "gauge", "The running request's prompt tokens to process (0: none in progress).",
+           [("", st.prefilling.total if st.prefilling is not None else 0)])
     metric("requests_running", "gauge", "Requests generating now (one at a time).", [("", st.running)])
     metric("queue_length", "gauge", "Requests waiting for the engine.", [("", st.queued)])
     metric("uptime_seconds", "gauge", "Seconds since the server started.", [("", float(st.uptime_s))])
@@ -36,6 +42,10 @@ def prometheus(st: ServeStatus) -> str:
                 ('{tier="prefetched"}', s.hits_prefetched), ('{tier="host"}', s.hits_host)])
         metric("expert_misses_total", "counter", "Routed experts read from disk when needed.", [("", s.misses)])
         metric("expert_read_bytes_total", "counter", "Expert bytes read on misses.", [("", s.critical_bytes)])
+        metric("prefill_expert_misses_total", "counter", "Of the misses, those of prompts' processing.",
+               [("", s.prefill_misses)])
+        metric("prefill_expert_read_bytes_total", "counter", "Of the bytes read on misses, prompts' processing's.",
+               [("", s.prefill_bytes)])
         metric("expert_stall_seconds_total", "counter", "Time forward passes waited on expert reads.",
                [("", float(s.stall_s))])
         metric("expert_cache_bytes", "gauge", "Bytes the expert cache holds.", [("", s.cache_bytes)])

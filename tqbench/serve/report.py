@@ -41,8 +41,10 @@ def status_lines(st: ServeStatus) -> list[str]:
     others = ", ".join(f"{n} {w}" for n, w in ((st.cancelled, "cancelled"), (st.failed, "failed"),
                                                 (st.rejected, "rejected (queue full)"), (st.refused, "refused"))
                        if n)
+    prompt = (f"; prompt {st.prefilling.done:,} of {st.prefilling.total:,} tokens processed"
+              if st.prefilling is not None else "")
     lines = [f"requests {st.requests} ({st.ok} ok{', ' + others if others else ''}); running {st.running}, "
-             f"queued {st.queued}",
+             f"queued {st.queued}{prompt}",
              f"tokens {st.prompt_tokens:,} prompt (+{st.cached_tokens:,} from the prompt cache), "
              f"{st.completion_tokens:,} generated; {st.decode_tps:.1f} tok/s, first token "
              f"{st.ttft_s * 1000:.0f} ms (last request)"]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from tqbench.chat.events import (CompletionDelta, CompletionDone, MlxWarmedUp, MlxWarmup, ModelLoaded, PageIn,
-                                 ReplyStarted, StreamReport)
+                                 PrefillProgress, ReplyStarted, StreamReport)
 from tqbench.serve.openai import ApiError, ApiRequest
 
 MAX_QUEUE = 16  # requests waiting behind the running one
@@ -57,6 +57,7 @@ class RequestDone:
     ttft_s: float  # from arrival to the first token (queue and prefill included)
     decode_tps: float
     seconds: float  # from arrival to the end
+    prefill_s: float = 0.0  # processing the prompt, to the first token
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ class ServeStatus:
     ttft_s: float  # the last request's
     stream: StreamReport | None  # the expert cache's totals after the last request (None: resident experts)
     layers: tuple[tuple[int, int], ...] = ()  # (MoE layer, routed experts) of every streamed layer: the map's shape
+    prefill_s: float = 0.0  # seconds spent processing prompts, all requests
+    prefilling: PrefillProgress | None = None  # the running request's prompt, while it is processed
 
     @property
     def hit_rate(self) -> float | None:
@@ -104,6 +107,7 @@ class _Counts:
     cached_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float = 0.0
+    prefill_s: float = 0.0
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # RequestDone
 
 
@@ -125,6 +129,7 @@ class Service:
         self._ended = threading.Event()  # max_requests reached
         self._stop = threading.Event()  # the server is closing: running requests stop
         self.warmup = None  # MLX's warm-up in the first request (tqbench.events.MlxWarmup, then MlxWarmedUp)
+        self._prefill: PrefillProgress | None = None  # the running request's prompt, while it is processed
 
     # ---- requests -------------------------------------------------------------------------------------------------
 
@@ -175,6 +180,8 @@ class Service:
                             self._stream = ev
                         case MlxWarmup() | MlxWarmedUp():
                             self.warmup = ev
+                        case PrefillProgress():
+                            self._prefill = ev if ev.done < ev.total else None
                         case ReplyStarted() | PageIn():
                             pass
                     self._publish(ev)
@@ -182,6 +189,7 @@ class Service:
             outcome = "ok" if done is not None and done.finish_reason != "cancelled" else "cancelled"
         finally:
             end = time.monotonic()
+            self._prefill = None
             with self._lock:
                 self._admitted -= 1
             rec = self._count(request, rid, outcome, done.reply if done else (ended[0] if ended else None),
@@ -196,7 +204,7 @@ class Service:
                first: float, end: float) -> RequestDone:
         rec = RequestDone(rid, request.kind, outcome, finish, r.prompt_tokens if r else 0, r.cached_tokens if r else 0,
                           r.generated_tokens if r else 0, started - arrived, first - arrived,
-                          r.decode_tps if r else 0.0, end - arrived)
+                          r.decode_tps if r else 0.0, end - arrived, r.prefill_s if r else 0.0)
         with self._lock:
             c = self._counts
             name = {"ok": "ok", "cancelled": "cancelled", "error": "failed"}[outcome]
@@ -204,6 +212,7 @@ class Service:
             c.prompt_tokens += rec.prompt_tokens
             c.cached_tokens += rec.cached_tokens
             c.completion_tokens += rec.completion_tokens
+            c.prefill_s += rec.prefill_s
             if rec.completion_tokens:
                 c.ttft_s = rec.ttft_s
             c.recent.append(rec)
@@ -227,7 +236,8 @@ class Service:
                                c.ok, c.cancelled, c.failed, c.rejected, c.refused, running, self._admitted - running,
                                c.prompt_tokens, c.cached_tokens, c.completion_tokens,
                                tokens / decode_s if decode_s > 0 else 0.0, c.ttft_s, self._stream,
-                               self.loaded.stream.layers if self.loaded.stream is not None else ())
+                               self.loaded.stream.layers if self.loaded.stream is not None else (), c.prefill_s,
+                               self._prefill)
 
     def watch(self) -> Watcher:
         """A live feed of this server's events (PageIn, RequestDone, ServeStatus); close it when done."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from typing import Any
 
-from tqbench.chat.events import PageIn
+from tqbench.chat.events import PageIn, PrefillProgress
 from tqbench.serve.service import RequestDone, ServeStatus
 from tqbench.stream.stats import StreamStats
 
@@ -19,6 +19,7 @@ def status_dict(st: ServeStatus) -> dict[str, Any]:
     d["stream"] = st.stream.stats.to_dict() if st.stream is not None else None
     d["ranks"] = [r.to_dict() for r in st.stream.ranks] if st.stream is not None else []
     d["layers"] = [list(x) for x in st.layers]
+    d["prefilling"] = asdict(st.prefilling) if st.prefilling is not None else None
     return {"schema": SCHEMA, **d}
 
 
@@ -37,7 +38,7 @@ def decode_event(d: dict[str, Any]) -> PageIn | RequestDone | ServeStatus | None
         return PageIn(d["token"], d["layer"], tuple(d["experts"]), tuple(d["served"]), d["bytes_read"], d["stall_s"],
                       d.get("cache_bytes", 0))
     if kind == "request":
-        return RequestDone(**{f.name: d[f.name] for f in fields(RequestDone)})
+        return RequestDone(**{f.name: d[f.name] for f in fields(RequestDone) if f.name in d})
     if kind == "status":
         return decode_status(d)
     return None
@@ -51,8 +52,14 @@ def decode_status(d: dict[str, Any]) -> ServeStatus:
     if d.get("stream") is not None:
         known = {f.name for f in fields(StreamStats)}
         stats = StreamStats(**{k: v for k, v in d["stream"].items() if k in known and not isinstance(v, (dict, list))})
+        prefill = d["stream"].get("prefill") or {}
+        stats.prefill_hits, stats.prefill_misses = prefill.get("hits", 0), prefill.get("misses", 0)
+        stats.prefill_bytes, stats.prefill_stall_s = prefill.get("critical_bytes", 0), prefill.get("stall_s", 0.0)
         ranks = tuple(RankStats(r["rank"], tuple(r["layers"]), r["streamed"], r["hits_gpu"], r["hits_host"],
                                 r["misses"], r["critical_bytes"], r["stall_s"], r["tokens"]) for r in d.get("ranks", ()))
         stream = StreamReport(stats, None, None, ranks=ranks)
-    plain = {f.name: d[f.name] for f in fields(ServeStatus) if f.name not in ("stream", "layers")}
-    return ServeStatus(**plain, stream=stream, layers=tuple((int(n), int(e)) for n, e in d.get("layers", ())))
+    plain = {f.name: d[f.name] for f in fields(ServeStatus) if f.name not in ("stream", "layers", "prefilling")
+             and f.name in d}
+    prefilling = PrefillProgress(**d["prefilling"]) if d.get("prefilling") else None
+    return ServeStatus(**plain, stream=stream, layers=tuple((int(n), int(e)) for n, e in d.get("layers", ())),
+                       prefilling=prefilling)

@@ -69,6 +69,11 @@ class StreamStats:
     miss_before_reads_s: float = 0.0
     miss_reading_s: float = 0.0
     miss_after_reads_s: float = 0.0
+    # what prompts' processing (forward passes of several positions) took of the totals above; decode is the rest
+    prefill_hits: int = 0
+    prefill_misses: int = 0
+    prefill_bytes: int = 0  # read on the critical path
+    prefill_stall_s: float = 0.0
     cache_routing: float = 0.0  # the margin of cache-aware routing (0: off, the model's own routing)
     substitutions: int = 0  # routed experts the model's own routing would not have picked (per token: / tokens)
     layers: dict[int, LayerTotals] = field(default_factory=dict)
@@ -108,6 +113,11 @@ class StreamStats:
                 "preload_reads": self.preload_reads,
                 "preload_s": round(self.preload_s, 4),
                 **{k: (getattr(self, k) if k == "miss_timed" else round(getattr(self, k), 6)) for k in MISS_TIMES},
+                "prefill": {"hits": self.prefill_hits, "misses": self.prefill_misses,
+                            "critical_bytes": self.prefill_bytes, "stall_s": round(self.prefill_stall_s, 4)},
+                "decode": {"hits": self.hits - self.prefill_hits, "misses": self.misses - self.prefill_misses,
+                           "critical_bytes": self.critical_bytes - self.prefill_bytes,
+                           "stall_s": round(self.stall_s - self.prefill_stall_s, 4)},
                 "cache_routing": self.cache_routing, "substitutions": self.substitutions,
                 "layers": {str(k): {"hits": v.hits, "misses": v.misses, "stall_s": round(v.stall_s, 4)}
                            for k, v in sorted(self.layers.items())}}

@@ -338,6 +338,11 @@ class Streamer:
         lt.stall_s += stall
         s.stall_s += stall
         s.critical_bytes += read_bytes
+        if self._prefill:
+            s.prefill_hits += hits
+            s.prefill_misses += len(kinds) - hits
+            s.prefill_bytes += read_bytes
+            s.prefill_stall_s += stall
         s.evictions = sum(p.cache.evictions for p in self.pools)
         s.cache_bytes = sum(len(p.cache) * p.nbytes for p in self.pools)
         s.cache_bytes_max = max(s.cache_bytes_max, s.cache_bytes)

@@ -13,7 +13,7 @@ from textual.message import Message
 from tqbench import units
 from tqbench.chat import report
 from tqbench.chat.events import (ConvertStarted, KernelsCompiling, MlxWarmedUp, MlxWarmup, ModelChosen, ModelLoaded,
-                                 PageIn, ReplyDone, ReplyStarted, TokenOut, UnitConverted)
+                                 PageIn, PrefillProgress, ReplyDone, ReplyStarted, TokenOut, UnitConverted)
 from tqbench.chat.live import ReplyClock
 from tqbench.errors import TqbenchError
 from tui.messages import (ChatConvertProgress, ChatExperts, ChatLoadFailed, ChatLoadStep, ChatModelReady,
@@ -115,6 +115,8 @@ def relay_reply(post: Post, chat, job, turn_id: int, streaming: bool, cancelled:
                     post(ChatReplyBegan(turn_id, ev))
                 case MlxWarmup():
                     post(ChatReplyNote(turn_id, report.mlx_warmup_line(ev)))
+                case PrefillProgress():
+                    post(ChatReplyNote(turn_id, report.prefill_line(ev)))
                 case ReplyDone():
                     done = ev
                 case MlxWarmedUp():  # the first token, which follows, says it
