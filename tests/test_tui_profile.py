@@ -469,6 +469,43 @@ async def test_every_footer_names_the_other_screens_at_80_columns(demo, tmp_path
             assert "? Help" in footer and "q Quit" in footer and len(footer.rstrip()) <= 80
 
 
+async def test_every_footer_names_every_other_screen_at_120_columns(demo, tmp_path):
+    """At 120x35 each screen's footer has every other screen's key, Serve's included (Chat's out of its message field,
+    where the letters type)."""
+    src, model, _ = demo
+    remember_model(model)
+    app = TqbenchApp(src)
+    names = {"s": "Source", "p": "Recipe", "c": "Convert", "t": "Chat", "h": "Profile", "w": "Serve"}
+    async with app.run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        for key in ("s", "p", "c", "h", "w", "t"):
+            await pilot.press(key)
+            await settle(pilot)
+            if key == "t":
+                await pilot.press("escape")  # out of the message field
+                await pilot.pause()
+            footer = (await stable_screen_lines(pilot))[-1]
+            assert all(f"{other} {name}" in footer for other, name in names.items() if other != key), footer
+            assert "? Help" in footer and "q Quit" in footer
+
+
+async def test_a_footer_too_narrow_leaves_out_its_last_keys_whole(demo, tmp_path):
+    """At 80 columns the Source screen's keys and the other screens' do not all fit: the last ones are left out, never
+    cut mid-word, and the help screen still lists them."""
+    src, model, _ = demo
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        footer = (await stable_screen_lines(pilot))[-1].rstrip()
+        assert footer.endswith("h Profile") and "w Se" not in footer
+        await pilot.resize_terminal(120, 35)
+        footer = (await stable_screen_lines(pilot))[-1].rstrip()
+        assert footer.endswith("h Profile w Serve")
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert "Serve" in sections(str(app.screen.query_one("#help-text").render()))["Everywhere"]
+
+
 def test_snapshot_profile_screen(demo, tmp_path, monkeypatch, snap_compare):
     """The Profile screen at 80x24 on seeded counts (paths relative to the working directory)."""
     src, model, _ = demo

@@ -40,7 +40,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Static
+from textual.widgets import Header, Input, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from tqbench.demo import demo_path
@@ -56,6 +56,7 @@ from tui.messages import (MachineChosen, PlanFailed, PlansReady, QualitiesRead, 
 from tui.screens.chat_relay import one_line
 from tqbench.source.hub.disk import hub_disk
 from tui.state import source_name
+from tui.widgets.footer import FittingFooter
 from tui.widgets.plan_table import CURRENT, PlanTable
 from tui.widgets.quality_line import QualityLine, progress_text
 from tui.widgets.recipe_editor import INITIAL_RECIPE, RecipeEditor
@@ -105,7 +106,7 @@ class RecipeScreen(Screen):
                 yield Static("", id="plan-empty")
                 yield PlanTable(id="plan-table")
                 yield QualityLine(id="quality-line")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self.sub_title = "Recipe"
