@@ -266,7 +266,7 @@ async def test_pin_recipes_side_by_side(tiny, engine):
         # x unpins the column under the table's cursor; outside the table, it says how to select one.
         await pilot.press("x")
         assert len(screen.pins) == MAX_PINS and "select a pinned column" in list(app._notifications)[-1].message
-        await pilot.press("tab")  # to the table, its cursor on the current recipe
+        await pilot.press("tab", "tab", "tab")  # past memory and disk to the table, its cursor on the current recipe
         assert app.focused is table and table.selected_name == CURRENT
         await pilot.press("right")
         assert table.selected_name == first
@@ -275,11 +275,11 @@ async def test_pin_recipes_side_by_side(tiny, engine):
         assert [r.name for r in screen.pins] == [second, "tq2a-tqTe-down4-g64"]
         assert table.column_names == [CURRENT, second, "tq2a-tqTe-down4-g64"]
         assert flat_column(table, second) == compact_cells(*engine(second, RESIDENT_MEMORY))
-        # e loads the selected pin into the editor; tab goes back to the editor's control focused last.
+        # e loads the selected pin into the editor; esc goes back to the editor's row focused last.
         assert table.selected_name == second  # the cursor stays on the column that took the unpinned one's place
         await pilot.press("e")
         await settle(pilot)
-        await pilot.press("tab")
+        await pilot.press("escape")
         assert app.focused is screen.query_one("#base") and table.selected_name == CURRENT
         assert name_field(app) == second and controls(app)["base"] == "tq4"
         assert flat_column(table, CURRENT) == compact_cells(*engine(second, RESIDENT_MEMORY))
@@ -333,39 +333,83 @@ async def test_ctrl_u_then_typing_at_once_sets_the_memory(tiny, engine):
 
 
 @pytest.mark.slow
-async def test_tab_switches_panes_and_the_footer_says_what_the_arrows_do(tiny):
+async def test_up_on_the_first_row_stays_and_app_keys_switch_screens(tiny):
+    """The issue's trap: up on the base row, then s and p. Up stays on the base (arrows never enter a text field), s
+    opens the Source screen and p comes back; nothing was typed into the recipe's name."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_recipe_screen(pilot)
+        base = screen.query_one("#base")
+        assert app.focused is base
+        await pilot.press("up", "up")
+        assert app.focused is base
+        await pilot.press("s")
+        assert app.current_mode == "source"
+        await pilot.press("p")
+        assert app.screen is screen and app.focused is base and name_field(app) == INITIAL_RECIPE
+        assert screen.recipe == Recipe.parse(INITIAL_RECIPE)
+        for _ in range(12):  # down to the last enabled row, and no further: never into the memory field
+            await pilot.press("down")
+        assert app.focused is screen.query_one("#scales")
+        await pilot.press("s")
+        assert app.current_mode == "source"
+
+
+@pytest.mark.slow
+async def test_tab_goes_round_every_part_and_esc_goes_back_to_the_rows(tiny):
+    """Tab and shift+tab visit every part in reading order (name, option rows, memory, disk, table) and round again;
+    in a text field the app's keys type (the footer hides them) and esc goes back to the row focused last."""
     app = TqbenchApp(tiny)
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_recipe_screen(pilot)
         table = screen.query_one(PlanTable)
-        base, memory = screen.query_one("#base"), screen.query_one("#memory", Input)
+        name, memory, disk = (screen.query_one(f"#{key}", Input) for key in ("recipe-name", "memory", "disk"))
+        base, group = screen.query_one("#base"), screen.query_one("#group")
         assert app.focused is base and "↑↓ Row" in footer(app) and "←→ Change" in footer(app)
-        # Tab and shift+tab switch between the two panes, never into the editor's text fields.
+        await pilot.press("down")
+        assert app.focused is group
+        order = [memory, disk, table, name, group]  # the rows resume on the row focused last
+        for part in order:
+            await pilot.press("tab")
+            assert app.focused is part
+        for part in reversed(order[:-1]):
+            await pilot.press("shift+tab")
+            assert app.focused is part
         await pilot.press("shift+tab")
+        assert app.focused is group
+
+        # In the table: left/right select a recipe; esc goes back to the rows.
+        await pilot.press("shift+tab", "shift+tab")
         assert app.focused is table and "←→ Recipe" in footer(app) and "x Unpin" in footer(app)
+        await pilot.press("escape")
+        assert app.focused is group
+
+        # In a text field the app's one-letter keys type, and the footer says so by leaving them out.
         await pilot.press("shift+tab")
-        assert app.focused is base
-        await pilot.press("tab", "tab")
-        assert app.focused is base
-        # Up/down walk the rows, text fields included; left/right move a text field's cursor, and the footer says so.
-        for _ in range(8):
-            await pilot.press("down")
-        assert app.focused is memory and "←→ Cursor" in footer(app) and "↑↓ Row" in footer(app)
+        assert app.focused is name
+        assert "esc Rows" in footer(app) and "←→ Cursor" in footer(app)
+        assert not any(key in footer(app) for key in ("s Source", "q Quit", "+ Pin", "v Eval"))
+        name.cursor_position = len(name.value)
+        await pilot.press("s")
+        assert app.current_mode == "recipe" and name_field(app) == INITIAL_RECIPE + "s"
+        await pilot.press("backspace", "left", "left")
+        assert name_field(app) == INITIAL_RECIPE and name.cursor_position == len(name.value) - 2
+        await pilot.press("up", "down")  # nothing: a one-line field
+        assert app.focused is name
+        await pilot.press("escape")
+        assert app.focused is group and name_field(app) == INITIAL_RECIPE
+        assert footer(app).rstrip().endswith("h Profile")  # the footer's keys fit, whole (w Serve is left out)
+
+        # Memory: typed there, then tab on to the disk field.
+        await pilot.press("tab")
+        assert app.focused is memory
         memory.cursor_position = len(memory.value)
         before = (memory.value, screen.recipe, screen.machine)
         await pilot.press("left", "left")
         assert memory.cursor_position == len(memory.value) - 2 and (memory.value, screen.recipe, screen.machine) == before
-        await pilot.press("up")
-        assert app.focused is screen.query_one("#scales")
-        await pilot.press("down", "down", "down")  # memory, disk, and no further (no wrapping)
-        assert app.focused is screen.query_one("#disk")
-        # Back into the editor on the row focused last.
         await pilot.press("tab")
-        assert app.focused is table
-        await pilot.press("tab")
-        assert app.focused is screen.query_one("#disk")
+        assert app.focused is disk
         assert all(len(line) <= SIZE[0] for line in screen_lines(app))
-        assert footer(app).rstrip().endswith("+ Pin")  # the footer's keys fit (the last one is whole)
 
 
 @pytest.mark.slow
@@ -508,7 +552,7 @@ def test_snapshot_recipe_screen_three_pins(tmp_path, monkeypatch, snap_compare):
         for _ in range(MAX_PINS):
             await pilot.press("plus", "right")  # pin, then the next base bits
             await settle(pilot)
-        await pilot.press("tab", "right", "right")
+        await pilot.press("tab", "tab", "tab", "right", "right")  # past memory and disk to the table, pin 2
         await settle(pilot)
 
     assert snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=SIZE, run_before=run_before)
