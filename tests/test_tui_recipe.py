@@ -312,6 +312,32 @@ async def test_three_pins_are_readable_at_80x24(tiny, engine):
 
 
 @pytest.mark.slow
+async def test_a_wide_screen_keeps_labels_and_names_on_one_line(tiny, engine):
+    """At 120x35 the current recipe and two pins fit with every label and name on one line (at 80x24 they wrap); at
+    150 columns and more the editor widens too."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=(120, 35)) as pilot:
+        screen = await open_recipe_screen(pilot)
+        table = screen.query_one(PlanTable)
+        for _ in range(2):
+            await pilot.press("plus", "right")  # pin, then the next base bits
+            await settle(pilot)
+        names = [r.name for r in screen.wanted]
+        assert not table.compact and table.column_names == [CURRENT, *names[1:]]
+        labels = [table.text(str(row.key.value), "label") for row in table.ordered_rows]
+        assert "experts/token top-2" in labels and all("\n" not in label for label in labels)
+        lines = screen_lines(app)
+        assert all(name in "\n".join(lines[:6]) for name in names)  # each name whole, on one line
+        assert table.region.right <= 120 and table.region.x == screen.editor.region.right
+        for key, name in zip(table.column_names, names):
+            assert column(table, key) == expected_cells(*engine(name, RESIDENT_MEMORY)), name
+        narrow = screen.editor.region.width
+        await pilot.resize_terminal(200, 50)
+        await settle(pilot)
+        assert screen.editor.region.width > narrow and not table.compact
+
+
+@pytest.mark.slow
 async def test_ctrl_u_then_typing_at_once_sets_the_memory(tiny, engine):
     """ctrl+u and a size typed right behind it (as a paste does): the field holds the size, the plan is assessed for
     it."""

@@ -82,6 +82,7 @@ class RecipeScreen(Screen):
         Binding("shift+tab", "focus_part(-1)", "Previous part", show=False),
         Binding("escape", "focus_rows", "Option rows", show=False),  # the text fields show it as `esc Rows`
     ]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (150, "-wide")]  # the editor widens (app.tcss)
 
     def __init__(self) -> None:
         super().__init__()
