@@ -19,7 +19,7 @@ from tui.widgets.roles import RoleTable
 from tui.widgets.shards import MISSING, ShardTable
 from tui.widgets.summary import SummaryPanel
 from tui.widgets.tensors import ROW_LIMIT, TensorPanel
-from tui_helpers import burst
+from tui_helpers import burst, screen_lines
 
 SIZE = (80, 24)
 LAYERS = 4
@@ -354,6 +354,37 @@ async def test_layout_fits_80x24(tiny):
         for widget in screen.query(DataTable):
             if widget.display and widget.region.height:
                 assert widget.region.right <= 80
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 35), (200, 50)])
+async def test_tensor_table_shows_roles_whole_and_names_by_their_end(tiny, size):
+    """Each row's role reads whole, right after its name; a name too long for the room left shows its end after an
+    ellipsis (at 200 columns every name is whole), and the line under the table names the highlighted tensor in
+    full."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot)
+        await pilot.press("2")
+        await settle(pilot)
+        panel = app.screen.query_one(TensorPanel)
+        table = panel.table
+        lines = screen_lines(app)
+        header = lines[table.region.y]
+        assert header.split()[:4] == ["name", "role", "layer", "expert"]
+        assert all(len(line) <= size[0] for line in lines)
+        shortened = 0
+        for i, row in enumerate(table.ordered_rows[:table.region.height - 2]):
+            full = row.key.value
+            tensor = panel._shown[full]
+            role = tensor.name.role.value + (f" ({tensor.name.attention})" if tensor.name.attention else "")
+            line = lines[table.region.y + 1 + i][table.region.x:table.region.right]
+            shown = line.split()[0]
+            assert shown == full or (shown.startswith("…") and full.endswith(shown[1:])), (shown, full)
+            shortened += shown != full
+            assert f" {role} " in f"{line} ", (line, role)
+        assert (shortened == 0) == (size[0] >= 200)
+        detail = str(app.screen.query_one("#tensor-detail", Static).render())
+        assert detail.split("\n")[0] == table.ordered_rows[0].key.value
 
 
 def test_snapshot_source_screen(tmp_path, monkeypatch, snap_compare):
