@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -208,6 +209,25 @@ async def test_896_experts_are_binned_and_zoom_scrolls(wide, tmp_path):
                    f"{maxima[0][last]:,.1f}" in cell
             await pilot.press("plus")
             await pilot.pause()
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 35), (200, 50)])
+async def test_the_expert_axis_labels_are_whole(wide, tmp_path, size):
+    """The axis names the first expert of every tenth column, each label whole: one that would run past the map's
+    last column is left out (at 120 columns, 880 in bins of 8 would have read `88`)."""
+    remember_model(wide)
+    put(seeded(wide, seed=1))
+    app = TqbenchApp(tmp_path)
+    async with app.run_test(size=size) as pilot:
+        screen = await open_profile(pilot)
+        heat = screen.query_one(HeatMap)
+        region = heat.scrollable_content_region
+        shown = min(heat.cells.shape[1], region.width - heat.label_width)
+        axis = screen_lines(app)[region.y][region.x + heat.label_width:region.right]
+        labels = {m.start(): m.group() for m in re.finditer(r"\d+", axis)}
+        expected = {c: str(c * heat.bin) for c in range(0, shown, 10) if c + len(str(c * heat.bin)) <= shown}
+        assert labels == expected, (axis, heat.bin)
+        assert all(start + len(label) <= shown for start, label in labels.items())
 
 
 async def test_coverage_is_the_engines(demo, tmp_path):
