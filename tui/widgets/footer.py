@@ -6,6 +6,7 @@ so at 80 columns the last screens' keys go first. The help screen (? or F1) and 
 
 from __future__ import annotations
 
+from textual.geometry import Size
 from textual.widgets import Footer
 
 
@@ -15,19 +16,21 @@ class FittingFooter(Footer):
 
     async def recompose(self) -> None:
         await super().recompose()
-        self.call_after_refresh(self._leave_out_what_does_not_fit)
+        self._leave_out_what_does_not_fit()
 
     def _leave_out_what_does_not_fit(self) -> None:
+        """Widths from the keys' own text, not from a layout: a footer recomposed under a dialog is laid out late."""
         room = self.scrollable_content_region.width
         if not room:
-            return
+            return  # not laid out yet: fitted on its first resize
+        viewport = Size(room, 1)
         used = 0
         fits = True
         for child in self.children:
             if not child.display:
                 continue  # the palette key (app.tcss hides it)
             margin = child.styles.margin
-            used += margin.left + child.outer_size.width
+            used += margin.left + child.get_content_width(viewport, viewport) + child.styles.gutter.width
             fits = fits and used <= room
             child.display = fits
             used += margin.right
