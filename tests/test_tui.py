@@ -398,6 +398,21 @@ def test_snapshot_source_screen(tmp_path, monkeypatch, snap_compare):
     assert snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=SIZE, run_before=run_before)
 
 
+@pytest.mark.parametrize("size", [(80, 24), (120, 35), (200, 50)], ids=["80x24", "120x35", "200x50"])
+def test_snapshot_tensors_tab(tmp_path, monkeypatch, snap_compare, size):
+    """The Tensors tab: roles whole after the names (their ends where the room is short), the highlighted tensor's full
+    name under the table."""
+    write_tiny(tmp_path / "tiny-k3")
+    monkeypatch.chdir(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        await pilot.press("2", "down", "down")
+        await settle(pilot)
+
+    assert snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=size, run_before=run_before)
+
+
 def test_snapshot_incomplete_shards_tab(tmp_path, monkeypatch, snap_compare):
     """A checkpoint with a missing shard, Shards tab shown: warning line and the red MISSING row."""
     path = write_tiny(tmp_path / "partial-k3")

@@ -540,6 +540,21 @@ def test_snapshot_profile_screen(demo, tmp_path, monkeypatch, snap_compare):
     assert snap_compare(TqbenchApp(Path("src")), terminal_size=SIZE, run_before=run_before)
 
 
+@pytest.mark.parametrize("size", [(80, 24), (120, 35), (200, 50)], ids=["80x24", "120x35", "200x50"])
+def test_snapshot_profile_screen_binned(wide, tmp_path, monkeypatch, snap_compare, size):
+    """K3's 896 experts per layer binned to the width (seeded counts), the axis labels whole, every screen's key in the
+    footer where it fits."""
+    remember_model(wide)
+    put(seeded(wide, seed=1))
+    monkeypatch.chdir(wide.parent)
+
+    async def run_before(pilot) -> None:
+        await open_profile(pilot)
+        await pilot.press("down", "right", "right")
+
+    assert snap_compare(TqbenchApp(tmp_path), terminal_size=size, run_before=run_before)
+
+
 def test_engine_modules_import_no_ui_library():
     """Engine modules stay free of the UI's libraries."""
     import subprocess

@@ -541,9 +541,8 @@ async def test_without_a_checkpoint_the_screen_says_how_to_get_one(tmp_path):
         assert app.is_running
 
 
-@pytest.mark.slow
-def test_snapshot_recipe_screen(tmp_path, monkeypatch, snap_compare):
-    """The Recipe screen at 80x24 on the tiny skeleton with one pinned recipe, streaming on a typed machine."""
+def snapshot_one_pin(tmp_path, monkeypatch, snap_compare, size: tuple[int, int]) -> bool:
+    """The Recipe screen on the tiny skeleton with one pinned recipe, streaming on a typed machine."""
     import tqbench.recipe.fit as fit
     import tui.machine
 
@@ -558,7 +557,21 @@ def test_snapshot_recipe_screen(tmp_path, monkeypatch, snap_compare):
         await pilot.press("plus", "left")  # pin, then base tq3 -> tq2
         await settle(pilot)
 
-    assert snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=SIZE, run_before=run_before)
+    return snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.slow
+def test_snapshot_recipe_screen(tmp_path, monkeypatch, snap_compare):
+    """At 80x24: labels and names wrap, the table right of the narrow editor."""
+    assert snapshot_one_pin(tmp_path, monkeypatch, snap_compare, SIZE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [(120, 35), (200, 50)], ids=["120x35", "200x50"])
+def test_snapshot_recipe_screen_wide(tmp_path, monkeypatch, snap_compare, size):
+    """Where there is room: labels and names on one line; at 200 columns the editor widens; every screen's key in
+    the footer."""
+    assert snapshot_one_pin(tmp_path, monkeypatch, snap_compare, size)
 
 
 @pytest.mark.slow

@@ -164,6 +164,7 @@ class HeatMap(ScrollView, can_focus=True):
                 label = str(c * self.bin)
                 if c % 10 == 0 and (not axis or len(axis) < c - x0) and c - x0 + len(label) <= len(cols):
                     axis = axis.ljust(c - x0) + label
+            axis = axis.ljust(len(cols))
             return Strip([Segment(" " * lw, base), Segment(axis, dim)]).adjust_cell_length(width, base)
         row = y0 + y - 1
         if row >= len(self.layer_ids):
