@@ -162,7 +162,8 @@ class TensorPanel(Vertical):
 
     def _fitting_name_width(self) -> int:
         table = self.table
-        room = table.size.width - table.styles.scrollbar_size_vertical
+        scrolls = len(self._rows) + 2 > table.size.height  # the header and a horizontal scrollbar besides the rows
+        room = table.size.width - (table.styles.scrollbar_size_vertical if scrolls else 0)
         longest = max((len(t.entry.name) for t, _ in self._rows), default=0)
         if room <= 0:
             return longest  # not laid out yet (another tab is shown): fitted when it is
@@ -187,6 +188,9 @@ class TensorPanel(Vertical):
             table.move_cursor(row=row, animate=False)
 
     def on_resize(self) -> None:
+        self.call_after_refresh(self._refit)  # refilled within this event, the table drew its old column widths
+
+    def _refit(self) -> None:
         if self._rows and self._fitting_name_width() != self._name_width:
             self._fill(keep_cursor=True)
 
