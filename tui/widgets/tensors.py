@@ -103,9 +103,9 @@ class TensorPanel(Vertical):
     def on_mount(self) -> None:
         self._add_columns()
 
-    def _add_columns(self) -> None:
-        for label, numeric in COLUMNS:
-            self.table.add_column(header(label, numeric), key=label)
+    def _add_columns(self, widths: list[int | None] | None = None) -> None:
+        for (label, numeric), width in zip(COLUMNS, widths or [None] * len(COLUMNS)):
+            self.table.add_column(header(label, numeric), key=label, width=width)
 
     @property
     def table(self) -> DataTable:
@@ -160,38 +160,41 @@ class TensorPanel(Vertical):
         self.query_one("#count", Label).update(text)
         self._show_detail(next(iter(self._shown), None))
 
-    def _fitting_name_width(self) -> int:
+    def _column_widths(self) -> list[int]:
+        """Each column's width, padding aside: the name's fitted to the room (name_width), the others' their longest
+        cell or heading. Given to the table, not measured by it: it measures rows when idle, and only ever widens."""
         table = self.table
+        others = [max([len(label), *(cells[i].cell_len for _, cells in self._rows)])
+                  for i, (label, _) in enumerate(COLUMNS[1:])]
+        longest = max([len("name"), *(len(t.entry.name) for t, _ in self._rows)])
         scrolls = len(self._rows) + 2 > table.size.height  # the header and a horizontal scrollbar besides the rows
         room = table.size.width - (table.styles.scrollbar_size_vertical if scrolls else 0)
-        longest = max((len(t.entry.name) for t, _ in self._rows), default=0)
         if room <= 0:
-            return longest  # not laid out yet (another tab is shown): fitted when it is
-        labels = [label for label, _ in COLUMNS[1:]]
-        others = [max([len(label), *(len(cells[i].plain) for _, cells in self._rows)]) + 2 * table.cell_padding
-                  for i, label in enumerate(labels)]
-        return name_width(room, longest, others, table.cell_padding)
+            return [longest, *others]  # not laid out yet (another tab is shown): fitted when it is
+        padding = table.cell_padding
+        return [name_width(room, longest, [w + 2 * padding for w in others], padding), *others]
 
     def _fill(self, keep_cursor: bool = False) -> None:
         """Put the rows in the table, their names shortened to the width that fits (the cursor on the same row when
         `keep_cursor`, else on the first)."""
         table = self.table
         row = table.cursor_row if keep_cursor else 0
-        table.clear(columns=True)  # the columns too: their widths only ever grow
-        self._add_columns()
+        widths = self._column_widths()
+        self._name_width = widths[0]
+        table.clear(columns=True)
+        self._add_columns(widths)
         self._shown = {}
-        self._name_width = width = self._fitting_name_width()
         for t, cells in self._rows:
-            table.add_row(cell(shorten_name(t.entry.name, width)), *cells, key=t.entry.name)
+            table.add_row(cell(shorten_name(t.entry.name, widths[0])), *cells, key=t.entry.name)
             self._shown[t.entry.name] = t
         if 0 < row < table.row_count:
             table.move_cursor(row=row, animate=False)
 
     def on_resize(self) -> None:
-        self.call_after_refresh(self._refit)  # refilled within this event, the table drew its old column widths
+        self.call_after_refresh(self._refit)  # once the table has its new size
 
     def _refit(self) -> None:
-        if self._rows and self._fitting_name_width() != self._name_width:
+        if self._rows and self._column_widths()[0] != self._name_width:
             self._fill(keep_cursor=True)
 
     @on(DataTable.RowHighlighted, "#tensor-table")
