@@ -335,6 +335,12 @@ async def test_a_wide_screen_keeps_labels_and_names_on_one_line(tiny, engine):
         await pilot.resize_terminal(200, 50)
         await settle(pilot)
         assert screen.editor.region.width > narrow and not table.compact
+        await pilot.press("plus", "right")  # a third pin; the current recipe is affine3a-tqTe-down4-g64
+        await settle(pilot)
+        assert len(screen.pins) == MAX_PINS and not table.compact
+        assert screen.recipe.name == "affine3a-tqTe-down4-g64"
+        header = "\n".join(screen_lines(app)[:6])
+        assert all(r.name in header for r in screen.wanted), header  # each on one line
 
 
 @pytest.mark.slow

@@ -8,9 +8,9 @@ on this source), then the details (bits per weight by role under a heading, kept
 hit rate); long labels, verdicts and the sysctl command wrap to the column width. The table's column cursor selects
 a pinned recipe (to unpin or edit it).
 
-Three layouts, the widest that fits the recipes side by side: labels on one line and names wrapped at WIDE_NAME_WIDTH
-(one line for `tq3a-tqTe-down4-g64`) where there is room (120 columns with two pins), else labels wrapped at
-LABEL_WIDTH and names at NAME_WIDTH, else compact mode.
+Layouts from the widest, the first that fits the recipes side by side: labels and names on one line; labels on one
+line and names wrapped at WIDE_NAME_WIDTH (one line for `tq3a-tqTe-down4-g64`: 120 columns hold two pins so); labels
+wrapped at LABEL_WIDTH and names at NAME_WIDTH; compact mode.
 
 Compact mode, when the recipes do not all fit side by side (at 80x24 with two or three pins): sizes show their decimal
 line only (the label column's header says so), the expert page its total only, and every label, cell and recipe name
@@ -203,9 +203,10 @@ class PlanTable(DataTable):
         scroll = (self.scroll_x, self.scroll_y)
         report = plan_report(plans, fits, hub)
         space = self.size.width - self.styles.scrollbar_size_vertical
-        # The widest layout that fits: labels on one line, then wrapped, then compact mode.
-        for label_width, name_width, compact in ((None, WIDE_NAME_WIDTH, False), (LABEL_WIDTH, NAME_WIDTH, False),
-                                                 (LABEL_WIDTH, COMPACT_WIDTH, True)):
+        # The widest layout that fits (the module docstring).
+        longest = max(len(name) for name in names)
+        for label_width, name_width, compact in ((None, longest, False), (None, WIDE_NAME_WIDTH, False),
+                                                 (LABEL_WIDTH, NAME_WIDTH, False), (LABEL_WIDTH, COMPACT_WIDTH, True)):
             rows = screen_rows(report, fits, qualities, label_width)
             rows = compact_rows(rows) if compact else rows
             heads = [Text(label_header(plans[0].shard_size, compact), style="dim")]
