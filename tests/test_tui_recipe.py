@@ -662,7 +662,7 @@ async def test_quality_rows_show_the_evaluations_of_the_loaded_source():
 
         recipe_keys = dict(next(keys for title, keys in sections(app) if title.startswith("Recipe screen")))
         assert recipe_keys["v"] == "Eval"
-        assert "v Eval" in footer(app) and footer(app).rstrip().endswith("h Profile")
+        assert "v Eval" in footer(app) and footer(app).rstrip().endswith("h Profile w Serve")  # every key at 120
         screen.query_one("#memory", Input).focus()  # v types in a text field: not offered there
         await pilot.pause()
         assert "v Eval" not in footer(app)
