@@ -55,7 +55,7 @@ GOAL_MISS_CUT, GOAL_PPL = 0.40, 0.01  # the issue's goal: >= 40% fewer misses at
 def budget_bytes(model: Path, slots: int) -> int:
     from tqbench.stream.budget import model_bytes
     from tqbench.stream.store import ALIGN
-    from tqbench.stream.streamer import staging_bytes
+    from tqbench.stream.pagein import staging_bytes
 
     one = model_bytes(model).one_expert
     return staging_bytes(one + 2 * ALIGN, WORKERS) + slots * one  # O_DIRECT reads need aligned buffers

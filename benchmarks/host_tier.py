@@ -50,7 +50,7 @@ QUICK = dict(gpu_share=0.25, host_share=0.5, tokens=6, warmup=2, prompt=4, worke
 
 def runs(model: dict, cfg: dict) -> list[tuple[str, dict]]:
     from tqbench.stream.store import ALIGN
-    from tqbench.stream.streamer import staging_bytes
+    from tqbench.stream.pagein import staging_bytes
 
     eb, total, w = model["expert_bytes"], model["expert_total_bytes"], cfg["workers"]
     gpu = max(int(cfg["gpu_share"] * total // eb), 1) * eb + staging_bytes(eb + 2 * ALIGN, w)

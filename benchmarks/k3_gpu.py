@@ -484,7 +484,7 @@ def box_budget(model: dict, share: float, workers: int) -> int:
     """An expert cache budget holding `share` of the model's experts (at least one) plus the streamer's O_DIRECT
     staging buffers, as the budget counts them."""
     from tqbench.stream.store import ALIGN
-    from tqbench.stream.streamer import staging_bytes
+    from tqbench.stream.pagein import staging_bytes
 
     eb = model["expert_bytes"]
     return max(eb, int(share * model["expert_total_bytes"]) // eb * eb) + staging_bytes(eb + 2 * ALIGN, workers)

@@ -5,6 +5,8 @@ with the page cache bypassed, against raw O_DIRECT reads of the same experts in 
     python benchmarks/page_in.py --work /tmp/page-in          # 96 experts of 10.96 MB (1.05 GB on disk), 4 workers
     git show REV:tqbench/stream/streamer.py > /tmp/old_streamer.py
     python benchmarks/page_in.py --work /tmp/page-in --before /tmp/old_streamer.py   # an older streamer, alternated
+    git show REV:tqbench/stream/pagein.py > /tmp/old_pagein.py   # a REV whose read path is in pagein.py
+    python benchmarks/page_in.py --work /tmp/page-in --before /tmp/old_streamer.py --before-pagein /tmp/old_pagein.py
     python benchmarks/page_in.py --work /tmp/page-in --reads-in-flight 0,1,2 --rounds 4   # the read gate, alternated
     python benchmarks/page_in.py --quick --work /tmp/page-in-q                        # a smoke run (seconds)
 
@@ -14,9 +16,10 @@ with the page cache bypassed, against raw O_DIRECT reads of the same experts in 
 The store is `streaming.py`'s: one file of seeded random bytes after a 1,000-byte prefix (offsets not page aligned, as
 in a real shard) and its `expert_map.json`, one MoE layer of `--experts` experts. Each round runs every variant in a
 fresh process (`after` = this checkout's streamer; `before` = the file given to --before, in place of
-`tqbench/stream/streamer.py` in a copy of the package that process imports; `in-flight-N` = this checkout's with
-`StreamConfig.reads_in_flight` N, from `--reads-in-flight`, 0 being `after`), alternating which goes first. In each
-process:
+`tqbench/stream/streamer.py` in a copy of the package that process imports, and the one given to --before-pagein,
+if any, in place of `tqbench/stream/pagein.py`, where the read path lives since it left streamer.py; `in-flight-N` =
+this checkout's with `StreamConfig.reads_in_flight` N, from `--reads-in-flight`, 0 being `after`), alternating which
+goes first. In each process:
 - raw: the experts' page-aligned ranges, in the order the page-ins will ask for them, read with O_DIRECT by
   `--workers` threads into one aligned buffer each (`streaming.timed_reads`), right before and right after the
   page-ins; their mean is that process's baseline (the disk varies by tens of percent between minutes); and the same
@@ -59,12 +62,15 @@ DEFAULTS = dict(experts=96, expert_bytes=10_960_896, workers=4, calls=30, per_ca
 QUICK = dict(experts=12, expert_bytes=1 << 20, workers=2, calls=6, per_call=4, slots=6, rounds=1)
 
 
-def package_with_streamer(streamer: Path, dest: Path) -> Path:
-    """A copy of the tqbench package under `dest` with `streamer` as its tqbench/stream/streamer.py; a process with
-    `dest` first on PYTHONPATH runs that streamer with the rest of this checkout."""
+def package_with_streamer(streamer: Path, dest: Path, pagein: Path | None = None) -> Path:
+    """A copy of the tqbench package under `dest` with `streamer` as its tqbench/stream/streamer.py (and `pagein`, if
+    given, as its tqbench/stream/pagein.py); a process with `dest` first on PYTHONPATH runs that streamer with the
+    rest of this checkout."""
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(REPO / "tqbench", dest / "tqbench", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copy2(streamer, dest / "tqbench" / "stream" / "streamer.py")
+    if pagein is not None:
+        shutil.copy2(pagein, dest / "tqbench" / "stream" / "pagein.py")
     return dest
 
 
@@ -149,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, required=False, help="a directory on the disk to measure (the store is kept)")
     p.add_argument("--before", help="an older tqbench/stream/streamer.py to alternate with this checkout's")
+    p.add_argument("--before-pagein", help="the tqbench/stream/pagein.py of --before's revision (where it has one)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small experts, one round")
     for k, v in DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {v} (--quick: {QUICK[k]})")
@@ -168,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--per-call must not exceed --slots or --experts")
     if a.before and not Path(a.before).is_file():
         p.error(f"--before {a.before}: no such file")
+    if a.before_pagein and not a.before:
+        p.error("--before-pagein goes with --before")
+    if a.before_pagein and not Path(a.before_pagein).is_file():
+        p.error(f"--before-pagein {a.before_pagein}: no such file")
     try:
         gates = sorted({int(v) for v in a.reads_in_flight.split(",")})
     except ValueError:
@@ -178,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
     store = build_store(a.work / "store", [LAYER], cfg["experts"], cfg["expert_bytes"], seed=a.seed)
     variants = [("after" if g == 0 else f"in-flight-{g}", None, g) for g in gates]
-    variants += [("before", package_with_streamer(Path(a.before), a.work / "before-code"), 0)] if a.before else []
+    if a.before:
+        pagein = Path(a.before_pagein) if a.before_pagein else None
+        variants.append(("before", package_with_streamer(Path(a.before), a.work / "before-code", pagein), 0))
     rows = []
     for rnd in range(cfg["rounds"]):
         for variant, package, gate in (variants if rnd % 2 == 0 else variants[::-1]):

@@ -21,7 +21,7 @@ with the cache driven as the streamer drives it (benchmarks/streaming.py's `simu
 the distinct routed experts, then place the misses with that layer's experts locked):
 - `lru`, `lrfu` (lam 0.01: the default policy until 2026-12-02, `OLD_DEFAULT` here), `lrfu@0.02` (the same at lam
   0.02), `lrfu-next` (the default: LRFU on two time scales plus a learned prediction of each layer's next routing,
-  NextLRFU in tqbench/stream/cache.py; its bookkeeping costs 2-3x lrfu's, benchmarks/policy_cost.py);
+  NextLRFU in tqbench/stream/policies.py; its bookkeeping costs 2-3x lrfu's, benchmarks/policy_cost.py);
 - `belady` (offline optimum with the layer's experts locked) and `best_fixed` (the budget's most-routed keys);
 - references, not policies: `oracle-next-h` is `lrfu@0.02` whose victim is never a key that the rest of this token or
   the next h tokens route, when another is unlocked: what perfect knowledge of the next h tokens would add to LRFU;
@@ -66,7 +66,8 @@ QUICK = dict(tokens=1024, window=256, budgets="ws/2,1/8,1/2", workloads="code", 
 
 def make_policy_cache(budget: int, spec: str):
     """A SlotCache for `spec`: a policy name, or `name@lam` (LRFU-family at that lam)."""
-    from tqbench.stream.cache import POLICIES, SlotCache
+    from tqbench.stream.cache import SlotCache
+    from tqbench.stream.policies import POLICIES
 
     name, _, lam = spec.partition("@")
     cache = SlotCache(budget, name)
@@ -78,7 +79,8 @@ def make_policy_cache(budget: int, spec: str):
 def oracle_hit_rate(batches, budget: int, h: int, lam: float = 0.02) -> float:
     """LRFU at `lam` whose victim is never a key the rest of the current token or the next `h` tokens route (when a
     key outside them is unlocked): a reference for what knowing the next h tokens would add, not an online policy."""
-    from tqbench.stream.cache import LRFU, SlotCache
+    from tqbench.stream.cache import SlotCache
+    from tqbench.stream.policies import LRFU
 
     cache = SlotCache(budget, "lrfu")
     cache.policy = LRFU(lam)
@@ -108,7 +110,7 @@ def horizon_hit_rate(batches, budget: int, h: int, lam: float = 0.02) -> float:
     call within the horizon uses (the smallest LRFU value at `lam` among those), else the one used last within it.
     With `h` past the trace's end it is Belady's MIN (streaming.belady_hit_rate); it asks how far ahead a policy would
     have to see to close a given share of the gap."""
-    from tqbench.stream.cache import one_more_access
+    from tqbench.stream.policies import one_more_access
 
     calls = [c for token in batches for c in token]
     per_token = len(batches[0]) if batches else 1

@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="8 layers, 200 slots, 10 warm-up + 20 timed tokens, one run")
     p.add_argument("--out", type=Path, default=REPO / "bench-results" / "policy_cost.json")
     a = p.parse_args(argv)
-    from tqbench.stream.cache import POLICIES
+    from tqbench.stream.policies import POLICIES
 
     try:
         slot_counts = [int(s) for s in a.slots.split(",")]

@@ -22,7 +22,7 @@ Part 1, routing-trace replay (no model runs during the replay):
    skeleton) after a 1,000-byte prefix (a safetensors header's place: expert offsets are not page aligned, as in a
    real conversion), and an `expert_map.json` in tqbench's layout, so `ExpertStore.from_expert_map` reads it.
 3. Hit rates, bookkeeping only, over the whole trace, for every budget (cache slots = expert-layers): `SlotCache`
-   with `lru` and `lrfu` (tqbench/stream/cache.py, default lam 0.01) driven as the streamer drives it (per token and
+   with `lru` and `lrfu` (tqbench/stream/policies.py, default lam 0.01) driven as the streamer drives it (per token and
    MoE layer: look up the distinct routed experts, then place the misses with the hits locked); Belady (offline
    optimum: on a miss with the cache full, evict the resident key whose next use is furthest, never one the current
    layer call uses); the best fixed set in hindsight (the budget's most-used keys: hits = their routings). An LRFU
@@ -32,7 +32,7 @@ Part 1, routing-trace replay (no model runs during the replay):
    off/on, and fan-out whose loop waits only on pending reads, "fan*"): every miss is read with
    `ExpertStore.read_direct` (O_DIRECT) by a thread pool into page-aligned staging buffers, as many as the streamer
    has (`read_buffers`: two per worker), and placed into the cache as its read completes: the loop of
-   `Streamer.page_in` without the slot copy, which the streamer's worker makes right after the read (with fan-out
+   `Pager.page_in` (tqbench/stream/pagein.py) without the slot copy, which the streamer's worker makes right after the read (with fan-out
    each expert's aligned range is cut into `workers` pieces by `ExpertStore.direct_pieces`). Before every replay the
    store file's pages are dropped (posix_fadvise DONTNEED) and after it `mincore` measures how much of it is cached.
    Throughput on misses = expert bytes read / seconds spent in page-ins, divided by this disk's raw O_DIRECT bandwidth
@@ -90,7 +90,7 @@ K3_EXPERT_PARTS = (("w1.weight", 2_555_904), ("w3.weight", 2_555_904), ("w2.weig
 K3_EXPERT_BYTES = sum(n for _, n in K3_EXPERT_PARTS)  # 10,960,896
 STORE_PREFIX = 1000  # bytes before the first expert: offsets are not page aligned, as in a real shard
 DEFAULT_POLICY = "lrfu"
-DEFAULT_LAM = 0.01  # tqbench.stream.cache.LRFU's default
+DEFAULT_LAM = 0.01  # tqbench.stream.policies.LRFU's default
 RATIO_GOAL = 0.9
 RELEVANT = ("tqbench/stream", "tqbench/runtime", "tqbench/demo", "training/modelstats.py", "tqbench/convert",
             "benchmarks/streaming.py")
@@ -128,7 +128,8 @@ def batches_of(trace: np.ndarray, layer_ids: list[int]) -> list[list[tuple[int, 
 
 
 def make_cache(budget: int, policy: str, lam: float | None = None):
-    from tqbench.stream.cache import LRFU, SlotCache
+    from tqbench.stream.cache import SlotCache
+    from tqbench.stream.policies import LRFU
 
     cache = SlotCache(budget, policy)
     if lam is not None and policy == "lrfu":
@@ -319,7 +320,7 @@ def raw_direct(files: list[Path], chunk: int, total: int, workers: int, start: i
 
 
 class Reader:
-    """The streamer's page-in loop (Streamer.page_in + _submit, direct or buffered) without the slot copy: misses
+    """The streamer's page-in loop (Pager.page_in + submit in tqbench/stream/pagein.py, direct or buffered) without the slot copy: misses
     are read by `workers` threads into page-aligned staging buffers, as many as the streamer has
     (`read_buffers(workers)`), and placed into the cache as their reads complete.
 
@@ -329,7 +330,7 @@ class Reader:
 
     def __init__(self, store, workers: int, fanout: bool, pending_only: bool = False):
         from tqbench.stream.store import aligned_buffer
-        from tqbench.stream.streamer import read_buffers
+        from tqbench.stream.pagein import read_buffers
 
         self.store = store
         self.workers = workers
@@ -352,7 +353,7 @@ class Reader:
         n = store.layers[layer].nbytes
         if not self.fanout:
             return [ex.submit(store.read, layer, e, buf)], n
-        from tqbench.stream.streamer import read_pieces
+        from tqbench.stream.pagein import read_pieces
 
         return [ex.submit(read_pieces, store, piece, buf) for piece in store.split(layer, e, self.workers)], n
 
@@ -776,7 +777,7 @@ def run_e2e(work: Path, cfg: dict, quick: bool, timeout: float, notes: list[str]
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 256, cfg["e2e_prompt"]).tolist()  # byte tokens of the random model's vocabulary
     eb, total, w = model["expert_bytes"], model["expert_total_bytes"], cfg["e2e_workers"]
-    from tqbench.stream.streamer import staging_bytes
+    from tqbench.stream.pagein import staging_bytes
 
     staging = staging_bytes(eb + 2 * ALIGN, w)  # the streamer's staging buffers (O_DIRECT: an aligned superset each)
     small = max(int(cfg["e2e_share"] * total // eb), 1) * eb + staging

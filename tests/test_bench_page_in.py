@@ -33,9 +33,12 @@ def test_quick_run_pairs_this_streamer_with_an_older_one(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     before = tmp_path / "old_streamer.py"
     before.write_text((ROOT / "tqbench" / "stream" / "streamer.py").read_text())  # the same code: a valid "before"
+    before_pagein = tmp_path / "old_pagein.py"
+    before_pagein.write_text((ROOT / "tqbench" / "stream" / "pagein.py").read_text())  # its read path
     out = tmp_path / "page_in.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "page_in.py"), "--quick", "--work",
-                        str(tmp_path / "work"), "--before", str(before), "--rounds", "2", "--reads-in-flight", "0,1",
+                        str(tmp_path / "work"), "--before", str(before), "--before-pagein", str(before_pagein),
+                        "--rounds", "2", "--reads-in-flight", "0,1",
                         "--out", str(out)],
                        capture_output=True, text=True, env=dict(os.environ), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

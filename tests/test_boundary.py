@@ -26,7 +26,7 @@ def engine_modules() -> list[str]:
 def test_engine_modules_are_found():
     mods = engine_modules()
     assert {"tqbench.source.checkpoint", "tqbench.source.naming", "tqbench.shards.writer", "tqbench.events",
-            "tqbench.layout.units", "tqbench.engine"} <= set(mods)
+            "tqbench.layout.shard_units", "tqbench.engine"} <= set(mods)
 
 
 def test_engine_never_imports_ui_libraries():

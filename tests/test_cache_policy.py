@@ -1,4 +1,4 @@
-"""The `lrfu-next` replacement policy (tqbench/stream/cache.py: NextLRFU) on hand-computed traces: what it learns from
+"""The `lrfu-next` replacement policy (tqbench/stream/policies.py: NextLRFU) on hand-computed traces: what it learns from
 decode touches, the prediction it makes, the victim it picks (against a brute-force minimum), the halving that keeps
 its uint16 counts from overflowing; and benchmarks/policies.py's budgets and gap figures."""
 
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import load_script
-from tqbench.stream.cache import DEFAULT_POLICY, LRFU, POLICIES, NextLRFU, SlotCache
+from tqbench.stream.cache import SlotCache
+from tqbench.stream.policies import DEFAULT_POLICY, LRFU, POLICIES, NextLRFU
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "policies.py"
 
@@ -384,7 +385,7 @@ def test_streamed_generation_with_lrfu_next_is_bit_identical_with_a_seeded_and_p
     from tqbench.runtime.load import load
     from tqbench.stream import StreamConfig
     from tqbench.stream.budget import model_bytes
-    from tqbench.stream.streamer import staging_bytes
+    from tqbench.stream.pagein import staging_bytes
 
     path = tmp_path / "src"
     list(convert(ensure_demo(), path, Recipe.parse("src")))

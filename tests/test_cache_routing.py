@@ -28,7 +28,8 @@ from tqbench.recipe import Recipe
 from tqbench.runtime.load import load
 from tqbench.stream.attach import CacheRoutedBlock
 from tqbench.stream.budget import model_bytes
-from tqbench.stream.streamer import StreamConfig, staging_bytes
+from tqbench.stream.pagein import staging_bytes
+from tqbench.stream.streamer import StreamConfig
 
 PROMPT = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]
 STEPS = 16  # decode steps after the prompt

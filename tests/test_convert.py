@@ -21,7 +21,7 @@ from tqbench.quant import turboquant as tq
 from tqbench.recipe import Recipe, group_sources, make_plan
 from tqbench.recipe.recipe import Format
 from tqbench.layout.names import shard_file
-from tqbench.layout.units import assign_shards, file_units
+from tqbench.layout.shard_units import assign_shards, file_units
 from tqbench.source import open_checkpoint
 from tqbench.source.reader import ShardReader, decode_mxfp4
 from tqbench.shards.header import read_header

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm import load, stream_generate
 
 from tqbench.demo import DEMO_VERSION, TRAINED_SPEC, DemoSpec, ensure_demo, split_shards, tensor_plan, write_source
-from tqbench.layout.units import assign_shards
+from tqbench.layout.shard_units import assign_shards
 from tqbench.quant.mxfp4 import unpack_mxfp4
 from tqbench.shards.header import read_header
 

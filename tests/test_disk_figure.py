@@ -11,7 +11,7 @@ import pytest
 from textual.widgets import Static
 
 from cli_helpers import tqbench
-from tqbench.recipe.fit import DISK_BLOCK, GB, cached_disk_speed, disk_cache_file, disk_key, disk_speed
+from tqbench.machine import DISK_BLOCK, GB, cached_disk_speed, disk_cache_file, disk_key, disk_speed
 
 
 def _disk_line(bytes_per_s: float, source: str) -> str:

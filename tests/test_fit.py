@@ -8,8 +8,8 @@ import os
 import pytest
 
 from tqbench.errors import TqbenchError
-from tqbench.recipe.fit import (Footprint, Machine, Verdict, assess, ceiling, default_gpu_limit, disk_cache_file,
-                                machine, measure_disk, parse_size, raisable_limit)
+from tqbench.machine import Machine, default_gpu_limit, disk_cache_file, machine, measure_disk, raisable_limit
+from tqbench.recipe.fit import Footprint, Verdict, assess, ceiling, parse_size
 
 GiB, MiB = 2**30, 2**20
 # Kimi K3 at tq3a-tqTe-down4-g64, as tests/test_plan.py derives it from the skeleton headers.
@@ -137,7 +137,7 @@ def test_disk_measurement_is_cached_per_device(tmp_path, monkeypatch) -> None:
 def test_disk_speed_is_measured_once_per_disk(tmp_path, monkeypatch) -> None:
     """The one disk figure every face uses: none cached at first, then one measurement on the checkpoint's disk,
     then that measurement again (for any directory on the same disk) without measuring."""
-    from tqbench.recipe.fit import cached_disk_speed, disk_speed
+    from tqbench.machine import cached_disk_speed, disk_speed
 
     monkeypatch.setenv("TQBENCH_CACHE_DIR", str(tmp_path / "cache"))
     ckpt = tmp_path / "ckpt"
@@ -157,7 +157,7 @@ def test_disk_speed_is_measured_once_per_disk(tmp_path, monkeypatch) -> None:
 
 
 def test_file_read_speed_reads_whole_blocks_of_existing_files_and_writes_nothing(tmp_path):
-    from tqbench.recipe.fit import file_read_speed
+    from tqbench.machine import file_read_speed
 
     block = 1 << 20
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"

@@ -19,7 +19,7 @@ from tqbench.runtime.load import load
 from tqbench.stream import StoreError, StreamConfig
 from tqbench.stream.host import HostTier
 from tqbench.stream.store import ExpertStore, part_array
-from tqbench.stream.streamer import staging_bytes
+from tqbench.stream.pagein import staging_bytes
 
 PROMPT = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]
 RECIPE = "tq3a-tqTe-down4-g32"
@@ -183,7 +183,7 @@ def test_host_tier_plan_by_machine(model, expert):
     assert host_tier_plan(parse_host_cache("off"), model, gpu, unified=False).why == "off"
     assert parse_host_cache("0") == "off" and parse_host_cache("24") == 24 * 10**9
     # CUDA: what is free now minus the reserve, at most the experts the GPU budget leaves out (plus one)
-    from tqbench.recipe.fit import physical_memory
+    from tqbench.machine import physical_memory
 
     reserve = max(HOST_RESERVE, physical_memory() // 10)
     plan = host_tier_plan("auto", model, gpu, unified=False, available=reserve + 5 * expert)

@@ -12,7 +12,8 @@ import typer
 from typer.testing import CliRunner
 
 from tqbench.cli.plan import plan as plan_command
-from tqbench.recipe.fit import GB, assess, machine
+from tqbench.machine import GB, machine
+from tqbench.recipe.fit import assess
 from tqbench.recipe.plan import Sources, group_sources, make_plan
 from tqbench.recipe.recipe import Format, Recipe
 from tqbench.skeleton import K3_TEXT_CONFIG, k3_config, k3_tensor_specs, write_skeleton
@@ -355,7 +356,7 @@ def test_cli_incomplete_checkpoint_exits_3(small: Path, tmp_path: Path) -> None:
 def test_unit_sizes_are_the_units(tmp_path) -> None:
     """The fast shard count (unit_sizes) and the units convert writes agree, in both layouts and with kept experts."""
     from tqbench.demo import DemoSpec, write_source
-    from tqbench.layout.units import file_units, unit_sizes
+    from tqbench.layout.shard_units import file_units, unit_sizes
 
     src = write_source(tmp_path / "demo", DemoSpec(), seed=0)
     sources = group_sources(open_checkpoint(src))

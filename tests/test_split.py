@@ -13,7 +13,7 @@ from tqbench.demo import ensure_demo
 from tqbench.errors import TqbenchError
 from tqbench.distributed.split import layer_split, split_plan
 from tqbench.recipe import Recipe
-from tqbench.recipe.fit import GB, machine
+from tqbench.machine import GB, machine
 from tqbench.recipe.plan import group_sources, make_plan
 from tqbench.source import open_checkpoint
 

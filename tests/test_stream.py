@@ -19,9 +19,10 @@ from tqbench.demo import SHIPPED_SPEC, ensure_demo
 from tqbench.recipe import Recipe
 from tqbench.runtime.load import load
 from tqbench.stream import StoreError, StreamConfig
-from tqbench.stream.cache import LRFU, LRU, SlotCache
+from tqbench.stream.cache import SlotCache
+from tqbench.stream.policies import LRFU, LRU
 from tqbench.stream.store import ExpertStore
-from tqbench.stream.streamer import read_buffers, staging_bytes
+from tqbench.stream.pagein import read_buffers, staging_bytes
 
 # ---- policies (pure bookkeeping) --------------------------------------------------------------------------------------
 
@@ -303,7 +304,7 @@ def test_slot_copies_run_on_the_workers_and_the_gpu_prefetch_on_the_engine_threa
     piece); the slot's GPU prefetch (a CUDA call) stays on the engine thread; the result is still exact."""
     import threading
 
-    from tqbench.stream.streamer import Pool
+    from tqbench.stream.pool import Pool
 
     seen: dict[str, set] = {"copy_in": set(), "to_gpu": set(), "to_host": set()}
     order: list[tuple] = []  # (call, pool, slot) in call order

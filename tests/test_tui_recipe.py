@@ -24,7 +24,8 @@ from tqbench.destination import default_dest
 from tqbench.engine import engine as engine_thread
 from tqbench.eval.store import EvalStore, RecipeQuality
 from tqbench.recipe import Recipe, assess, group_sources, machine, make_plan, parse_size
-from tqbench.recipe.fit import GB, Verdict, cached_disk_speed, disk_cache_file, disk_speed
+from tqbench.machine import GB, cached_disk_speed, disk_cache_file, disk_speed
+from tqbench.recipe.fit import Verdict
 from tqbench.recipe.report import plan_report
 from tqbench.source import open_checkpoint
 from tui.app import TqbenchApp
@@ -508,7 +509,7 @@ async def test_same_numbers_as_the_cli(tiny, engine, capsys, monkeypatch):
 
 
 async def test_disk_is_measured_in_a_worker_as_tqbench_plan_measures_it(tiny, capsys, monkeypatch):
-    """No assumed bandwidth: the checkpoint's disk is measured once (tqbench.recipe.fit.disk_speed, in a thread
+    """No assumed bandwidth: the checkpoint's disk is measured once (tqbench.machine.disk_speed, in a thread
     worker, "measuring..." meanwhile) and the CLI reports the same figure."""
     app = TqbenchApp(tiny)
     async with app.run_test(size=SIZE) as pilot:
@@ -549,12 +550,12 @@ async def test_without_a_checkpoint_the_screen_says_how_to_get_one(tmp_path):
 
 def snapshot_one_pin(tmp_path, monkeypatch, snap_compare, size: tuple[int, int]) -> bool:
     """The Recipe screen on the tiny skeleton with one pinned recipe, streaming on a typed machine."""
-    import tqbench.recipe.fit as fit
+    import tqbench.machine
     import tui.machine
 
     write_tiny(tmp_path / "tiny-k3")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(fit, "physical_memory", lambda: 128 * GB)  # the "(here)" placeholder
+    monkeypatch.setattr(tqbench.machine, "physical_memory", lambda: 128 * GB)  # the "(here)" placeholder
     real_machine = tui.machine.machine
     monkeypatch.setattr(tui.machine, "machine", lambda m, g, p, d, s=None: real_machine(m, g, "linux", d, s))
 
@@ -583,12 +584,12 @@ def test_snapshot_recipe_screen_wide(tmp_path, monkeypatch, snap_compare, size):
 @pytest.mark.slow
 def test_snapshot_recipe_screen_three_pins(tmp_path, monkeypatch, snap_compare):
     """Three pinned recipes and the current one at 80x24 (the table's compact mode), the table focused on pin 2."""
-    import tqbench.recipe.fit as fit
+    import tqbench.machine
     import tui.machine
 
     write_tiny(tmp_path / "tiny-k3")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(fit, "physical_memory", lambda: 128 * GB)
+    monkeypatch.setattr(tqbench.machine, "physical_memory", lambda: 128 * GB)
     real_machine = tui.machine.machine
     monkeypatch.setattr(tui.machine, "machine", lambda m, g, p, d, s=None: real_machine(m, g, "linux", d, s))
 

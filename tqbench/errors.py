@@ -33,6 +33,10 @@ class CheckpointError(TqbenchError):
     """A checkpoint directory, index, config or shard is malformed."""
 
 
+class ConvertError(TqbenchError):
+    """A conversion that cannot start or go on: its output directory, the disk, or what an earlier run left."""
+
+
 class UsageError(TqbenchError):
     """Options that contradict each other (a usage error, as Typer's own)."""
 

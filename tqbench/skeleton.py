@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tqbench.layout.names import shard_file
-from tqbench.layout.units import assign_shards
+from tqbench.layout.shard_units import assign_shards
 from tqbench.shards import TensorSpec, header_bytes
 
 # The published Kimi K3 config (text part under text_config), as described in docs/kimi-k3.md.

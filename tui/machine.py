@@ -1,6 +1,6 @@
 """The machine the Recipe screen plans for: this one by default, or a typed memory size and disk bandwidth.
 
-The disk bandwidth by default is the engine's one figure for the checkpoint's disk (tqbench.recipe.fit.disk_speed, as
+The disk bandwidth by default is the engine's one figure for the checkpoint's disk (tqbench.machine.disk_speed, as
 `tqbench plan` and a streamed chat show it: the cached measurement, else one short measurement, cached per disk); the
 Recipe editor runs it in a thread worker. This module only reads what the user types.
 """
@@ -8,7 +8,8 @@ Recipe editor runs it in a thread worker. This module only reads what the user t
 from __future__ import annotations
 
 from tqbench.errors import TqbenchError
-from tqbench.recipe.fit import Machine, machine, parse_size
+from tqbench.machine import Machine, machine
+from tqbench.recipe.fit import parse_size
 
 
 def read_memory(text: str) -> int | None:

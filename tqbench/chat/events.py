@@ -26,7 +26,7 @@ from tqbench.events import (CompletionDelta, CompletionDone, ConvertEvent, Conve
 
 if TYPE_CHECKING:  # named only: importing them loads MLX
     from tqbench.distributed.world import RankStats
-    from tqbench.recipe.fit import DiskSpeed
+    from tqbench.machine import DiskSpeed
     from tqbench.runtime.conversation import Sampling
     from tqbench.stream.stats import StreamStats
     from tqbench.stream.store import ExpertStore

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # named only: importing them loads MLX
     from tqbench.events import ReplyDone
-    from tqbench.recipe.fit import DiskSpeed
+    from tqbench.machine import DiskSpeed
 
 
 @dataclass(frozen=True)

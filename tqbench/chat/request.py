@@ -14,7 +14,7 @@ from tqbench.errors import TqbenchError, UsageError
 BUDGET_WORDS = ("fit", "auto", "off")
 HOST_WORDS = ("auto", "off")
 PAGE_CACHE = ("auto", "on", "off")
-POLICIES = ("lrfu-next", "lrfu", "lru")  # tqbench.stream.cache.POLICIES, the default first (importing it loads MLX)
+POLICIES = ("lrfu-next", "lrfu", "lru")  # tqbench.stream.policies.POLICIES, the default first (importing it loads MLX)
 MAX_WORKERS = 256
 MAX_PIN_SHARE = 0.9
 PARALLEL = ("pipeline", "tensor")  # tqbench.distributed.tensor.PARALLEL (importing it loads MLX)

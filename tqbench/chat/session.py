@@ -38,8 +38,8 @@ from tqbench.distributed.turns import SLOT_CHAT, Leader, end, follow
 from tqbench.distributed.world import agree, every, gather_stats, in_step, join
 from tqbench.engine import Engine, Job, engine
 from tqbench.errors import TqbenchError
+from tqbench.machine import DiskSpeed, disk_speed
 from tqbench.profile import export_learned
-from tqbench.recipe.fit import DiskSpeed, disk_speed
 from tqbench.runtime.complete import Completions, chat_prompt, text_prompt
 from tqbench.runtime.conversation import Conversation, Sampling, generate
 from tqbench.runtime.load import load, preflight
@@ -390,7 +390,7 @@ def _across_ranks(events: Iterator, pipeline) -> Iterator:
 
 def _disk_of(path) -> DiskSpeed | None:
     """The read bandwidth of the disk holding the model: the one figure `tqbench plan` and the TUI show for that disk
-    (tqbench.recipe.fit.disk_speed: cached, else measured once and cached). None when it cannot be measured."""
+    (tqbench.machine.disk_speed: cached, else measured once and cached). None when it cannot be measured."""
     try:
         return disk_speed(path)
     except (OSError, ValueError):

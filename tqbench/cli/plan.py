@@ -22,7 +22,8 @@ from tqbench.cli import options
 from tqbench.cli.render import hub_line, show
 from tqbench.distributed.split import split_lines, split_plan
 from tqbench.errors import ExitCode, TqbenchError
-from tqbench.recipe.fit import GB, Fit, Machine, assess, cached_disk_speed, disk_speed, machine, parse_size
+from tqbench.machine import GB, Machine, cached_disk_speed, disk_speed, machine
+from tqbench.recipe.fit import Fit, assess, parse_size
 from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan
 from tqbench.recipe.recipe import Recipe, RecipeFlags
 from tqbench.recipe.report import PlanReport, plan_report
@@ -128,7 +129,7 @@ def recipes_from(names: list[str] | None, flags: RecipeFlags) -> list[Recipe]:
 
 def _measured(m: Machine, src: Path, err: Console) -> Machine:
     """The checkpoint's disk's bandwidth, the figure the TUI and chat show for that disk too
-    (tqbench.recipe.fit.disk_speed: measured once per disk, cached)."""
+    (tqbench.machine.disk_speed: measured once per disk, cached)."""
     try:
         if err.is_terminal and cached_disk_speed(src) is None:
             with err.status("measuring disk read bandwidth (once per disk)"):

@@ -7,9 +7,9 @@ step writes the expert map, config, tokenizer files and report, and last of all 
 `model.safetensors.index.json` is complete, one without it is resumable.
 """
 
+
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import time
@@ -24,21 +24,23 @@ import mlx.core as mx
 from tqbench.atomic import temp_target, write_bytes, write_json
 from tqbench.convert.journal import JOURNAL, Journal
 from tqbench.convert.produce import Producer, rotated, shared_expert_piece
+from tqbench.convert.shard import Partial, Progress, ShardRun, raise_if_no_room, read_partial, shard_metadata
+from tqbench.convert.streamed import HubFeed, check_revision, moved, open_feed, prepare
 from tqbench.cubin import keep_mlx_kernels
-from tqbench.errors import CheckpointError, TqbenchError
-from tqbench.events import ConvertFinished, ConvertStarted, LayerErrors, ShardWritten, UnitConverted
+from tqbench.errors import CheckpointError, ConvertError
+from tqbench.events import ConvertFinished, ConvertStarted, LayerErrors
 from tqbench.layout import expert_map
 from tqbench.layout.quantization import ModuleQuant, quantization_block
 from tqbench.layout.names import EXPERT_MAP, INDEX_FILE, REPORT, SHARD_NAME, shard_file
-from tqbench.layout.units import Unit, chunks, iter_units, shard_counts, split, unit_sizes
+from tqbench.layout.shard_units import Unit, chunks, iter_units, shard_counts, split, unit_sizes
 from tqbench.recipe.plan import SHARD_SIZE, Plan, group_sources, make_plan
 from tqbench.quant import turboquant as tq
 from tqbench.recipe.recipe import Format, Recipe
 from tqbench.source.checkpoint import Checkpoint
 from tqbench.source.opening import open_checkpoint
 from tqbench.source.reader import ShardReader
-from tqbench.shards import ShardWriter, TensorSpec
-from tqbench.shards.writer import ResumeError, WriterMark, header_length
+from tqbench.shards import TensorSpec
+from tqbench.shards.writer import header_length
 from tqbench.testhooks import kill_point
 from tqbench.writable import check_output_dir
 
@@ -55,10 +57,6 @@ def default_read_ahead() -> int:
     0 on the CPU, where the copy is a memcpy, the conversion is compute-bound and the arena measured no faster while
     adding its size to the process's memory."""
     return READ_AHEAD if mx.default_device().type == mx.gpu else 0
-
-
-class ConvertError(TqbenchError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -150,8 +148,8 @@ def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
     journal = Journal.load(dst) if dst.is_dir() else None
     if not is_conversion(dst):
         return DestinationStatus("foreign", 0, n, "is not empty and holds no tqbench conversion", (False,) * n)
-    if moved := _moved(lay.ckpt, journal):
-        return DestinationStatus("conflict", 0, n, moved, (False,) * n)
+    if why := moved(lay.ckpt, journal):
+        return DestinationStatus("conflict", 0, n, why, (False,) * n)
     if journal is None or journal.source != lay.source_fp or journal.plan != lay.plan_fp:
         return DestinationStatus("conflict", 0, n, _conflict(journal, lay.plan.recipe), (False,) * n)
     finished = tuple(journal.finished(dst, f) for f in lay.files)
@@ -178,206 +176,87 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     check_output_dir(Path(dest))  # before planning or reading a byte
     t0 = time.monotonic()
     keep_mlx_kernels()
-    if isinstance(source, Layout):
-        if source.plan.recipe != recipe or source.plan.shard_size != shard_size:
-            raise ValueError("the layout was computed for another recipe or shard size")
-        lay = source
-    else:
-        lay = layout(source, recipe, shard_size)
+    lay = _layout_for(source, recipe, shard_size)
     ckpt, plan, files = lay.ckpt, lay.plan, lay.files
-    src, dst = ckpt.path, Path(dest)
-    source_fp = lay.source_fp
+    dst = Path(dest)
     if any(m.choice.format is Format.TURBOQUANT for m in plan.modules):
         tq.quantizer_kernel()  # a bad TQBENCH_QUANTIZER fails here, before the destination is touched
     if ckpt.origin is not None:
-        _check_revision(ckpt, dst, force)
-    journal = _prepare_dest(src, dst, recipe, lay.source_fp, lay.plan_fp, force)
+        check_revision(ckpt, dst, force)
+    journal = _prepare_dest(ckpt.path, dst, recipe, lay.source_fp, lay.plan_fp, force)
     total_in = sum(lay.shard_in)
     resumed = [journal.finished(dst, f) for f in files]
     if ckpt.origin is not None:
-        from tqbench.convert.streamed import prepare
-
-        o = ckpt.origin
-        journal.origin = {"repo": o.repo_id, "revision": o.revision, "commit": o.commit}
-        prepare(ckpt, dst, lay.file_bytes - sum(journal.shards[f]["bytes"] for f, r in zip(files, resumed) if r),
-                keep_source)
-    partial = _partial(journal, dst, files, resumed)
+        written = sum(journal.shards[f]["bytes"] for f, r in zip(files, resumed) if r)
+        prepare(ckpt, dst, journal, lay.file_bytes - written, keep_source)
+    partial = read_partial(journal, dst, files, resumed)
     done_in = sum(b for b, r in zip(lay.shard_in, resumed) if r) + (partial.bytes_in if partial else 0)
     yield ConvertStarted(ckpt.name, str(dst), recipe.name, len(files), lay.units, total_in, lay.file_bytes,
                          plan.total_bytes, sum(resumed), done_in,
                          _resumed_errors(journal, [f for f, r in zip(files, resumed) if r]))
 
-    def remaining(stream: Iterator[Iterator[Any]]) -> Iterator[Any]:
-        """This run's part of a per-shard stream: unfinished shards, past the units a partial shard holds."""
-        for i, (shard, r) in enumerate(zip(stream, resumed)):
-            if not r:
-                yield from islice(shard, partial.units if partial and partial.index == i else 0, None)
-
     feed = None
     if ckpt.origin is not None:
-        from tqbench.convert.streamed import HubFeed
-
-        planner = Producer(ckpt, recipe, None)
-        feed = HubFeed(ckpt, journal, remaining(chunks(iter_units(plan.modules, "streaming"), lay.counts)),
-                       lambda u: unit_shards(planner, u), keep_source)
-
-    run_in, t_run = 0, time.monotonic()
-    # Two passes over the units, neither holding a shard's: one gives each shard's header, the other the units to
-    # convert, each with its source bytes, their reads started ahead while MLX works.
-    headers = chunks(iter_units(plan.modules, "streaming"), lay.counts)
-    shards = chunks(with_source_bytes(iter_units(plan.modules, "streaming")), lay.counts)
-    read_ahead = default_read_ahead() if read_ahead is None else read_ahead
-    decoded = sum(m.source.source_bytes for m in plan.modules if m.choice.format in (Format.TURBOQUANT, Format.AFFINE))
-    stage = min(read_ahead, decoded, total_in - done_in)  # the arena holds only what is decoded
+        units = _remaining(chunks(iter_units(plan.modules, "streaming"), lay.counts), resumed, partial)
+        feed = open_feed(ckpt, recipe, journal, units, keep_source)
+    progress = Progress(total_in, done_in, time.monotonic)
     try:
-        with ShardReader(ckpt.path, workers=PREFETCH_WORKERS, stage_bytes=stage) as reader:
-            producer = producer_class(ckpt, recipe, reader)
-            items = remaining(shards)
-            if feed is not None:
-                yield from feed.remove(feed.leftover)  # fully converted by a run that stopped before removing them
-                items = feed.gate(items)
-            pending = _read_ahead(items, lambda unit, after: producer.prefetch(unit, after), stage // 2)
-            ran, shown = 0, time.monotonic()  # units converted in this run; when download progress was last shown
-            for i, (file, header) in enumerate(zip(files, headers)):
-                if resumed[i]:
-                    continue
-                cont = partial if partial and partial.index == i else None
-                errors: dict[str, list[float]] = cont.errors if cont else {}  # module -> [count, sum, max]
-                layer_errors: dict[str, list[float]] = cont.layers if cont else {}  # layer -> [units, sum, max]
-                units_done, shard_in = (cont.units, cont.bytes_in) if cont else (0, 0)
-                writer = _open_writer(dst / file, (p.out for u in header for p in u.pieces), recipe,
-                                      lay.header_lengths[i], cont.mark if cont else None)
-                try:
-                    for item in _take(pending, lay.counts[i] - units_done):
-                        if not isinstance(item, tuple):  # a download the next units wait for
-                            yield item
-                            continue
-                        u, unit_in = item
-                        worst = None
-                        for r in producer.produce(u):
-                            writer.write(r.piece.out.name, r.data)
-                            if r.rel_error is not None and r.source_bytes:
-                                _add(errors.setdefault(r.piece.module.name, [0, 0.0, 0.0]), r.rel_error)
-                                worst = max(worst or 0.0, r.rel_error)
-                        if worst is not None:
-                            _add(layer_errors.setdefault("" if u.layer is None else str(u.layer), [0, 0.0, 0.0]),
-                                 worst)
-                        run_in += unit_in
-                        done_in += unit_in
-                        units_done += 1
-                        shard_in += unit_in
-                        elapsed = time.monotonic() - t_run
-                        rate = run_in / elapsed if elapsed > 0 else 0.0
-                        eta = (total_in - done_in) / rate if rate > 0 else None
-                        if feed is not None:  # one ETA: the later of converting and downloading what is left
-                            d = feed.progress()
-                            if d.downloaded < d.to_download:
-                                eta = max(eta, d.eta) if eta is not None and d.eta is not None else None
-                        yield UnitConverted(u.pieces[0].out.name, u.layer, u.expert, unit_in, u.nbytes, worst,
-                                            done_in, total_in, elapsed, rate, eta)
-                        kill_point("unit")
-                        if feed is None:
-                            continue
-                        gone = feed.finished(ran)
-                        ran += 1
-                        if gone and not feed.keep:  # the units that read them durable first, then they go
-                            journal.partial = {"file": file, "mark": writer.mark().to_dict(), "units": units_done,
-                                               "bytes_in": shard_in, "errors": errors, "layers": layer_errors}
-                            journal.save()
-                            kill_point("mark")
-                            for f in gone:
-                                reader.close_shard(f)
-                            yield from feed.remove(gone)
-                        if time.monotonic() - shown >= 0.5:
-                            shown = time.monotonic()
-                            yield feed.progress()
-                    writer.close()
-                except BaseException as e:
-                    writer.abort(keep_marked=True)
-                    _raise_if_no_room(e, dst, file)
-                    raise
-                try:
-                    journal.record(file, writer.nbytes, writer.sha256, errors, layer_errors)
-                except OSError as e:
-                    _raise_if_no_room(e, dst, JOURNAL)
-                    raise
-                yield ShardWritten(i + 1, len(files), file, writer.nbytes, writer.sha256)
+        yield from _write_shards(lay, dst, recipe, journal, resumed, partial, feed, progress, producer_class,
+                                 default_read_ahead() if read_ahead is None else read_ahead)
     finally:
         if feed is not None:
             feed.close()
 
     errors = _combined_errors(journal, files)
-    report = _report(ckpt, plan, source_fp, errors, time.monotonic() - t0)
+    report = _report(ckpt, plan, lay.source_fp, errors, time.monotonic() - t0)
     try:
         _finish(lay, dst, report, journal)
     except OSError as e:
-        _raise_if_no_room(e, dst, "the final files")
+        raise_if_no_room(e, dst, "the final files")
         raise
     count, total = sum(a[0] for a in errors.values()), sum(a[1] for a in errors.values())
     yield ConvertFinished(str(dst), time.monotonic() - t0, total_in, lay.file_bytes, len(files),
                           total / count if count else None, max((a[2] for a in errors.values()), default=None))
 
 
-# --- a source streamed from the hub --------------------------------------------------------------------------------
+def _layout_for(source: str | Path | Checkpoint | Layout, recipe: Recipe, shard_size: int) -> Layout:
+    if not isinstance(source, Layout):
+        return layout(source, recipe, shard_size)
+    if source.plan.recipe != recipe or source.plan.shard_size != shard_size:
+        raise ValueError("the layout was computed for another recipe or shard size")
+    return source
 
 
-def unit_shards(producer: Producer, unit: Unit) -> set[str]:
-    """The source shards a unit reads."""
-    return {e.shard for p in unit.pieces if not shared_expert_piece(p)
-            for e in producer.source_parts(p.module, p.expert).values()}
+def _write_shards(lay: Layout, dst: Path, recipe: Recipe, journal: Journal, resumed: list[bool],
+                  partial: Partial | None, feed: HubFeed | None, progress: Progress,
+                  producer_class: type[Producer], read_ahead: int) -> Iterator[Any]:
+    """This run's shards, in order. Two passes over the units, neither holding a shard's: one gives each shard's
+    header, the other the units to convert, each with its source bytes, their reads started ahead while MLX works."""
+    plan = lay.plan
+    headers = chunks(iter_units(plan.modules, "streaming"), lay.counts)
+    shards = chunks(with_source_bytes(iter_units(plan.modules, "streaming")), lay.counts)
+    decoded = sum(m.source.source_bytes for m in plan.modules if m.choice.format in (Format.TURBOQUANT, Format.AFFINE))
+    stage = min(read_ahead, decoded, progress.total_in - progress.done_in)  # the arena holds only what is decoded
+    with ShardReader(lay.ckpt.path, workers=PREFETCH_WORKERS, stage_bytes=stage) as reader:
+        producer = producer_class(lay.ckpt, recipe, reader)
+        items = _remaining(shards, resumed, partial)
+        if feed is not None:
+            yield from feed.remove(feed.leftover)  # fully converted by a run that stopped before removing them
+            items = feed.gate(items)
+        pending = _read_ahead(items, lambda unit, after: producer.prefetch(unit, after), stage // 2)
+        progress.shown_now()
+        run = ShardRun(dst, recipe, journal, producer, reader, progress, feed, len(lay.files))
+        for i, (file, header) in enumerate(zip(lay.files, headers)):
+            if not resumed[i]:
+                cont = partial if partial and partial.index == i else None
+                yield from run.write(i, file, header, lay.header_lengths[i], lay.counts[i], pending, cont)
 
 
-@dataclass(frozen=True)
-class _Partial:
-    """An output shard an earlier run left part-written, durable up to `mark` (its source was removed after)."""
-
-    index: int
-    mark: WriterMark
-    units: int
-    bytes_in: int
-    errors: dict[str, list[float]]
-    layers: dict[str, list[float]]
-
-
-def _partial(journal: Journal, dst: Path, files: tuple[str, ...], resumed: list[bool]) -> _Partial | None:
-    p = journal.partial
-    if not p or p.get("file") not in files or resumed[files.index(p["file"])]:
-        return None
-    try:
-        mark = WriterMark.from_dict(p["mark"])
-        part = dst / (p["file"] + ".partial")
-        if not part.is_file() or part.stat().st_size < mark.nbytes:
-            return None
-        return _Partial(files.index(p["file"]), mark, int(p["units"]), int(p["bytes_in"]), dict(p["errors"]),
-                        dict(p["layers"]))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _moved(ckpt: Checkpoint, journal: Journal | None) -> str | None:
-    """Why a conversion from the hub cannot resume from `ckpt`: it started from another commit of the repository (the
-    revision moved since). None when it can."""
-    was = journal.origin if journal is not None else None
-    o = ckpt.origin
-    if o is None or not was or was.get("repo") != o.repo_id or was.get("commit") == o.commit:
-        return None
-    return (f"this conversion started from {o.repo_id}@{str(was.get('commit'))[:12]}, but {o.revision} is now "
-            f"{o.commit[:12]}: finish it with --hf-path {o.repo_id}@{was.get('commit')}, or start over with --force")
-
-
-def _check_revision(ckpt: Checkpoint, dst: Path, force: bool) -> None:
-    """A conversion from the hub resumes only from the commit it started with."""
-    why = None if force else _moved(ckpt, Journal.load(dst) if dst.is_dir() else None)
-    if why:
-        raise ConvertError(why, dst)
-
-
-def _take(items: Iterator[Any], n: int) -> Iterator[Any]:
-    """The next `n` units of `items`, with the events that come between them."""
-    while n > 0:
-        item = next(items)
-        n -= isinstance(item, tuple)
-        yield item
+def _remaining(stream: Iterator[Iterator[Any]], resumed: list[bool], partial: Partial | None) -> Iterator[Any]:
+    """This run's part of a per-shard stream: unfinished shards, past the units a partial shard holds."""
+    for i, (shard, r) in enumerate(zip(stream, resumed)):
+        if not r:
+            yield from islice(shard, partial.units if partial and partial.index == i else 0, None)
 
 
 # --- destination checks ----------------------------------------------------------------------------------------------
@@ -439,30 +318,6 @@ def remove_conversion(dst: Path) -> None:
             f.unlink()
 
 
-def shard_metadata(recipe: Recipe) -> dict[str, str]:
-    return {"format": "mlx", "tqbench_recipe": recipe.name}
-
-
-def _open_writer(path: Path, specs: Iterable[TensorSpec], recipe: Recipe, head: int,
-                 resume: WriterMark | None = None) -> ShardWriter:
-    try:
-        # hashing and writing run on the writer's thread while MLX produces the next tensors
-        return ShardWriter(path, specs, shard_metadata(recipe), head, background=True, resume=resume)
-    except ResumeError as e:
-        raise ConvertError(f"cannot continue the part-written shard ({e}); delete {path.name}.partial and rerun",
-                           path.parent) from None
-    except OSError as e:
-        _raise_if_no_room(e, path.parent, path.name)
-        raise
-
-
-def _raise_if_no_room(e: BaseException, dst: Path, what: str) -> None:
-    """A full disk (or quota, or file-size limit) becomes one clear, resumable error."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        raise ConvertError(f"no room to write {what} ({e.strerror}): free space and rerun the same command to "
-                           "resume", dst) from None
-
-
 # --- fingerprints and accounting -------------------------------------------------------------------------------------
 
 
@@ -520,12 +375,6 @@ def _read_ahead(units: Iterator[tuple[Unit, int] | Any], prefetch: Callable[[Uni
         item = window.popleft()
         ahead -= item[1]
         yield item
-
-
-def _add(agg: list[float], error: float) -> None:
-    agg[0] += 1
-    agg[1] += error
-    agg[2] = max(agg[2], error)
 
 
 def _resumed_errors(journal: Journal, files: list[str]) -> tuple[LayerErrors, ...]:

@@ -13,7 +13,7 @@ import numpy as np
 
 from tqbench.managed import default_prefetch
 from tqbench.quant import turboquant as tq
-from tqbench.layout.units import Piece, Unit
+from tqbench.layout.shard_units import Piece, Unit
 from tqbench.recipe.plan import ModulePlan
 from tqbench.recipe.recipe import Format, Recipe
 from tqbench.source.checkpoint import Checkpoint

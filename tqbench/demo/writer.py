@@ -15,7 +15,7 @@ from tqbench.demo.spec import DemoSpec, source_config, special_ids, tensor_plan
 from tqbench.demo.tokenizer import demo_tokenizer_ranks
 from tqbench.demo.weights import WeightSource, random_weights
 from tqbench.layout.names import shard_file
-from tqbench.layout.units import assign_shards
+from tqbench.layout.shard_units import assign_shards
 from tqbench.shards.header import TensorSpec
 from tqbench.shards.writer import ShardWriter
 from tqbench.tokenizer import write_tokenizer

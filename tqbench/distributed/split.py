@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from tqbench import units
 from tqbench.errors import TqbenchError
-from tqbench.recipe.fit import Fit, Footprint, Machine, assess
+from tqbench.machine import Machine
+from tqbench.recipe.fit import Fit, Footprint, assess
 from tqbench.recipe.plan import Plan
 
 

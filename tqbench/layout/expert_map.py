@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 
 from tqbench.errors import CheckpointError
 from tqbench.layout.names import EXPERT_MAP
-from tqbench.layout.units import Unit
+from tqbench.layout.shard_units import Unit
 from tqbench.shards.header import DTYPE_SIZES
 
 

@@ -25,6 +25,7 @@ import os
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -252,19 +253,38 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled", rule: str = "rms
         raise ValueError("the cuda quantizer kernel needs MLX's CUDA build and a GPU as the default device")
     book = [float(v) for v in codebook(kind).astype(np.float32)]
     bounds = [float(v) for v in boundaries(kind)]
+    searched = _scale_search(book, bounds, group, kernel)
+    codes_of = _coder(book, bounds, group, kernel)
+
+    def packed(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        # rms: the scales are computed inside the kernel's graph; search: chosen first, then given to it
+        out = codes_of(x, searched(x)) if rule == "search" else codes_of(x)
+        if kernel == "cuda":
+            return out
+        codes, scales, err, norm = out
+        return pack(codes, len(book)), scales, err, norm
+
+    return packed
+
+
+def _grouped(x: mx.array, group: int) -> tuple[mx.array, mx.array]:
+    """Rows in groups of `group` values (..., groups, group), and each group's RMS (at least MIN_SCALE)."""
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    return g, mx.maximum(mx.sqrt(mx.mean(g * g, axis=-1, keepdims=True)), MIN_SCALE)
+
+
+def _scale_search(book: list[float], bounds: list[float], group: int, kernel: str) -> Callable[[mx.array], mx.array]:
+    """The search rule's scales of rotated rows, float16 (..., groups, 1): per group, the candidate scale
+    (SEARCH_MULTIPLIERS x its RMS) with the least squared error, by `kernel`."""
     steps = [b - a for a, b in zip(book, book[1:])]
 
     def group_error(g: mx.array, s32: mx.array) -> mx.array:
-        """Each group's squared error with scales s32 (the codes as `run` computes them)."""
+        """Each group's squared error with scales s32 (the codes as `_coder` computes them)."""
         v = g / s32
         recon = mx.full(v.shape, book[0], dtype=mx.float32)
         for b, step in zip(bounds, steps):
             recon = recon + mx.where(v >= b, step, 0.0)
         return mx.sum((recon * s32 - g) ** 2, axis=-1, keepdims=True)
-
-    def grouped(x: mx.array) -> tuple[mx.array, mx.array]:
-        g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-        return g, mx.maximum(mx.sqrt(mx.mean(g * g, axis=-1, keepdims=True)), MIN_SCALE)
 
     order = (1.0, *(m for m in SEARCH_MULTIPLIERS if m != 1.0))  # the RMS first: it keeps ties
 
@@ -296,14 +316,22 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled", rule: str = "rms
 
     def searched(x: mx.array) -> mx.array:
         """float16 scales (..., groups, 1) by the search rule."""
-        g, rms = grouped(x)
+        g, rms = _grouped(x, group)
         if kernel == "cuda":  # one kernel, every candidate: MLX's operations would take ~45 launches each
             return cuda_quantizer.search_scales(x, rms.squeeze(-1), tuple(book), tuple(bounds), group,
                                                 SEARCH_MULTIPLIERS, MIN_SCALE)[..., None]
         return at_once(g, rms) if x.size <= SEARCH_AT_ONCE else best_in_turn(g, rms)
 
+    return searched
+
+
+def _coder(book: list[float], bounds: list[float], group: int, kernel: str) -> Callable[..., tuple]:
+    """Rotated rows (and float16 scales, or None for their RMS, computed in the same graph) -> codes (for `cuda`
+    packed words), float16 scales, squared error and squared norm, by `kernel`."""
+    steps = [b - a for a, b in zip(book, book[1:])]
+
     def scaled(x: mx.array, given: mx.array | None) -> tuple[mx.array, mx.array, mx.array]:
-        g, rms = grouped(x)
+        g, rms = _grouped(x, group)
         scales = rms.astype(mx.float16) if given is None else given
         return g, scales, scales.astype(mx.float32)
 
@@ -332,17 +360,7 @@ def _quantizer(kind: str, group: int, kernel: str = "compiled", rule: str = "rms
                                                         codes_per_word(len(book)))
         return words, scales, err, norm
 
-    codes_of = {"cuda": run_cuda, "compare": run_compare, "passes": run, "compiled": mx.compile(run)}[kernel]
-
-    def packed(x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        # rms: the scales are computed inside the kernel's graph; search: chosen first, then given to it
-        out = codes_of(x, searched(x)) if rule == "search" else codes_of(x)
-        if kernel == "cuda":
-            return out
-        codes, scales, err, norm = out
-        return pack(codes, len(book)), scales, err, norm
-
-    return packed
+    return {"cuda": run_cuda, "compare": run_compare, "passes": run, "compiled": mx.compile(run)}[kernel]
 
 
 def quantizer_kernel() -> str:

@@ -1,6 +1,7 @@
 """Recipes (how each tier of a model is stored), their role rules, the exact size preview and the fit verdict."""
 
-from tqbench.recipe.fit import Fit, Footprint, Machine, Verdict, assess, machine, measure_disk, parse_size
+from tqbench.machine import Machine, machine, measure_disk
+from tqbench.recipe.fit import Fit, Footprint, Verdict, assess, parse_size
 from tqbench.recipe.plan import ModulePlan, Plan, Sources, group_sources, make_plan, plan_checkpoint
 from tqbench.recipe.recipe import Format, Recipe, RecipeError, RecipeFlags
 from tqbench.recipe.rules import Choice, choose

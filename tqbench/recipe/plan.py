@@ -26,7 +26,7 @@ from functools import cached_property
 from typing import Any, Iterable
 
 from tqbench.layout.names import per_expert_name, stacked_expert_name
-from tqbench.layout.units import LAYOUTS, count_shards, unit_sizes
+from tqbench.layout.shard_units import LAYOUTS, count_shards, unit_sizes
 from tqbench.recipe.fit import Footprint
 from tqbench.recipe.recipe import Format, Recipe, RecipeError
 from tqbench.recipe.rules import Choice, choose
@@ -319,7 +319,7 @@ class Plan:
     model_type: str
     modules: tuple[ModulePlan, ...] = field(repr=False)
     shard_size: int
-    layout: str  # streaming or stacked (tqbench.layout.units)
+    layout: str  # streaming or stacked (tqbench.layout.shard_units)
     shards: int
     params: int
     source_bytes: int

@@ -73,6 +73,9 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ShardHeader:
+    """One shard's header as read from its file, every tensor entry validated (a checkpoint keeps a summary of it:
+    tqbench.source.checkpoint.ShardSummary)."""
+
     file: str
     path: Path
     file_size: int

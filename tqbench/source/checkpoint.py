@@ -87,8 +87,8 @@ class Tensor:
 
 
 @dataclass(frozen=True)
-class Shard:
-    """A shard as the checkpoint keeps it: its header's facts, without its tensor entries."""
+class ShardSummary:
+    """A shard as the checkpoint keeps it: its ShardHeader's facts, without its tensor entries (only their count)."""
 
     file: str
     path: Path
@@ -139,7 +139,7 @@ class HubOrigin:
 class Checkpoint:
     path: Path  # the directory: for a hub checkpoint, its commit's folder in the Hugging Face cache
     config: ModelConfig
-    shards: tuple[Shard, ...]
+    shards: tuple[ShardSummary, ...]
     tensors: tuple[Tensor, ...]
     missing: tuple[MissingShard, ...]
     index_total_size: int | None  # bytes the index says the full checkpoint holds
@@ -191,8 +191,8 @@ def assemble(root: Path, config: ModelConfig, headers: Iterable[ShardHeader | Mi
             missing.append(header)
             continue
         tensors.extend(table.add(where, t) for t in header.tensors)
-        shards.append(Shard(header.file, header.path, header.file_size, header.data_start, header.metadata,
-                            len(header.tensors)))
+        shards.append(ShardSummary(header.file, header.path, header.file_size, header.data_start, header.metadata,
+                                   len(header.tensors)))
         del header
         yield ShardScanned(i, count, shards[-1].file, shards[-1].tensors, fetched())
 

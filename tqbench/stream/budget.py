@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqbench.recipe.fit import RESERVE, machine
+from tqbench.machine import machine
+from tqbench.recipe.fit import RESERVE
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def host_tier_plan(asked: str | int, path: str | Path, gpu_budget: int, store: A
         return HostTierPlan(int(asked), "asked on unified memory" if unified else "asked")
     if unified:
         return HostTierPlan(0, "unified memory")
-    from tqbench.recipe.fit import physical_memory
+    from tqbench.machine import physical_memory
 
     mb = model_bytes(path, store)
     left = mb.experts - gpu_budget
@@ -88,7 +89,7 @@ def available_memory() -> int:
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    from tqbench.recipe.fit import physical_memory
+    from tqbench.machine import physical_memory
 
     return physical_memory() // 2
 

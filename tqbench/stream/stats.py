@@ -50,7 +50,7 @@ class StreamStats:
     preload_bytes: int = 0  # read at start for those pins (not misses)
     preload_reads: int = 0
     preload_s: float = 0.0
-    # Where the demand page-ins' time went (seconds summed over them; timing only, see streamer._MissClock):
+    # Where the demand page-ins' time went (seconds summed over them; timing only, see pagein._MissClock):
     # per read, queued before a worker started it, the read itself, and waiting for a free staging buffer before
     # being submitted; per expert, the copy into its slot (by a read worker: copies overlap each other and the reads,
     # so these seconds can exceed the wall time they lie in) and the GPU / host prefetch calls (engine thread, the host

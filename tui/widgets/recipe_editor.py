@@ -28,7 +28,7 @@ from textual.widgets import Input, Label, Select, Static
 from tqbench import units
 from tqbench.errors import TqbenchError
 from tqbench.recipe.recipe import AFFINE_BITS, DEFAULT_BITS, DEFAULT_SEED, GROUP_SIZES, TQ_BITS, Format, Recipe
-from tqbench.recipe.fit import GB, DiskSpeed, cached_disk_speed, disk_speed
+from tqbench.machine import GB, DiskSpeed, cached_disk_speed, disk_speed
 from tui.machine import plan_machine, read_gbps, read_memory
 from tui.messages import MachineChosen, RecipeChosen
 from tui.widgets.inputs import OrderedInput
@@ -196,7 +196,7 @@ class RecipeEditor(Vertical):
         self._busy = False
         self._last_row: CycleSelect | None = None  # the option row focused last
         self._disk_path: Path | None = None  # the checkpoint whose disk is measured
-        self._disk: DiskSpeed | None = None  # its measured bandwidth (tqbench.recipe.fit.disk_speed)
+        self._disk: DiskSpeed | None = None  # its measured bandwidth (tqbench.machine.disk_speed)
         self._disk_note = "not measured (no checkpoint open)"
         self._memory: int | None = None
         self._typed_gbps: float | None = None  # the disk field's value; None: the measured bandwidth
