@@ -105,16 +105,17 @@ rm -f "$OUT"/[0-9][0-9]-*.txt "$OUT/timeout.txt"  # the screens of an earlier ru
 wait_for "kimi_k3" "routed_expert" "p Recipe"
 save 01-source
 
-# 2. Recipe: up to the name field, type tq4; the plan's column follows.
+# 2. Recipe: shift+tab back to the name field, type tq4; the plan's column follows.
 keys p
-wait_for "tab: table" "current" "bits/weight"
-keys Up
+wait_for "tab: next part" "current" "bits/weight"
+keys BTab
 clear
 type_text "tq4"
 keys Enter
 wait_for "tq4-g64" "exp down  none"
 save 02-recipe
-keys Down  # leave the name field: the app's one-letter keys work again
+keys Escape  # leave the name field: the app's one-letter keys work again
+wait_for "↑↓ Row"  # (a key sent right behind an escape would arrive as alt+key)
 
 # 3. Convert: the Recipe screen's recipe; the output typed (shift+tab twice from the table), then r.
 keys c

@@ -19,7 +19,7 @@ from tui.widgets.roles import RoleTable
 from tui.widgets.shards import MISSING, ShardTable
 from tui.widgets.summary import SummaryPanel
 from tui.widgets.tensors import ROW_LIMIT, TensorPanel
-from tui_helpers import burst
+from tui_helpers import burst, screen_lines
 
 SIZE = (80, 24)
 LAYERS = 4
@@ -356,6 +356,63 @@ async def test_layout_fits_80x24(tiny):
                 assert widget.region.right <= 80
 
 
+def check_tensor_rows(app, width: int) -> int:
+    """Each shown row's role whole, right after its name, the name whole or its end after an ellipsis; no line wider
+    than the screen. Returns how many names were shortened."""
+    panel = app.screen.query_one(TensorPanel)
+    table = panel.table
+    lines = screen_lines(app)
+    assert lines[table.region.y].split()[:4] == ["name", "role", "layer", "expert"]
+    assert all(len(line) <= width for line in lines)
+    shortened = 0
+    for i, row in enumerate(table.ordered_rows[:table.region.height - 2]):
+        full = row.key.value
+        tensor = panel._shown[full]
+        role = tensor.name.role.value + (f" ({tensor.name.attention})" if tensor.name.attention else "")
+        line = lines[table.region.y + 1 + i][table.region.x:table.region.right]
+        shown = line.split()[0]
+        assert shown == full or (shown.startswith("…") and full.endswith(shown[1:])), (shown, full)
+        shortened += shown != full
+        assert f" {role} " in f"{line} ", (line, role)
+    return shortened
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 35), (200, 50)])
+async def test_tensor_table_shows_roles_whole_and_names_by_their_end(tiny, size):
+    """Each row's role reads whole, right after its name; a name too long for the room left shows its end after an
+    ellipsis (at 200 columns every name is whole), and the line under the table names the highlighted tensor in
+    full."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot)
+        await pilot.press("2")
+        await settle(pilot)
+        assert (check_tensor_rows(app, size[0]) == 0) == (size[0] >= 200)
+        table = app.screen.query_one(TensorPanel).table
+        detail = str(app.screen.query_one("#tensor-detail", Static).render())
+        assert detail.split("\n")[0] == table.ordered_rows[0].key.value
+
+
+async def test_tensor_table_refits_its_names_when_resized(tiny):
+    """A filtered table at 80 columns, then 120 and 80 again: the names shortened to the new room each time (the
+    columns' widths follow), the roles whole."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("slash", *"experts.7.w2", "enter")
+        await settle(pilot)
+        panel = app.screen.query_one(TensorPanel)
+        assert panel.row_count == 2 * (LAYERS - FIRST_DENSE)
+        widths = []
+        for width, height in ((80, 24), (120, 35), (80, 24)):
+            await pilot.resize_terminal(width, height)
+            await settle(pilot)
+            await pilot.pause(0.1)
+            check_tensor_rows(app, width)
+            widths.append(panel.table.columns["name"].get_render_width(panel.table))
+        assert widths[0] == widths[2] < widths[1]
+
+
 def test_snapshot_source_screen(tmp_path, monkeypatch, snap_compare):
     """The loaded Source screen at 80x24 on the tiny skeleton (path shown relative to the working directory)."""
     write_tiny(tmp_path / "tiny-k3")
@@ -365,6 +422,21 @@ def test_snapshot_source_screen(tmp_path, monkeypatch, snap_compare):
         await settle(pilot)
 
     assert snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=SIZE, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 35), (200, 50)], ids=["80x24", "120x35", "200x50"])
+def test_snapshot_tensors_tab(tmp_path, monkeypatch, snap_compare, size):
+    """The Tensors tab: roles whole after the names (their ends where the room is short), the highlighted tensor's full
+    name under the table."""
+    write_tiny(tmp_path / "tiny-k3")
+    monkeypatch.chdir(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        await pilot.press("2", "down", "down")
+        await settle(pilot)
+
+    assert snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=size, run_before=run_before)
 
 
 def test_snapshot_incomplete_shards_tab(tmp_path, monkeypatch, snap_compare):

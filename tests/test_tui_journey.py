@@ -78,14 +78,14 @@ async def test_source_recipe_convert_chat_profile(tmp_path, monkeypatch):
 
         # ---- Recipe: type a recipe name into the editor's name field -------------------------------------------------
         screen = await go(pilot, "p", RecipeScreen)
-        await pilot.press("up", "ctrl+u", *RECIPE, "enter")  # from the base row up to the name field
+        await pilot.press("shift+tab", "ctrl+u", *RECIPE, "enter")  # from the base row back to the name field
         await settle(pilot)
         assert app.recipe == Recipe.parse(RECIPE) and screen.recipe == Recipe.parse(RECIPE)
         await wait_for(pilot, lambda: Recipe.parse(RECIPE) in screen.shown and not screen.editor._busy, "the plan")
         await settle(pilot)
         shown = screen_text(pilot)
         assert "tq4-g64" in shown and units.gb(plan.total_bytes) in shown and units.gb(plan.streamed_bytes) in shown
-        await pilot.press("down")  # leave the name field: the app's keys work again
+        await pilot.press("escape")  # leave the name field: the app's keys work again
 
         # ---- Convert: the Recipe screen's recipe, into a directory typed here ------------------------------------
         screen = await go(pilot, "c", ConvertScreen)

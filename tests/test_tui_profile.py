@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -208,6 +209,25 @@ async def test_896_experts_are_binned_and_zoom_scrolls(wide, tmp_path):
                    f"{maxima[0][last]:,.1f}" in cell
             await pilot.press("plus")
             await pilot.pause()
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 35), (200, 50)])
+async def test_the_expert_axis_labels_are_whole(wide, tmp_path, size):
+    """The axis names the first expert of every tenth column, each label whole: one that would run past the map's
+    last column is left out (at 120 columns, 880 in bins of 8 would have read `88`)."""
+    remember_model(wide)
+    put(seeded(wide, seed=1))
+    app = TqbenchApp(tmp_path)
+    async with app.run_test(size=size) as pilot:
+        screen = await open_profile(pilot)
+        heat = screen.query_one(HeatMap)
+        region = heat.scrollable_content_region
+        shown = min(heat.cells.shape[1], region.width - heat.label_width)
+        axis = screen_lines(app)[region.y][region.x + heat.label_width:region.right]
+        labels = {m.start(): m.group() for m in re.finditer(r"\d+", axis)}
+        expected = {c: str(c * heat.bin) for c in range(0, shown, 10) if c + len(str(c * heat.bin)) <= shown}
+        assert labels == expected, (axis, heat.bin)
+        assert all(start + len(label) <= shown for start, label in labels.items())
 
 
 async def test_coverage_is_the_engines(demo, tmp_path):
@@ -469,6 +489,43 @@ async def test_every_footer_names_the_other_screens_at_80_columns(demo, tmp_path
             assert "? Help" in footer and "q Quit" in footer and len(footer.rstrip()) <= 80
 
 
+async def test_every_footer_names_every_other_screen_at_120_columns(demo, tmp_path):
+    """At 120x35 each screen's footer has every other screen's key, Serve's included (Chat's out of its message field,
+    where the letters type)."""
+    src, model, _ = demo
+    remember_model(model)
+    app = TqbenchApp(src)
+    names = {"s": "Source", "p": "Recipe", "c": "Convert", "t": "Chat", "h": "Profile", "w": "Serve"}
+    async with app.run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        for key in ("s", "p", "c", "h", "w", "t"):
+            await pilot.press(key)
+            await settle(pilot)
+            if key == "t":
+                await pilot.press("escape")  # out of the message field
+                await pilot.pause()
+            footer = (await stable_screen_lines(pilot))[-1]
+            assert all(f"{other} {name}" in footer for other, name in names.items() if other != key), footer
+            assert "? Help" in footer and "q Quit" in footer
+
+
+async def test_a_footer_too_narrow_leaves_out_its_last_keys_whole(demo, tmp_path):
+    """At 80 columns the Source screen's keys and the other screens' do not all fit: the last ones are left out, never
+    cut mid-word, and the help screen still lists them."""
+    src, model, _ = demo
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        footer = (await stable_screen_lines(pilot))[-1].rstrip()
+        assert footer.endswith("h Profile") and "w Se" not in footer
+        await pilot.resize_terminal(120, 35)
+        footer = (await stable_screen_lines(pilot))[-1].rstrip()
+        assert footer.endswith("h Profile w Serve")
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert "Serve" in sections(str(app.screen.query_one("#help-text").render()))["Everywhere"]
+
+
 def test_snapshot_profile_screen(demo, tmp_path, monkeypatch, snap_compare):
     """The Profile screen at 80x24 on seeded counts (paths relative to the working directory)."""
     src, model, _ = demo
@@ -481,6 +538,21 @@ def test_snapshot_profile_screen(demo, tmp_path, monkeypatch, snap_compare):
         await pilot.press("down", "right", "right")
 
     assert snap_compare(TqbenchApp(Path("src")), terminal_size=SIZE, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 35), (200, 50)], ids=["80x24", "120x35", "200x50"])
+def test_snapshot_profile_screen_binned(wide, tmp_path, monkeypatch, snap_compare, size):
+    """K3's 896 experts per layer binned to the width (seeded counts), the axis labels whole, every screen's key in the
+    footer where it fits."""
+    remember_model(wide)
+    put(seeded(wide, seed=1))
+    monkeypatch.chdir(wide.parent)
+
+    async def run_before(pilot) -> None:
+        await open_profile(pilot)
+        await pilot.press("down", "right", "right")
+
+    assert snap_compare(TqbenchApp(tmp_path), terminal_size=size, run_before=run_before)
 
 
 def test_engine_modules_import_no_ui_library():

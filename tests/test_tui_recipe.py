@@ -267,7 +267,7 @@ async def test_pin_recipes_side_by_side(tiny, engine):
         # x unpins the column under the table's cursor; outside the table, it says how to select one.
         await pilot.press("x")
         assert len(screen.pins) == MAX_PINS and "select a pinned column" in list(app._notifications)[-1].message
-        await pilot.press("tab")  # to the table, its cursor on the current recipe
+        await pilot.press("tab", "tab", "tab")  # past memory and disk to the table, its cursor on the current recipe
         assert app.focused is table and table.selected_name == CURRENT
         await pilot.press("right")
         assert table.selected_name == first
@@ -276,11 +276,11 @@ async def test_pin_recipes_side_by_side(tiny, engine):
         assert [r.name for r in screen.pins] == [second, "tq2a-tqTe-down4-g64"]
         assert table.column_names == [CURRENT, second, "tq2a-tqTe-down4-g64"]
         assert flat_column(table, second) == compact_cells(*engine(second, RESIDENT_MEMORY))
-        # e loads the selected pin into the editor; tab goes back to the editor's control focused last.
+        # e loads the selected pin into the editor; esc goes back to the editor's row focused last.
         assert table.selected_name == second  # the cursor stays on the column that took the unpinned one's place
         await pilot.press("e")
         await settle(pilot)
-        await pilot.press("tab")
+        await pilot.press("escape")
         assert app.focused is screen.query_one("#base") and table.selected_name == CURRENT
         assert name_field(app) == second and controls(app)["base"] == "tq4"
         assert flat_column(table, CURRENT) == compact_cells(*engine(second, RESIDENT_MEMORY))
@@ -313,6 +313,38 @@ async def test_three_pins_are_readable_at_80x24(tiny, engine):
 
 
 @pytest.mark.slow
+async def test_a_wide_screen_keeps_labels_and_names_on_one_line(tiny, engine):
+    """At 120x35 the current recipe and two pins fit with every label and name on one line (at 80x24 they wrap); at
+    150 columns and more the editor widens too."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=(120, 35)) as pilot:
+        screen = await open_recipe_screen(pilot)
+        table = screen.query_one(PlanTable)
+        for _ in range(2):
+            await pilot.press("plus", "right")  # pin, then the next base bits
+            await settle(pilot)
+        names = [r.name for r in screen.wanted]
+        assert not table.compact and table.column_names == [CURRENT, *names[1:]]
+        labels = [table.text(str(row.key.value), "label") for row in table.ordered_rows]
+        assert "experts/token top-2" in labels and all("\n" not in label for label in labels)
+        lines = screen_lines(app)
+        assert all(name in "\n".join(lines[:6]) for name in names)  # each name whole, on one line
+        assert table.region.right <= 120 and table.region.x == screen.editor.region.right
+        for key, name in zip(table.column_names, names):
+            assert column(table, key) == expected_cells(*engine(name, RESIDENT_MEMORY)), name
+        narrow = screen.editor.region.width
+        await pilot.resize_terminal(200, 50)
+        await settle(pilot)
+        assert screen.editor.region.width > narrow and not table.compact
+        await pilot.press("plus", "right")  # a third pin; the current recipe is affine3a-tqTe-down4-g64
+        await settle(pilot)
+        assert len(screen.pins) == MAX_PINS and not table.compact
+        assert screen.recipe.name == "affine3a-tqTe-down4-g64"
+        header = "\n".join(screen_lines(app)[:6])
+        assert all(r.name in header for r in screen.wanted), header  # each on one line
+
+
+@pytest.mark.slow
 async def test_ctrl_u_then_typing_at_once_sets_the_memory(tiny, engine):
     """ctrl+u and a size typed right behind it (as a paste does): the field holds the size, the plan is assessed for
     it."""
@@ -334,39 +366,83 @@ async def test_ctrl_u_then_typing_at_once_sets_the_memory(tiny, engine):
 
 
 @pytest.mark.slow
-async def test_tab_switches_panes_and_the_footer_says_what_the_arrows_do(tiny):
+async def test_up_on_the_first_row_stays_and_app_keys_switch_screens(tiny):
+    """The issue's trap: up on the base row, then s and p. Up stays on the base (arrows never enter a text field), s
+    opens the Source screen and p comes back; nothing was typed into the recipe's name."""
+    app = TqbenchApp(tiny)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_recipe_screen(pilot)
+        base = screen.query_one("#base")
+        assert app.focused is base
+        await pilot.press("up", "up")
+        assert app.focused is base
+        await pilot.press("s")
+        assert app.current_mode == "source"
+        await pilot.press("p")
+        assert app.screen is screen and app.focused is base and name_field(app) == INITIAL_RECIPE
+        assert screen.recipe == Recipe.parse(INITIAL_RECIPE)
+        for _ in range(12):  # down to the last enabled row, and no further: never into the memory field
+            await pilot.press("down")
+        assert app.focused is screen.query_one("#scales")
+        await pilot.press("s")
+        assert app.current_mode == "source"
+
+
+@pytest.mark.slow
+async def test_tab_goes_round_every_part_and_esc_goes_back_to_the_rows(tiny):
+    """Tab and shift+tab visit every part in reading order (name, option rows, memory, disk, table) and round again;
+    in a text field the app's keys type (the footer hides them) and esc goes back to the row focused last."""
     app = TqbenchApp(tiny)
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_recipe_screen(pilot)
         table = screen.query_one(PlanTable)
-        base, memory = screen.query_one("#base"), screen.query_one("#memory", Input)
+        name, memory, disk = (screen.query_one(f"#{key}", Input) for key in ("recipe-name", "memory", "disk"))
+        base, group = screen.query_one("#base"), screen.query_one("#group")
         assert app.focused is base and "↑↓ Row" in footer(app) and "←→ Change" in footer(app)
-        # Tab and shift+tab switch between the two panes, never into the editor's text fields.
+        await pilot.press("down")
+        assert app.focused is group
+        order = [memory, disk, table, name, group]  # the rows resume on the row focused last
+        for part in order:
+            await pilot.press("tab")
+            assert app.focused is part
+        for part in reversed(order[:-1]):
+            await pilot.press("shift+tab")
+            assert app.focused is part
         await pilot.press("shift+tab")
+        assert app.focused is group
+
+        # In the table: left/right select a recipe; esc goes back to the rows.
+        await pilot.press("shift+tab", "shift+tab")
         assert app.focused is table and "←→ Recipe" in footer(app) and "x Unpin" in footer(app)
+        await pilot.press("escape")
+        assert app.focused is group
+
+        # In a text field the app's one-letter keys type, and the footer says so by leaving them out.
         await pilot.press("shift+tab")
-        assert app.focused is base
-        await pilot.press("tab", "tab")
-        assert app.focused is base
-        # Up/down walk the rows, text fields included; left/right move a text field's cursor, and the footer says so.
-        for _ in range(8):
-            await pilot.press("down")
-        assert app.focused is memory and "←→ Cursor" in footer(app) and "↑↓ Row" in footer(app)
+        assert app.focused is name
+        assert "esc Rows" in footer(app) and "←→ Cursor" in footer(app)
+        assert not any(key in footer(app) for key in ("s Source", "q Quit", "+ Pin", "v Eval"))
+        name.cursor_position = len(name.value)
+        await pilot.press("s")
+        assert app.current_mode == "recipe" and name_field(app) == INITIAL_RECIPE + "s"
+        await pilot.press("backspace", "left", "left")
+        assert name_field(app) == INITIAL_RECIPE and name.cursor_position == len(name.value) - 2
+        await pilot.press("up", "down")  # nothing: a one-line field
+        assert app.focused is name
+        await pilot.press("escape")
+        assert app.focused is group and name_field(app) == INITIAL_RECIPE
+        assert footer(app).rstrip().endswith("h Profile")  # the footer's keys fit, whole (w Serve is left out)
+
+        # Memory: typed there, then tab on to the disk field.
+        await pilot.press("tab")
+        assert app.focused is memory
         memory.cursor_position = len(memory.value)
         before = (memory.value, screen.recipe, screen.machine)
         await pilot.press("left", "left")
         assert memory.cursor_position == len(memory.value) - 2 and (memory.value, screen.recipe, screen.machine) == before
-        await pilot.press("up")
-        assert app.focused is screen.query_one("#scales")
-        await pilot.press("down", "down", "down")  # memory, disk, and no further (no wrapping)
-        assert app.focused is screen.query_one("#disk")
-        # Back into the editor on the row focused last.
         await pilot.press("tab")
-        assert app.focused is table
-        await pilot.press("tab")
-        assert app.focused is screen.query_one("#disk")
+        assert app.focused is disk
         assert all(len(line) <= SIZE[0] for line in screen_lines(app))
-        assert footer(app).rstrip().endswith("+ Pin")  # the footer's keys fit (the last one is whole)
 
 
 @pytest.mark.slow
@@ -472,9 +548,8 @@ async def test_without_a_checkpoint_the_screen_says_how_to_get_one(tmp_path):
         assert app.is_running
 
 
-@pytest.mark.slow
-def test_snapshot_recipe_screen(tmp_path, monkeypatch, snap_compare):
-    """The Recipe screen at 80x24 on the tiny skeleton with one pinned recipe, streaming on a typed machine."""
+def snapshot_one_pin(tmp_path, monkeypatch, snap_compare, size: tuple[int, int]) -> bool:
+    """The Recipe screen on the tiny skeleton with one pinned recipe, streaming on a typed machine."""
     import tqbench.machine
     import tui.machine
 
@@ -489,7 +564,21 @@ def test_snapshot_recipe_screen(tmp_path, monkeypatch, snap_compare):
         await pilot.press("plus", "left")  # pin, then base tq3 -> tq2
         await settle(pilot)
 
-    assert snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=SIZE, run_before=run_before)
+    return snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.slow
+def test_snapshot_recipe_screen(tmp_path, monkeypatch, snap_compare):
+    """At 80x24: labels and names wrap, the table right of the narrow editor."""
+    assert snapshot_one_pin(tmp_path, monkeypatch, snap_compare, SIZE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [(120, 35), (200, 50)], ids=["120x35", "200x50"])
+def test_snapshot_recipe_screen_wide(tmp_path, monkeypatch, snap_compare, size):
+    """Where there is room: labels and names on one line; at 200 columns the editor widens; every screen's key in
+    the footer."""
+    assert snapshot_one_pin(tmp_path, monkeypatch, snap_compare, size)
 
 
 @pytest.mark.slow
@@ -509,7 +598,7 @@ def test_snapshot_recipe_screen_three_pins(tmp_path, monkeypatch, snap_compare):
         for _ in range(MAX_PINS):
             await pilot.press("plus", "right")  # pin, then the next base bits
             await settle(pilot)
-        await pilot.press("tab", "right", "right")
+        await pilot.press("tab", "tab", "tab", "right", "right")  # past memory and disk to the table, pin 2
         await settle(pilot)
 
     assert snap_compare(TqbenchApp(Path("tiny-k3")), terminal_size=SIZE, run_before=run_before)
@@ -574,7 +663,7 @@ async def test_quality_rows_show_the_evaluations_of_the_loaded_source():
 
         recipe_keys = dict(next(keys for title, keys in sections(app) if title.startswith("Recipe screen")))
         assert recipe_keys["v"] == "Eval"
-        assert "v Eval" in footer(app) and footer(app).rstrip().endswith("h Profile")
+        assert "v Eval" in footer(app) and footer(app).rstrip().endswith("h Profile w Serve")  # every key at 120
         screen.query_one("#memory", Input).focus()  # v types in a text field: not offered there
         await pilot.pause()
         assert "v Eval" not in footer(app)

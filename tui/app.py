@@ -35,8 +35,8 @@ class TqbenchApp(App[None]):
     DEFAULT_MODE = "source"
     BINDINGS = [
         Binding("q", "quit", "Quit"),
-        # Help before the screens' keys: a footer too narrow for every key (80 columns on Chat) drops the last ones,
-        # and the help screen lists them all
+        # Help before the screens' keys: a footer too narrow for every key (80 columns) leaves out the last ones whole
+        # (tui.widgets.footer), and the help screen lists them all
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("f1", "help", "Help", show=False),  # also in fields, where ? types
         Binding("s", "switch_mode('source')", "Source"),
@@ -44,8 +44,7 @@ class TqbenchApp(App[None]):
         Binding("c", "switch_mode('convert')", "Convert"),
         Binding("t", "switch_mode('chat')", "Chat"),
         Binding("h", "switch_mode('profile')", "Profile"),  # f: the Convert screen's Force
-        # not in the footer (it would push other keys off 80 columns): the help screen and the palette list it
-        Binding("w", "switch_mode('serve')", "Serve", show=False),
+        Binding("w", "switch_mode('serve')", "Serve"),  # the first key left out of an 80-column footer
     ]
 
     # The tqbench.source.Checkpoint opened last, for every screen (the Source screen sets it; the Recipe screen

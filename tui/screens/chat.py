@@ -37,7 +37,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Static
+from textual.widgets import Header, Input, Static
 from textual.worker import Worker, WorkerState
 
 from tqbench.chat import report
@@ -55,6 +55,7 @@ from tui.screens.chat_turns import (RESET_LINE, RESETTING_LINE, START_HINT, STOP
 from tui.spans import content
 from tui.widgets.conversion_bar import ConversionBar
 from tui.widgets.expert_panel import ExpertPanel
+from tui.widgets.footer import FittingFooter
 from tui.widgets.inputs import OrderedInput
 from tui.widgets.model_band import ModelBand
 from tui.widgets.transcript import Transcript
@@ -112,7 +113,7 @@ class ChatScreen(Screen):
             yield ExpertPanel(id="expert-panel")
         yield Static("", id="chat-status")
         yield ChatInput(placeholder="Type a message; enter sends", id="chat-input")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self.sub_title = "Chat"

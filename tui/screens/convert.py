@@ -24,7 +24,7 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Static
+from textual.widgets import Header, Input, Static
 from textual.worker import Worker, WorkerState
 
 from tqbench.destination import OutputError, can_replace, can_start, kept_shards, read_output, source_base
@@ -39,6 +39,7 @@ from tui.screens.convert_run import ConvertRun, failed_note, run_line, stopped_n
 from tui.state import display_path, remember_conversion, source_name
 from tui.tally import Tally
 from tui.widgets.convert_form import ConvertForm
+from tui.widgets.footer import FittingFooter
 from tui.widgets.layer_table import LayerTable
 from tui.widgets.run_progress import RunProgress
 
@@ -84,7 +85,7 @@ class ConvertScreen(Screen):
         with Vertical(id="convert-body"):
             yield ConvertForm(id="convert-form")
             yield RunProgress()
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self.sub_title = "Convert"

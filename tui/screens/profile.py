@@ -22,12 +22,13 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Static
+from textual.widgets import DataTable, Header, Static
 from textual.worker import Worker, WorkerState
 
 from tqbench.errors import TqbenchError
 from tui.screens.open import OpenScreen
 from tui.state import display_path
+from tui.widgets.footer import FittingFooter
 from tui.widgets.heat_map import RAMP, HeatMap
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class ProfileScreen(Screen):
             yield HeatMap(id="heat")
             yield Static("", id="heat-cell")
             yield DataTable(id="coverage", cursor_type="row", zebra_stripes=True)
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self.sub_title = "Profile"

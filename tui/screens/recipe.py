@@ -10,13 +10,15 @@ Pinning: `+` (or enter outside a text field) pins the current recipe as the next
 pin is refused with a message (unpin one first: pins are never dropped silently), and so is a recipe already pinned.
 At 80x24 the current recipe and three pins fit side by side (the table's compact mode, tui.widgets.plan_table).
 
-Focus and arrows: the screen has two panes, the editor and the table. Tab and shift+tab switch between them (never
-into the middle of the editor's rows): into the table with its cursor on the current recipe, back into the editor on
-the row focused last (the base at first). In the editor, up/down move between the rows, choice controls and text
-fields alike; left/right change a choice control and move the cursor in a text field. In the table, left/right select
-a recipe's column (`x` / delete unpin the selected pinned recipe, `e` loads it into the editor) and up/down scroll.
-The footer names what the arrows do where the focus is (`←→ Change`, `←→ Cursor`, `←→ Recipe`). Leaving the table
-puts its cursor back on the current recipe, so the current column is always in view while editing.
+Focus and arrows: tab and shift+tab go round the screen's parts in reading order: the recipe name, the option rows
+(one stop, on the row focused last: the base at first), memory, disk bandwidth, then the table (its cursor on the
+current recipe). Up/down move between the option rows only, never into a text field, where the app's one-letter keys
+type (a user pressing up on the base and then `s` meant the Source screen, not a recipe ending in `s`); esc goes
+back to the option rows from a text field or the table. Left/right change a choice control and move the cursor in a
+text field. In the table, left/right select a recipe's column (`x` / delete unpin the selected pinned recipe, `e`
+loads it into the editor) and up/down scroll. The footer names what the arrows do where the focus is (`←→ Change`,
+`←→ Cursor`, `←→ Recipe`) and, in a text field, leaves out the keys that type there. Leaving the table puts its
+cursor back on the current recipe, so the current column is always in view while editing.
 
 Quality: the table's quality rows show, per recipe, the latest evaluation of its conversion against the loaded source
 that tqbench.eval.store remembers (read in a worker once per checkpoint and after each quick eval; a recipe's cells
@@ -40,7 +42,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Static
+from textual.widgets import Header, Input, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from tqbench.demo import demo_path
@@ -56,6 +58,7 @@ from tui.messages import (MachineChosen, PlanFailed, PlansReady, QualitiesRead, 
 from tui.screens.chat_relay import one_line
 from tqbench.source.hub.disk import hub_disk
 from tui.state import source_name
+from tui.widgets.footer import FittingFooter
 from tui.widgets.plan_table import CURRENT, PlanTable
 from tui.widgets.quality_line import QualityLine, progress_text
 from tui.widgets.recipe_editor import INITIAL_RECIPE, RecipeEditor
@@ -75,9 +78,11 @@ class RecipeScreen(Screen):
         Binding("delete", "unpin", "Unpin", show=False),
         Binding("e", "edit_pin", "Edit pin", show=False),
         Binding("v", "quick_eval", "Eval"),  # "Quick eval" would push "h Profile" off an 80-column footer
-        Binding("tab", "switch_focus", "Table/editor", show=False),
-        Binding("shift+tab", "switch_focus", "Table/editor", show=False),
+        Binding("tab", "focus_part(1)", "Next part", show=False),
+        Binding("shift+tab", "focus_part(-1)", "Previous part", show=False),
+        Binding("escape", "focus_rows", "Option rows", show=False),  # the text fields show it as `esc Rows`
     ]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (150, "-wide")]  # the editor widens (app.tcss)
 
     def __init__(self) -> None:
         super().__init__()
@@ -105,7 +110,7 @@ class RecipeScreen(Screen):
                 yield Static("", id="plan-empty")
                 yield PlanTable(id="plan-table")
                 yield QualityLine(id="quality-line")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self.sub_title = "Recipe"
@@ -372,10 +377,10 @@ class RecipeScreen(Screen):
     # ---- pins -------------------------------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("quick_eval", "pin") and isinstance(self.focused, Input):
+            return False  # v and + type there (and enter is the field's)
         if action in ("pin", "unpin", "edit_pin"):
             return None if not self.shown else True  # shown but disabled until the first plan is there
-        if action == "quick_eval":
-            return not isinstance(self.focused, Input)  # v types there
         return True
 
     def action_pin(self) -> None:
@@ -390,12 +395,20 @@ class RecipeScreen(Screen):
         self.pins.append(recipe)
         self._refresh()
 
-    def action_switch_focus(self) -> None:
-        """Tab, shift+tab: from the editor to the table and back (up/down move between the editor's rows)."""
-        if self.table.has_focus or not self.table.display:
-            self.editor.focus_last()
+    def action_focus_part(self, step: int) -> None:
+        """Tab (step 1), shift+tab (-1): the next or previous part in reading order (the module docstring), round."""
+        parts = [*self.editor.parts, *([self.table] if self.table.display else [])]
+        focused = self.focused
+        here = next((i for i, part in enumerate(parts)
+                     if focused is not None and (focused is part or part in focused.ancestors)), None)
+        target = parts[0 if here is None and step > 0 else -1 if here is None else (here + step) % len(parts)]
+        if target.id == "recipe-rows":
+            self.editor.focus_rows()
         else:
-            self.set_focus(self.table)
+            self.set_focus(target)
+
+    def action_focus_rows(self) -> None:
+        self.editor.focus_rows()
 
     def _selected_pin(self) -> Recipe | None:
         name = self.table.selected_name if self.table.display and self.table.has_focus else None

@@ -31,7 +31,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Label, RichLog, Static
+from textual.widgets import Header, Input, Label, RichLog, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from tqbench.chat.live import PageInMap
@@ -46,6 +46,7 @@ from tui.screens.chat_relay import one_line
 from tui.screens.serve_relay import relay_attach, relay_service
 from tui.widgets.conversion_bar import ConversionBar
 from tui.widgets.expert_map import ExpertMapView, natural_width
+from tui.widgets.footer import FittingFooter
 from tui.widgets.inputs import OrderedInput
 
 HOST = "127.0.0.1"
@@ -136,7 +137,7 @@ class ServeScreen(Screen):
         with Horizontal(id="serve-body"):
             yield RichLog(max_lines=LOG_LINES, wrap=True, min_width=20, id="serve-log")  # wrapped to its width
             yield ExpertMapView(id="serve-map")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self.sub_title = "Serve"

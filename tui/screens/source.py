@@ -10,7 +10,7 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Input, Static, TabbedContent, TabPane
+from textual.widgets import DataTable, Header, Input, Static, TabbedContent, TabPane
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from tqbench.errors import TqbenchError
@@ -19,6 +19,7 @@ from tqbench.engine import iterate_in_daemon
 from tui.messages import CheckpointLoaded, LoadFailed, ScanProgress, ScanStarted
 from tui.screens.open import OpenScreen
 from tui.state import display_path, last_checkpoint, remember_checkpoint, source_name, source_ref
+from tui.widgets.footer import FittingFooter
 from tui.widgets.roles import RoleTable
 from tui.widgets.scan import ScanPanel
 from tui.widgets.shards import ShardTable
@@ -61,7 +62,7 @@ class SourceScreen(Screen):
                     yield TensorPanel(id="tensors")
                 with TabPane("3 Shards", id="shards-pane"):
                     yield ShardTable(id="shards")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self.sub_title = "Source"

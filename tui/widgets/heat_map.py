@@ -158,12 +158,13 @@ class HeatMap(ScrollView, can_focus=True):
         cols = range(x0, min(self.cells.shape[1], x0 + max(0, width - lw)))
         base = self.rich_style
         dim = base + Style(dim=True)
-        if y == 0:  # the expert axis: the first expert of every tenth column
+        if y == 0:  # the expert axis: the first expert of every tenth column, each label whole or not at all
             axis = ""
             for c in cols:
-                if len(axis) <= c - x0 and c % 10 == 0:
-                    axis += str(c * self.bin).ljust(10)
-            axis = axis[: len(cols)]
+                label = str(c * self.bin)
+                if c % 10 == 0 and (not axis or len(axis) < c - x0) and c - x0 + len(label) <= len(cols):
+                    axis = axis.ljust(c - x0) + label
+            axis = axis.ljust(len(cols))
             return Strip([Segment(" " * lw, base), Segment(axis, dim)]).adjust_cell_length(width, base)
         row = y0 + y - 1
         if row >= len(self.layer_ids):

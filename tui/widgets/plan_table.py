@@ -8,6 +8,10 @@ on this source), then the details (bits per weight by role under a heading, kept
 hit rate); long labels, verdicts and the sysctl command wrap to the column width. The table's column cursor selects
 a pinned recipe (to unpin or edit it).
 
+Layouts from the widest, the first that fits the recipes side by side: labels and names on one line; labels on one
+line and names wrapped at WIDE_NAME_WIDTH (one line for `tq3a-tqTe-down4-g64`: 120 columns hold two pins so); labels
+wrapped at LABEL_WIDTH and names at NAME_WIDTH; compact mode.
+
 Compact mode, when the recipes do not all fit side by side (at 80x24 with two or three pins): sizes show their decimal
 line only (the label column's header says so), the expert page its total only, and every label, cell and recipe name
 wraps at COMPACT_WIDTH (after spaces, or after `-`, `/`, `.`, `_`, `=`); columns are separated by one space instead of
@@ -42,6 +46,7 @@ VERDICT_STYLE = {
 }
 VERDICT_WIDTH = 15  # `resident after raising the GPU wired limit` wraps to three lines
 NAME_WIDTH = 12  # recipe names wrap at dashes in the column headers, on at most NAME_LINES lines
+WIDE_NAME_WIDTH = 20  # where there is room
 NAME_LINES = 3
 LABEL_WIDTH = 16  # longer labels (`experts/token top-16`) wrap, so that the current recipe and a pin fit 80 columns
 CURRENT = "current"
@@ -84,9 +89,10 @@ def quality_rows(qualities: list[RecipeQuality | None]) -> list[Row]:
     return [Row(key, label, tuple(num(c[key]) for c in cells)) for key, label in QUALITY_ROWS.items()]
 
 
-def screen_rows(report: PlanReport, fits: list[Fit], qualities: list[RecipeQuality | None]) -> list[Row]:
+def screen_rows(report: PlanReport, fits: list[Fit], qualities: list[RecipeQuality | None],
+                label_width: int | None = LABEL_WIDTH) -> list[Row]:
     """The report's rows in this table's order, the quality rows after its primary rows, with their cells as styled
-    text."""
+    text; labels wrapped at `label_width` (None: on one line)."""
     rows: list[Row] = []
     keys = {r.key for r in report.rows}
     quality = quality_rows(qualities)
@@ -96,8 +102,8 @@ def screen_rows(report: PlanReport, fits: list[Fit], qualities: list[RecipeQuali
         if r.parent in keys and not any(x.key == BPW_HEADING for x in rows):
             rows.append(Row(BPW_HEADING, BPW_HEADING, tuple(Text("") for _ in report.recipes)))
         label = r.short_label or r.label
-        if len(label) > LABEL_WIDTH:
-            label = "\n".join(textwrap.wrap(label, LABEL_WIDTH))
+        if label_width is not None and len(label) > label_width:
+            label = "\n".join(textwrap.wrap(label, label_width))
         if r.key == "verdict":
             cells = tuple(verdict_cell(f) for f in fits)
         elif r.key == "raise the limit":
@@ -106,13 +112,6 @@ def screen_rows(report: PlanReport, fits: list[Fit], qualities: list[RecipeQuali
             cells = tuple(num(c) for c in r.cells)
         rows.append(Row(r.key, label, cells))
     return rows + quality
-
-
-def plan_rows(plans: list[Plan], fits: list[Fit], qualities: list[RecipeQuality | None],
-              hub: HubDisk | None = None) -> list[Row]:
-    """The table's rows for recipes side by side: tqbench.recipe.report's rows, as `tqbench plan` prints them, and
-    the recipes' quality rows."""
-    return screen_rows(plan_report(plans, fits, hub), fits, qualities)
 
 
 def label_header(shard_size: int, compact: bool = False) -> str:
@@ -202,13 +201,17 @@ class PlanTable(DataTable):
         selected = self.selected_name
         old_index = self.cursor_column
         scroll = (self.scroll_x, self.scroll_y)
-        full = plan_rows(plans, fits, qualities, hub)
+        report = plan_report(plans, fits, hub)
         space = self.size.width - self.styles.scrollbar_size_vertical
-        for compact in (False, True):
-            rows = compact_rows(full) if compact else full
+        # The widest layout that fits (the module docstring).
+        longest = max(len(name) for name in names)
+        for label_width, name_width, compact in ((None, longest, False), (None, WIDE_NAME_WIDTH, False),
+                                                 (LABEL_WIDTH, NAME_WIDTH, False), (LABEL_WIDTH, COMPACT_WIDTH, True)):
+            rows = screen_rows(report, fits, qualities, label_width)
+            rows = compact_rows(rows) if compact else rows
             heads = [Text(label_header(plans[0].shard_size, compact), style="dim")]
             for i, name in enumerate(names):
-                wrapped = wrap_name(name, COMPACT_WIDTH if compact else NAME_WIDTH)
+                wrapped = wrap_name(name, name_width)
                 heads.append(Text.assemble(("current" if i == 0 else f"pin {i}", "bold"), "\n",
                                            "\n".join(wrapped), justify="right"))
             columns = [[heads[0], *(cell(r.label) for r in rows)]]

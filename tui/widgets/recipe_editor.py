@@ -5,9 +5,11 @@ Controls and names are two spellings of one recipe: `recipe_from_controls` and `
 `seedN` is kept). A bad combination or a bad typed name shows its one-line RecipeError and the last good recipe
 stays in force.
 
-Keys: up/down move between the rows, choice controls and text fields alike (never wrapping: tab goes to the table).
-Left/right step a choice control through its values (space opens its list) and move the text cursor in a text field
-(the name, memory, disk bandwidth); the footer says which ("←→ Change" or "←→ Cursor", with "↑↓ Row"). Text fields
+Keys: up/down move between the option rows (the choice controls), never into a text field: there the app's one-letter
+keys would type (`s` into the name), so a text field (the name, memory, disk bandwidth) is entered with tab or
+shift+tab (the screen's order, tui.screens.recipe) or a click, and left with tab, shift+tab or esc (back to the rows).
+Left/right step a choice control through its values (space opens its list) and move the text cursor in a text field;
+the footer says which ("↑↓ Row ←→ Change", or "esc Rows ←→ Cursor", the app's keys hidden while they type). Text fields
 run their editing keys in order with the characters typed after them (tui.widgets.inputs: ctrl+u then a paste).
 """
 
@@ -124,7 +126,7 @@ def _short_path(word: str) -> str:
 
 class CycleSelect(Select[str], inherit_bindings=False):
     """A one-line Select: left/right step through the values, space (or a click) opens the list, up/down move to the
-    previous/next row. Enter is left to the screen (it pins the recipe)."""
+    previous/next option row. Enter is left to the screen (it pins the recipe)."""
 
     BINDINGS = [
         Binding("up", "row(-1)", "Row", key_display="↑↓"),
@@ -153,12 +155,12 @@ class CycleSelect(Select[str], inherit_bindings=False):
 
 
 class FormInput(OrderedInput):
-    """A one-line text field whose up/down move to the previous/next row, like the choice controls around it; its
-    left/right move the text cursor, and the footer says so."""
+    """A one-line text field: left/right move the text cursor and esc goes back to the option rows, as the footer
+    says; the app's one-letter keys type here, so the footer hides them."""
 
+    hides_app_keys = True
     BINDINGS = [
-        Binding("up", "row(-1)", "Row", key_display="↑↓"),
-        Binding("down", "row(1)", "Row", show=False),
+        Binding("escape", "leave", "Rows", key_display="esc"),
         Binding("left", "cursor_left", "Cursor", key_display="←→"),
         Binding("right", "cursor_right", "Cursor", show=False),
     ]
@@ -166,14 +168,14 @@ class FormInput(OrderedInput):
     def __init__(self, **kwargs) -> None:
         super().__init__(compact=True, select_on_focus=False, **kwargs)
 
-    def action_row(self, delta: int) -> None:
-        _move_row(self, delta)
+    def action_leave(self) -> None:
+        next(a for a in self.ancestors if isinstance(a, RecipeEditor)).focus_rows()
 
 
 def _move_row(widget, delta: int) -> None:
-    """Focus the editor's previous/next enabled row (no wrapping: the table is reached with tab)."""
+    """Focus the previous/next enabled option row (no wrapping, never into a text field)."""
     editor = next(a for a in widget.ancestors if isinstance(a, RecipeEditor))
-    rows = [w for w in editor.query("CycleSelect, FormInput") if w.focusable]
+    rows = [w for w in editor.query(CycleSelect) if w.focusable]
     if widget in rows:
         # Screen.set_focus at once, not Widget.focus (queued behind keys already received: a burst would be lost).
         widget.screen.set_focus(rows[min(max(rows.index(widget) + delta, 0), len(rows) - 1)])
@@ -192,7 +194,7 @@ class RecipeEditor(Vertical):
         self.recipe = recipe or Recipe.parse(INITIAL_RECIPE)
         self._errors: dict[str, str] = {}  # field -> one-line error, newest last
         self._busy = False
-        self._last_focused = None
+        self._last_row: CycleSelect | None = None  # the option row focused last
         self._disk_path: Path | None = None  # the checkpoint whose disk is measured
         self._disk: DiskSpeed | None = None  # its measured bandwidth (tqbench.machine.disk_speed)
         self._disk_note = "not measured (no checkpoint open)"
@@ -205,16 +207,17 @@ class RecipeEditor(Vertical):
         values = controls_from_recipe(self.recipe)
         yield FormInput(value=self.recipe.name, placeholder="recipe name, e.g. tq3a-tqTe-down4-g64", id="recipe-name")
         yield Static("", id="recipe-status")
-        yield _row("base", CycleSelect(BASE_OPTIONS, value=values["base"], id="base"))
-        yield _row("group", CycleSelect(GROUP_OPTIONS, value=values["group"], id="group"))
-        yield _row("attention", CycleSelect(bits_options(self.recipe.format, "same"), value=values["attn"],
-                                            id="attn"))
-        yield _row("experts", CycleSelect(TIER_OPTIONS, value=values["experts"], id="experts"))
-        yield _row("exp down", CycleSelect(bits_options(self.recipe.experts_format, "none"), value=values["down"],
-                                           id="down"))
-        yield _row("exp group", CycleSelect(MLPG_OPTIONS, value=values["mlpg"], id="mlpg"))
-        yield _row("rotation", CycleSelect(ROTATION_OPTIONS, value=values["rotation"], id="rotation"))
-        yield _row("scales", CycleSelect(SCALES_OPTIONS, value=values["scales"], id="scales"))
+        with Vertical(id="recipe-rows"):  # one stop of tab: up/down move inside
+            yield _row("base", CycleSelect(BASE_OPTIONS, value=values["base"], id="base"))
+            yield _row("group", CycleSelect(GROUP_OPTIONS, value=values["group"], id="group"))
+            yield _row("attention", CycleSelect(bits_options(self.recipe.format, "same"), value=values["attn"],
+                                                id="attn"))
+            yield _row("experts", CycleSelect(TIER_OPTIONS, value=values["experts"], id="experts"))
+            yield _row("exp down", CycleSelect(bits_options(self.recipe.experts_format, "none"),
+                                               value=values["down"], id="down"))
+            yield _row("exp group", CycleSelect(MLPG_OPTIONS, value=values["mlpg"], id="mlpg"))
+            yield _row("rotation", CycleSelect(ROTATION_OPTIONS, value=values["rotation"], id="rotation"))
+            yield _row("scales", CycleSelect(SCALES_OPTIONS, value=values["scales"], id="scales"))
         yield _row("memory", FormInput(id="memory"), id="memory-row")
         yield _row("disk GB/s", FormInput(id="disk"))
         yield Static("", id="machine-note")
@@ -230,13 +233,21 @@ class RecipeEditor(Vertical):
     def control_values(self) -> dict[str, str]:
         return {key: self.query_one(f"#{key}", CycleSelect).value for key in CONTROLS}
 
-    def focus_last(self) -> None:
-        """Focus the control focused last (the base bits at first)."""
-        target = self._last_focused if self._last_focused is not None and self._last_focused.is_attached else None
-        self.screen.set_focus(target or self.query_one("#base"))
+    @property
+    def parts(self) -> list:
+        """What tab stops at, in reading order: the name field, the option rows (one stop), memory, disk bandwidth."""
+        return [self.query_one(f"#{key}") for key in ("recipe-name", "recipe-rows", "memory", "disk")]
+
+    def focus_rows(self) -> None:
+        """Focus the option row focused last (the base at first; the next enabled one if it was disabled since)."""
+        rows = list(self.query(CycleSelect))
+        row = self._last_row if self._last_row in rows else rows[0]
+        enabled = [w for w in rows[rows.index(row):] if w.focusable] or rows[:1]  # the base is never disabled
+        self.screen.set_focus(enabled[0])
 
     def on_descendant_focus(self, event) -> None:
-        self._last_focused = event.widget
+        if isinstance(event.widget, CycleSelect):
+            self._last_row = event.widget
 
     def set_recipe(self, recipe: Recipe, name: bool = True) -> None:
         """Show `recipe` in the controls (and in the name field when `name`); no messages are posted."""
@@ -422,7 +433,7 @@ class RecipeEditor(Vertical):
         status = self.query_one("#recipe-status", Static)
         text = self.error_text
         status.set_class(bool(text), "error")
-        hint = "planning..." if self._busy else "tab: table  +: pin"
+        hint = "planning..." if self._busy else "tab: next part  +: pin"
         status.update(Content(text) if text else Content.styled(hint, "$text-muted"))
 
     def set_notes(self, lines: list[str]) -> None:
