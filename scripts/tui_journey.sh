@@ -154,7 +154,7 @@ toast "Re-opening the model"
 # has the engine's hit rate.
 type_text "def parse_args(argv):"
 keys Enter
-wait_for "processed at" "hits "
+wait_for "processed" "hits "
 save 07-chat-reply
 
 # 7. The map: esc leaves the message field, tab focuses the map, down + enter opens layer L2 (every expert).

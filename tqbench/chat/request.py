@@ -150,6 +150,7 @@ class ChatRequest:
     profile: ProfileOptions = field(default_factory=ProfileOptions)
     prompt_cache_bytes: int = PROMPT_CACHE_BYTES  # completions (a server's requests) keep prompt caches up to this
     parallel: str = "pipeline"  # several ranks: each holds its layers (pipeline) or a slice of every layer (tensor)
+    prompt_store: bool = True  # keep prompt checkpoints on disk and continue from them (tqbench.runtime.prompt_store)
 
     def check(self) -> ChatRequest:
         """Raise TqbenchError (one line) for a value the engine would refuse; returns self."""

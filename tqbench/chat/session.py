@@ -39,10 +39,12 @@ from tqbench.distributed.world import agree, every, gather_stats, in_step, join
 from tqbench.engine import Engine, Job, engine
 from tqbench.errors import TqbenchError
 from tqbench.machine import DiskSpeed, disk_speed
+from tqbench.paths import cache_dir
 from tqbench.profile import export_learned
 from tqbench.runtime.complete import Completions, chat_prompt, text_prompt
 from tqbench.runtime.conversation import Conversation, Sampling, generate
 from tqbench.runtime.load import load, preflight
+from tqbench.runtime.prompt_store import PromptStore, model_key
 from tqbench.runtime.routing import set_active_experts
 from tqbench.runtime.warmup import build_kernels, mlx_warmed, mlx_warmup
 
@@ -160,6 +162,8 @@ class ChatSession:
         old, self._open = self._open, None
         if old is not None:
             old.conversation.close()
+            if old.conversation.store is not None:
+                old.conversation.store.close()
             if old.learner is not None:
                 old.learner.close()
 
@@ -183,7 +187,12 @@ class ChatSession:
             agree(group, None)
             can_trim = every(group, can_trim_prompt_cache(make_prompt_cache(loaded.model)))
         routing = set_active_experts(loaded.model, request.max_active_experts) if request.max_active_experts else None
-        conv = Conversation(loaded, system=request.system, chat_template=request.chat_template, can_trim=can_trim)
+        store = None
+        if request.prompt_store and group is None:  # several ranks keep no checkpoints: each holds a part of the state
+            runs = f"experts={routing.active}" if routing is not None else ""  # the routing the checkpoints hold
+            store = PromptStore(cache_dir() / "prompts", model_key(path, runs))
+        conv = Conversation(loaded, system=request.system, chat_template=request.chat_template, can_trim=can_trim,
+                            store=store)
         try:
             yield from build_kernels(loaded.model)  # CUDA: the fused kernels its first token needs, with progress
             experts = loaded.streamer.store if loaded.streamer is not None else plan.store
@@ -380,7 +389,7 @@ def _leader(state: _Open):
 def _completions(state: _Open):
     loaded = state.conversation.loaded
     return Completions(loaded, state.prompt_cache_bytes, one_cache=loaded.pipeline is not None,
-                       can_trim=state.can_trim)
+                       can_trim=state.can_trim, store=state.conversation.store)
 
 
 def _across_ranks(events: Iterator, pipeline) -> Iterator:

@@ -46,6 +46,7 @@ def chat(
     max_active_experts: options.MaxActiveExperts = 0,
     profile: ProfileOptions = options.FROM_OPTIONS,
     parallel: options.Parallel = "pipeline",
+    no_prompt_cache: options.NoPromptCache = False,
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", metavar="FILE",
                                                        help="Write the streaming statistics here at exit.")] = None,
 ) -> None:
@@ -62,7 +63,8 @@ def chat(
     try:
         request = ChatRequest(model=str(model) if model is not None else None, sampling=sampling, system=system,
                               chat_template=not no_chat_template, trust_remote_code=trust_remote_code, stream=stream,
-                              max_active_experts=max_active_experts, profile=profile, parallel=parallel)
+                              max_active_experts=max_active_experts, profile=profile, parallel=parallel,
+                              prompt_store=not no_prompt_cache)
         if prompt is not None and not prompt.strip():
             raise UsageError("--prompt is empty: give the message to answer")
         if parallel == "tensor" and env_rank() is None:

@@ -147,6 +147,11 @@ Parallel = Annotated[str, typer.Option(
     help="Under mlx.launch: each rank holds its own layers and streams their experts (pipeline), or a slice of "
          "every layer, experts resident (tensor: a fraction of the bytes per token on each rank, two all-sums "
          "per layer).")]
+NoPromptCache = Annotated[bool, typer.Option(
+    "--no-prompt-cache",
+    help="Keep no prompt checkpoints on disk. By default the processing of each prompt of 256 tokens or more is kept "
+         "in tqbench's cache directory, so that the same prompt, or one that extends it, continues from there in "
+         "any later process.")]
 PinShare = Annotated[Optional[float], typer.Option(
     "--pin-share", min=0.0, max=0.9,
     help="Share of the expert cache pinned from the profile (streaming; 0: none, the profile still ranks the "

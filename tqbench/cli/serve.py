@@ -47,6 +47,7 @@ def serve(
     stream: StreamRequest = options.FROM_OPTIONS,
     max_active_experts: options.MaxActiveExperts = 0,
     profile: ProfileOptions = options.FROM_OPTIONS,
+    no_prompt_cache: options.NoPromptCache = False,
 ) -> None:
     """Serve a model over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
@@ -65,7 +66,7 @@ def serve(
         request = ChatRequest(model=str(model) if model is not None else None, sampling=sampling,
                               chat_template=not no_chat_template, trust_remote_code=trust_remote_code, stream=stream,
                               max_active_experts=max_active_experts, profile=profile,
-                              prompt_cache_bytes=int(prompt_cache_gb * 1e9))
+                              prompt_cache_bytes=int(prompt_cache_gb * 1e9), prompt_store=not no_prompt_cache)
         if env_rank():  # another rank than 0 of a pipeline: no socket; it runs each request rank 0 shares
             open_chat(session, request, err, quiet=True, streaming_stats=False)
             follow_turns(session)

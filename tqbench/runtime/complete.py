@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 from tqbench.errors import TqbenchError
 from tqbench.events import ReplyDone, ReplyStarted, TokenOut
-from tqbench.runtime.conversation import Sampling, generate, keep_first, reuse
+from tqbench.runtime.conversation import Sampling, generate, keep_first, keeper, reuse, scratch_file
 from tqbench.runtime.load import Loaded
 
 PROMPT_CACHE_BYTES = 2 << 30  # the LRU's default bound
@@ -56,7 +56,8 @@ class Completions:
     when some rank's cache cannot be trimmed."""
 
     def __init__(self, loaded: Loaded, cache_bytes: int = PROMPT_CACHE_BYTES,
-                 entries: int = PROMPT_CACHE_ENTRIES, one_cache: bool = False, can_trim: bool = True) -> None:
+                 entries: int = PROMPT_CACHE_ENTRIES, one_cache: bool = False, can_trim: bool = True,
+                 store: Any = None) -> None:
         from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
         self.loaded = loaded
@@ -64,6 +65,7 @@ class Completions:
         self.can_trim = can_trim
         self.cache = make_prompt_cache(loaded.model) if one_cache else None  # one_cache: and the tokens it holds
         self.held: list[int] = []
+        self.store = store  # tqbench.runtime.prompt_store.PromptStore: prompt checkpoints on disk (None: none)
 
     @property
     def cache_bytes(self) -> int:
@@ -98,6 +100,9 @@ class Completions:
                 cache = None
         if cache is None:
             cache, rest = make_prompt_cache(self.loaded.model), list(tokens)
+        kept = self.store.longest(list(tokens), scratch_file(self)) if self.store is not None else None
+        if kept is not None and kept[1] > len(tokens) - len(rest):  # kept on disk, longer than what memory holds
+            cache, rest = kept[0], list(tokens[kept[1]:])
         held = list(tokens[:len(tokens) - len(rest)])
         yield ReplyStarted(len(rest), len(held))
         held.extend(rest)
@@ -108,7 +113,8 @@ class Completions:
             ended(d)
 
         try:
-            yield from generate(self.loaded, rest, cache, sampling, len(tokens) - len(rest), held, done, stop)
+            yield from generate(self.loaded, rest, cache, sampling, len(tokens) - len(rest), held, done, stop,
+                                checkpoint=keeper(self.store, list(tokens)))
         finally:
             if generated and generated[0].generated_tokens:  # the prompt was processed: the cache matches `held`
                 self.lru.insert_cache(_KEY, held, cache)

@@ -10,6 +10,7 @@ the cache stays consistent with it.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
@@ -56,6 +57,7 @@ class Conversation:
     cache: list[Any] | None = None
     turns: int = 0  # replies since the last reset
     can_trim: bool = True  # False: never trim the cache (several ranks, one of whose caches cannot be trimmed)
+    store: Any = None  # tqbench.runtime.prompt_store.PromptStore: prompt checkpoints on disk (None: none)
 
     def __post_init__(self) -> None:
         if self.chat_template and getattr(self.loaded.tokenizer, "chat_template", None) is None:
@@ -100,6 +102,10 @@ class Conversation:
         """`lockstep` (tqbench.distributed.turns.Leader): the reply is shared with the other ranks of a pipeline."""
         full = self.conversation_tokens(user)
         cached = self._reuse(full)
+        kept = self.store.longest(full, scratch_file(self.cache)) if self.store is not None else None
+        if kept is not None and kept[1] > cached:  # a prompt kept on disk begins this one: continue from it
+            self.cache, cached = kept
+            self.tokens = list(full[:cached])
         new = full[cached:]
         yield ReplyStarted(len(new), cached)
         self.tokens.extend(new)
@@ -112,7 +118,8 @@ class Conversation:
             if self.chat_template:
                 self.messages.append({"role": "assistant", "content": done.text})
 
-        yield from generate(self.loaded, new, self.cache, sampling, cached, self.tokens, ended, lockstep=lockstep)
+        yield from generate(self.loaded, new, self.cache, sampling, cached, self.tokens, ended, lockstep=lockstep,
+                            checkpoint=keeper(self.store, full))
 
     def close(self) -> None:
         """Stop the streamer's read workers (a streamed model), if any."""
@@ -164,16 +171,37 @@ def keep_first(loaded: Loaded, cache: list[Any], held: list[int], n: int) -> lis
     return cache
 
 
+def keeper(store: Any, prompt: list[int]) -> Callable[[list[Any]], None] | None:
+    """What generate() calls with the cache once `prompt` but its last token is processed: keep that checkpoint in
+    `store` (None: no store)."""
+    if store is None:
+        return None
+    return lambda cache: store.keep(prompt[:-1], cache, scratch_file(cache))
+
+
+def scratch_file(owner: object) -> Path:
+    """A path of this process's to write or name a prompt checkpoint through (tqbench.runtime.prompt_store)."""
+    import os
+
+    from tqbench.paths import cache_dir
+
+    return cache_dir() / "prompts-scratch" / f"{os.getpid()}-{id(owner)}.safetensors"
+
+
 def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Sampling, cached: int, held: list[int],
              ended: Callable[[ReplyDone], None] = lambda done: None,
-             stop: tuple[str, ...] = (), lockstep: Any = None, slot: int = 0) -> Iterator[PrefillProgress | TokenOut | ReplyDone]:
+             stop: tuple[str, ...] = (), lockstep: Any = None, slot: int = 0,
+             checkpoint: Callable[[list[Any]], None] | None = None
+             ) -> Iterator[PrefillProgress | TokenOut | ReplyDone]:
     """Process `new` on top of `cache` (which holds `cached` tokens) and generate with mlx-lm's loop: a
     PrefillProgress per chunk of a prompt of more than one token (tqbench.runtime.prefill) and once it is done, a
-    TokenOut per token, then a ReplyDone. Each token the cache comes to hold is appended to `held`. `ended(done)` is called once
-    however the generation ends, also when the caller closes it early (finish_reason "cancelled").
+    TokenOut per token, then a ReplyDone. Each token the cache comes to hold is appended to `held`. `ended(done)` is
+    called once however the generation ends, also when the caller closes it early (finish_reason "cancelled").
 
     `stop`: strings that end the reply where they appear in its text (as OpenAI's `stop`: matched on the text, not on
     token ids, and left out of it); text that could be the start of one is held back until it is known not to be.
+
+    `checkpoint(cache)`: called once the prompt but its last token is processed (tqbench.runtime.prompt_store).
 
     `lockstep` (tqbench.distributed.turns): the generation runs on every rank of a pipeline: rank 0 shares it (the
     prompt cache `slot` and its first `cached` tokens, `new`, the sampling) before the first forward pass, and each
@@ -199,6 +227,8 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
     progress = None
     for progress in prefill(loaded, new[:-1], cache, total=len(new)):  # all but the last token, told chunk by chunk
         yield progress
+    if checkpoint is not None and len(new) > 1:  # the cache holds the prompt but its last token: a checkpoint
+        checkpoint(cache)
     head_s = time.perf_counter() - t0
     steps = stream_generate(loaded.model, loaded.tokenizer, mx.array(new[-1:], dtype=mx.uint32),
                             max_tokens=sampling.max_tokens, sampler=sampler, prompt_cache=cache)
