@@ -1,5 +1,6 @@
-"""A prompt's processing, told as it goes: tqbench runs mlx-lm's prefill loop itself (tqbench.runtime.prefill) so each
-chunk yields a PrefillProgress, and the reply is the one mlx-lm's own generation gives."""
+"""A prompt's processing, told as it goes (tqbench.runtime.prefill): chunk by chunk with resident experts, layer by
+layer when they stream, where each routed expert is read once per prompt, and the reply is the one chunk by chunk
+(mlx-lm's own generation) gives."""
 
 from __future__ import annotations
 
@@ -10,19 +11,21 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import demo_tq4
-from tqbench.chat.events import PrefillProgress, ReplyDone, TokenOut
+from tqbench.chat.events import PageIn, PrefillProgress, ReplyDone, TokenOut
 from tqbench.engine import engine
-from tqbench.runtime.conversation import Sampling, generate
+from tqbench.runtime import prefill as P
+from tqbench.runtime.conversation import Conversation, Sampling, generate
 from tqbench.runtime.load import load
-from tqbench.runtime.prefill import PREFILL_STEP
 from tqbench.stream import StreamConfig
 
 TEXT = "\n".join(p.read_text() for p in sorted((Path(__file__).resolve().parent.parent / "tqbench" / "stream").glob("*.py")))
+BUDGET = 4_000_000  # the demo's experts at 4 MB: a tenth of a layer's
 
 
 @pytest.fixture(scope="module")
@@ -36,56 +39,111 @@ def prompt_of(loaded, n: int) -> list[int]:
     return list(tokens[:n])
 
 
-def test_a_long_prompt_is_told_chunk_by_chunk_and_replies_as_mlx_lm_does(model):
-    """4,500 tokens streamed from a small expert cache: progress after 2,048, 4,096 and 4,499 tokens (mlx-lm's
-    chunks, the last token left to the first step), then at 4,500 with the first token; the experts each chunk read
-    add up to the streamer's misses; the greedy reply is mlx-lm's stream_generate over the whole prompt, resident."""
+def prefilled(model: Path, n: int, order: str, window: int = P.LAYER_MAJOR_TOKENS):
+    """Process a prompt of n tokens but its last (streamed at BUDGET), then the last: (the last token's logits, the
+    progress events, the page-ins, the streamer's prefill misses)."""
     def run():
-        streamed = load(model, streaming=StreamConfig(budget_bytes=4_000_000, workers=2))
-        tokens = prompt_of(streamed, 4500)
-        events = list(generate(streamed, tokens, make_prompt_cache(streamed.model), Sampling(max_tokens=6), 0, []))
-        misses = streamed.streamer.stats.misses
-        streamed.streamer.close()
-        resident = load(model)
-        want = [r.token for r in stream_generate(resident.model, resident.tokenizer, mx.array(tokens), max_tokens=6)]
-        return events, misses, want
+        m = load(model, streaming=StreamConfig(budget_bytes=BUDGET, workers=2))
+        tokens = prompt_of(m, n)
+        cache = make_prompt_cache(m.model)
+        real = P.layer_major
+        if order == "chunks":
+            P.layer_major = lambda *a: False
+        try:
+            progress = list(P.prefill(m, tokens[:-1], cache, total=n, window=window))
+        finally:
+            P.layer_major = real
+        logits = m.model(mx.array(tokens[-1:])[None], cache=cache)[0, -1].astype(mx.float32)
+        mx.eval(logits)
+        out = np.array(logits), progress, m.streamer.drain(), m.streamer.stats.prefill_misses
+        m.streamer.close()
+        return out
 
-    events, misses, want = engine().call(run)
+    return engine().call(run)
+
+
+def test_layer_by_layer_reads_each_expert_once_and_gives_the_same_logits(model):
+    """6,000 tokens (three chunks) at a 4 MB expert cache: chunk by chunk reads about three times the experts the
+    prompt routes to (each chunk pages in nearly all of them again); layer by layer reads each once (goal: at most
+    1.05x), and the last token's logits are the same to the bit (each chunk's attention and each token's experts
+    compute exactly what they compute chunk by chunk: only the order of the work changes)."""
+    chunk_logits, chunk_progress, _, chunk_misses = prefilled(model, 6000, "chunks")
+    layer_logits, layer_progress, page_ins, layer_misses = prefilled(model, 6000, "layers")
+    routed = {(e.layer, x) for e in page_ins for x in e.experts if isinstance(e, PageIn)}
+    assert layer_misses <= 1.05 * len(routed) and chunk_misses > 2 * len(routed)
+    np.testing.assert_array_equal(layer_logits, chunk_logits)
+    assert [p.done for p in chunk_progress] == [2048, 4096, 5999]
+    moe_layers = len({e.layer for e in page_ins})
+    assert [p.layers_done for p in layer_progress] == list(range(1, moe_layers + 1)) + [0]
+    assert all(p.layers == moe_layers and p.done == 0 and p.window == 5999 for p in layer_progress[:-1])
+    assert layer_progress[-1].done == 5999 and layer_progress[-1].layers == 0
+    assert [p.fraction for p in layer_progress] == pytest.approx([5999 * k / moe_layers / 6000
+                                                                  for k in range(1, moe_layers + 1)] + [5999 / 6000])
+
+
+def test_windows_of_a_long_prompt_each_read_their_experts_once(model):
+    """A window of two chunks: 6,000 tokens run layer by layer in two windows (4,096 and 1,903 tokens), with the same
+    logits again."""
+    chunk_logits, _, _, _ = prefilled(model, 6000, "chunks")
+    logits, progress, _, _ = prefilled(model, 6000, "layers", window=2 * P.PREFILL_STEP)
+    np.testing.assert_array_equal(logits, chunk_logits)
+    assert [p.done for p in progress if not p.layers] == [4096, 5999]  # each window's end
+    assert {(p.done, p.window) for p in progress if p.layers} == {(0, 4096), (4096, 1903)}
+
+
+def test_a_resident_prompt_goes_chunk_by_chunk_and_replies_as_mlx_lm_does(model):
+    def run():
+        m = load(model)
+        tokens = prompt_of(m, 4500)
+        events = list(generate(m, tokens, make_prompt_cache(m.model), Sampling(max_tokens=6), 0, []))
+        want = [r.token for r in stream_generate(m.model, m.tokenizer, mx.array(tokens), max_tokens=6)]
+        return events, want
+
+    events, want = engine().call(run)
     progress = [e for e in events if isinstance(e, PrefillProgress)]
-    assert [p.done for p in progress] == [PREFILL_STEP, 2 * PREFILL_STEP, 4499, 4500]
-    assert {p.total for p in progress} == {4500}
-    assert all(a.seconds <= b.seconds for a, b in zip(progress, progress[1:]))
-    assert 0 < progress[-1].experts_read <= misses and progress[-1].bytes_read > 0
-    assert [p.experts_read for p in progress] == sorted(p.experts_read for p in progress)
+    assert [p.done for p in progress] == [2048, 4096, 4499, 4500] and {p.total for p in progress} == {4500}
+    assert all(a.seconds <= b.seconds for a, b in zip(progress, progress[1:])) and progress[-1].experts_read == 0
     done = events[-1]
-    assert isinstance(done, ReplyDone) and done.prompt_tokens == 4500
-    assert abs(done.prefill_s - progress[-1].seconds) < 1e-9 and done.prefill_tps == pytest.approx(4500 / done.prefill_s)
+    assert isinstance(done, ReplyDone) and done.prompt_tokens == 4500 and done.prefill_s == progress[-1].seconds
     tokens = [e.id for e in events if isinstance(e, TokenOut)]
-    assert tokens == want[:len(tokens)] and len(tokens) >= 3
+    assert len(tokens) >= 3 and tokens == want[:len(tokens)]
 
 
-def test_a_one_token_prompt_has_no_progress(model):
+def test_a_reply_stopped_while_its_prompt_is_processed_leaves_a_clean_conversation(model):
+    """Stopped after the first MoE layer of a layer-by-layer prompt: the cache holds part of the prompt, so the
+    conversation starts again from an empty one, and its next reply is a fresh conversation's."""
     def run():
-        loaded = load(model)
-        return list(generate(loaded, prompt_of(loaded, 1), make_prompt_cache(loaded.model), Sampling(max_tokens=2),
-                             0, []))
+        m = load(model, streaming=StreamConfig(budget_bytes=BUDGET, workers=2))
+        conv = Conversation(m, chat_template=False)
+        text = m.tokenizer.decode(prompt_of(m, 5000))
+        reply = conv.reply(text, Sampling(max_tokens=4))
+        for ev in reply:
+            if isinstance(ev, PrefillProgress):
+                break
+        reply.close()
+        held, cleared = list(conv.tokens), all(c.empty() if hasattr(c, "empty") else True for c in conv.cache)
+        again = [e.id for e in conv.reply("def add(a, b):", Sampling(max_tokens=4)) if isinstance(e, TokenOut)]
+        fresh = [e.id for e in Conversation(m, chat_template=False).reply("def add(a, b):", Sampling(max_tokens=4))
+                 if isinstance(e, TokenOut)]
+        m.streamer.close()
+        return held, cleared, again, fresh
 
-    events = engine().call(run)
-    assert not any(isinstance(e, PrefillProgress) for e in events) and isinstance(events[-1], ReplyDone)
+    held, cleared, again, fresh = engine().call(run)
+    assert held == [] and cleared and again == fresh
 
 
 @pytest.mark.slow
-def test_chat_piped_prints_a_long_prompts_chunks_and_stats_json_splits_prefill_from_decode(model, tmp_path):
-    text = TEXT[:16000]
+def test_chat_piped_prints_a_long_prompts_layers_and_stats_json_splits_prefill_from_decode(model, tmp_path):
     stats = tmp_path / "stats.json"
     r = subprocess.run([sys.executable, "-m", "tqbench", "chat", "--model", str(model), "--no-chat-template",
-                        "--prompt", text, "--max-tokens", "4", "--cache-budget-gb", "4MB", "--stats-json", str(stats)],
-                       capture_output=True, text=True, env={**os.environ, "TQBENCH_CACHE_DIR": str(tmp_path / "c")},
-                       timeout=300)
+                        "--prompt", TEXT[:16000], "--max-tokens", "4", "--cache-budget-gb", "4MB", "--stats-json",
+                        str(stats), "--no-prompt-cache"], capture_output=True, text=True,
+                       env={**os.environ, "TQBENCH_CACHE_DIR": str(tmp_path / "c")}, timeout=300)
     assert r.returncode == 0, r.stderr[-1500:]
-    lines = [x for x in r.stderr.splitlines() if x.startswith("prompt: ")]
-    assert lines[0].startswith(f"prompt: {PREFILL_STEP:,} of ") and "experts read" in lines[0]
+    lines = [x for x in r.stderr.splitlines() if x.startswith("prompt")]
+    assert lines[0].startswith("prompt of ") and ": MoE layer 1 of 7 (" in lines[0] and "experts read" in lines[0]
     assert lines[-1].startswith("prompt: ") and " tokens processed in " in lines[-1]
     doc = json.loads(stats.read_text())
     assert doc["prefill"]["misses"] + doc["decode"]["misses"] == doc["misses"] and doc["prefill"]["misses"] > 0
     assert doc["prefill"]["critical_bytes"] + doc["decode"]["critical_bytes"] == doc["critical_bytes"]
+    assert doc["prefill"]["misses"] <= 1.05 * 7 * 448  # each expert at most once for the whole prompt

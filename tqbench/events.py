@@ -166,20 +166,33 @@ class ReplyStarted:
 
 @dataclass(frozen=True)
 class PrefillProgress:
-    """A prompt's processing so far, after each chunk of it (mlx-lm's prefill step: 2,048 tokens) and at its end,
-    before the first token: tokens done of the prompt's, its seconds so far, and the routed experts read from disk
-    for it (streaming; 0 when the experts are resident)."""
+    """A prompt's processing so far, before its first token (tqbench.runtime.prefill): after each chunk of it
+    (mlx-lm's prefill step: 2,048 tokens), or, run layer by layer, after each MoE layer (`layers_done` of `layers`,
+    for the `window` tokens after `done`) and at each window's end, and at the prompt's end: tokens done of the
+    prompt's, its seconds so far, and the routed experts read from disk for it (streaming; 0 when resident)."""
 
     done: int
     total: int
     seconds: float
     experts_read: int = 0
     bytes_read: int = 0
+    layers_done: int = 0
+    layers: int = 0  # 0: chunk by chunk (or a layer-by-layer window's end)
+    window: int = 0  # the tokens after `done` running layer by layer now
+
+    @property
+    def fraction(self) -> float:
+        """The share of the prompt's work done."""
+        if not self.total:
+            return 1.0
+        partly = self.window * self.layers_done / self.layers if self.layers else 0
+        return (self.done + partly) / self.total
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at the rate so far (None before the first chunk)."""
-        return self.seconds * (self.total - self.done) / self.done if self.done else None
+        """Seconds left at the rate so far (None before any work is done)."""
+        f = self.fraction
+        return self.seconds * (1 - f) / f if f > 0 else None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ class StreamSetup:
     host_slots: int = 0
     host_why: str = "off"  # tqbench.stream.budget.HostTierPlan.why
     cache_routing: float = 0.0  # decode favours cached experts within this margin (0: off); the output changes
+    layer_major_tokens: int = 0  # long prompts run layer by layer, each expert read once per this many tokens (0: no)
 
     @property
     def disk_bytes_per_s(self) -> float | None:
@@ -43,7 +44,7 @@ class StreamSetup:
                 "fanout": self.fanout, "page_cache": self.page_cache, "lookahead": self.lookahead,
                 "reads_in_flight": self.reads_in_flight, "host_budget_bytes": self.host_budget_bytes,
                 "host_slots": self.host_slots, "host_why": self.host_why, "cache_routing": self.cache_routing,
-                "why": self.why, **disk_fields(self.disk)}
+                "why": self.why, "layer_major_tokens": self.layer_major_tokens, **disk_fields(self.disk)}
 
 
 @dataclass(frozen=True)

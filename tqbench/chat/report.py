@@ -63,6 +63,8 @@ def loaded_line(m: ModelLoaded) -> str:
         stream = (f"; streaming experts: cache {units.size(st.budget_bytes)} ({st.slots} slots, {st.workers} read "
                   f"workers, {st.policy}{', fan-out' if st.fanout else ''}{', look-ahead' if st.lookahead else ''}"
                   f"{gate}, page cache {st.page_cache}); {host_tier_text(st)}")
+        if st.layer_major_tokens:
+            stream += f"; long prompts layer by layer, each expert read once per {st.layer_major_tokens:,} tokens"
     routed = f"; {m.experts_active} of {m.experts_native} experts per token" if m.fewer_experts else ""
     if m.stream is not None and m.stream.cache_routing:
         routed += f"; {cache_routing_text(m.stream.cache_routing)}"
@@ -142,7 +144,8 @@ def prefill_line(ev: PrefillProgress) -> str:
     if ev.done >= ev.total:
         return f"prompt: {ev.total:,} tokens processed in {ev.seconds:.1f} s{read}"
     left = f", about {ev.eta_s:.0f} s left" if ev.eta_s is not None else ""
-    return f"prompt: {ev.done:,} of {ev.total:,} tokens ({ev.done / ev.total:.0%}) in {ev.seconds:.1f} s{read}{left}"
+    where = (f"MoE layer {ev.layers_done} of {ev.layers}" if ev.layers else f"{ev.done:,} of {ev.total:,} tokens")
+    return f"prompt of {ev.total:,} tokens: {where} ({ev.fraction:.0%}) in {ev.seconds:.1f} s{read}{left}"
 
 
 def mlx_warmup_line(ev: MlxWarmup) -> str:

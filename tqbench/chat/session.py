@@ -41,6 +41,7 @@ from tqbench.errors import TqbenchError
 from tqbench.machine import DiskSpeed, disk_speed
 from tqbench.paths import cache_dir
 from tqbench.profile import export_learned
+from tqbench.recipe.fit import LAYER_MAJOR_TOKENS
 from tqbench.runtime.complete import Completions, chat_prompt, text_prompt
 from tqbench.runtime.conversation import Conversation, Sampling, generate
 from tqbench.runtime.load import load, preflight
@@ -232,7 +233,8 @@ class ChatSession:
         layers = tuple(sorted((n, lay.experts) for n, lay in loaded.streamer.store.layers.items()))
         return StreamSetup(st.budget_bytes, st.slots, st.slot_bytes, st.staging_bytes, c.workers, c.policy, c.fanout,
                            st.page_cache, c.lookahead, c.reads_in_flight, disk, layers, plan.reason,
-                           st.host_budget_bytes, st.host_slots, plan.host_why, c.cache_routing)
+                           st.host_budget_bytes, st.host_slots, plan.host_why, c.cache_routing,
+                           LAYER_MAJOR_TOKENS if loaded.pipeline is None else 0)
 
     def _reply(self, text: str, sampling: Sampling | None) -> Iterator:
         state = self._current()

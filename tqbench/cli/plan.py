@@ -23,7 +23,7 @@ from tqbench.cli.render import hub_line, show
 from tqbench.distributed.split import split_lines, split_plan
 from tqbench.errors import ExitCode, TqbenchError
 from tqbench.machine import GB, Machine, cached_disk_speed, disk_speed, machine
-from tqbench.recipe.fit import Fit, assess, parse_size
+from tqbench.recipe.fit import Fit, PrefillBound, assess, parse_size, prefill_bound
 from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan
 from tqbench.recipe.recipe import Recipe, RecipeFlags
 from tqbench.recipe.report import PlanReport, plan_report
@@ -98,13 +98,16 @@ def plan(
         print(f"tqbench: error: {e}", file=sys.stderr)  # one line, never wrapped
         raise typer.Exit(e.exit_code) from None
 
+    prefill = prefill_bound(ckpt.config.raw) if plans[0].footprint.is_moe else None
     if as_json:
-        doc = plan_document(plans, fits, m, tensors, ckpt.origin, hub)
+        doc = plan_document(plans, fits, m, tensors, ckpt.origin, hub, prefill)
         for entry, s in zip(doc["plans"], splits or []):
             entry["split"] = s.to_dict()
         print(json.dumps(doc, indent=2))
     else:
         show(_out, _header(plans[0], m, ckpt.origin), plan_table(plans, fits, hub))
+        if prefill is not None:
+            show(_out, Text(prefill_line(prefill)))
         for p, s in zip(plans, splits or []):
             show(_out, *(Text(line) for line in split_lines(p.recipe.name, s)))
         for p in plans:
@@ -117,6 +120,12 @@ def plan(
         print(f"tqbench: {src}: incomplete checkpoint: {len(ckpt.missing)} shard(s) missing; sizes undercount",
               file=sys.stderr)
         raise typer.Exit(ExitCode.INCOMPLETE)
+
+
+def prefill_line(b: PrefillBound) -> str:
+    return (f"long prompts, experts streamed: layer by layer, each routed expert read once per {b.window_tokens:,} "
+            f"prompt tokens, holding {units.gb(b.bytes_per_token)} of activations a token "
+            f"({units.gb(b.window_bytes)} for a window)")
 
 
 def recipes_from(names: list[str] | None, flags: RecipeFlags) -> list[Recipe]:
@@ -146,8 +155,10 @@ def _measured(m: Machine, src: Path, err: Console) -> Machine:
 # --- JSON --------------------------------------------------------------------------------------------------------
 
 def plan_document(plans: list[Plan], fits: list[Fit], m: Machine, tensors: str | None = None,
-                  origin: HubOrigin | None = None, hub: HubDisk | None = None) -> dict:
-    """The `--json` document (schema tqbench.plan/1); `hub` and `disk_from_hub` only for a source on the hub."""
+                  origin: HubOrigin | None = None, hub: HubDisk | None = None,
+                  prefill: PrefillBound | None = None) -> dict:
+    """The `--json` document (schema tqbench.plan/1); `hub` and `disk_from_hub` only for a source on the hub;
+    `prefill` (a MoE model): how its long prompts run when its experts stream."""
     doc = {
         "schema": SCHEMA,
         "source": plans[0].path,
@@ -159,6 +170,8 @@ def plan_document(plans: list[Plan], fits: list[Fit], m: Machine, tensors: str |
     }
     if origin is not None:
         doc["hub"] = asdict(origin)
+    if prefill is not None:
+        doc["prefill"] = prefill.to_dict()
     for p, f in zip(plans, fits):
         entry = {**p.to_dict(), "fit": f.to_dict()}
         if hub is not None:

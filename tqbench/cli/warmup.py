@@ -97,29 +97,31 @@ class MlxWarmupStatus:
 
 class PrefillStatus:
     """Renders PrefillProgress: a bar with the experts read on a terminal (gone once the prompt is processed), a line
-    per chunk when piped; a prompt of one chunk (tqbench.runtime.prefill.PREFILL_STEP tokens or fewer) shows nothing
-    when piped, its figures being in the reply's summary."""
+    each tenth of the work when piped; a prompt of one chunk (tqbench.runtime.prefill.PREFILL_STEP tokens or fewer)
+    shows nothing when piped, its figures being in the reply's summary."""
 
     def __init__(self, err: Console) -> None:
         self.err = err
         self._progress: Progress | None = None
         self._task = None
-        self._chunks = False  # the prompt runs in several chunks (its first event is not its last but one)
+        self._chunks = False  # the prompt runs in several chunks or layer by layer (not in one chunk)
+        self._said = 0.0  # piped: the share of the prompt's work the last line told
 
     def show(self, ev) -> None:
         if self.err.is_terminal:
             if self._progress is None and ev.done < ev.total:
-                self._progress = Progress(TextColumn("processing the prompt"), BarColumn(), MofNCompleteColumn(),
-                                          TextColumn("tokens {task.fields[what]}"), TimeElapsedColumn(),
-                                          console=self.err, transient=True)
+                self._progress = Progress(TextColumn(f"processing the prompt ({ev.total:,} tokens)"), BarColumn(),
+                                          TextColumn("{task.percentage:>3.0f}% {task.fields[what]}"),
+                                          TimeElapsedColumn(), console=self.err, transient=True)
                 self._progress.start()
-                self._task = self._progress.add_task("prompt", total=ev.total, what="")
+                self._task = self._progress.add_task("prompt", total=1.0, what="")
             if self._progress is not None:
                 read = f"· {ev.experts_read:,} experts read" if ev.experts_read else ""
-                self._progress.update(self._task, completed=ev.done, what=read)
+                self._progress.update(self._task, completed=ev.fraction, what=read)
         else:
-            self._chunks = self._chunks or ev.done < ev.total - 1
-            if self._chunks:
+            self._chunks = self._chunks or ev.done < ev.total - 1 or bool(ev.layers)
+            if self._chunks and (ev.fraction >= self._said + PLAIN_STEP or ev.done >= ev.total):
+                self._said = ev.fraction
                 print(report.prefill_line(ev), file=self.err.file, flush=True)
         if ev.done >= ev.total:
             self.close()

@@ -153,3 +153,39 @@ def ceiling(disk_bytes_per_s: float | None, bytes_per_token: int, hit_rate: floa
         return None
     return disk_bytes_per_s / (bytes_per_token * (1.0 - hit_rate))
 
+
+# ---- a long prompt, layer by layer (tqbench.runtime.prefill) ----------------------------------------------------------
+
+LAYER_MAJOR_TOKENS = 16384  # a layer-by-layer window: the prompt tokens whose activations are held at once
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillBound:
+    """How a streamed model processes a long prompt: layer by layer in windows of `window_tokens`, each routed expert
+    read once per window, holding about `bytes_per_token` of activations per token of the window."""
+
+    bytes_per_token: int
+    window_tokens: int = LAYER_MAJOR_TOKENS
+
+    @property
+    def window_bytes(self) -> int:
+        return self.bytes_per_token * self.window_tokens
+
+    def to_dict(self) -> dict:
+        return {"activation_bytes_per_token": self.bytes_per_token, "window_tokens": self.window_tokens,
+                "window_activation_bytes": self.window_bytes}
+
+
+def prefill_bound(config: dict) -> PrefillBound:
+    """The activations a layer-by-layer prefill holds per prompt token: each chunk's hidden state between layers (with
+    a K3's attention-residual snapshots, one per block of layers, and the layer's working copies), and a MoE layer's
+    routed input for every one of its experts per token, in float32 as the TurboQuant products take it (twice: the
+    rotated input and its sorted copy)."""
+    text = config.get("text_config") or config
+    hidden = int(text.get("hidden_size") or 0)
+    latent = int(text.get("routed_expert_hidden_size") or hidden)
+    k = int(text.get("num_experts_per_token") or text.get("num_experts_per_tok") or 0)
+    layers = int(text.get("num_hidden_layers") or 0)
+    block = text.get("attn_res_block_size")
+    snapshots = 1 + (-(-layers // int(block)) if block else 0)
+    return PrefillBound(bytes_per_token=2 * hidden * (snapshots + 2) + 4 * latent * 2 * k)

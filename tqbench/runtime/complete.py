@@ -127,6 +127,12 @@ class Completions:
         rest = tokens[cached:]
         yield ReplyStarted(len(rest), cached)
         self.held.extend(rest)
-        yield from generate(self.loaded, rest, self.cache, sampling, cached, self.held, ended, stop, lockstep,
-                            SLOT_COMPLETIONS)
+        try:
+            yield from generate(self.loaded, rest, self.cache, sampling, cached, self.held, ended, stop, lockstep,
+                                SLOT_COMPLETIONS)
+        finally:
+            if not self.held:  # stopped while the prompt was processed: the cache holds part of it
+                from mlx_lm.models.cache import make_prompt_cache
+
+                self.cache = make_prompt_cache(self.loaded.model)
 

@@ -118,8 +118,12 @@ class Conversation:
             if self.chat_template:
                 self.messages.append({"role": "assistant", "content": done.text})
 
-        yield from generate(self.loaded, new, self.cache, sampling, cached, self.tokens, ended, lockstep=lockstep,
-                            checkpoint=keeper(self.store, full))
+        try:
+            yield from generate(self.loaded, new, self.cache, sampling, cached, self.tokens, ended, lockstep=lockstep,
+                                checkpoint=keeper(self.store, full))
+        finally:
+            if not self.tokens:  # stopped while the prompt was processed: the cache holds part of it
+                self.reset_cache()
 
     def close(self) -> None:
         """Stop the streamer's read workers (a streamed model), if any."""
@@ -224,17 +228,17 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
     thinking = False
     finish, prefill_s, decode_tps = "cancelled", 0.0, 0.0
     t0 = time.perf_counter()
-    progress = None
-    for progress in prefill(loaded, new[:-1], cache, total=len(new)):  # all but the last token, told chunk by chunk
-        yield progress
-    if checkpoint is not None and len(new) > 1:  # the cache holds the prompt but its last token: a checkpoint
-        checkpoint(cache)
-    head_s = time.perf_counter() - t0
-    steps = stream_generate(loaded.model, loaded.tokenizer, mx.array(new[-1:], dtype=mx.uint32),
-                            max_tokens=sampling.max_tokens, sampler=sampler, prompt_cache=cache)
-    if lockstep is not None:
-        steps = lockstep.steps(steps)
+    progress = steps = None
     try:
+        for progress in prefill(loaded, new[:-1], cache, total=len(new)):  # all but the last token, told as it goes
+            yield progress
+        if checkpoint is not None and len(new) > 1:  # the cache holds the prompt but its last token: a checkpoint
+            checkpoint(cache)
+        head_s = time.perf_counter() - t0
+        steps = stream_generate(loaded.model, loaded.tokenizer, mx.array(new[-1:], dtype=mx.uint32),
+                                max_tokens=sampling.max_tokens, sampler=sampler, prompt_cache=cache)
+        if lockstep is not None:
+            steps = lockstep.steps(steps)
         for r in steps:
             if not generated:  # the prompt is processed: its last token ran with the first step
                 prefill_s = head_s + (1 / r.prompt_tps if r.prompt_tps else 0.0)
@@ -268,7 +272,10 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
             if THINK_CLOSE in piece:
                 thinking = False
     finally:
-        steps.close()  # here, on the MLX thread, not whenever it is collected
+        if steps is not None:
+            steps.close()  # here, on the MLX thread, not whenever it is collected
+        else:  # stopped while the prompt was processed: the cache holds part of it, so nothing of it is reused
+            held.clear()
         done = ReplyDone("".join(text), len(new), cached, len(generated), len(new) / prefill_s if prefill_s else 0.0,
                          decode_tps, int(mx.get_peak_memory()), finish, prefill_s=prefill_s,
                          warmup=warmup, routing_changed=routing_changed(loaded.model, streamer),

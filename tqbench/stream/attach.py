@@ -30,6 +30,8 @@ class StreamedExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         h = self._hidden
+        if h.streamer.park is not None:  # a layer-major prefill gathers every chunk's call (tqbench.runtime.prefill)
+            return h.streamer.park(self.layer, h.inner, x, indices)
         return h.streamer.run(self.layer, h.inner, x, indices)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -126,6 +126,9 @@ class Streamer:
         self._ahead: dict[int, tuple[np.ndarray, list[Future]]] = {}  # expert -> read in flight for _ahead_layer
         self._ahead_layer: int | None = None
         self._native: dict[int, mx.array] = {}  # layer -> its router's own picks for the call cache routing changed
+        # set during a layer-major prefill (tqbench.runtime.prefill): the streamed layers hand it their calls, which
+        # it runs for every chunk of the prompt at once
+        self.park: Callable[[int, Any, mx.array, mx.array], mx.array] | None = None
 
     # ---- a profile's pins ----
 
