@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import converted
 from tqbench.chat import report
 from tqbench.chat.live import PageInMap
 from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest, parse_budget
@@ -71,19 +72,11 @@ def test_report_lines_are_the_faces_words():
 # ---- on a real conversion ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    """A small demo (4 layers, 3 of them MoE with 16 experts) converted with tq4 for streaming."""
-    from tqbench.convert import convert
-    from tqbench.demo import DemoSpec, write_source
-    from tqbench.recipe import Recipe
+def model() -> Path:
+    """A small demo (4 layers, 3 of them MoE with 16 experts) converted with tq4 for streaming (shared, read-only)."""
+    from tqbench.demo import DemoSpec
 
-    root = tmp_path_factory.mktemp("chat-engine")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
-        src = write_source(root / "src", DemoSpec(), seed=0)
-        dest = root / "tq4"
-        list(convert(src, dest, Recipe.parse("tq4")))
-    return dest
+    return converted("tq4", DemoSpec())
 
 
 def test_the_engine_plans_what_runs(model):

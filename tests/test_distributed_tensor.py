@@ -19,7 +19,8 @@ import mlx.core as mx
 import pytest
 
 from conftest import demo_tq4
-from test_distributed import BIN, chat_args, free_port, launch, token_ids
+from model_helpers import free_port
+from test_distributed import BIN, chat_args, launch, token_ids
 
 pytestmark = pytest.mark.slow  # each launch starts two processes that load a model (~5-10 s on 2 cores)
 

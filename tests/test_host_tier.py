@@ -4,21 +4,18 @@ tier is exclusive with the slots and never holds more than its budget."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
-from tqbench.convert import convert
-from tqbench.demo import SHIPPED_SPEC, ensure_demo
-from tqbench.recipe import Recipe
+from conftest import converted
+from model_helpers import expert_bytes, logits_and_tokens
+from tqbench.demo import SHIPPED_SPEC
 from tqbench.runtime.load import load
 from tqbench.stream import StoreError, StreamConfig
 from tqbench.stream.host import HostTier
-from tqbench.stream.store import ExpertStore, part_array
+from tqbench.stream.store import part_array
 from tqbench.stream.pagein import staging_bytes
 
 PROMPT = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]
@@ -28,27 +25,18 @@ L = sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers))
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("host")
-    src = root / "demo"
-    shutil.copytree(ensure_demo(), src)
-    list(convert(src, root / RECIPE, Recipe.parse(RECIPE)))
-    return root / RECIPE
+def model() -> Path:
+    """The shipped demo's RECIPE conversion, shared with other modules (read-only)."""
+    return converted(RECIPE)
 
 
 @pytest.fixture(scope="module")
 def expert(model) -> int:
-    store = ExpertStore.open(model)
-    sizes = {lay.nbytes for lay in store.layers.values()}
-    store.close()
-    assert len(sizes) == 1
-    return sizes.pop()
+    return expert_bytes(model)
 
 
 def _run(m, n: int = 10) -> tuple[np.ndarray, list[int]]:
-    logits = np.array(m(mx.array([PROMPT])).astype(mx.float32))
-    tokens = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(PROMPT), m, max_tokens=n)), range(n))]
-    return logits, tokens
+    return logits_and_tokens(m, PROMPT, n)
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import tqbench
-from conftest import file_bytes
+from conftest import converted, demo_source, file_bytes
 from hubserver import HubServer
 from tqbench import units
 from tqbench.convert import convert
-from tqbench.demo import DemoSpec, write_source
+from tqbench.demo import DemoSpec
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, SourceRemoved
 from tqbench.recipe import Recipe
 
@@ -34,16 +34,14 @@ RUN_RECORDS = {"convert-report.json", ".tqbench-convert.json"}
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    return write_source(tmp_path_factory.mktemp("src") / "demo", SPEC, seed=0)
+def source() -> Path:
+    return demo_source(SPEC)  # shared with other modules (read-only)
 
 
 @pytest.fixture(scope="module")
-def reference(source, tmp_path_factory) -> Path:
-    """The same source converted from its directory."""
-    dst = tmp_path_factory.mktemp("ref") / "out"
-    list(convert(source, dst, Recipe.parse(RECIPE), SHARD))
-    return dst
+def reference(source) -> Path:
+    """The same source converted from its directory (shared with other modules, read-only)."""
+    return converted(RECIPE, SPEC, SHARD)
 
 
 @pytest.fixture
