@@ -94,6 +94,7 @@ def test_the_host_tier_is_exclusive_and_holds_each_experts_bytes(model, expert):
     s.close()
 
 
+@pytest.mark.slow  # four streamed runs at growing host tiers (~6 s)
 def test_more_host_tier_means_fewer_disk_reads(model, expert):
     """The same prompt at the same GPU budget: reads from disk fall as the host tier grows, to the distinct experts
     routed when it holds them all; the GPU tier's hits do not change (it makes the same choices)."""
@@ -184,6 +185,7 @@ def test_host_tier_plan_by_machine(model, expert):
         parse_host_cache("lots")
 
 
+@pytest.mark.slow  # four chats through the CLI, two of them streamed 24-token replies (~6 s)
 def test_chat_with_a_host_tier_says_so_and_counts_it(model, expert, tmp_path, capsys, monkeypatch):
     import json
 
@@ -218,6 +220,7 @@ def test_chat_with_a_host_tier_says_so_and_counts_it(model, expert, tmp_path, ca
         f"tqbench: error: {model}: the host cache (100 bytes) cannot hold one expert ({expert:,} bytes)")
 
 
+@pytest.mark.slow  # a streamed eval of 48 tokens, token by token, against the model itself (~12 s)
 def test_eval_reports_tiers_and_a_host_tier_changes_nothing(model, expert, tmp_path, capsys, monkeypatch):
     """`tqbench eval M --against M` with a small cache and a host tier, token by token: the same logits as the
     reference (KL 0, every top-1 agreeing: the tier only moves bytes), and where MODEL's experts came from."""

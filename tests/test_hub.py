@@ -316,6 +316,7 @@ def test_progress_reaches_the_cli(hub, source, tmp_path):
 # --- the TUI -------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the TUI converting from a loopback hub (~5 s)
 async def test_tui_opens_a_repository_and_converts_it_while_it_downloads(hub, source, reference, tmp_path,
                                                                          monkeypatch):
     from textual.widgets import Input, Static

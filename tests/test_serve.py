@@ -336,6 +336,7 @@ def test_eight_clients_at_once_lose_nothing_and_memory_stays_flat(server):
     assert grown < 8 << 20, f"RSS grew {grown / 2**20:.1f} MiB over 160 requests"
 
 
+@pytest.mark.slow  # a second server process, streamed (~9 s)
 def test_streamed_experts_give_the_resident_text_and_a_full_queue_answers_429(demo, tmp_path, cli_replies):
     """A small expert budget serves the same greedy text as resident experts; with one place in the queue a third
     request gets 429 with Retry-After; the server stops by itself after --max-requests and keeps what it learned."""

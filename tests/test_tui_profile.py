@@ -28,6 +28,7 @@ from tui.screens.help import HelpScreen
 from tui.screens.open import OpenScreen
 from tui.screens.profile import ProfileScreen
 from tui.widgets.heat_map import RAMP, HeatMap
+from conftest import converted
 from tui_helpers import screen_lines, settle, stable_screen_lines, wait_for
 
 SIZE = (80, 24)
@@ -67,12 +68,10 @@ def demo(tmp_path_factory) -> tuple[Path, Path, str]:
 
 
 @pytest.fixture(scope="module")
-def wide(tmp_path_factory) -> Path:
-    """A conversion with Kimi K3's 896 experts per layer (2 MoE layers)."""
-    root = tmp_path_factory.mktemp("profile-wide")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
-        return _convert(root, DemoSpec(num_experts=896, num_hidden_layers=3))[1]
+def wide() -> Path:
+    """A conversion with Kimi K3's 896 experts per layer (2 MoE layers), shared with test_profile_output
+    (read-only)."""
+    return converted("tq4", DemoSpec(num_experts=896, num_hidden_layers=3))
 
 
 def put(p: Profile) -> None:
