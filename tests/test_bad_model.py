@@ -16,17 +16,17 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import Result, tqbench
-from conftest import demo_tq4, file_bytes
+from conftest import converted as shared_conversion
+from conftest import file_bytes
 from model_helpers import put_header, read_header
-from tqbench.demo import ensure_demo
+from tqbench.demo import DemoSpec, ensure_demo
 from tqbench.errors import ExitCode
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
-    """The demo converted with tq4 into several shards."""
-    dest = demo_tq4(tmp_path_factory.mktemp("bad-model"), shard_size=4_000_000)
-    return dest
+def converted() -> Path:
+    """A small demo (4 layers, 16 experts) converted with tq4 into four shards: shared, each test changes a copy."""
+    return shared_conversion("tq4", DemoSpec(), shard_size=150_000)
 
 
 @pytest.fixture

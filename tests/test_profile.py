@@ -664,6 +664,7 @@ MALFORMED = {  # file name: (how the good document is spoiled, what the error li
 }
 
 
+@pytest.mark.slow  # a dozen `profile import` and `profile diff` runs, each import fingerprinting the model (~6 s)
 def test_a_malformed_profile_names_what_is_wrong_in_one_line(model, tmp_path, capsys, monkeypatch):
     """`profile import` (and `diff`, which reads a file on its own): each spoiled field is named in the one error line,
     never a KeyError/TypeError/ValueError, and the learned profile stays as it was."""
