@@ -1,4 +1,9 @@
-"""Shared fixtures: small real checkpoints built on the fly."""
+"""Shared fixtures: small real checkpoints built on the fly.
+
+Demo sources and their conversions are built once per test session (`demo_source`, `shipped_demo`, `converted`) and
+shared by every module that asks for the same one: read or load them, never change them. A test that changes a model
+works on a copy (`converted_copy`, `demo_tq4`, or shutil.copytree of the shared path). Helpers that are not fixtures
+(running a model, an expert's bytes, shard headers, ports) are in model_helpers.py."""
 
 from __future__ import annotations
 
