@@ -97,3 +97,16 @@ def free_port(count: int = 1) -> int:
         if base + count < 65000 and all(_free(base + i) for i in range(count)):
             return base
     raise RuntimeError("no free ports")
+
+
+class OnDemand(dict):
+    """A dict whose missing values are made by `make(key)` when first asked for: a module fixture of several models
+    builds (or converts, or runs) only those that the selected tests use."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        self[key] = value = self._make(key)
+        return value

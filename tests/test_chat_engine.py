@@ -79,7 +79,7 @@ def model() -> Path:
     return converted("tq4", DemoSpec())
 
 
-def test_the_engine_plans_what_runs(model):
+def test_the_engine_plans_what_runs(model, tmp_path):
     from tqbench.chat.stream_plan import plan_streaming
     from tqbench.demo import DemoSpec, write_source
 
@@ -92,11 +92,11 @@ def test_the_engine_plans_what_runs(model):
     assert asked.reason == "asked" and (c.budget_bytes, c.workers, c.policy, c.fanout, c.lookahead, c.page_cache,
                                         c.reads_in_flight) == (5_000_000, 2, "lru", True, True, "on", 1)
     # a source checkpoint streams its per-expert tensors as stored
-    src = write_source(model.parent / "plain", DemoSpec(), seed=0)
+    src = write_source(tmp_path / "plain", DemoSpec(), seed=0)
     assert plan_streaming(src, StreamRequest()).reason == "fits"
     assert plan_streaming(src, StreamRequest("1MB")).config.budget_bytes == 1_000_000
     # a model without routed experts: resident when it fits, refused if streaming is asked
-    dense = write_source(model.parent / "dense", DemoSpec(first_k_dense_replace=DemoSpec().num_hidden_layers))
+    dense = write_source(tmp_path / "dense", DemoSpec(first_k_dense_replace=DemoSpec().num_hidden_layers))
     assert plan_streaming(dense, StreamRequest()).reason == "no routed experts"
     with pytest.raises(TqbenchError, match="no routed experts to stream") as e:
         plan_streaming(dense, StreamRequest("auto"))

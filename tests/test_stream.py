@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from conftest import converted
-from model_helpers import expert_bytes, logits_and_tokens, takes_o_direct
+from conftest import converted, shipped_demo
+from model_helpers import OnDemand, expert_bytes, logits_and_tokens, takes_o_direct
 from tqbench.demo import SHIPPED_SPEC
 from tqbench.runtime.load import load
 from tqbench.stream import StoreError, StreamConfig
@@ -114,8 +114,9 @@ L = sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers))
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, Path]:
-    """The shipped demo's conversions, shared with other modules (read-only: a test that changes one copies it)."""
-    return {name: converted(name) for name in (RECIPE, "affine4", "src")}
+    """The shipped demo's conversions (RECIPE, affine4, src), shared with other modules (read-only: a test that
+    changes one copies it); each converted when a test first asks for it."""
+    return OnDemand(converted)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,8 @@ def _run(model, n: int = 10) -> tuple[np.ndarray, list[int]]:
 
 @pytest.fixture(scope="module")
 def resident(models) -> dict[str, tuple[np.ndarray, list[int]]]:
-    return {name: _run(load(path).model) for name, path in models.items()}
+    """Each model's logits and tokens, resident (computed when a test first asks for that model's)."""
+    return OnDemand(lambda name: _run(load(models[name]).model))
 
 
 @pytest.mark.slow
@@ -416,7 +418,7 @@ def test_pools_split_under_the_array_limit_and_stay_bit_identical(models, reside
 def test_a_source_checkpoint_streams_its_per_expert_tensors(models, slots):
     """The demo as published (compressed-tensors mxfp4, one tensor per expert and projection): each expert is six
     extents, mxfp4 `weight_packed` read as MLX's uint32 weight, and the output is the resident source's."""
-    src = models[RECIPE].parent / "demo"
+    src = shipped_demo()  # the demo as published: a copy shared by the test session (read-only)
     store = ExpertStore.open(src)
     lay = store.layers[1]
     assert lay.experts == E and len(lay.extents[7]) == 6
