@@ -17,6 +17,7 @@ from model_helpers import takes_o_direct
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # a benchmark's quick run in a process of its own (~5 s)
 def test_quick_run_pairs_this_streamer_with_an_older_one(tmp_path):
     if not takes_o_direct(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
