@@ -12,6 +12,7 @@ import copy
 import importlib.util
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -135,6 +136,13 @@ def file_bytes(root: Path) -> dict[str, bytes]:
 
 
 os.environ.setdefault("TQBENCH_TEST", "1")
+
+# Tests interrupt the processes they start with SIGINT, as Ctrl-C does (serve stops, chat exits 130). A shell without
+# job control that starts pytest in the background (`pytest ... &`, nohup, a script's background job) leaves SIGINT
+# ignored, and an ignored signal stays ignored in every child: a served model would then never stop (the module
+# fixture's teardown waits 60 s and fails) and the Ctrl-C tests fail. Handled, it is reset to the default in children.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
