@@ -36,6 +36,8 @@ def prompt_of(loaded, n: int) -> list[int]:
     return list(tokens[:n])
 
 
+@pytest.mark.slow  # 4,500 tokens prefilled twice, streamed and by mlx-lm (~27 s); the chunk is generate's default
+# argument (PREFILL_STEP), so no smaller prompt shows the chunks
 def test_a_long_prompt_is_told_chunk_by_chunk_and_replies_as_mlx_lm_does(model):
     """4,500 tokens streamed from a small expert cache: progress after 2,048, 4,096 and 4,499 tokens (mlx-lm's
     chunks, the last token left to the first step), then at 4,500 with the first token; the experts each chunk read
