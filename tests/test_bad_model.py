@@ -16,16 +16,17 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import Result, tqbench
-from conftest import demo_tq4, file_bytes
-from tqbench.demo import ensure_demo
+from conftest import converted as shared_conversion
+from conftest import file_bytes
+from model_helpers import put_header, read_header
+from tqbench.demo import DemoSpec, ensure_demo
 from tqbench.errors import ExitCode
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
-    """The demo converted with tq4 into several shards."""
-    dest = demo_tq4(tmp_path_factory.mktemp("bad-model"), shard_size=4_000_000)
-    return dest
+def converted() -> Path:
+    """A small demo (4 layers, 16 experts) converted with tq4 into four shards: shared, each test changes a copy."""
+    return shared_conversion("tq4", DemoSpec(), shard_size=150_000)
 
 
 @pytest.fixture
@@ -48,19 +49,6 @@ def _chat(capsys, monkeypatch, root: Path, *extra: str):
 
 def _shards(root: Path) -> list[Path]:
     return sorted(root.glob("model-*.safetensors"))
-
-
-def _header(path: Path) -> dict:
-    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
-    return json.loads(path.read_bytes()[8:8 + n])
-
-
-def _put_header(path: Path, header: dict) -> None:
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    new = json.dumps(header).encode()
-    new += b" " * (-len(new) % 8)
-    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
 
 
 def test_truncated_converted_shard(model, capsys, monkeypatch):
@@ -111,9 +99,9 @@ def test_missing_shard_is_named_with_inspects_exit_code(model, capsys, monkeypat
 
 def test_metadata_that_is_not_strings(model, capsys, monkeypatch):
     shard = _shards(model)[0]
-    header = _header(shard)
+    header = json.loads(read_header(shard)[1])
     header["__metadata__"] = {"format": 3}
-    _put_header(shard, header)
+    put_header(shard, header)
     r = _chat(capsys, monkeypatch, model)
     assert r.code == ExitCode.BAD_INPUT
     assert r.err.strip() == f"tqbench: error: {shard}: __metadata__ is not a JSON object of strings"

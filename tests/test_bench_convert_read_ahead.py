@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # a benchmark's quick run in a process of its own: converts a model both ways (~6 s)
 def test_quick_run_pairs_the_two_ways_of_reading(tmp_path):
     out = tmp_path / "ra.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "convert_read_ahead.py"), "--quick", "--out",

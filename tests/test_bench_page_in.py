@@ -12,24 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from model_helpers import takes_o_direct
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _takes_o_direct(path: Path) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    probe = path / "probe"
-    probe.write_bytes(b"\0" * 4096)
-    try:
-        os.close(os.open(probe, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
-        return hasattr(os, "O_DIRECT")
-    except OSError:
-        return False
-    finally:
-        probe.unlink()
-
-
+@pytest.mark.slow  # a benchmark's quick run in a process of its own (~5 s)
 def test_quick_run_pairs_this_streamer_with_an_older_one(tmp_path):
-    if not _takes_o_direct(tmp_path):
+    if not takes_o_direct(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     before = tmp_path / "old_streamer.py"
     before.write_text((ROOT / "tqbench" / "stream" / "streamer.py").read_text())  # the same code: a valid "before"

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "train_step.py"
 
 
+@pytest.mark.slow  # times eight training-step configurations of the chat demo's model, counting operations (~30-60 s)
 def test_quick_run_times_the_real_step_at_each_batch_and_optimizer(tmp_path):
     out = tmp_path / "train_step.json"
     p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--optimizers", "mlx,flat", "--kda-chunks", "16,32",

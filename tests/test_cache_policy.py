@@ -373,22 +373,19 @@ def test_policies_script_refuses_a_bad_horizon_before_tracing_anything(tmp_path)
 # ---- in the streamer -------------------------------------------------------------------------------------------------
 
 
-def test_streamed_generation_with_lrfu_next_is_bit_identical_with_a_seeded_and_pinned_cache(tmp_path):
+def test_streamed_generation_with_lrfu_next_is_bit_identical_with_a_seeded_and_pinned_cache():
     """The streamer drives lrfu-next as it drives the others (place with the layer's experts locked, cold prefill
     entries, drop, pins, a profile's seed): the output is resident's, and the pinned experts stay."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from tqbench.convert import convert
-    from tqbench.demo import ensure_demo
-    from tqbench.recipe import Recipe
+    from conftest import converted
     from tqbench.runtime.load import load
     from tqbench.stream import StreamConfig
     from tqbench.stream.budget import model_bytes
     from tqbench.stream.pagein import staging_bytes
 
-    path = tmp_path / "src"
-    list(convert(ensure_demo(), path, Recipe.parse("src")))
+    path = converted("src")  # the shipped demo's passthrough conversion, shared (read-only)
     prompt = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]
 
     def run(model, n=8):

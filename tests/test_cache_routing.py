@@ -275,6 +275,7 @@ def test_chat_says_its_routing_changed(model, capsys, monkeypatch, tmp_path):
     assert doc["cache_routing"] == 0.05 and doc["substitutions"] > 0
 
 
+@pytest.mark.slow  # three streamed evaluations of 48 tokens, two of them token by token (~12 s)
 def test_eval_scores_token_by_token_and_marks_the_routing_changed(model):
     def run(margin: float, decode: bool = False) -> tuple[EvalStarted, EvalReport]:
         events = list(evaluate(EvalRequest(str(model), str(model), window=24, tokens=48, prompts=0, decode=decode,
@@ -301,6 +302,7 @@ def test_eval_scores_token_by_token_and_marks_the_routing_changed(model):
     assert not batched.decode and not batched.routing_changed
 
 
+@pytest.mark.slow  # a streamed `tqbench eval`, token by token, and a refused one (~6 s)
 def test_eval_cli_prints_the_routing_change(model, capsys, monkeypatch):
     r = tqbench(capsys, monkeypatch, "eval", model, "--against", model, "--cache-routing", "0.05", "--cache-budget-gb",
                 "1MB", "--tokens", "24", "--window", "24", "--prompts", "0", "--json")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import converted
 from tqbench.chat import report
 from tqbench.chat.live import PageInMap
 from tqbench.chat.request import ChatRequest, ProfileOptions, SamplingRequest, StreamRequest, parse_budget
@@ -71,22 +72,14 @@ def test_report_lines_are_the_faces_words():
 # ---- on a real conversion ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    """A small demo (4 layers, 3 of them MoE with 16 experts) converted with tq4 for streaming."""
-    from tqbench.convert import convert
-    from tqbench.demo import DemoSpec, write_source
-    from tqbench.recipe import Recipe
+def model() -> Path:
+    """A small demo (4 layers, 3 of them MoE with 16 experts) converted with tq4 for streaming (shared, read-only)."""
+    from tqbench.demo import DemoSpec
 
-    root = tmp_path_factory.mktemp("chat-engine")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
-        src = write_source(root / "src", DemoSpec(), seed=0)
-        dest = root / "tq4"
-        list(convert(src, dest, Recipe.parse("tq4")))
-    return dest
+    return converted("tq4", DemoSpec())
 
 
-def test_the_engine_plans_what_runs(model):
+def test_the_engine_plans_what_runs(model, tmp_path):
     from tqbench.chat.stream_plan import plan_streaming
     from tqbench.demo import DemoSpec, write_source
 
@@ -99,11 +92,11 @@ def test_the_engine_plans_what_runs(model):
     assert asked.reason == "asked" and (c.budget_bytes, c.workers, c.policy, c.fanout, c.lookahead, c.page_cache,
                                         c.reads_in_flight) == (5_000_000, 2, "lru", True, True, "on", 1)
     # a source checkpoint streams its per-expert tensors as stored
-    src = write_source(model.parent / "plain", DemoSpec(), seed=0)
+    src = write_source(tmp_path / "plain", DemoSpec(), seed=0)
     assert plan_streaming(src, StreamRequest()).reason == "fits"
     assert plan_streaming(src, StreamRequest("1MB")).config.budget_bytes == 1_000_000
     # a model without routed experts: resident when it fits, refused if streaming is asked
-    dense = write_source(model.parent / "dense", DemoSpec(first_k_dense_replace=DemoSpec().num_hidden_layers))
+    dense = write_source(tmp_path / "dense", DemoSpec(first_k_dense_replace=DemoSpec().num_hidden_layers))
     assert plan_streaming(dense, StreamRequest()).reason == "no routed experts"
     with pytest.raises(TqbenchError, match="no routed experts to stream") as e:
         plan_streaming(dense, StreamRequest("auto"))

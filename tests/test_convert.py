@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from cli_helpers import tqbench
+from conftest import demo_source
 from tqbench.convert import convert
 from tqbench.layout.names import EXPERT_MAP, REPORT
-from tqbench.demo import DemoSpec, write_source
+from tqbench.demo import DemoSpec
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, UnitConverted
 from tqbench.quant import turboquant as tq
 from tqbench.recipe import Recipe, group_sources, make_plan
@@ -33,8 +34,8 @@ SPEC = DemoSpec(routed_expert_hidden_size=64, moe_intermediate_size=128)
 
 
 @pytest.fixture(scope="module")
-def demo_src(tmp_path_factory) -> Path:
-    return write_source(tmp_path_factory.mktemp("src") / "demo", SPEC, seed=0)
+def demo_src() -> Path:
+    return demo_source(SPEC)  # shared with other modules (read-only)
 
 
 def run(src: Path, dst: Path, name: str, **kw) -> list:

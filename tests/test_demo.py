@@ -19,11 +19,6 @@ from tqbench.shards.header import read_header
 SPEC = DemoSpec()
 
 
-@pytest.fixture(autouse=True)
-def _no_tiktoken_cache(monkeypatch):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken caches tokenizer files by path otherwise
-
-
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> Path:
     return write_source(tmp_path_factory.mktemp("demo") / "kimi-k3-demo")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import openai
 import pytest
 
 from conftest import demo_tq4
+from model_helpers import free_port
 
 pytestmark = pytest.mark.slow  # each run starts two or three processes that load the demo (~10-30 s on 2 cores)
 
@@ -33,26 +33,6 @@ N = 16  # tokens per reply where replies are compared
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return demo_tq4(tmp_path_factory.mktemp("dist"))
-
-
-def free_port(count: int) -> int:
-    """A port with `count` free ones from it (the ring backend listens on one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count < 65000 and all(_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def chat_args(model: Path, *extra: str) -> list[str]:

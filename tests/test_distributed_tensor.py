@@ -18,8 +18,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from conftest import demo_tq4
-from test_distributed import BIN, chat_args, free_port, launch, token_ids
+from conftest import converted, demo_tq4
+from model_helpers import free_port
+from test_distributed import BIN, chat_args, launch, token_ids
 
 pytestmark = pytest.mark.slow  # each launch starts two processes that load a model (~5-10 s on 2 cores)
 
@@ -32,17 +33,9 @@ SUM_ORDER = 2 ** -24 * 128 * 4
 
 @pytest.fixture(scope="module")
 def sliceable(tmp_path_factory) -> Path:
-    from tqbench.convert import convert
     from tqbench.demo.spec import DemoSpec
-    from tqbench.demo.writer import write_source
-    from tqbench.recipe import Recipe
 
-    root = tmp_path_factory.mktemp("tensor")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
-        src = write_source(root / "src", DemoSpec(), seed=0)
-        list(convert(src, root / "tq4", Recipe.parse("tq4-norot-g32")))
-    return widened(root / "tq4", root / "tq4-f32")
+    return widened(converted("tq4-norot-g32", DemoSpec()), tmp_path_factory.mktemp("tensor") / "tq4-f32")
 
 
 def widened(src: Path, dst: Path) -> Path:

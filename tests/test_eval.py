@@ -12,27 +12,21 @@ import numpy as np
 import pytest
 
 from cli_helpers import tqbench
-from tqbench.convert import convert
-from tqbench.demo import DemoSpec, write_source
+from conftest import converted, demo_source
+from tqbench.demo import DemoSpec
 from tqbench.eval import EvalReport, EvalRequest, evaluate
 from tqbench.eval.metrics import window_sums
 from tqbench.eval.texts import Text, cut, default_texts, plan_windows, token_stream
-from tqbench.recipe import Recipe
 
 TOKENS = 128  # small runs: the random model's figures do not depend on the count
 WINDOW = 32
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
+def models() -> dict[str, Path]:
     """A random K3-layout source, its mxfp4 passthrough (everything else as stored) and its tq4 conversion."""
-    root = tmp_path_factory.mktemp("eval")
-    src = write_source(root / "src", DemoSpec(), seed=0)
-    out = {"src": src}
-    for name, recipe in (("mxfp4e", "srca-mxfp4e"), ("tq4", "tq4")):
-        list(convert(src, root / name, Recipe.parse(recipe)))
-        out[name] = root / name
-    return out
+    return {"src": demo_source(DemoSpec()), "mxfp4e": converted("srca-mxfp4e", DemoSpec()),
+            "tq4": converted("tq4", DemoSpec())}  # shared with other modules (read-only)
 
 
 def report_of(request: EvalRequest) -> EvalReport:

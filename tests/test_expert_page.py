@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tqbench.convert import convert
-from tqbench.demo import DemoSpec, write_source
+from conftest import converted as shared_conversion
+from conftest import demo_source
+from tqbench.demo import DemoSpec
 from tqbench.recipe import Recipe, group_sources, make_plan
 from tqbench.skeleton import write_skeleton
 from tqbench.source import open_checkpoint, summarize
@@ -24,13 +25,9 @@ PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("page")
-    src = write_source(root / "demo", SPEC, seed=0)
-    dst = root / "out"
-    for _ in convert(src, dst, Recipe.parse("tq3a-tqTe-down4-g64"), 150_000):
-        pass
-    return src, dst
+def converted() -> tuple[Path, Path]:
+    """The source and its conversion, shared with other modules (read-only)."""
+    return demo_source(SPEC), shared_conversion("tq3a-tqTe-down4-g64", SPEC, 150_000)
 
 
 def test_inspect_plan_and_expert_map_agree(converted):

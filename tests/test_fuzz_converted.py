@@ -23,6 +23,7 @@ import pytest
 
 from cli_helpers import tqbench
 from conftest import demo_tq4
+from model_helpers import put_header, read_header
 
 pytestmark = pytest.mark.slow
 
@@ -51,24 +52,9 @@ def _shards(root: Path) -> list[Path]:
     return sorted(root.glob("model-*.safetensors"))
 
 
-def _header(path: Path) -> tuple[int, bytes]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return n, f.read(n)
-
-
-def _put_header(path: Path, header: dict) -> None:
-    """Rewrite a shard with a new header and the old data bytes (offsets are relative to the data)."""
-    n, _ = _header(path)
-    data = path.read_bytes()[8 + n:]
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
-
-
 def flip_header_byte(root: Path, rng: random.Random) -> str:
     shard = rng.choice(_shards(root))
-    n, _ = _header(shard)
+    n, _ = read_header(shard)
     pos = 8 + rng.randrange(n)
     new = rng.choice(b'"{}[],:-0123456789eE x\x00\xff')
     with open(shard, "r+b") as f:
@@ -79,7 +65,7 @@ def flip_header_byte(root: Path, rng: random.Random) -> str:
 
 def header_length(root: Path, rng: random.Random) -> str:
     shard = rng.choice(_shards(root))
-    n, _ = _header(shard)
+    n, _ = read_header(shard)
     value = rng.choice([0, 1, 7, n - 8, n - 1, n + 1, n + 8, shard.stat().st_size, 2 ** 40, 2 ** 64 - 1])
     with open(shard, "r+b") as f:
         f.write(struct.pack("<Q", value))
@@ -89,7 +75,7 @@ def header_length(root: Path, rng: random.Random) -> str:
 def truncate_shard(root: Path, rng: random.Random) -> str:
     shard = rng.choice(_shards(root))
     size = shard.stat().st_size
-    n, _ = _header(shard)
+    n, _ = read_header(shard)
     at = rng.choice([0, 4, 8 + rng.randrange(n), 8 + n + rng.randrange(size - 8 - n), size - 1])
     os.truncate(shard, at)
     return f"{shard.name}: truncated to {at} of {size} bytes"
@@ -105,7 +91,7 @@ def extend_shard(root: Path, rng: random.Random) -> str:
 
 def edit_header_entry(root: Path, rng: random.Random) -> str:
     shard = rng.choice(_shards(root))
-    _, raw = _header(shard)
+    _, raw = read_header(shard)
     header = json.loads(raw)
     name = rng.choice([k for k in header if k != "__metadata__"])
     entry = header[name]
@@ -130,7 +116,7 @@ def edit_header_entry(root: Path, rng: random.Random) -> str:
         name = f"{name} <-> {other}"
     else:
         header["__metadata__"] = rng.choice([[], "x", {"format": "np"}, {"format": 3}])
-    _put_header(shard, header)
+    put_header(shard, header)
     return f"{shard.name}: {how} {name}"
 
 

@@ -4,21 +4,18 @@ tier is exclusive with the slots and never holds more than its budget."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
-from tqbench.convert import convert
-from tqbench.demo import SHIPPED_SPEC, ensure_demo
-from tqbench.recipe import Recipe
+from conftest import converted
+from model_helpers import expert_bytes, logits_and_tokens
+from tqbench.demo import SHIPPED_SPEC
 from tqbench.runtime.load import load
 from tqbench.stream import StoreError, StreamConfig
 from tqbench.stream.host import HostTier
-from tqbench.stream.store import ExpertStore, part_array
+from tqbench.stream.store import part_array
 from tqbench.stream.pagein import staging_bytes
 
 PROMPT = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]
@@ -28,27 +25,18 @@ L = sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers))
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("host")
-    src = root / "demo"
-    shutil.copytree(ensure_demo(), src)
-    list(convert(src, root / RECIPE, Recipe.parse(RECIPE)))
-    return root / RECIPE
+def model() -> Path:
+    """The shipped demo's RECIPE conversion, shared with other modules (read-only)."""
+    return converted(RECIPE)
 
 
 @pytest.fixture(scope="module")
 def expert(model) -> int:
-    store = ExpertStore.open(model)
-    sizes = {lay.nbytes for lay in store.layers.values()}
-    store.close()
-    assert len(sizes) == 1
-    return sizes.pop()
+    return expert_bytes(model)
 
 
 def _run(m, n: int = 10) -> tuple[np.ndarray, list[int]]:
-    logits = np.array(m(mx.array([PROMPT])).astype(mx.float32))
-    tokens = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(PROMPT), m, max_tokens=n)), range(n))]
-    return logits, tokens
+    return logits_and_tokens(m, PROMPT, n)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +94,7 @@ def test_the_host_tier_is_exclusive_and_holds_each_experts_bytes(model, expert):
     s.close()
 
 
+@pytest.mark.slow  # four streamed runs at growing host tiers (~6 s)
 def test_more_host_tier_means_fewer_disk_reads(model, expert):
     """The same prompt at the same GPU budget: reads from disk fall as the host tier grows, to the distinct experts
     routed when it holds them all; the GPU tier's hits do not change (it makes the same choices)."""
@@ -196,6 +185,7 @@ def test_host_tier_plan_by_machine(model, expert):
         parse_host_cache("lots")
 
 
+@pytest.mark.slow  # four chats through the CLI, two of them streamed 24-token replies (~6 s)
 def test_chat_with_a_host_tier_says_so_and_counts_it(model, expert, tmp_path, capsys, monkeypatch):
     import json
 
@@ -230,6 +220,7 @@ def test_chat_with_a_host_tier_says_so_and_counts_it(model, expert, tmp_path, ca
         f"tqbench: error: {model}: the host cache (100 bytes) cannot hold one expert ({expert:,} bytes)")
 
 
+@pytest.mark.slow  # a streamed eval of 48 tokens, token by token, against the model itself (~12 s)
 def test_eval_reports_tiers_and_a_host_tier_changes_nothing(model, expert, tmp_path, capsys, monkeypatch):
     """`tqbench eval M --against M` with a small cache and a host tier, token by token: the same logits as the
     reference (KL 0, every top-1 agreeing: the tier only moves bytes), and where MODEL's experts came from."""

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import tqbench
-from conftest import file_bytes
+from conftest import converted, demo_source, file_bytes
 from hubserver import HubServer
 from tqbench import units
 from tqbench.convert import convert
-from tqbench.demo import DemoSpec, write_source
+from tqbench.demo import DemoSpec
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, SourceRemoved
 from tqbench.recipe import Recipe
 
@@ -34,16 +34,14 @@ RUN_RECORDS = {"convert-report.json", ".tqbench-convert.json"}
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    return write_source(tmp_path_factory.mktemp("src") / "demo", SPEC, seed=0)
+def source() -> Path:
+    return demo_source(SPEC)  # shared with other modules (read-only)
 
 
 @pytest.fixture(scope="module")
-def reference(source, tmp_path_factory) -> Path:
-    """The same source converted from its directory."""
-    dst = tmp_path_factory.mktemp("ref") / "out"
-    list(convert(source, dst, Recipe.parse(RECIPE), SHARD))
-    return dst
+def reference(source) -> Path:
+    """The same source converted from its directory (shared with other modules, read-only)."""
+    return converted(RECIPE, SPEC, SHARD)
 
 
 @pytest.fixture
@@ -318,6 +316,7 @@ def test_progress_reaches_the_cli(hub, source, tmp_path):
 # --- the TUI -------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the TUI converting from a loopback hub (~5 s)
 async def test_tui_opens_a_repository_and_converts_it_while_it_downloads(hub, source, reference, tmp_path,
                                                                          monkeypatch):
     from textual.widgets import Input, Static

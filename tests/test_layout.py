@@ -14,11 +14,10 @@ import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-from tqbench.convert import convert
-from tqbench.demo import DemoSpec, write_source
+from conftest import converted, demo_source
+from tqbench.demo import DemoSpec
 from tqbench.layout import ExpertMap, QuantizationBlock
 from tqbench.quant import turboquant as tq
-from tqbench.recipe import Recipe
 from tqbench.shards import read_header
 from tqbench.source.reader import ShardReader
 
@@ -31,18 +30,15 @@ SPEC = DemoSpec(routed_expert_hidden_size=64, moe_intermediate_size=352)
 
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return write_source(tmp_path_factory.mktemp("src") / "demo", SPEC, seed=0)
+def src() -> Path:
+    return demo_source(SPEC)  # shared (read-only)
 
 
 @pytest.fixture(scope="module")
-def outputs(src, tmp_path_factory) -> dict[str, Path]:
-    out = {}
-    for name in ("tq3a-tqTe-down4-g32", "tq3a-tqTe-down4-g32-norot", "affine4-g64", "src-mxfp4e"):
-        dst = tmp_path_factory.mktemp("out") / name
-        list(convert(src, dst, Recipe.parse(name), SHARD))
-        out[name] = dst
-    return out
+def outputs(src) -> dict[str, Path]:
+    """The conversions, shared with other modules (read-only)."""
+    return {name: converted(name, SPEC, SHARD)
+            for name in ("tq3a-tqTe-down4-g32", "tq3a-tqTe-down4-g32-norot", "affine4-g64", "src-mxfp4e")}
 
 
 def _load(path: Path):

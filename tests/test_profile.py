@@ -302,6 +302,7 @@ def _export(model: Path, capsys, monkeypatch, dest: Path) -> dict:
     return json.loads(dest.read_text())
 
 
+@pytest.mark.slow  # twenty-odd `profile import` runs, each fingerprinting the model (~12 s)
 def test_import_refuses_bad_files_with_one_line(model, tmp_path, capsys, monkeypatch):
     _learn(model, P1, 4)
     doc = _export(model, capsys, monkeypatch, tmp_path / "good.json")
@@ -388,6 +389,7 @@ def test_seed_system_files_import(model, tmp_path, capsys, monkeypatch):
 
 # ---- precedence --------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # seven streamed chats (~7 s)
 def test_precedence_file_then_mature_learned_then_shipped_then_none(model, tmp_path, capsys, monkeypatch):
     """What a streamed chat starts from, in its profile line and --stats-json: none; still none while the learned
     profile is immature; a profile in the model directory (shipped); the learned one once it has MATURE routings;
@@ -466,6 +468,7 @@ def test_the_demo_ships_a_profile_a_fresh_conversion_picks(model, capsys, monkey
 
 # ---- warm start -------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # four streamed loads and a learning session (~7 s)
 def test_a_warm_start_hits_more_at_a_small_budget_and_keeps_the_output(model, tmp_path):
     """At a small budget: cold (no pins) vs warm (the profile a previous session on the same work learned, half the
     slots pinned and preloaded). Same tokens as resident both times; the same expert uses, more of them hits;
@@ -549,6 +552,7 @@ def test_coverage_merge_and_diff_figures():
         merge(a, b, -1.0)
 
 
+@pytest.mark.slow  # a learning session and a dozen profile commands (~6 s)
 def test_show_export_merge_diff_reset_commands(model, tmp_path, capsys, monkeypatch):
     model = _other(model, tmp_path / "other")  # no shipped profile: the chat starts cold until MATURE
     r = tqbench(capsys, monkeypatch, "profile", "show", "--model", model)
@@ -660,6 +664,7 @@ MALFORMED = {  # file name: (how the good document is spoiled, what the error li
 }
 
 
+@pytest.mark.slow  # a dozen `profile import` and `profile diff` runs, each import fingerprinting the model (~6 s)
 def test_a_malformed_profile_names_what_is_wrong_in_one_line(model, tmp_path, capsys, monkeypatch):
     """`profile import` (and `diff`, which reads a file on its own): each spoiled field is named in the one error line,
     never a KeyError/TypeError/ValueError, and the learned profile stays as it was."""

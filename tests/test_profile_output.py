@@ -12,22 +12,16 @@ import numpy as np
 import pytest
 
 from cli_helpers import tqbench
-from tqbench.convert import convert
-from tqbench.demo import DemoSpec, write_source
+from conftest import converted
+from tqbench.demo import DemoSpec
 from tqbench.profile import Profile, ProfileStore, identify, summary
 from tqbench.profile.report import number
-from tqbench.recipe import Recipe
 
 
 @pytest.fixture(scope="module")
-def wide(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("profile-output")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
-        src = write_source(root / "src", DemoSpec(num_experts=896, num_hidden_layers=3), seed=0)
-        for _ in convert(src, root / "model", Recipe.parse("tq4")):
-            pass
-    return root / "model"
+def wide() -> Path:
+    """A tq4 conversion with Kimi K3's 896 experts per layer (2 MoE layers), shared with test_tui_profile (read-only)."""
+    return converted("tq4", DemoSpec(num_experts=896, num_hidden_layers=3))
 
 
 def every_expert_routed(model: Path) -> Profile:

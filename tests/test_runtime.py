@@ -5,7 +5,6 @@ trust rule for model code."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,8 +15,9 @@ from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from tqbench.convert import convert
-from tqbench.demo import SHIPPED_SPEC, ensure_demo
+from conftest import converted, shipped_demo
+from model_helpers import logits as _logits
+from tqbench.demo import SHIPPED_SPEC
 from tqbench.layout import QuantizationBlock
 from tqbench.quant import turboquant as tq
 from tqbench.recipe import Recipe
@@ -43,20 +43,9 @@ def _turboquant_expert_projections(recipe: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    """The shipped trained demo (mxfp4 experts) and its conversions."""
-    root = tmp_path_factory.mktemp("models")
-    src = root / "demo"
-    shutil.copytree(ensure_demo(), src)
-    out = {"source": src}
-    for name in (RECIPE, "tq4", "src"):
-        out[name] = root / name
-        list(convert(src, out[name], Recipe.parse(name)))
-    return out
-
-
-def _logits(model: nn.Module, tokens: list[int]) -> np.ndarray:
-    return np.array(model(mx.array([tokens])).astype(mx.float32))
+def models() -> dict[str, Path]:
+    """The shipped trained demo (mxfp4 experts) and its conversions, shared with other modules (read-only)."""
+    return {"source": shipped_demo(), **{name: converted(name) for name in (RECIPE, "tq4", "src")}}
 
 
 PROMPT = [4352, 100, 517, 2300, 42, 7, 1311, 260, 9, 88, 1000, 61]

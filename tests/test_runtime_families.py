@@ -19,6 +19,7 @@ import pytest
 from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import load_model
 
+from model_helpers import logits
 from tqbench.convert import convert
 from tqbench.layout import QuantizationBlock
 from tqbench.quant import turboquant as tq
@@ -252,10 +253,6 @@ def _reference(source: Path, converted: Path) -> tuple[nn.Module, int]:
     return model, n
 
 
-def _logits(model: nn.Module, tokens: list[int]) -> np.ndarray:
-    return np.array(model(mx.array([tokens])).astype(mx.float32))
-
-
 @pytest.mark.parametrize("family, recipe", CASES)
 def test_turboquant_output_equals_the_familys_model_of_its_dequantized_weights(sources, outputs, family, recipe):
     loaded = load(outputs[family, recipe])
@@ -287,14 +284,14 @@ def test_turboquant_output_equals_the_familys_model_of_its_dequantized_weights(s
     assert {m.block for m in down} == {tq.rotation_block(width) if rotated else None}
     if family == "deepseek_v3":
         assert tq.rotation_block(width) == 64  # 704 = 11 x 64: blockwise
-    got, want = _logits(model, prompt), _logits(reference, prompt)
+    got, want = logits(model, prompt), logits(reference, prompt)
     scale = np.abs(want).max()
     assert np.isfinite(got).all() and scale > 1
     assert np.abs(got - want).max() <= 1e-4 * scale
     # and the weights are really quantized: the source's own logits differ
     source, _ = load_model(sources[family])
     source.set_dtype(mx.float32)
-    assert np.abs(_logits(source, prompt) - got).max() > 1e-2 * scale
+    assert np.abs(logits(source, prompt) - got).max() > 1e-2 * scale
 
 
 def test_a_conversion_without_a_tokenizer_is_a_one_line_load_error(outputs, tmp_path):

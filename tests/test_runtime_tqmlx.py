@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tqbench.convert import convert
-from tqbench.demo import DemoSpec, write_source
+from conftest import converted
+from model_helpers import logits
+from tqbench.demo import DemoSpec
 from tqbench.quant import turboquant as tq
-from tqbench.recipe import Recipe
 from tqbench.runtime.layers import TurboQuantConcat, TurboQuantLinear, TurboQuantSwitchLinear
 from tqbench.runtime.load import LoadError, load
 
@@ -109,18 +109,12 @@ def dirs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     """recipe -> {"ours": our conversion, "theirs": the same weights in TurboQuant-MLX's layout with the source's
     names, "port": the same with the names of TurboQuant-MLX's own K3 port}."""
     root = tmp_path_factory.mktemp("tqmlx")
-    src = write_source(root / "src", SPEC, seed=0)
     out = {}
     for name in RECIPES:
-        ours = root / name
-        list(convert(src, ours, Recipe.parse(name), SHARD))
+        ours = converted(name, SPEC, SHARD)  # shared with test_layout (read-only)
         out[name] = {"ours": ours, "theirs": to_turboquant_mlx(ours, root / f"{name}-tqmlx"),
                      "port": to_turboquant_mlx(ours, root / f"{name}-tqmlx-port", port_names=True)}
     return out
-
-
-def _logits(model) -> np.ndarray:
-    return np.array(model(mx.array([PROMPT])).astype(mx.float32))
 
 
 def _kinds(model) -> dict[str, int]:
@@ -173,9 +167,9 @@ def test_turboquant_mlx_layout_gives_our_layouts_logits_exactly(dirs, recipe, la
     assert ours.turboquant_modules == theirs.turboquant_modules == stored == 48
     # 3 MoE layers x 3 expert projections; KDA layers 0-2 whose q/k/v mlx-lm's kimi_k3 fuses into qkv_proj
     assert _kinds(ours.model) == _kinds(theirs.model) == {"linear": 30, "experts": 9, "concat": 3}
-    got = _logits(theirs.model)
+    got = logits(theirs.model, PROMPT)
     assert np.isfinite(got).all() and np.abs(got).max() > 1
-    np.testing.assert_array_equal(got, _logits(ours.model))
+    np.testing.assert_array_equal(got, logits(ours.model, PROMPT))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

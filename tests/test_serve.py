@@ -336,6 +336,7 @@ def test_eight_clients_at_once_lose_nothing_and_memory_stays_flat(server):
     assert grown < 8 << 20, f"RSS grew {grown / 2**20:.1f} MiB over 160 requests"
 
 
+@pytest.mark.slow  # a second server process, streamed (~9 s)
 def test_streamed_experts_give_the_resident_text_and_a_full_queue_answers_429(demo, tmp_path, cli_replies):
     """A small expert budget serves the same greedy text as resident experts; with one place in the queue a third
     request gets 429 with Retry-After; the server stops by itself after --max-requests and keeps what it learned."""
@@ -543,6 +544,7 @@ def test_ctrl_c_mid_stream_ends_the_clients_stream_with_an_error_and_exits_130(d
     assert "stopped" in s.lines and s.lines[-1] == "tqbench: interrupted"
 
 
+@pytest.mark.slow  # a server of its own through ten rounds of refused bursts: a regression test of a race (~9 s)
 def test_requests_after_a_burst_of_429s_are_answered(demo, tmp_path):
     """Once seen: two requests sent right after a burst of refusals (an API key, no queue, a small body limit) hung.
     Ten rounds of a burst (a running request, refused ones: 429, 401, 413) and then two requests in turn, each of which

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from tqbench.convert import convert
-from tqbench.demo import SHIPPED_SPEC, ensure_demo
-from tqbench.recipe import Recipe
+from conftest import converted, shipped_demo
+from model_helpers import OnDemand, expert_bytes, logits_and_tokens, takes_o_direct
+from tqbench.demo import SHIPPED_SPEC
 from tqbench.runtime.load import load
 from tqbench.stream import StoreError, StreamConfig
 from tqbench.stream.cache import SlotCache
@@ -113,36 +113,26 @@ L = sum(SHIPPED_SPEC.is_moe(i) for i in range(SHIPPED_SPEC.num_hidden_layers))
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("stream")
-    src = root / "demo"
-    shutil.copytree(ensure_demo(), src)
-    out = {}
-    for name in (RECIPE, "affine4", "src"):
-        out[name] = root / name
-        list(convert(src, out[name], Recipe.parse(name)))
-    return out
+def models() -> dict[str, Path]:
+    """The shipped demo's conversions (RECIPE, affine4, src), shared with other modules (read-only: a test that
+    changes one copies it); each converted when a test first asks for it."""
+    return OnDemand(converted)
 
 
 @pytest.fixture(scope="module")
 def expert(models) -> int:
     """One routed expert's bytes in the RECIPE conversion, as its expert map says (every MoE layer alike)."""
-    store = ExpertStore.open(models[RECIPE])
-    sizes = {lay.nbytes for lay in store.layers.values()}
-    store.close()
-    assert len(sizes) == 1
-    return sizes.pop()
+    return expert_bytes(models[RECIPE])
 
 
 def _run(model, n: int = 10) -> tuple[np.ndarray, list[int]]:
-    logits = np.array(model(mx.array([PROMPT])).astype(mx.float32))
-    tokens = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)), range(n))]
-    return logits, tokens
+    return logits_and_tokens(model, PROMPT, n)
 
 
 @pytest.fixture(scope="module")
 def resident(models) -> dict[str, tuple[np.ndarray, list[int]]]:
-    return {name: _run(load(path).model) for name, path in models.items()}
+    """Each model's logits and tokens, resident (computed when a test first asks for that model's)."""
+    return OnDemand(lambda name: _run(load(models[name]).model))
 
 
 @pytest.mark.slow
@@ -164,7 +154,7 @@ def test_streamed_generation_is_bit_identical_to_resident(models, resident, reci
     expert = model_bytes(path).one_expert
     budget = staging_bytes(expert + (2 * ALIGN if page_cache == "off" else 0), workers) + slots * expert
     loaded = load(path, streaming=StreamConfig(budget, workers, policy, fanout, page_cache))
-    assert loaded.streamer.direct == (page_cache == "off" and _takes_o_direct(path))
+    assert loaded.streamer.direct == (page_cache == "off" and takes_o_direct(next(path.glob("*.safetensors"))))
     st = loaded.streamer.stats
     assert st.slots == min(slots, L * E)
     logits, tokens = _run(loaded.model)
@@ -178,17 +168,6 @@ def test_streamed_generation_is_bit_identical_to_resident(models, resident, reci
     if slots >= 10_000:
         assert st.evictions == 0 and st.hits > 0
     loaded.streamer.close()
-
-
-def _takes_o_direct(path: Path) -> bool:
-    import os
-
-    try:
-        fd = os.open(next(path.glob("*.safetensors")), os.O_RDONLY | os.O_DIRECT)
-    except (OSError, AttributeError):
-        return False
-    os.close(fd)
-    return True
 
 
 def test_evictions_do_not_depend_on_which_read_finishes_first(models, expert):
@@ -439,7 +418,7 @@ def test_pools_split_under_the_array_limit_and_stay_bit_identical(models, reside
 def test_a_source_checkpoint_streams_its_per_expert_tensors(models, slots):
     """The demo as published (compressed-tensors mxfp4, one tensor per expert and projection): each expert is six
     extents, mxfp4 `weight_packed` read as MLX's uint32 weight, and the output is the resident source's."""
-    src = models[RECIPE].parent / "demo"
+    src = shipped_demo()  # the demo as published: a copy shared by the test session (read-only)
     store = ExpertStore.open(src)
     lay = store.layers[1]
     assert lay.experts == E and len(lay.extents[7]) == 6

@@ -33,11 +33,6 @@ SAMPLES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _no_tiktoken_cache(monkeypatch):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken caches files by path otherwise
-
-
 @pytest.fixture
 def tok_dir(tmp_path):
     write_tokenizer(tmp_path, train_bpe(CORPUS.encode(), 100))

@@ -18,11 +18,12 @@ from textual.widgets import Input, ProgressBar, Static
 import tqbench.convert
 from tqbench.engine import engine
 import tqbench.convert.pipeline as pipeline
+from conftest import demo_source
 from tui_helpers import burst, screen_lines, settle
 from tqbench import units
 from tqbench.convert import destination_status, layout
 from tqbench.layout.names import REPORT
-from tqbench.demo import DemoSpec, write_source
+from tqbench.demo import DemoSpec
 from tqbench.destination import default_dest
 from tqbench.events import ConvertFinished, ShardWritten, UnitConverted
 from tqbench.recipe import Recipe
@@ -40,8 +41,8 @@ _real_convert = tqbench.convert.convert
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> Path:
-    return write_source(tmp_path_factory.mktemp("demo") / "src", SPEC, seed=0)
+def demo_dir() -> Path:
+    return demo_source(SPEC)  # shared with other modules (read-only)
 
 
 @pytest.fixture

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from textual.widgets import Input
 
+from conftest import converted_copy
 from test_tui import write_tiny
 from test_tui_chat import BUDGET, STREAM, engine_page_ins, screen_text, status
 from tqbench import units
-from tqbench.convert import convert
 from tqbench.demo import ensure_demo
 from tqbench.layout.names import INDEX_FILE
 from tqbench.paths import cache_dir
@@ -198,14 +198,8 @@ async def test_source_recipe_convert_chat_profile(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
-    """The demo converted with tq4 by the engine (once for the module, in its own cache dir)."""
-    root = tmp_path_factory.mktemp("journey")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
-        dest = root / OUTPUT
-        for _ in convert(ensure_demo(), dest, Recipe.parse(RECIPE)):
-            pass
-    return dest
+    """The demo converted with tq4 by the engine: a copy of the test session's conversion, named OUTPUT."""
+    return converted_copy(tmp_path_factory.mktemp("journey"), RECIPE, name=OUTPUT)
 
 
 def freeze_clocks(monkeypatch) -> None:

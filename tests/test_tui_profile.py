@@ -28,6 +28,7 @@ from tui.screens.help import HelpScreen
 from tui.screens.open import OpenScreen
 from tui.screens.profile import ProfileScreen
 from tui.widgets.heat_map import RAMP, HeatMap
+from conftest import converted_copy
 from tui_helpers import screen_lines, settle, stable_screen_lines, wait_for
 
 SIZE = (80, 24)
@@ -68,11 +69,10 @@ def demo(tmp_path_factory) -> tuple[Path, Path, str]:
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory) -> Path:
-    """A conversion with Kimi K3's 896 experts per layer (2 MoE layers)."""
-    root = tmp_path_factory.mktemp("profile-wide")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
-        return _convert(root, DemoSpec(num_experts=896, num_hidden_layers=3))[1]
+    """A conversion with Kimi K3's 896 experts per layer (2 MoE layers): a copy, named `model`, of the test session's
+    (test_profile_output reads the same); the snapshots show its name, relative to its directory."""
+    spec = DemoSpec(num_experts=896, num_hidden_layers=3)
+    return converted_copy(tmp_path_factory.mktemp("profile-wide"), "tq4", spec, name="model")
 
 
 def put(p: Profile) -> None:

@@ -632,6 +632,7 @@ def quality_caption(app) -> str:
     return str(app.screen.query_one("#quality-line", Static).render())
 
 
+@pytest.mark.slow  # a TUI run of ~5-8 s on the shipped demo (its source fingerprint, the Recipe screen's plans)
 async def test_quality_rows_show_the_evaluations_of_the_loaded_source():
     demo = ensure_demo()
     fingerprint = source_fingerprint(open_checkpoint(demo))

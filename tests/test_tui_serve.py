@@ -20,6 +20,7 @@ from tqbench.serve import report
 from tqbench.state import remember_model
 from tui.app import TqbenchApp
 from tui.screens.serve import ServeScreen
+from model_helpers import free_port
 from tui_helpers import settle, wait_for
 
 SIZE = (120, 40)
@@ -34,13 +35,6 @@ def ask(url: str, model: str, api_key: str | None = None):
     with openai.OpenAI(base_url=url + "/v1", api_key=api_key or "none", max_retries=0) as client:
         return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "def add(a, b):"}],
                                               max_tokens=8, temperature=0)
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound and released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def open_serve(pilot) -> ServeScreen:

@@ -15,6 +15,7 @@ import pytest
 from rich.console import Console
 
 import test_kernels
+from conftest import converted
 from tqbench.chat import report
 from tqbench.runtime import codebook as ref
 from tqbench.runtime import kernels as K
@@ -24,18 +25,11 @@ from tqbench.events import KernelsCompiling, MlxWarmedUp, MlxWarmup
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    """A small demo (4 layers, 3 of them MoE with 16 experts, top-4) converted with tq4."""
-    from tqbench.convert import convert
-    from tqbench.demo import DemoSpec, write_source
-    from tqbench.recipe import Recipe
+def model() -> Path:
+    """A small demo (4 layers, 3 of them MoE with 16 experts, top-4) converted with tq4 (shared, read-only)."""
+    from tqbench.demo import DemoSpec
 
-    root = tmp_path_factory.mktemp("warmup")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TQBENCH_CACHE_DIR", str(root / "cache"))
-        src = write_source(root / "src", DemoSpec(), seed=0)
-        list(convert(src, root / "tq4", Recipe.parse("tq4")))
-    return root / "tq4"
+    return converted("tq4", DemoSpec())
 
 
 def _load(path: Path, budget: int | None = None):
