@@ -168,11 +168,15 @@ def test_second_turn_processes_only_its_new_tokens_and_equals_a_fresh_run(models
 def test_a_stopped_reply_keeps_the_conversation_consistent(models):
     conv = Conversation(load(models["tq4"]))
     gen = conv.reply("import os", Sampling(max_tokens=30))
-    got = [next(gen) for _ in range(5)]  # started + 4 tokens
+    started, tokens = next(gen), []
+    while len(tokens) < 4:  # the prompt's progress, then 4 tokens
+        ev = next(gen)
+        if isinstance(ev, TokenOut):
+            tokens.append(ev)
     gen.close()
     assert conv.last.finish_reason == "cancelled" and conv.last.generated_tokens == 4
-    assert conv.messages[-1] == {"role": "assistant", "content": "".join(e.text for e in got[1:])}
-    assert len(conv.tokens) == got[0].prompt_tokens + 4
+    assert conv.messages[-1] == {"role": "assistant", "content": "".join(e.text for e in tokens)}
+    assert len(conv.tokens) == started.prompt_tokens + 4
     s, _, _ = _run(conv, "print(1)")
     assert s.cached_tokens > 0  # still reused
 
