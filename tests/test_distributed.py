@@ -298,5 +298,6 @@ def test_eval_on_two_ranks_gives_one_process_numbers(model, tmp_path):
     a, b = json.loads(one.stdout), json.loads(out)  # one document: rank 1 printed nothing
     for doc in (a, b):
         del doc["seconds"], doc["model_bytes"]  # the time, and the weights rank 0 holds (its layers)
-    assert b == a and a["greedy"]["share_alike"] > 0
+    # both ran the greedy comparison (whether 3 greedy tokens agree is the model's business, not the launch's)
+    assert b == a and a["greedy"]["generated"] == 3 and a["greedy"]["prompts"] == 1
     assert sum(ln.startswith("evaluating ") for ln in err.splitlines()) == 1
