@@ -67,9 +67,11 @@ def quality(model: Path, budget: int, cfg: dict, margin: float = 0.0, k: int = 0
     from tqbench.eval import EvalReport, EvalRequest, evaluate
 
     t0 = time.perf_counter()
-    request = EvalRequest(str(model), str(model), window=cfg["window"], tokens=cfg["tokens"], prompts=0, decode=True,
+    request = EvalRequest(model=str(model), against=str(model), window=cfg["window"], tokens=cfg["tokens"], prompts=0,
+                          decode=True,
                           max_active_experts=k, store=str(model.parent / "evals"),
-                          stream=StreamRequest(f"{budget}B", WORKERS, page_cache="on", cache_routing=margin))
+                          stream=StreamRequest(budget=f"{budget}B", workers=WORKERS, page_cache="on",
+                                               cache_routing=margin))
     r = [ev for ev in evaluate(request) if isinstance(ev, EvalReport)][0]
     t = r.total
     return dict(margin=margin, k=k or r.native_experts, tokens=t.tokens, kl=t.kl, top1=t.top1_agreement,
@@ -102,7 +104,8 @@ def decode_speed(model: Path, budget: int, margins: list[float], block: int, rou
     runs, ids = {}, None
     try:
         for m in margins:
-            loaded = load(model, streaming=StreamConfig(budget, WORKERS, page_cache="off", cache_routing=m))
+            loaded = load(model, streaming=StreamConfig(budget_bytes=budget, workers=WORKERS, page_cache="off",
+                                                        cache_routing=m))
             if ids is None:
                 chat = next(t for t in default_texts() if t.name == "chat")
                 ids = [int(t) for t in token_stream(chat, loaded.tokenizer)[:PROMPT_TOKENS + block * rounds]]

@@ -81,7 +81,7 @@ def run_session(model: str, turns: list[str], tokens: int, budget: int, opts) ->
     counts: dict[int, dict[int, int]] = {}
     generated = 0
     try:
-        with s.open(ChatRequest(model, stream=StreamRequest(f"{budget}B", workers=2, page_cache="on"),
+        with s.open(ChatRequest(model=model, stream=StreamRequest(budget=f"{budget}B", workers=2, page_cache="on"),
                                 profile=opts)) as job:
             loaded = job.result()[-1]
         for text in turns:

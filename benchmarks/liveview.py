@@ -72,7 +72,8 @@ def child_engine(a: dict) -> None:
 
     session = ChatSession()
     try:
-        with session.open(ChatRequest(a["model"], stream=StreamRequest(a["budget"], workers=a["workers"]))) as job:
+        with session.open(ChatRequest(model=a["model"],
+                                      stream=StreamRequest(budget=a["budget"], workers=a["workers"]))) as job:
             job.result()
 
         def reply():
@@ -138,7 +139,7 @@ def child_tui(a: dict) -> None:
             await pilot.press("t")
             screen = app.screen
             await until(pilot, lambda: screen.loaded is not None or screen.error is not None)
-            screen.request = replace(screen.request, stream=StreamRequest(a["budget"], workers=a["workers"]))
+            screen.request = replace(screen.request, stream=StreamRequest(budget=a["budget"], workers=a["workers"]))
             screen.load()
             await until(pilot, lambda: screen.loaded is not None or screen.error is not None)
             if screen.error or screen.experts.experts is None:

@@ -88,7 +88,8 @@ def child(a: dict) -> None:
     buffers = S.read_buffers(workers) if hasattr(S, "read_buffers") else workers  # older streamers: one per worker
     budget = buffers * store.buffer_bytes(LAYER) + a["slots"] * eb
     extra = {"reads_in_flight": a["reads_in_flight"]} if a.get("reads_in_flight") else {}
-    st = S.Streamer(store, S.StreamConfig(budget, workers, "lru", False, "off", **extra))
+    st = S.Streamer(store, S.StreamConfig(budget_bytes=budget, workers=workers, policy="lru", fanout=False,
+                                          page_cache="off", **extra))
     if not st.direct:
         raise SystemExit("this file system refuses O_DIRECT: the page cache cannot be bypassed here")
     pool = st.pool_of[LAYER]

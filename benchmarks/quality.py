@@ -56,7 +56,7 @@ def evaluate(model: Path, against: Path, size: dict, active: int = 0) -> dict:
     from tqbench.eval import EvalReport, EvalRequest, evaluate as run
     from tqbench.eval.report import report_dict
 
-    req = EvalRequest(str(model), str(against), tokens=size["tokens"], window=size["window"],
+    req = EvalRequest(model=str(model), against=str(against), tokens=size["tokens"], window=size["window"],
                       prompts=size["prompts"], generate=size["generate"], max_active_experts=active)
     report = [ev for ev in run(req) if isinstance(ev, EvalReport)][-1]
     return report_dict(report)

@@ -66,7 +66,7 @@ class Engine:
         from tqbench.chat.session import ChatSession
 
         self.session = ChatSession()
-        with self.session.open(ChatRequest(str(model), profile=ProfileOptions(learn=False))) as job:
+        with self.session.open(ChatRequest(model=str(model), profile=ProfileOptions(learn=False))) as job:
             job.result()
 
     def stream(self, messages: list[dict], max_tokens: int) -> dict:

@@ -97,7 +97,7 @@ def main() -> None:
         session = ChatSession()
         try:
             opts = ProfileOptions(store=str(store_dir), pin_share=0.0)
-            with session.open(ChatRequest(str(model), chat_template=False, profile=opts)) as job:
+            with session.open(ChatRequest(model=str(model), chat_template=False, profile=opts)) as job:
                 job.result()
             sampling = Sampling(max_tokens=args.tokens)
             for i, (rel, text) in enumerate(texts):
@@ -110,7 +110,7 @@ def main() -> None:
             # DECAY) asks about held-out functions in its chat template, one question per conversation
             asked = questions(args.questions)
             if asked:
-                with session.open(ChatRequest(str(model), chat_template=True, profile=opts)) as job:
+                with session.open(ChatRequest(model=str(model), chat_template=True, profile=opts)) as job:
                     job.result()
                 for i, q in enumerate(asked):
                     session.reset()

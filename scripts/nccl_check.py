@@ -69,7 +69,7 @@ def main() -> int:
         checks["agree, own error re-raised"] = False
 
     stats = StreamStats(misses=3 + rank, critical_bytes=10**10 + rank, stall_s=1.5, tokens=7)
-    rows = gather_stats(group, Pipeline(rank, size, 2 * rank, 2 * rank + 2), stats)
+    rows = gather_stats(group, Pipeline(rank=rank, size=size, start=2 * rank, end=2 * rank + 2), stats)
     checks["gather_stats"] = [(r.rank, r.layers, r.misses, r.critical_bytes, r.stall_s, r.tokens) for r in rows] == [
         (r, (2 * r, 2 * r + 2), 3 + r, 10**10 + r, 1.5, 7) for r in range(size)]
 

@@ -47,7 +47,7 @@ def main(path: str, tokens: str, unsliceable: str) -> None:
            "sharded": shapes(sharded.model), "layers": [sharded.pipeline.start, sharded.pipeline.end],
            "cannot_slice": error(lambda: load(unsliceable, tokenizer=False, group=group, parallel="tensor")),
            "streamed": error(lambda: load(path, tokenizer=False, group=group, parallel="tensor",
-                                          streaming=StreamConfig(1 << 20)))}
+                                          streaming=StreamConfig(budget_bytes=1 << 20)))}
     print(f"rank {group.rank()}: {json.dumps(out)}", flush=True)
 
 

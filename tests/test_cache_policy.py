@@ -292,7 +292,7 @@ def test_seed_gives_lrfu_next_its_history_and_policies_validate():
     from tqbench.stream import StreamConfig
 
     assert isinstance(SlotCache(4).policy, NextLRFU)
-    assert StreamConfig(1).policy == DEFAULT_POLICY == "lrfu-next"
+    assert StreamConfig(budget_bytes=1).policy == DEFAULT_POLICY == "lrfu-next"
     # the CLI and the chat request spell it out (importing the cache there would load MLX at start-up): they agree
     import inspect
 
@@ -395,7 +395,8 @@ def test_streamed_generation_with_lrfu_next_is_bit_identical_with_a_seeded_and_p
 
     want_logits, want_tokens = run(load(path).model)
     expert = model_bytes(path).one_expert
-    loaded = load(path, streaming=StreamConfig(staging_bytes(expert, 2) + 40 * expert, 2, "lrfu-next"))
+    loaded = load(path, streaming=StreamConfig(budget_bytes=staging_bytes(expert, 2) + 40 * expert, workers=2,
+                                               policy="lrfu-next"))
     st = loaded.streamer
     pool = st.pools[0]
     assert isinstance(pool.cache.policy, NextLRFU)

@@ -46,7 +46,8 @@ def budget_for(path: Path, slots: int) -> int:
 
 
 def streamed(path: Path, slots: int, margin: float):
-    return load(path, streaming=StreamConfig(budget_for(path, slots), WORKERS, page_cache="on", cache_routing=margin))
+    return load(path, streaming=StreamConfig(budget_bytes=budget_for(path, slots), workers=WORKERS, page_cache="on",
+                                             cache_routing=margin))
 
 
 def decode(m: nn.Module, steps: int = STEPS) -> np.ndarray:
@@ -68,7 +69,7 @@ def native(model) -> np.ndarray:
 
 
 def test_margin_zero_installs_nothing_and_is_bit_identical(model, native):
-    assert plan_streaming(model, StreamRequest("1MB")).config.cache_routing == 0.0
+    assert plan_streaming(model, StreamRequest(budget="1MB")).config.cache_routing == 0.0
     loaded = streamed(model, 150, 0.0)
     try:
         assert wrappers(loaded.model) == []
@@ -101,8 +102,8 @@ def test_a_margin_cuts_misses_and_counts_substitutions(model, native):
 def test_cache_routing_goes_with_lookahead(model):
     from tqbench.stream.attach import LookaheadBlock
 
-    loaded = load(model, streaming=StreamConfig(budget_for(model, 150), WORKERS, page_cache="on", lookahead=True,
-                                                cache_routing=0.05))
+    loaded = load(model, streaming=StreamConfig(budget_bytes=budget_for(model, 150), workers=WORKERS, page_cache="on",
+                                                lookahead=True, cache_routing=0.05))
     try:
         blocks = [b for _, b in loaded.model.named_modules() if isinstance(b, LookaheadBlock)]
         assert len(blocks) == 6 and all(isinstance(b.block, CacheRoutedBlock) for b in blocks)  # the last has no next
@@ -213,7 +214,7 @@ def test_deepseek_v3_routes_by_cache_and_qwen3_moe_is_refused(tmp_path):
     ds = tmp_path / "deepseek_v3-tq"  # converted: MLX's CPU gather runs float32, not the source's bf16
     list(convert(write_deepseek_v3(tmp_path / "deepseek_v3"), ds, Recipe.parse("tq3a-tqTe-down4-g64"), 10**9))
     one = model_bytes(ds).one_expert
-    config = StreamConfig(staging_bytes(one, WORKERS) + 3 * one, WORKERS, page_cache="on")
+    config = StreamConfig(budget_bytes=staging_bytes(one, WORKERS) + 3 * one, workers=WORKERS, page_cache="on")
     resident = load(ds).model
     cache = make_prompt_cache(resident)
     want = [np.array(resident(mx.array([[t]]), cache=cache).astype(mx.float32)) for t in range(100, 120)]
@@ -234,14 +235,15 @@ def test_deepseek_v3_routes_by_cache_and_qwen3_moe_is_refused(tmp_path):
     qwen = write_qwen3_moe(tmp_path / "qwen3_moe")
     one = model_bytes(qwen).one_expert
     with pytest.raises(TqbenchError, match=r"^--cache-routing: .*has no selection bias") as e:
-        load(qwen, streaming=StreamConfig(staging_bytes(one, WORKERS) + 3 * one, WORKERS, cache_routing=0.1))
+        load(qwen, streaming=StreamConfig(budget_bytes=staging_bytes(one, WORKERS) + 3 * one, workers=WORKERS,
+                                          cache_routing=0.1))
     assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("margin", [-0.1, 1.5, float("nan")])
 def test_a_margin_outside_0_to_1_is_one_line(margin):
     with pytest.raises(TqbenchError) as e:
-        StreamRequest("1MB", cache_routing=margin).check()
+        StreamRequest(budget="1MB", cache_routing=margin).check()
     assert str(e.value) == f"cache routing margin {margin:g}: give 0 (off) to 1"
 
 
@@ -278,8 +280,9 @@ def test_chat_says_its_routing_changed(model, capsys, monkeypatch, tmp_path):
 @pytest.mark.slow  # three streamed evaluations of 48 tokens, two of them token by token (~12 s)
 def test_eval_scores_token_by_token_and_marks_the_routing_changed(model):
     def run(margin: float, decode: bool = False) -> tuple[EvalStarted, EvalReport]:
-        events = list(evaluate(EvalRequest(str(model), str(model), window=24, tokens=48, prompts=0, decode=decode,
-                                           stream=StreamRequest("1MB", workers=WORKERS, cache_routing=margin))))
+        events = list(evaluate(EvalRequest(model=str(model), against=str(model), window=24, tokens=48, prompts=0,
+                                           decode=decode,
+                                           stream=StreamRequest(budget="1MB", workers=WORKERS, cache_routing=margin))))
         return events[0], events[-1]
 
     started, same = run(0.0, decode=True)
@@ -353,7 +356,8 @@ def test_chat_and_serve_figures_say_the_routing_changed(model):
 
     chat = ChatSession()
     try:
-        with chat.open(ChatRequest(str(model), stream=StreamRequest("1MB", WORKERS, cache_routing=0.05))) as job:
+        with chat.open(ChatRequest(model=str(model),
+                                   stream=StreamRequest(budget="1MB", workers=WORKERS, cache_routing=0.05))) as job:
             loaded = job.result()[-1]
         with chat.reply("hello", Sampling(max_tokens=8, temp=0.0)) as job:
             job.result()
@@ -368,7 +372,9 @@ def test_chat_and_serve_figures_say_the_routing_changed(model):
     assert (f"routing changed: cache routing margin 0.05: {s.substitutions} experts routed in place of the model's own "
             f"picks ({s.substitutions / s.tokens:.2f} per forward pass)") in report.stats_lines(loaded, status, stats)
 
-    served = ServeStatus("demo", "http://127.0.0.1:1", 1.0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 8, 10.0, 0.1, stats)
+    served = ServeStatus(model="demo", url="http://127.0.0.1:1", uptime_s=1.0, requests=1, ok=1, cancelled=0, failed=0,
+                         rejected=0, refused=0, running=0, queued=0, prompt_tokens=1, cached_tokens=0,
+                         completion_tokens=8, decode_tps=10.0, ttft_s=0.1, stream=stats)
     assert (f"routing changed: cache routing margin 0.05: {s.substitutions:,} experts routed in place of the model's "
             "own picks") in serve_report.status_lines(served)
     assert f"tqbench_expert_substitutions_total {s.substitutions}\n" in metrics.prometheus(served)

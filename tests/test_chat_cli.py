@@ -29,7 +29,7 @@ def _engine_replies(path: Path, turns: list[str], n: int) -> list[str]:
     """The same conversation through the engine API (what both faces share), for comparison."""
     s = ChatSession()
     try:
-        with s.open(ChatRequest(str(path))) as job:
+        with s.open(ChatRequest(model=str(path))) as job:
             job.result()
         out = []
         for t in turns:

@@ -57,13 +57,14 @@ def test_contradicting_profile_options_are_a_usage_error():
 
 
 def test_report_lines_are_the_faces_words():
-    done = ReplyDone("x", prompt_tokens=12, cached_tokens=5, generated_tokens=7, prefill_tps=100.0, decode_tps=20.25,
-                     peak_memory_bytes=3_000_000, finish_reason="length")
+    done = ReplyDone(text="x", prompt_tokens=12, cached_tokens=5, generated_tokens=7, prefill_tps=100.0,
+                     decode_tps=20.25, peak_memory_bytes=3_000_000, finish_reason="length")
     assert report.reply_line(done) == ("[7 tokens (max tokens), 20.2 tok/s; prompt 12 tokens at 100.0 tok/s, 5 reused "
                                        "from the cache; peak memory 3.00 MB (2.86 MiB)]")
     assert report.plain(report.reply_lines(done)) == ("reply   7 tokens (max tokens) at 20.2 tok/s · peak memory 3.00 MB\n"
                                                       "prompt  12 processed at 100.0 tok/s · 5 reused from the cache")
-    assert report.sampling_line(Sampling(64, 0.7, 0.9, 40)) == "temp 0.7, top-p 0.9, top-k 40, up to 64 tokens per reply"
+    sampling = Sampling(max_tokens=64, temp=0.7, top_p=0.9, top_k=40)
+    assert report.sampling_line(sampling) == "temp 0.7, top-p 0.9, top-k 40, up to 64 tokens per reply"
     assert report.sampling_text(Sampling(temp=0.0, top_p=0.9)) == "greedy"
     empty = report.plain(report.expert_summary(PageInMap({1: 4}), 2_000_000, None, None))
     assert empty == "no expert routed yet; cache 2.00 MB\n" + report.TIERS_LEGEND
@@ -83,10 +84,10 @@ def test_the_engine_plans_what_runs(model, tmp_path):
     from tqbench.chat.stream_plan import plan_streaming
     from tqbench.demo import DemoSpec, write_source
 
-    assert plan_streaming(model, StreamRequest("off")).reason == "off"
+    assert plan_streaming(model, StreamRequest(budget="off")).reason == "off"
     fits = plan_streaming(model, StreamRequest())  # fit: a few MB fit any machine
     assert fits.config is None and fits.reason == "fits" and fits.note is None
-    asked = plan_streaming(model, StreamRequest("5MB", workers=2, policy="lru", fanout=True, lookahead=True,
+    asked = plan_streaming(model, StreamRequest(budget="5MB", workers=2, policy="lru", fanout=True, lookahead=True,
                                                 page_cache="on", reads_in_flight=1))
     c = asked.config
     assert asked.reason == "asked" and (c.budget_bytes, c.workers, c.policy, c.fanout, c.lookahead, c.page_cache,
@@ -94,12 +95,12 @@ def test_the_engine_plans_what_runs(model, tmp_path):
     # a source checkpoint streams its per-expert tensors as stored
     src = write_source(tmp_path / "plain", DemoSpec(), seed=0)
     assert plan_streaming(src, StreamRequest()).reason == "fits"
-    assert plan_streaming(src, StreamRequest("1MB")).config.budget_bytes == 1_000_000
+    assert plan_streaming(src, StreamRequest(budget="1MB")).config.budget_bytes == 1_000_000
     # a model without routed experts: resident when it fits, refused if streaming is asked
     dense = write_source(tmp_path / "dense", DemoSpec(first_k_dense_replace=DemoSpec().num_hidden_layers))
     assert plan_streaming(dense, StreamRequest()).reason == "no routed experts"
     with pytest.raises(TqbenchError, match="no routed experts to stream") as e:
-        plan_streaming(dense, StreamRequest("auto"))
+        plan_streaming(dense, StreamRequest(budget="auto"))
     assert e.value.path == str(dense)
 
 
@@ -113,8 +114,8 @@ def test_a_chat_session_end_to_end(model, tmp_path):
 
     chat = ChatSession()
     try:
-        request = ChatRequest(str(model), SamplingRequest(max_tokens=6), chat_template=False,
-                              stream=StreamRequest("200kB", workers=1),
+        request = ChatRequest(model=str(model), sampling=SamplingRequest(max_tokens=6), chat_template=False,
+                              stream=StreamRequest(budget="200kB", workers=1),
                               profile=ProfileOptions(store=str(tmp_path / "store")))
         with chat.open(request) as job:
             events = job.result()
@@ -152,7 +153,7 @@ def test_a_chat_session_end_to_end(model, tmp_path):
         exported = chat.export_profile(out)
         assert json.loads(out.read_text())["routings"] == exported.routings > 0
         chat.reset()
-        assert chat.status() == report.ConversationStatus(0, 0, chat.last_reply())
+        assert chat.status() == report.ConversationStatus(turns=0, tokens=0, last=chat.last_reply())
     finally:
         chat.close()
     assert chat.loaded is None and chat.stats() is None

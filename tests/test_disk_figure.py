@@ -79,8 +79,8 @@ async def test_chat_plan_and_the_recipe_screen_show_one_figure_for_one_disk(tmp_
 
     chat = ChatSession()
     try:
-        request = ChatRequest(str(model), SamplingRequest(max_tokens=2), chat_template=False,
-                              stream=StreamRequest("200kB", workers=1),
+        request = ChatRequest(model=str(model), sampling=SamplingRequest(max_tokens=2), chat_template=False,
+                              stream=StreamRequest(budget="200kB", workers=1),
                               profile=ProfileOptions(store=str(tmp_path / "store")))
         with chat.open(request) as job:
             loaded = job.result()[-1]

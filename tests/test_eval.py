@@ -40,7 +40,7 @@ def request(model, against=None, **kw) -> EvalRequest:
     kw.setdefault("window", WINDOW)
     kw.setdefault("prompts", 2)
     kw.setdefault("generate", 8)
-    return EvalRequest(str(model), str(against) if against is not None else None, **kw)
+    return EvalRequest(model=str(model), against=str(against) if against is not None else None, **kw)
 
 
 # ---- the arithmetic ------------------------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_documents_are_joined_by_the_end_token(models):
     from tqbench.runtime.load import load
 
     tok = load(models["src"], lazy=True).tokenizer
-    ids = token_stream(Text("t", ("a b", "c d")), tok)
+    ids = token_stream(Text(name="t", documents=("a b", "c d")), tok)
     eos = min(tok.eos_token_ids)
     assert ids.tolist() == tok.encode("a b", add_special_tokens=False) + [eos] + tok.encode("c d",
                                                                                               add_special_tokens=False)

@@ -58,12 +58,12 @@ def test_stacked_layout_leaves_the_per_layer_tables_out(tmp_path):
     is still per layer."""
     E, out, inp = 64, 32, 64
     layer = "model.layers.0.mlp.switch_mlp."
-    specs = [TensorSpec("model.layers.0.mlp.gate.weight", "BF16", (E, inp))]
+    specs = [TensorSpec(name="model.layers.0.mlp.gate.weight", dtype="BF16", shape=(E, inp))]
     for proj, (o, i) in (("gate_proj", (out, inp)), ("up_proj", (out, inp)), ("down_proj", (inp, out))):
-        specs += [TensorSpec(f"{layer}{proj}.weight", "U32", (E, o, i * 3 // 32)),
-                  TensorSpec(f"{layer}{proj}.scales", "F16", (E, o, i // 32)),
-                  TensorSpec(f"{layer}{proj}.codebook", "F16", (8,)),
-                  TensorSpec(f"{layer}{proj}.signs", "F16", (i,))]
+        specs += [TensorSpec(name=f"{layer}{proj}.weight", dtype="U32", shape=(E, o, i * 3 // 32)),
+                  TensorSpec(name=f"{layer}{proj}.scales", dtype="F16", shape=(E, o, i // 32)),
+                  TensorSpec(name=f"{layer}{proj}.codebook", dtype="F16", shape=(8,)),
+                  TensorSpec(name=f"{layer}{proj}.signs", dtype="F16", shape=(i,))]
     config = {"model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": 2, "num_hidden_layers": 1,
               "hidden_size": inp}
     s = summarize(open_checkpoint(write_skeleton(tmp_path / "stacked", config, specs))).experts

@@ -16,8 +16,11 @@ GiB, MiB = 2**30, 2**20
 K3_PAGE = 2 * 3072 * (4 * 180 + 2 * 56) + 3584 * (4 * 384 + 2 * 48)  # 10,960,896 B
 K3_STREAMED = 82_432 * K3_PAGE
 K3_RESIDENT = 27_769_880_656
-K3 = Footprint(K3_RESIDENT + K3_STREAMED, K3_RESIDENT, K3_STREAMED, moe_layers=92, top_k=16, bytes_per_expert=K3_PAGE)
-MAC_STUDIO = Machine(512 * GiB, 512_000 * MiB, raisable_limit(512 * GiB, "darwin"), "darwin", 1.8e9, "given")
+K3 = Footprint(total_bytes=K3_RESIDENT + K3_STREAMED, resident_bytes=K3_RESIDENT, streamed_bytes=K3_STREAMED,
+               moe_layers=92, top_k=16, bytes_per_expert=K3_PAGE)
+MAC_STUDIO = Machine(memory_bytes=512 * GiB, gpu_limit_bytes=512_000 * MiB,
+                     raisable_limit_bytes=raisable_limit(512 * GiB, "darwin"), platform="darwin",
+                     disk_bytes_per_s=1.8e9, disk_source="given")
 
 
 @pytest.mark.parametrize("text,value", [
@@ -65,7 +68,7 @@ def test_resident_after_raising_the_wired_limit() -> None:
     mem = 64 * GiB  # 68,719,476,736 B; default Metal limit 75%, raisable to 90% (whole MiB)
     assert default_gpu_limit(mem, "darwin") == int(mem * 0.75)
     assert raisable_limit(mem, "darwin") == 58_982 * MiB
-    fp = Footprint(55 * 10**9, 55 * 10**9, 0)
+    fp = Footprint(total_bytes=55 * 10**9, resident_bytes=55 * 10**9, streamed_bytes=0)
     f = assess(fp, machine(mem, platform="darwin", disk_bytes_per_s=1e9))
     assert f.verdict is Verdict.RESIDENT_RAISED
     assert f.command == "sudo sysctl iogpu.wired_limit_mb=58982" and f.wired_limit_mb == 58_982
@@ -82,11 +85,15 @@ def test_small_macs_get_two_thirds() -> None:
 def test_resident_and_dense_verdicts() -> None:
     linux = machine(100 * 10**9, platform="linux")
     assert linux.gpu_limit_bytes == 100 * 10**9 and linux.raisable_limit_bytes is None
-    assert assess(Footprint(90 * 10**9, 90 * 10**9, 0), linux).verdict is Verdict.RESIDENT
+    assert assess(Footprint(total_bytes=90 * 10**9, resident_bytes=90 * 10**9, streamed_bytes=0),
+                  linux).verdict is Verdict.RESIDENT
     # 97 + 3 GB reserve = 100 GB: fits exactly; one byte more does not, and a dense model cannot stream
-    assert assess(Footprint(97 * 10**9, 97 * 10**9, 0), linux).verdict is Verdict.RESIDENT
-    assert assess(Footprint(97 * 10**9 + 1, 97 * 10**9 + 1, 0), linux).verdict is Verdict.NO_FIT
-    moe = Footprint(60 * 10**9, 10 * 10**9, 50 * 10**9, moe_layers=10, top_k=8, bytes_per_expert=10**6)
+    assert assess(Footprint(total_bytes=97 * 10**9, resident_bytes=97 * 10**9, streamed_bytes=0),
+                  linux).verdict is Verdict.RESIDENT
+    assert assess(Footprint(total_bytes=97 * 10**9 + 1, resident_bytes=97 * 10**9 + 1, streamed_bytes=0),
+                  linux).verdict is Verdict.NO_FIT
+    moe = Footprint(total_bytes=60 * 10**9, resident_bytes=10 * 10**9, streamed_bytes=50 * 10**9, moe_layers=10,
+                    top_k=8, bytes_per_expert=10**6)
     f = assess(moe, linux)
     assert f.verdict is Verdict.RESIDENT and f.hit_rate == 1.0 and f.tok_s_ceiling is None
     assert f.cache_budget_bytes == 100 * 10**9 - 10 * 10**9 - 3 * 10**9
@@ -94,7 +101,8 @@ def test_resident_and_dense_verdicts() -> None:
 
 def test_streaming_and_does_not_fit() -> None:
     m = machine(20 * 10**9, platform="linux", disk_bytes_per_s=2e9)
-    moe = Footprint(110 * 10**9, 10 * 10**9, 100 * 10**9, moe_layers=10, top_k=8, bytes_per_expert=10**7)
+    moe = Footprint(total_bytes=110 * 10**9, resident_bytes=10 * 10**9, streamed_bytes=100 * 10**9, moe_layers=10,
+                    top_k=8, bytes_per_expert=10**7)
     f = assess(moe, m)
     assert f.verdict is Verdict.STREAMING
     assert f.needed_bytes == 10 * 10**9 + 3 * 10**9 + 8 * 10**7

@@ -46,8 +46,8 @@ def resident(model):
 
 def _streamed(model, expert, slots: int, host_slots: int, workers: int = 2, **kw):
     budget = staging_bytes(expert, workers) + slots * expert
-    return load(model, streaming=StreamConfig(budget, workers, page_cache="on", host_budget_bytes=host_slots * expert,
-                                              **kw))
+    return load(model, streaming=StreamConfig(budget_bytes=budget, workers=workers, page_cache="on",
+                                              host_budget_bytes=host_slots * expert, **kw))
 
 
 @pytest.mark.parametrize("slots, host_slots, workers, policy", [
@@ -101,7 +101,7 @@ def test_more_host_tier_means_fewer_disk_reads(model, expert):
     seen = []
     for host_slots in (0, 20, 80, 10_000):
         budget = staging_bytes(expert, 2) + 12 * expert
-        cfg = StreamConfig(budget, 2, page_cache="on", host_budget_bytes=host_slots * expert)
+        cfg = StreamConfig(budget_bytes=budget, workers=2, page_cache="on", host_budget_bytes=host_slots * expert)
         loaded = load(model, streaming=cfg)
         _run(loaded.model)
         st = loaded.streamer.stats
@@ -118,7 +118,8 @@ def test_a_host_tier_below_one_expert_is_refused(model, expert):
     assert loaded.streamer.host is None
     loaded.streamer.close()
     with pytest.raises(StoreError, match="host cache .* cannot hold one expert"):
-        load(model, streaming=StreamConfig(staging_bytes(expert, 2) + 12 * expert, 2, host_budget_bytes=expert - 1))
+        load(model, streaming=StreamConfig(budget_bytes=staging_bytes(expert, 2) + 12 * expert, workers=2,
+                                           host_budget_bytes=expert - 1))
 
 
 def test_host_tier_bookkeeping():

@@ -541,9 +541,9 @@ class _Kernel:
     def __init__(self, fn):
         self.fn, self.calls = fn, 0
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         self.calls += 1
-        return self.fn(*args)
+        return self.fn(*args, **kwargs)
 
 
 def _good_matmul(x, w, s, cb, backend):
@@ -592,7 +592,7 @@ def test_a_wrong_kernel_falls_back_with_one_warning() -> None:
 def test_a_kernel_that_raises_falls_back_with_one_warning() -> None:
     stream = io.StringIO()
 
-    def boom(*args):
+    def boom(*args, **kwargs):
         raise RuntimeError("Failed to compile kernel: something\nmore lines")
 
     d = K.Dispatcher(backend="cuda", gather_kernel=_Kernel(boom), stream=stream)

@@ -230,16 +230,18 @@ def test_dense_model_by_hand(tmp_path: Path) -> None:
     from tqbench.shards import TensorSpec
 
     H, I, V = 128, 352, 256
-    specs = [TensorSpec("model.embed_tokens.weight", "BF16", (V, H))]
+    specs = [TensorSpec(name="model.embed_tokens.weight", dtype="BF16", shape=(V, H))]
     for i in range(2):
         p = f"model.layers.{i}."
-        specs += [TensorSpec(p + "input_layernorm.weight", "BF16", (H,)),
-                  TensorSpec(p + "post_attention_layernorm.weight", "BF16", (H,))]
-        specs += [TensorSpec(p + f"self_attn.{x}_proj.weight", "BF16", (o, H))
+        specs += [TensorSpec(name=p + "input_layernorm.weight", dtype="BF16", shape=(H,)),
+                  TensorSpec(name=p + "post_attention_layernorm.weight", dtype="BF16", shape=(H,))]
+        specs += [TensorSpec(name=p + f"self_attn.{x}_proj.weight", dtype="BF16", shape=(o, H))
                   for x, o in (("q", H), ("k", 64), ("v", 64), ("o", H))]
-        specs += [TensorSpec(p + "mlp.gate_proj.weight", "BF16", (I, H)), TensorSpec(p + "mlp.up_proj.weight", "BF16",
-                  (I, H)), TensorSpec(p + "mlp.down_proj.weight", "BF16", (H, I))]
-    specs += [TensorSpec("model.norm.weight", "BF16", (H,)), TensorSpec("lm_head.weight", "BF16", (V, H))]
+        specs += [TensorSpec(name=p + "mlp.gate_proj.weight", dtype="BF16",
+                             shape=(I, H)), TensorSpec(name=p + "mlp.up_proj.weight", dtype="BF16",
+                  shape=(I, H)), TensorSpec(name=p + "mlp.down_proj.weight", dtype="BF16", shape=(H, I))]
+    specs += [TensorSpec(name="model.norm.weight", dtype="BF16",
+                         shape=(H,)), TensorSpec(name="lm_head.weight", dtype="BF16", shape=(V, H))]
     config = {"model_type": "llama", "hidden_size": H, "num_hidden_layers": 2, "vocab_size": V}
     ckpt = open_checkpoint(write_skeleton(tmp_path / "dense", config, specs))
     p = make_plan(group_sources(ckpt), Recipe.parse("tq3a-tq2e-g64"))

@@ -114,7 +114,7 @@ def test_a_reply_stopped_while_its_prompt_is_processed_leaves_a_clean_conversati
     conversation starts again from an empty one, and its next reply is a fresh conversation's."""
     def run():
         m = load(model, streaming=StreamConfig(budget_bytes=BUDGET, workers=2))
-        conv = Conversation(m, chat_template=False)
+        conv = Conversation(loaded=m, chat_template=False)
         text = m.tokenizer.decode(prompt_of(m, 5000))
         reply = conv.reply(text, Sampling(max_tokens=4))
         for ev in reply:
@@ -123,7 +123,8 @@ def test_a_reply_stopped_while_its_prompt_is_processed_leaves_a_clean_conversati
         reply.close()
         held, cleared = list(conv.tokens), all(c.empty() if hasattr(c, "empty") else True for c in conv.cache)
         again = [e.id for e in conv.reply("def add(a, b):", Sampling(max_tokens=4)) if isinstance(e, TokenOut)]
-        fresh = [e.id for e in Conversation(m, chat_template=False).reply("def add(a, b):", Sampling(max_tokens=4))
+        fresh = [e.id for e in Conversation(loaded=m, chat_template=False).reply("def add(a, b):",
+                                                                                 Sampling(max_tokens=4))
                  if isinstance(e, TokenOut)]
         m.streamer.close()
         return held, cleared, again, fresh

@@ -93,7 +93,7 @@ def _passes(path: Path, runs: list[tuple[str, int]]) -> list[np.ndarray]:
     s = ChatSession()
     out = []
     try:
-        with s.open(ChatRequest(str(path), chat_template=False, profile=ProfileOptions(learn=False))) as job:
+        with s.open(ChatRequest(model=str(path), chat_template=False, profile=ProfileOptions(learn=False))) as job:
             job.result()
         s.on_engine(install)
         for prompt, n in runs:
@@ -137,7 +137,7 @@ def _learn(path: Path, prompt: str, n: int, **opts) -> ReplyDone:
     """One chat session through the engine, learning into the default store."""
     s = ChatSession()
     try:
-        with s.open(ChatRequest(str(path), chat_template=False, profile=ProfileOptions(**opts))) as job:
+        with s.open(ChatRequest(model=str(path), chat_template=False, profile=ProfileOptions(**opts))) as job:
             job.result()
         with s.reply(prompt, Sampling(max_tokens=n)) as job:
             return job.result()[-1]
@@ -476,7 +476,7 @@ def test_a_warm_start_hits_more_at_a_small_budget_and_keeps_the_output(model, tm
     def run(budget, **opts):
         s = ChatSession()
         try:
-            with s.open(ChatRequest(str(model), chat_template=False, stream=StreamRequest(budget),
+            with s.open(ChatRequest(model=str(model), chat_template=False, stream=StreamRequest(budget=budget),
                                     profile=ProfileOptions(**opts))) as job:
                 loaded = job.result()[-1]
             with s.reply(P2, Sampling(max_tokens=32)) as job:
@@ -507,7 +507,7 @@ def test_a_warm_start_hits_more_at_a_small_budget_and_keeps_the_output(model, tm
 def _synthetic(rows: dict[int, list[float]], fp: str = "f" * 16) -> Profile:
     from tqbench.profile import Geometry
 
-    geo = Geometry("kimi_k3", tuple(sorted(rows)), 8, 2)
+    geo = Geometry(model_type="kimi_k3", layers=tuple(sorted(rows)), experts=8, top_k=2)
     p = Profile.empty(fp, geo)
     for n, r in rows.items():
         p.decode[n] = np.array(r, dtype=float)

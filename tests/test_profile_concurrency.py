@@ -22,7 +22,7 @@ from tqbench.profile.fingerprint import Geometry
 
 # The demo's routing geometry: with counts in every cell the store's entry is over 32 KB, so diskcache keeps it in a
 # file of its own, which each save replaces (the case where a reader once found the file gone).
-GEO = Geometry("kimi_k3", tuple(range(1, 8)), 448, 8)
+GEO = Geometry(model_type="kimi_k3", layers=tuple(range(1, 8)), experts=448, top_k=8)
 SEED_COUNT, DELTA_COUNT = 1000, 3  # per cell, decode and prefill
 CELLS = 2 * len(GEO.layers) * GEO.experts
 
@@ -41,7 +41,7 @@ import sys, time
 from tqbench.profile.fingerprint import Geometry
 from tqbench.profile.profile import Profile
 from tqbench.profile.store import ProfileStore
-geo = Geometry("kimi_k3", {GEO.layers!r}, {GEO.experts}, {GEO.top_k})
+geo = Geometry(model_type="kimi_k3", layers={GEO.layers!r}, experts={GEO.experts}, top_k={GEO.top_k})
 store = ProfileStore(sys.argv[1])
 for _ in range(int(sys.argv[2])):
     delta = Profile.empty("fp", geo)

@@ -61,8 +61,9 @@ def test_streamed_header_is_json_dumps_of_the_header_dict():
     from tqbench.shards import TensorSpec, header_bytes
     from tqbench.shards.writer import header_length
 
-    specs = [TensorSpec("a.weight", "BF16", (64, 32)), TensorSpec('odd "name" \u00e9', "U8", (3,)),
-             TensorSpec("scalar", "F32", ())]
+    specs = [TensorSpec(name="a.weight", dtype="BF16", shape=(64, 32)), TensorSpec(name='odd "name" \u00e9', dtype="U8",
+                                                                                   shape=(3,)),
+             TensorSpec(name="scalar", dtype="F32", shape=())]
     meta = {"format": "mlx", "k": "v"}
     header, offset = {"__metadata__": meta}, 0
     for s in specs:

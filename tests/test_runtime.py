@@ -140,7 +140,7 @@ def _greedy_gaps(model, prefix: list[int], generated: list[int]) -> np.ndarray:
 
 def test_second_turn_processes_only_its_new_tokens_and_equals_a_fresh_run(models):
     loaded = load(models["tq4"])
-    conv = Conversation(loaded)
+    conv = Conversation(loaded=loaded)
     s1, t1, d1 = _run(conv, "def fib(n):")
     assert s1.cached_tokens == 0
     assert d1.generated_tokens == len(conv.tokens) - s1.prompt_tokens
@@ -150,7 +150,7 @@ def test_second_turn_processes_only_its_new_tokens_and_equals_a_fresh_run(models
     assert s2.cached_tokens == s1.prompt_tokens + d1.generated_tokens
     assert s2.prompt_tokens == len(full2) - s2.cached_tokens == d2.prompt_tokens
     # a fresh conversation given the whole history at once
-    fresh = Conversation(loaded)
+    fresh = Conversation(loaded=loaded)
     fresh.messages = list(conv.messages[:-2])
     s3, t3, _ = _run(fresh, "class Node:")
     assert s3.cached_tokens == 0 and s3.prompt_tokens == len(full2)
@@ -166,7 +166,7 @@ def test_second_turn_processes_only_its_new_tokens_and_equals_a_fresh_run(models
 
 
 def test_a_stopped_reply_keeps_the_conversation_consistent(models):
-    conv = Conversation(load(models["tq4"]))
+    conv = Conversation(loaded=load(models["tq4"]))
     gen = conv.reply("import os", Sampling(max_tokens=30))
     started, tokens = next(gen), []
     while len(tokens) < 4:  # the prompt's progress, then 4 tokens
@@ -183,9 +183,11 @@ def test_a_stopped_reply_keeps_the_conversation_consistent(models):
 
 def test_sampling_defaults_come_from_generation_config():
     gc = {"max_new_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 20}
-    assert Sampling.defaults(gc) == Sampling(64, 0.7, 0.9, 20, None)
-    assert Sampling.defaults(gc, temp=0.0, max_tokens=None) == Sampling(64, 0.0, 0.9, 20, None)
-    assert Sampling.defaults({"do_sample": False, "temperature": 0.6}) == Sampling(512, 0.0, 0.0, 0, None)
+    assert Sampling.defaults(gc) == Sampling(max_tokens=64, temp=0.7, top_p=0.9, top_k=20, seed=None)
+    assert Sampling.defaults(gc, temp=0.0, max_tokens=None) == Sampling(max_tokens=64, temp=0.0, top_p=0.9, top_k=20,
+                                                                        seed=None)
+    assert Sampling.defaults({"do_sample": False, "temperature": 0.6}) == Sampling(max_tokens=512, temp=0.0, top_p=0.0,
+                                                                                   top_k=0, seed=None)
 
 
 # ---- the trust rule ---------------------------------------------------------------------------------------------------

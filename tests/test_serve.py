@@ -177,7 +177,7 @@ def test_text_completions_continue_a_plain_prompt_as_the_engine_does(server, dem
     from tqbench.engine import engine
 
     def local() -> str:
-        conv = Conversation(load(demo), chat_template=False)
+        conv = Conversation(loaded=load(demo), chat_template=False)
         return list(conv.reply("import os", Sampling(max_tokens=12)))[-1].text
 
     expected = engine().call(local)
@@ -489,11 +489,15 @@ def test_each_pipeline_rank_shows_in_the_status_metrics_and_live_feed():
     from tqbench.serve.service import ServeStatus
     from tqbench.stream.stats import StreamStats
 
-    ranks = (RankStats(0, (4, 8), True, 90, 3, 700, 2_350_080, 0.25, 11),
-             RankStats(1, (0, 4), False, 0, 0, 0, 0, 0.0, 11))
+    ranks = (RankStats(rank=0, layers=(4, 8), streamed=True, hits_gpu=90, hits_host=3, misses=700,
+                       critical_bytes=2_350_080, stall_s=0.25, tokens=11),
+             RankStats(rank=1, layers=(0, 4), streamed=False, hits_gpu=0, hits_host=0, misses=0, critical_bytes=0,
+                       stall_s=0.0, tokens=11))
     stats = StreamStats(misses=700, critical_bytes=2_350_080, tokens=11)
-    served = ServeStatus("tq4", "http://127.0.0.1:1", 1.0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 8, 10.0, 0.1,
-                         StreamReport(stats, None, None, ranks=ranks))
+    served = ServeStatus(model="tq4", url="http://127.0.0.1:1", uptime_s=1.0, requests=1, ok=1, cancelled=0, failed=0,
+                         rejected=0, refused=0, running=0, queued=0, prompt_tokens=1, cached_tokens=0,
+                         completion_tokens=8, decode_tps=10.0, ttft_s=0.1,
+                         stream=StreamReport(stats=stats, disk=None, profile=None, ranks=ranks))
     lines = report.status_lines(served)
     assert "rank 0 (layers 4-7): 93 hits, 700 misses, 2.35 MB (2.24 MiB) read, stalled 0.25 s over 11 forward passes" in lines
     assert "rank 1 (layers 0-3): experts resident" in lines

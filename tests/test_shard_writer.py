@@ -22,7 +22,7 @@ def _tensors(n: int = 40, seed: int = 0):
 
 
 def _write(path, tensors, background: bool):
-    specs = [TensorSpec(n, "U32", tuple(a.shape)) for n, a in tensors]
+    specs = [TensorSpec(name=n, dtype="U32", shape=tuple(a.shape)) for n, a in tensors]
     w = ShardWriter(path, iter(specs), {"format": "mlx"}, header_length(specs, {"format": "mlx"}), background)
     for n, a in tensors:
         w.write(n, a)
@@ -51,7 +51,7 @@ def test_background_writes_the_same_bytes_and_checksum(tmp_path, monkeypatch, fl
 
 def test_background_abort_leaves_nothing_and_size_errors_still_raise(tmp_path):
     tensors = _tensors(5)
-    specs = [TensorSpec(n, "U32", tuple(a.shape)) for n, a in tensors]
+    specs = [TensorSpec(name=n, dtype="U32", shape=tuple(a.shape)) for n, a in tensors]
     w = ShardWriter(tmp_path / "c.safetensors", iter(specs), None, header_length(specs), background=True)
     w.write(*tensors[0])
     with pytest.raises(ValueError, match="t.1"):
@@ -62,7 +62,7 @@ def test_background_abort_leaves_nothing_and_size_errors_still_raise(tmp_path):
 
 def test_buffers_are_released_by_the_caller_once_written(tmp_path):
     tensors = _tensors(30)
-    specs = [TensorSpec(n, "U32", tuple(a.shape)) for n, a in tensors]
+    specs = [TensorSpec(name=n, dtype="U32", shape=tuple(a.shape)) for n, a in tensors]
     w = ShardWriter(tmp_path / "d.safetensors", iter(specs), None, header_length(specs), background=True)
     for n, a in tensors:
         w.write(n, a)
@@ -85,7 +85,7 @@ def _mixed_tensors():
 
 
 def _specs(tensors):
-    return [TensorSpec(n, "F32", tuple(a.shape)) for n, a in tensors]
+    return [TensorSpec(name=n, dtype="F32", shape=tuple(a.shape)) for n, a in tensors]
 
 
 def _writer(path, tensors, background, resume=None, metadata=_META):
@@ -131,7 +131,7 @@ def test_resume_from_a_mark_gives_the_uninterrupted_file(tmp_path, background, k
     path = tmp_path / "s.safetensors"
     mark = _crash_at(path, tensors, k, background)
     specs = _specs(tensors)
-    assert mark == WriterMark(header_length(specs, _META) + sum(s.nbytes for s in specs[:k]), k)
+    assert mark == WriterMark(nbytes=header_length(specs, _META) + sum(s.nbytes for s in specs[:k]), tensors=k)
     assert WriterMark.from_dict(json.loads(json.dumps(mark.to_dict()))) == mark
 
     w = _writer(path, tensors, background, resume=mark)
@@ -232,7 +232,7 @@ def test_resume_refuses_what_does_not_match(tmp_path):
     tensors = _mixed_tensors()
     path = tmp_path / "s.safetensors"
     with pytest.raises(ResumeError, match=r"s\.safetensors\.partial: no partial file"):
-        _writer(path, tensors, False, resume=WriterMark(100, 0))
+        _writer(path, tensors, False, resume=WriterMark(nbytes=100, tensors=0))
 
     mark = _crash_at(path, tensors, 4, False)
     partial = _partial(path)
@@ -241,9 +241,9 @@ def test_resume_refuses_what_does_not_match(tmp_path):
     with pytest.raises(ResumeError, match="header is not this shard's"):
         _writer(path, tensors[:-1], False, resume=mark)  # one tensor fewer: another header
     with pytest.raises(ResumeError, match=r"does not fit its 8 tensors"):
-        _writer(path, tensors, False, resume=WriterMark(mark.nbytes + 4, mark.tensors))
+        _writer(path, tensors, False, resume=WriterMark(nbytes=mark.nbytes + 4, tensors=mark.tensors))
     with pytest.raises(ResumeError, match=r"does not fit its 8 tensors"):
-        _writer(path, tensors, False, resume=WriterMark(mark.nbytes, 9))
+        _writer(path, tensors, False, resume=WriterMark(nbytes=mark.nbytes, tensors=9))
     size = partial.stat().st_size
     assert size > mark.nbytes  # nothing was cut by the refusals
 

@@ -153,7 +153,8 @@ def test_streamed_generation_is_bit_identical_to_resident(models, resident, reci
 
     expert = model_bytes(path).one_expert
     budget = staging_bytes(expert + (2 * ALIGN if page_cache == "off" else 0), workers) + slots * expert
-    loaded = load(path, streaming=StreamConfig(budget, workers, policy, fanout, page_cache))
+    loaded = load(path, streaming=StreamConfig(budget_bytes=budget, workers=workers, policy=policy, fanout=fanout,
+                                               page_cache=page_cache))
     assert loaded.streamer.direct == (page_cache == "off" and takes_o_direct(next(path.glob("*.safetensors"))))
     st = loaded.streamer.stats
     assert st.slots == min(slots, L * E)
@@ -175,7 +176,8 @@ def test_evictions_do_not_depend_on_which_read_finishes_first(models, expert):
     order, so two runs serve every routing the same way and end with the same experts in the same slots."""
     runs = []
     for _ in range(3):
-        loaded = load(models[RECIPE], streaming=StreamConfig(staging_bytes(expert, 4) + 24 * expert, 4, "lru"))
+        loaded = load(models[RECIPE], streaming=StreamConfig(budget_bytes=staging_bytes(expert, 4) + 24 * expert,
+                                                             workers=4, policy="lru"))
         _run(loaded.model)
         st = loaded.streamer
         runs.append(([(e.layer, e.experts, e.served) for e in st.drain()],
@@ -195,7 +197,8 @@ def test_reads_in_flight_caps_concurrent_reads_and_changes_no_output(models, res
 
     workers = 4
     budget = staging_bytes(expert + 2 * ALIGN, workers) + 12 * expert
-    loaded = load(models[RECIPE], streaming=StreamConfig(budget, workers, page_cache=page_cache, reads_in_flight=1))
+    loaded = load(models[RECIPE], streaming=StreamConfig(budget_bytes=budget, workers=workers, page_cache=page_cache,
+                                                         reads_in_flight=1))
     store = loaded.streamer.store
     lock, now, most, calls = threading.Lock(), [0], [0], [0]
 
@@ -222,7 +225,7 @@ def test_reads_in_flight_caps_concurrent_reads_and_changes_no_output(models, res
 
 
 def test_page_in_events_account_for_every_routed_expert(models):
-    loaded = load(models[RECIPE], streaming=StreamConfig(10**7, 2))
+    loaded = load(models[RECIPE], streaming=StreamConfig(budget_bytes=10**7, workers=2))
     loaded.model(mx.array([PROMPT[:1]]))
     loaded.model(mx.array([PROMPT[1:2]]))
     events = loaded.streamer.drain()
@@ -244,7 +247,8 @@ def test_page_in_timing_totals_are_present_and_consistent(models, expert):
     from tqbench.stream.stats import MISS_TIMES
 
     workers = 2
-    loaded = load(models[RECIPE], streaming=StreamConfig(staging_bytes(expert, workers) + 12 * expert, workers))
+    loaded = load(models[RECIPE],
+                  streaming=StreamConfig(budget_bytes=staging_bytes(expert, workers) + 12 * expert, workers=workers))
     s = loaded.streamer
     st = s.stats
     assert s.preload([(1, e) for e in range(4)], 0.5) > 0 and st.preload_bytes > 0
@@ -294,7 +298,8 @@ def test_slot_copies_run_on_the_workers_and_the_gpu_prefetch_on_the_engine_threa
             return _f(self, slot, *args)
         monkeypatch.setattr(Pool, name, spy)
     budget = staging_bytes(expert + 8192, 2) + 12 * expert
-    loaded = load(models[RECIPE], streaming=StreamConfig(budget, 2, "lrfu", fanout, page_cache, lookahead=lookahead))
+    loaded = load(models[RECIPE], streaming=StreamConfig(budget_bytes=budget, workers=2, policy="lrfu", fanout=fanout,
+                                                         page_cache=page_cache, lookahead=lookahead))
     logits, tokens = _run(loaded.model, 6)
     np.testing.assert_array_equal(logits, resident[RECIPE][0])
     assert tokens == resident[RECIPE][1][:6]
@@ -318,14 +323,14 @@ def test_a_budget_below_one_expert_is_refused(models, expert):
     staging = staging_bytes(expert, 2)
     with pytest.raises(StoreError, match=rf"cannot hold one expert \({expert:,} bytes\) plus 4 read buffers "
                                          rf"\({staging:,} bytes\)"):
-        load(models[RECIPE], streaming=StreamConfig(staging + expert - 1, 2))
-    load(models[RECIPE], streaming=StreamConfig(staging + expert, 2)).streamer.close()  # one slot
+        load(models[RECIPE], streaming=StreamConfig(budget_bytes=staging + expert - 1, workers=2))
+    load(models[RECIPE], streaming=StreamConfig(budget_bytes=staging + expert, workers=2)).streamer.close()  # one slot
 
 
 def test_a_model_that_changes_under_the_session_gives_one_clear_error(models, expert, tmp_path):
     path = tmp_path / "m"
     shutil.copytree(models[RECIPE], path)
-    loaded = load(path, streaming=StreamConfig(staging_bytes(expert, 2) + expert, 2))  # one slot
+    loaded = load(path, streaming=StreamConfig(budget_bytes=staging_bytes(expert, 2) + expert, workers=2))  # one slot
     loaded.model(mx.array([PROMPT[:2]]))
     shard = next(path.glob("model-*.safetensors"))
     with open(shard, "r+b") as f:
@@ -358,7 +363,7 @@ def test_max_active_experts_routes_to_k_and_native_is_unchanged(models, resident
     from tqbench.runtime.routing import set_active_experts
 
     path = models[RECIPE]
-    loaded = load(path, streaming=StreamConfig(10**7, 2))
+    loaded = load(path, streaming=StreamConfig(budget_bytes=10**7, workers=2))
     assert set_active_experts(loaded.model, 0).active == K
     assert set_active_experts(loaded.model, K).layers == 0
     logits, _ = _run(loaded.model, 1)
@@ -399,7 +404,8 @@ WIDEST = SHIPPED_SPEC.routed_expert_hidden_size * SHIPPED_SPEC.moe_intermediate_
 @pytest.mark.parametrize("max_array", [1 << 30, WIDEST * 20, WIDEST * 7])  # 1 pool; 3 pools; one pool per layer
 def test_pools_split_under_the_array_limit_and_stay_bit_identical(models, resident, expert, max_array):
     path = models[RECIPE]
-    loaded = load(path, streaming=StreamConfig(staging_bytes(expert, 2) + 60 * expert, 2, max_array_bytes=max_array))
+    loaded = load(path, streaming=StreamConfig(budget_bytes=staging_bytes(expert, 2) + 60 * expert, workers=2,
+                                               max_array_bytes=max_array))
     s = loaded.streamer
     pools = s.pools
     assert max(p.nbytes for p in s.store.layers[1].parts) == WIDEST
@@ -427,7 +433,8 @@ def test_a_source_checkpoint_streams_its_per_expert_tensors(models, slots):
     assert lay.nbytes == sum(p.nbytes for p in lay.parts)
     store.close()
     want_logits, want_tokens = _run(load(src).model)
-    loaded = load(src, streaming=StreamConfig(staging_bytes(lay.nbytes, 2) + slots * lay.nbytes, 2, "lrfu"))
+    loaded = load(src, streaming=StreamConfig(budget_bytes=staging_bytes(lay.nbytes, 2) + slots * lay.nbytes, workers=2,
+                                              policy="lrfu"))
     logits, tokens = _run(loaded.model)
     np.testing.assert_array_equal(logits, want_logits)
     assert tokens == want_tokens and loaded.streamer.stats.misses > 0
@@ -450,7 +457,8 @@ def test_a_stacked_layout_streams_bit_identically(models, resident, expert, tmp_
     assert {(p.projection, p.param) for p in lay.parts} == {(j, q) for j in ("gate_proj", "up_proj", "down_proj")
                                                            for q in ("weight", "scales")}
     store.close()
-    loaded = load(theirs, streaming=StreamConfig(staging_bytes(expert, 2) + slots * expert, 2, "lrfu", fanout))
+    loaded = load(theirs, streaming=StreamConfig(budget_bytes=staging_bytes(expert, 2) + slots * expert, workers=2,
+                                                 policy="lrfu", fanout=fanout))
     logits, tokens = _run(loaded.model)
     np.testing.assert_array_equal(logits, resident[RECIPE][0])
     assert tokens == resident[RECIPE][1]
@@ -479,7 +487,8 @@ def test_lookahead_is_bit_identical_and_counted_honestly(models, resident, exper
     runs = {}
     for lookahead in (False, True):
         budget = staging_bytes(expert, workers) + 60 * expert
-        loaded = load(path, streaming=StreamConfig(budget, workers, "lrfu", fanout, lookahead=lookahead))
+        loaded = load(path, streaming=StreamConfig(budget_bytes=budget, workers=workers, policy="lrfu", fanout=fanout,
+                                                   lookahead=lookahead))
         logits, tokens = _run(loaded.model, 16)
         np.testing.assert_array_equal(logits, resident[RECIPE][0])
         want = resident[RECIPE][1]  # 10 greedy tokens
@@ -502,7 +511,8 @@ def test_lookahead_is_bit_identical_and_counted_honestly(models, resident, exper
 
 
 def test_lookahead_with_fewer_slots_than_one_tokens_experts_stays_exact(models, resident, expert):
-    loaded = load(models[RECIPE], streaming=StreamConfig(staging_bytes(expert, 4) + 3 * expert, 4, lookahead=True))
+    loaded = load(models[RECIPE],
+                  streaming=StreamConfig(budget_bytes=staging_bytes(expert, 4) + 3 * expert, workers=4, lookahead=True))
     logits, tokens = _run(loaded.model, 8)
     np.testing.assert_array_equal(logits, resident[RECIPE][0])
     assert tokens == resident[RECIPE][1][:8]
@@ -513,7 +523,7 @@ def test_lookahead_with_fewer_slots_than_one_tokens_experts_stays_exact(models, 
 def test_pools_split_under_the_slot_limit_and_stay_bit_identical(models, resident, expert, max_slots):
     """No pool holds more than StreamConfig.max_pool_slots slots (MLX's CUDA gather_mm takes at most 1,024
     matrices: a pool of more is more than one float SwitchLinear's gather can take)."""
-    loaded = load(models[RECIPE], streaming=StreamConfig(staging_bytes(expert, 2) + 60 * expert, 2,
+    loaded = load(models[RECIPE], streaming=StreamConfig(budget_bytes=staging_bytes(expert, 2) + 60 * expert, workers=2,
                                                          max_pool_slots=max_slots))
     pools = loaded.streamer.pools
     assert len(pools) == {1024: 1, 25: 3}[max_slots] and all(p.slots <= max_slots for p in pools)
@@ -544,7 +554,8 @@ def test_a_prompt_of_more_routings_than_gather_mm_takes_streams_like_resident(mo
 
     monkeypatch.setattr(mx, "gather_mm", spy)
     assert codebook.GATHER_MAX_GROUPS == 1024
-    loaded = load(models[RECIPE], streaming=StreamConfig(staging_bytes(expert, 4) + 1217 * expert, 4))
+    loaded = load(models[RECIPE],
+                  streaming=StreamConfig(budget_bytes=staging_bytes(expert, 4) + 1217 * expert, workers=4))
     assert len(loaded.streamer.pools) == 2 and max(p.slots for p in loaded.streamer.pools) <= 1024  # was one pool
     np.testing.assert_array_equal(np.array(loaded.model(prompt).astype(mx.float32)), want)
     model = loaded.model

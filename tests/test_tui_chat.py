@@ -82,7 +82,7 @@ def engine_run(model_dir):
             with chat.reply(prompt) as job:
                 return job.result()[-1]
 
-        with chat.open(ChatRequest(str(model_dir))) as job:
+        with chat.open(ChatRequest(model=str(model_dir))) as job:
             loaded = job.result()[-1]
         replies = [done(p) for p in PROMPTS]
         chat.reset()
@@ -246,7 +246,7 @@ async def test_the_status_says_mlx_warms_up_before_the_first_token(model_dir, en
         screen = await open_chat(pilot)
         await send(pilot, screen, PROMPTS[0], wait=False)
         await wait_for(pilot, lambda: reached.is_set() and "warming up" in status(screen), "the warm-up line")
-        assert status(screen) == report.mlx_warmup_line(MlxWarmup(warmup._mlx_cached() == 0, 0))
+        assert status(screen) == report.mlx_warmup_line(MlxWarmup(first_run=warmup._mlx_cached() == 0, cached=0))
         gate.set()
         await wait_for(pilot, lambda: not screen.replying, "the reply")
         await pilot.pause()
@@ -398,7 +398,7 @@ def engine_page_ins(model_dir: Path, prompt: str) -> tuple[list[PageIn], dict]:
     the session's StreamReport (as its --stats-json document)."""
     chat = ChatSession()
     try:
-        with chat.open(ChatRequest(str(model_dir), stream=STREAM, profile=ProfileOptions(learn=False))) as job:
+        with chat.open(ChatRequest(model=str(model_dir), stream=STREAM, profile=ProfileOptions(learn=False))) as job:
             job.result()
         with chat.reply(prompt) as job:
             events = [ev for ev in job.result() if isinstance(ev, PageIn)]
@@ -501,19 +501,23 @@ def test_experts_fold_into_bins_and_fade():
     assert fold(64, 80) == 1 and fold(64, 63) == 2 and len(bins(448, fold(448, 30))) <= 30
 
     m = PageInMap({1: 896, 3: 896})
-    m.apply([PageIn(1, 1, (0, 5, 13), ("pinned", "miss", "cache"), 200, 0.01, 500),
-             PageIn(1, 3, (7,), ("prefetched",), 0, 0.0, 600)])
+    m.apply([PageIn(token=1, layer=1, experts=(0, 5, 13), served=("pinned", "miss", "cache"), bytes_read=200,
+                    stall_s=0.01, cache_bytes=500),
+             PageIn(token=1, layer=3, experts=(7,), served=("prefetched",), bytes_read=0, stall_s=0.0,
+                    cache_bytes=600)])
     assert m.cell(1, 5) == ("miss", 0) and m.cell(1, 1) == (None, -1) and m.cell(3, 7) == ("prefetched", 0)
     assert m.bin(1, groups[0]) == ("miss", 0)  # 0 and 5 routed at the same token: the worst served shows
     assert m.bin(1, groups[1]) == ("cache", 0) and m.bin(1, groups[2]) == (None, -1)
-    m.apply([PageIn(2, 1, (0,), ("pinned",), 0, 0.0, 600)])
+    m.apply([PageIn(token=2, layer=1, experts=(0,), served=("pinned",), bytes_read=0, stall_s=0.0, cache_bytes=600)])
     assert m.bin(1, groups[0]) == ("pinned", 0)  # the most recent routing shows
     assert m.cell(1, 5) == ("miss", 1)  # one token older
-    m.apply([PageIn(FADE + 2, 1, (1,), ("cache",), 0, 0.0, 600)])
+    m.apply([PageIn(token=FADE + 2, layer=1, experts=(1,), served=("cache",), bytes_read=0, stall_s=0.0,
+                    cache_bytes=600)])
     assert m.cell(1, 5) == ("miss", FADE + 1) and heat(FADE + 1) == 0.0  # fully faded
     assert heat(0) == 1.0 and heat(FADE // 2) == 0.5 and heat(-1) == 0.0
     assert m.seen == {"pinned": 2, "cache": 2, "prefetched": 1, "host": 0, "miss": 1} and m.hit_rate() == 5 / 6
-    m.apply([PageIn(FADE + 2, 3, (20, 21), ("host", "cache"), 0, 0.0, 600)])  # a copy from the host tier: a hit
+    m.apply([PageIn(token=FADE + 2, layer=3, experts=(20, 21), served=("host", "cache"), bytes_read=0, stall_s=0.0,
+                    cache_bytes=600)])  # a copy from the host tier: a hit
     assert m.bin(3, groups[1]) == ("host", 0) and m.cell(3, 21) == ("cache", 0)  # worse served than a cache hit
     assert m.seen["host"] == 1 and m.hit_rate() == 7 / 8
     assert m.bytes_read == 200 and m.cache_bytes == 600 and list(m.layers[1].misses) == [1, 0, 0]
@@ -523,8 +527,9 @@ def test_experts_fold_into_bins_and_fade():
 def map_events(tokens: int, layers: int = 7, experts: int = 448, k: int = 8) -> list[PageIn]:
     """A fixed routing pattern: each token k experts per layer, served in turn by every kind."""
     kinds = ("miss", "cache", "pinned", "prefetched", "cache", "cache")
-    return [PageIn(t, n, tuple(sorted({(t * 37 + n * 101 + i * 53) % experts for i in range(k)})),
-                   tuple(kinds[(t + n + i) % len(kinds)] for i in range(k)), 1000, 0.001 * n, 2_000_000)
+    return [PageIn(token=t, layer=n, experts=tuple(sorted({(t * 37 + n * 101 + i * 53) % experts for i in range(k)})),
+                   served=tuple(kinds[(t + n + i) % len(kinds)] for i in range(k)), bytes_read=1000, stall_s=0.001 * n,
+                   cache_bytes=2_000_000)
             for t in range(1, tokens + 1) for n in range(1, layers + 1)]
 
 

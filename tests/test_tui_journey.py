@@ -217,7 +217,7 @@ def freeze_clocks(monkeypatch) -> None:
     def experts(original):
         def handler(self, message):
             message.events = tuple(dataclasses.replace(ev, stall_s=0.001 * ev.layer) for ev in message.events)
-            message.rates = ReplyRates(20.0, message.rates.bytes_per_token, 4e6)
+            message.rates = ReplyRates(tok_s=20.0, bytes_per_token=message.rates.bytes_per_token, read_bps=4e6)
             original(self, message)
         return handler
 

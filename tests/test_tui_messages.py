@@ -69,7 +69,8 @@ def test_high_rate_messages_say_whether_they_merge():
 
 
 def unit(i: int) -> UnitConverted:
-    return UnitConverted(f"t{i}", 0, None, 1, 1, None, i, 10, 0.1, 1.0, None)
+    return UnitConverted(name=f"t{i}", layer=0, expert=None, bytes_in=1, bytes_out=1, rel_error=None, done_in=i,
+                         total_in=10, elapsed=0.1, rate=1.0, eta=None)
 
 
 class Sink(App[None]):
@@ -93,9 +94,11 @@ async def test_queued_progress_merges_and_shards_do_not():
     app = Sink()
     async with app.run_test() as pilot:
         # Posted in one burst, as a relay worker does while the UI thread is busy.
-        shards = [messages.ConvertShardWritten(1, ShardWritten(i, 5, f"s{i}", 1, "x")) for i in range(1, 6)]
-        progress = [messages.ConvertProgress(1, unit(i), (LayerStats(0, 10, i),)) for i in range(5)]
-        other_run = messages.ConvertProgress(2, unit(9), ())
+        shards = [messages.ConvertShardWritten(run_id=1, event=ShardWritten(index=i, total=5, file=f"s{i}", bytes=1,
+                                                                            sha256="x")) for i in range(1, 6)]
+        progress = [messages.ConvertProgress(run_id=1, unit=unit(i),
+                                             layers=(LayerStats(layer=0, units=10, done=i),)) for i in range(5)]
+        other_run = messages.ConvertProgress(run_id=2, unit=unit(9), layers=())
         for m in [*shards, *progress, other_run]:
             app.post_message(m)
         await pilot.pause()
@@ -118,13 +121,16 @@ def test_payload_types_match_what_the_workers_post(tmp_path):
     lay = tqbench.convert.layout(ckpt, recipe)
     status = tqbench.convert.destination_status(lay, tmp_path / "out")
     values = [
-        messages.CheckpointLoaded(1, ckpt, tqbench.source.summarize(ckpt), tqbench.source.select_tensors(ckpt)),
-        messages.SourcesGrouped(ckpt, sources),
-        messages.PlansReady(1, ckpt, {recipe: plan}),
-        messages.RecipeChosen(recipe),
-        messages.DestinationChecked(1, (ckpt, recipe, 5 << 30), lay, status, tmp_path / "out"),
-        messages.ScanStarted(1, "opening", Path(src)),
-        messages.FilterApplied(1, "", [(t, (Text(t.entry.name),)) for t in ckpt.tensors[:3]], 3, 3),
+        messages.CheckpointLoaded(load_id=1, checkpoint=ckpt, summary=tqbench.source.summarize(ckpt),
+                                  tensors=tqbench.source.select_tensors(ckpt)),
+        messages.SourcesGrouped(checkpoint=ckpt, sources=sources),
+        messages.PlansReady(request_id=1, checkpoint=ckpt, plans={recipe: plan}),
+        messages.RecipeChosen(recipe=recipe),
+        messages.DestinationChecked(request_id=1, key=(ckpt, recipe, 5 << 30), layout=lay, status=status,
+                                    dest=tmp_path / "out"),
+        messages.ScanStarted(load_id=1, text="opening", path=Path(src)),
+        messages.FilterApplied(filter_id=1, pattern="", rows=[(t, (Text(t.entry.name),)) for t in ckpt.tensors[:3]],
+                               matches=3, total=3),
     ]
     for m in values:
         for name, hint in hints(type(m)).items():
@@ -163,10 +169,13 @@ def test_download_progress_merges_and_a_removal_never_does():
     from tqbench.events import SourceProgress, SourceRemoved
     from tui.messages import ConvertSource
 
-    older = ConvertSource(1, SourceProgress("a.safetensors", 10, 100, 5.0, 50, False))
-    newer = ConvertSource(1, SourceProgress("a.safetensors", 20, 100, 5.0, 50, False))
-    removal = ConvertSource(1, SourceRemoved("a.safetensors", 50, 0))
-    other_run = ConvertSource(2, SourceProgress("a.safetensors", 30, 100, 5.0, 50, False))
+    older = ConvertSource(run_id=1, event=SourceProgress(file="a.safetensors", downloaded=10, to_download=100, rate=5.0,
+                                                         on_disk=50, waiting=False))
+    newer = ConvertSource(run_id=1, event=SourceProgress(file="a.safetensors", downloaded=20, to_download=100, rate=5.0,
+                                                         on_disk=50, waiting=False))
+    removal = ConvertSource(run_id=1, event=SourceRemoved(file="a.safetensors", bytes=50, on_disk=0))
+    other_run = ConvertSource(run_id=2, event=SourceProgress(file="a.safetensors", downloaded=30, to_download=100,
+                                                             rate=5.0, on_disk=50, waiting=False))
     assert newer.can_replace(older)
     assert not newer.can_replace(removal) and not removal.can_replace(older)
     assert not other_run.can_replace(newer)

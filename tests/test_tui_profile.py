@@ -53,7 +53,7 @@ def demo(tmp_path_factory) -> tuple[Path, Path, str]:
         s = ChatSession()
         try:
             opts = ProfileOptions(store=str(store_dir))
-            with s.open(ChatRequest(str(model), chat_template=False, profile=opts)) as job:
+            with s.open(ChatRequest(model=str(model), chat_template=False, profile=opts)) as job:
                 job.result()
             with s.reply("def fib(n):", Sampling(max_tokens=12)) as job:
                 job.result()

@@ -607,8 +607,10 @@ def test_snapshot_recipe_screen_three_pins(tmp_path, monkeypatch, snap_compare):
 # ---- quality ---------------------------------------------------------------------------------------------------------
 
 def quality(recipe: str, fingerprint: str, perplexity: float, active_experts: int = 8) -> RecipeQuality:
-    return RecipeQuality(recipe, fingerprint, "code, chat", 512, 256, "digest", perplexity, 10.41, 0.15234, 0.87125,
-                         0.9, None, active_experts, 8, time.time())
+    return RecipeQuality(recipe=recipe, source_fingerprint=fingerprint, texts="code, chat", tokens=512, window=256,
+                         text_digest="digest", perplexity=perplexity, source_perplexity=10.41, kl=0.15234,
+                         top1_agreement=0.87125, top5_overlap=0.9, greedy_share=None, active_experts=active_experts,
+                         native_experts=8, when=time.time())
 
 
 def store_holds(*records: RecipeQuality) -> None:

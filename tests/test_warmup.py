@@ -36,7 +36,7 @@ def _load(path: Path, budget: int | None = None):
     from tqbench.runtime.load import load
     from tqbench.stream.streamer import StreamConfig
 
-    return load(path, streaming=StreamConfig(budget, workers=1) if budget else None)
+    return load(path, streaming=StreamConfig(budget_bytes=budget, workers=1) if budget else None)
 
 
 def _headers(path: Path) -> dict:
@@ -242,21 +242,22 @@ def test_build_events_with_real_compiles(model, monkeypatch, tmp_path):
 
 
 def test_the_faces_lines():
-    ev = KernelsCompiling(12, 40, "tq_matvec_l16_g64_n7168_o4096_b1_abc", False, 9, 14.4)
+    ev = KernelsCompiling(done=12, total=40, name="tq_matvec_l16_g64_n7168_o4096_b1_abc", cached=False, compiled=9,
+                          elapsed_s=14.4)
     assert report.kernels_line(ev) == ("building tqbench's CUDA kernels for this GPU: 12 of 40 (9 compiled, 3 from the "
                                        "cache), 14 s")
-    last = KernelsCompiling(40, 40, "x", True, 31, 53.04)
+    last = KernelsCompiling(done=40, total=40, name="x", cached=True, compiled=31, elapsed_s=53.04)
     assert report.kernels_done_line(last) == ("tqbench's CUDA kernels: 40 ready in 53.0 s (31 compiled by NVRTC and "
                                               "kept for the next start, 9 from the cache)")
-    assert report.mlx_warmup_line(MlxWarmup(True, 0)) == ("warming up MLX's kernels (first run on this machine: a "
-                                                          "minute or more, no progress to show)")
-    assert report.mlx_warmed_line(MlxWarmedUp(66.25, 143)) == ("MLX compiled 143 of its kernels; first token after "
-                                                               "66.2 s (the kernels are kept for the next start)")
+    assert report.mlx_warmup_line(MlxWarmup(first_run=True, cached=0)) == (
+        "warming up MLX's kernels (first run on this machine: a minute or more, no progress to show)")
+    assert report.mlx_warmed_line(MlxWarmedUp(seconds=66.25, compiled=143)) == (
+        "MLX compiled 143 of its kernels; first token after 66.2 s (the kernels are kept for the next start)")
     # piped: the warning on a first run only, the count only when MLX compiled any
     from tqbench.cli.warmup import MlxWarmupStatus
 
-    for start, end, want in [(MlxWarmup(True, 0), MlxWarmedUp(66.25, 143), 2), (MlxWarmup(False, 143),
-                                                                                MlxWarmedUp(0.4, 0), 0)]:
+    for start, end, want in [(MlxWarmup(first_run=True, cached=0), MlxWarmedUp(seconds=66.25, compiled=143), 2),
+                             (MlxWarmup(first_run=False, cached=143), MlxWarmedUp(seconds=0.4, compiled=0), 0)]:
         err = Console(file=io.StringIO(), force_terminal=False)
         with MlxWarmupStatus(err) as status:
             status.started(start)
@@ -272,7 +273,7 @@ def test_a_failed_self_check_is_asked_once(model):
     loaded = _load(model)
     calls = []
 
-    def wrong(*args):
+    def wrong(*args, **kwargs):
         calls.append(1)
         return mx.zeros((1,))
 
@@ -302,7 +303,8 @@ def test_mlx_warmup_events_frame_the_first_forward_pass(model, monkeypatch, tmp_
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(ptx))
     chat = ChatSession()
     try:
-        with chat.open(ChatRequest(str(model), SamplingRequest(max_tokens=4), chat_template=False)) as job:
+        with chat.open(ChatRequest(model=str(model), sampling=SamplingRequest(max_tokens=4),
+                                   chat_template=False)) as job:
             job.result()
         with chat.reply("def fib(n):") as job:
             plain = job.result()
@@ -334,9 +336,9 @@ def test_serve_tells_each_warmup_step_once():
 
     service, shown = SimpleNamespace(warmup=None), []
     assert _warmup_lines(service, shown) == []
-    service.warmup = MlxWarmup(True, 0)
+    service.warmup = MlxWarmup(first_run=True, cached=0)
     assert _warmup_lines(service, shown) == [report.mlx_warmup_line(service.warmup)]
     assert _warmup_lines(service, shown) == []
-    service.warmup = MlxWarmedUp(70.5, 143)
+    service.warmup = MlxWarmedUp(seconds=70.5, compiled=143)
     assert _warmup_lines(service, shown) == [report.mlx_warmed_line(service.warmup)]
-    assert _warmup_lines(SimpleNamespace(warmup=MlxWarmedUp(0.3, 0)), []) == []
+    assert _warmup_lines(SimpleNamespace(warmup=MlxWarmedUp(seconds=0.3, compiled=0)), []) == []

@@ -24,7 +24,7 @@ from tqbench.atomic import write_bytes
 from tqbench.paths import cache_dir
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CompileStats:
     """What this process did for its kernels (the benchmarks read it)."""
 
@@ -83,7 +83,8 @@ def compile_cubin(source: str, arch: str, filename: str = "tqbench.cu") -> bytes
     """Compile CUDA C to a cubin for `arch` with NVRTC; a compile error raises with NVRTC's log."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), filename.encode(), 0, None, None):
+    headers = (0, None, None)  # no headers: count, sources, names
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), filename.encode(), *headers):
         raise RuntimeError("nvrtcCreateProgram failed")
     try:
         opts = (ctypes.c_char_p * 1)(f"--gpu-architecture={arch}".encode())

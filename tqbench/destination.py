@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 DEFAULT_SHARD_SIZE = "5GiB"  # as a user types it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Output:
     """An output directory and shard size to plan a conversion for."""
 
@@ -58,7 +58,7 @@ def read_output(source: Path, dest: str, shard_size: str) -> Output:
     if target == src or src in target.parents:
         raise OutputError("the output directory must not be the source or inside it")
     check_output_dir(path)
-    return Output(path, size)
+    return Output(dest=path, shard_size=size)
 
 
 def can_start(status: DestinationStatus) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 # ---- opening a checkpoint, converting it -------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardScanned:
     """One shard header read while opening a checkpoint."""
 
@@ -29,14 +29,14 @@ class ShardScanned:
     fetched_bytes: int = 0  # from the hub so far, opening a hub checkpoint (0: read from disk or cache)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointOpened:
     """Opening finished; `checkpoint` is a tqbench.source.Checkpoint (immutable)."""
 
     checkpoint: Any
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerErrors:
     """Relative errors of one layer's converted units: `count` units with an error, their sum and maximum (a unit's
     error is its worst quantized module's)."""
@@ -47,7 +47,7 @@ class LayerErrors:
     worst: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConvertStarted:
     source: str
     dest: str
@@ -62,7 +62,7 @@ class ConvertStarted:
     resumed_errors: tuple[LayerErrors, ...] = ()  # per layer, what the earlier runs' finished shards recorded
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UnitConverted:
     """One tensor, or one routed expert (all its projections), converted. Rate and ETA cover this run."""
 
@@ -79,7 +79,7 @@ class UnitConverted:
     eta: float | None  # seconds left
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SourceProgress:
     """A conversion streaming its source from the hub: shards downloading ahead of the conversion, and the source
     bytes tqbench holds on disk (downloaded, not yet removed)."""
@@ -105,7 +105,7 @@ class SourceProgress:
         return "next download waits until a converted shard is removed"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SourceRemoved:
     """A downloaded source shard deleted: every tensor it holds is converted and written durably."""
 
@@ -114,7 +114,7 @@ class SourceRemoved:
     on_disk: int  # source bytes tqbench downloaded that are still on disk
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardWritten:
     index: int  # 1-based
     total: int
@@ -123,7 +123,7 @@ class ShardWritten:
     sha256: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConvertFinished:
     dest: str
     seconds: float
@@ -139,13 +139,13 @@ ConvertEvent = ConvertStarted | UnitConverted | SourceProgress | SourceRemoved |
 
 # ---- a chat's events made below the chat ---------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelChosen:
     path: str
     why: str  # "last converted model", "demo (converted earlier)", "demo, converted now"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KernelsCompiling:
     """One of the model's fused kernels is ready: `done` of `total`, `name` the latest, read from the cache directory
     when `cached`, else compiled now; `compiled` of the `done` were compiled; seconds since the first."""
@@ -158,13 +158,13 @@ class KernelsCompiling:
     elapsed_s: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplyStarted:
     prompt_tokens: int  # this turn's tokens the model processes
     cached_tokens: int  # tokens reused from the conversation's cache
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrefillProgress:
     """A prompt's processing so far, before its first token (tqbench.runtime.prefill): after each chunk of it
     (mlx-lm's prefill step: 2,048 tokens), or, run layer by layer, after each MoE layer (`layers_done` of `layers`,
@@ -195,7 +195,7 @@ class PrefillProgress:
         return self.seconds * (1 - f) / f if f > 0 else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PageIn:
     """One MoE layer call: the distinct experts its router picked and how each was served."""
 
@@ -209,7 +209,7 @@ class PageIn:
     cache_bytes: int = 0  # the expert cache's bytes after this layer (pinned and cached experts)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MlxWarmup:
     """The process's first forward pass on CUDA is about to run: MLX compiles its own kernels in it (those its cache
     directory lacks) and reports no progress. `first_run`: that cache held none (the first run on this machine)."""
@@ -218,7 +218,7 @@ class MlxWarmup:
     cached: int  # kernels MLX's cache directory held before
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MlxWarmedUp:
     """The first forward pass gave its token."""
 
@@ -226,14 +226,14 @@ class MlxWarmedUp:
     compiled: int  # kernels MLX compiled and kept meanwhile (files its cache directory gained)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenOut:
     id: int
     text: str  # this token's new text (may be "" while a multi-byte character is incomplete)
     thinking: bool  # inside a <think> block
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplyDone:
     text: str
     prompt_tokens: int
@@ -266,7 +266,7 @@ class ReplyDone:
                 "finish_reason": self.finish_reason, "routing_changed": self.routing_changed,
                 "substitutions": self.substitutions}
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ToolCall:
     """A tool call the model made, parsed by mlx-lm's tool parser for the model's format."""
 
@@ -275,7 +275,7 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI's API carries it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CompletionDelta:
     """A completion's new text after one token, split as the model's markers say: the answer, its reasoning, and the
     tool calls that closed with this token. All may be empty (text held back: it may be a marker or a stop string)."""
@@ -286,7 +286,7 @@ class CompletionDelta:
     tool_calls: tuple[ToolCall, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CompletionDone:
     """A completion's end: the whole answer split as its deltas were, why it ended (OpenAI's finish_reason: "stop",
     "length", "tool_calls", or "cancelled" when the caller stopped it) and the reply's figures."""

@@ -24,7 +24,7 @@ DISK_TEST_BYTES = 128 * MiB
 DISK_BLOCK = 8 * MiB  # about one K3 expert page per read
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Machine:
     memory_bytes: int
     gpu_limit_bytes: int  # the GPU working-set limit now
@@ -78,12 +78,14 @@ def machine(memory: int | None = None, gpu_limit: int | None = None, platform: s
     if gpu_limit is None:
         gpu_limit = (_metal_limit() if here and platform == "darwin" else None) or default_gpu_limit(memory, platform)
     source = disk_source or ("given" if disk_bytes_per_s is not None else "not measured")
-    return Machine(memory, gpu_limit, raisable_limit(memory, platform), platform, disk_bytes_per_s, source)
+    return Machine(memory_bytes=memory, gpu_limit_bytes=gpu_limit,
+                   raisable_limit_bytes=raisable_limit(memory, platform), platform=platform,
+                   disk_bytes_per_s=disk_bytes_per_s, disk_source=source)
 
 
 # --- disk bandwidth ------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DiskSpeed:
     bytes_per_s: float
     method: str  # O_DIRECT, F_NOCACHE, fadvise DONTNEED, or page cache (then the figure is inflated)
@@ -153,7 +155,8 @@ def measure_disk(directory: str | Path | None = None, size: int = DISK_TEST_BYTE
     finally:
         os.close(fd)
         os.unlink(tmp)
-    return _remember(key, DiskSpeed(size / seconds, method, size, str(directory), time.time()), refresh)
+    return _remember(key, DiskSpeed(bytes_per_s=size / seconds, method=method, size=size, directory=str(directory),
+                                    measured_at=time.time()), refresh)
 
 
 def file_read_speed(files: list[Path], limit: int = DISK_TEST_BYTES, block: int = DISK_BLOCK) -> DiskSpeed:
@@ -177,7 +180,8 @@ def file_read_speed(files: list[Path], limit: int = DISK_TEST_BYTES, block: int 
             break
     if not done:
         raise OSError("no file holds a whole read block")
-    return DiskSpeed(done / seconds, method, done, str(Path(files[0]).parent), time.time())
+    return DiskSpeed(bytes_per_s=done / seconds, method=method, size=done, directory=str(Path(files[0]).parent),
+                     measured_at=time.time())
 
 
 def _read_cache() -> dict:

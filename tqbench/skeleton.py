@@ -103,7 +103,7 @@ def k3_tensor_specs(text: dict[str, Any], prefix: str = "language_model.") -> li
     specs: list[TensorSpec] = []
 
     def add(name: str, shape: tuple[int, ...], dtype: str = "BF16") -> None:
-        specs.append(TensorSpec(prefix + name, dtype, shape))
+        specs.append(TensorSpec(name=prefix + name, dtype=dtype, shape=shape))
 
     add("model.embed_tokens.weight", (text["vocab_size"], H))
     for i in range(text["num_hidden_layers"]):

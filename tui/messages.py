@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 # ---- the Source screen ------------------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(kw_only=True)
 class ScanStarted(Message):
     """A load began: `text` says what is happening (opening a path, writing the demo model)."""
 
@@ -63,7 +63,7 @@ class ScanStarted(Message):
     path: Path | None = None  # the checkpoint directory being opened, once known
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ScanProgress(Message):
     """One shard header read (tqbench.events.ShardScanned) plus the running tensor count."""
 
@@ -79,7 +79,7 @@ class ScanProgress(Message):
         return isinstance(message, ScanProgress) and message.load_id == self.load_id
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointLoaded(Message):
     """Opening finished (tqbench.events.CheckpointOpened), with the summary and prepared table rows."""
 
@@ -89,7 +89,7 @@ class CheckpointLoaded(Message):
     tensors: list[Tensor] = field(repr=False)  # every Tensor, in name order (the filter's input)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoadFailed(Message):
     """Opening failed: `message` is one line (a TqbenchError's text), never a traceback."""
 
@@ -97,7 +97,7 @@ class LoadFailed(Message):
     message: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FilterApplied(Message):
     """The tensor filter's result: the first rows to show and how many tensors matched."""
 
@@ -114,7 +114,7 @@ class FilterApplied(Message):
 
 # ---- the Recipe screen ------------------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(kw_only=True)
 class SourcesGrouped(Message):
     """A checkpoint's tensors grouped into output modules (tqbench.recipe.group_sources), done once per checkpoint."""
 
@@ -122,7 +122,7 @@ class SourcesGrouped(Message):
     sources: Sources = field(repr=False)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PlansReady(Message):
     """Plans made by a plan worker (tqbench.recipe.make_plan), keyed by recipe."""
 
@@ -135,14 +135,14 @@ class PlansReady(Message):
         return False
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PlanFailed(Message):
     """Grouping or planning failed: `message` is one line."""
 
     message: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RecipeChosen(Message):
     """The recipe editor holds a new valid recipe (from its controls or a typed name)."""
 
@@ -153,7 +153,7 @@ class RecipeChosen(Message):
         return isinstance(message, RecipeChosen)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MachineChosen(Message):
     """The memory size or disk bandwidth typed in the recipe editor gave a new machine to plan for."""
 
@@ -164,7 +164,7 @@ class MachineChosen(Message):
         return isinstance(message, MachineChosen)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QualitiesRead(Message):
     """The evaluations remembered for a checkpoint (tqbench.eval.store.remembered), by recipe name."""
 
@@ -172,7 +172,7 @@ class QualitiesRead(Message):
     qualities: dict[str, RecipeQuality]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QuickEvalProgress(Message):
     """A quick eval (tqbench.eval.quick) moved on: the demo's conversion, then the evaluation (posted at most ~10
     times a second)."""
@@ -185,7 +185,7 @@ class QuickEvalProgress(Message):
         return isinstance(message, QuickEvalProgress) and message.eval_id == self.eval_id
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QuickEvalDone(Message):
     """A quick eval finished: what the store remembered of it (tqbench.eval.quick.demo_quality; None: nothing)."""
 
@@ -193,7 +193,7 @@ class QuickEvalDone(Message):
     quality: RecipeQuality | None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QuickEvalFailed(Message):
     """A quick eval raised: `message` is one line (a TqbenchError's text)."""
 
@@ -201,7 +201,7 @@ class QuickEvalFailed(Message):
     message: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QuickEvalStopped(Message):
     """A quick eval was stopped (the screen was left): its job is closed on the engine thread."""
 
@@ -210,7 +210,7 @@ class QuickEvalStopped(Message):
 
 # ---- the Convert screen -----------------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(kw_only=True)
 class DestinationChecked(Message):
     """The conversion's layout (tqbench.convert.layout, cached per checkpoint/recipe/shard size) and what converting
     into `dest` would do (tqbench.convert.destination_status), with the shards already finished there."""
@@ -222,13 +222,13 @@ class DestinationChecked(Message):
     dest: Path
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DestinationCheckFailed(Message):
     request_id: int
     message: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ConvertBegan(Message):
     """The engine's ConvertStarted (totals and what earlier runs finished), with every layer's totals as the run
     starts: units of finished shards done, their errors (ConvertStarted.resumed_errors) counted."""
@@ -238,7 +238,7 @@ class ConvertBegan(Message):
     layers: tuple[LayerStats, ...] = field(default=(), repr=False)  # copies, in layer order
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ConvertProgress(Message):
     """The latest UnitConverted with every layer's totals so far (posted at most ~10 times a second; the totals are
     exact because they are counted off the UI thread from every event)."""
@@ -252,7 +252,7 @@ class ConvertProgress(Message):
         return isinstance(message, ConvertProgress) and message.run_id == self.run_id
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ConvertSource(Message):
     """A conversion streaming its source from the hub: the downloads (SourceProgress), or a source shard removed
     (SourceRemoved)."""
@@ -266,7 +266,7 @@ class ConvertSource(Message):
                 and isinstance(message.event, SourceProgress) and isinstance(self.event, SourceProgress))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ConvertShardWritten(Message):
     run_id: int
     event: ShardWritten
@@ -276,20 +276,20 @@ class ConvertShardWritten(Message):
         return False
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ConvertDone(Message):
     run_id: int
     event: ConvertFinished
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ConvertStopped(Message):
     """A cancelled conversion has stopped: its generator is closed, no shard is half-written."""
 
     run_id: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ConvertFailed(Message):
     """The conversion raised: `message` is one line (a TqbenchError's text)."""
 
@@ -299,7 +299,7 @@ class ConvertFailed(Message):
 
 # ---- the Chat screen --------------------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatLoadStep(Message):
     """A model load moved on: `text` says what is happening (choosing, converting the demo, loading a path)."""
 
@@ -308,7 +308,7 @@ class ChatLoadStep(Message):
     converting: bool = False  # the demo is being converted first (progress follows)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatConvertProgress(Message):
     """The latest UnitConverted of the demo's conversion (tqbench.chat.choose.choose_model)."""
 
@@ -320,7 +320,7 @@ class ChatConvertProgress(Message):
         return isinstance(message, ChatConvertProgress) and message.load_id == self.load_id
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatModelReady(Message):
     """The model is loaded in the screen's engine session and a conversation started."""
 
@@ -329,7 +329,7 @@ class ChatModelReady(Message):
     loaded: ModelLoaded  # streaming: loaded.stream.layers are the expert view's layers
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatLoadFailed(Message):
     """Choosing or loading the model failed: `message` is one line, never a traceback."""
 
@@ -337,7 +337,7 @@ class ChatLoadFailed(Message):
     message: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatReplyBegan(Message):
     """The engine took the turn: how many prompt tokens it processes and how many the cache already holds."""
 
@@ -345,7 +345,7 @@ class ChatReplyBegan(Message):
     event: ReplyStarted
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatReplyNote(Message):
     """A line for the status while a reply has not begun to stream (MLX compiling its kernels before the first
     token)."""
@@ -354,7 +354,7 @@ class ChatReplyNote(Message):
     text: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatReplyProgress(Message):
     """A streaming reply so far: its text as runs of (text, thinking), and the tokens generated."""
 
@@ -367,7 +367,7 @@ class ChatReplyProgress(Message):
         return isinstance(message, ChatReplyProgress) and message.turn_id == self.turn_id
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatExperts(Message):
     """A batch of a streaming reply's tqbench.stream.PageIn events (posted with the reply's progress, at most every
     ~50 ms), with the reply's rates so far."""
@@ -381,7 +381,7 @@ class ChatExperts(Message):
         return False
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatReplyEnded(Message):
     """A reply is over: finished (done.finish_reason "stop" or "length"), or stopped with Esc (done.finish_reason
     "cancelled": the partial reply stays in the conversation). `done` is None when the turn was stopped before the
@@ -393,7 +393,7 @@ class ChatReplyEnded(Message):
     stream: StreamReport | None = None  # streaming: the engine's figures after the reply (ChatSession.stats)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatReplyFailed(Message):
     """The reply raised: `message` is one line."""
 
@@ -401,14 +401,14 @@ class ChatReplyFailed(Message):
     message: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatResetDone(Message):
     """The session forgot the conversation (tqbench.chat.session.ChatSession.reset); `error` is one line if it failed."""
 
     error: str | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatProfileExported(Message):
     """The learned profile was written (tqbench.chat.session.ChatSession.export_profile) to `file`, or `error` (one line)."""
 
@@ -419,7 +419,7 @@ class ChatProfileExported(Message):
 
 # ---- the Serve screen ------------------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(kw_only=True)
 class ServeFeed(Message):
     """A batch of a server's live feed (tqbench.serve: its own Service's watcher, or an attached server's events),
     posted at most every ~100 ms: the page-ins and ended requests since the last batch, and the newest status."""
@@ -434,7 +434,7 @@ class ServeFeed(Message):
         return False
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ServeFeedEnded(Message):
     """An attached server's feed ended: `message` says why in one line (unreachable, 401, the server stopped)."""
 
@@ -442,7 +442,7 @@ class ServeFeedEnded(Message):
     message: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ServeStopped(Message):
     """The screen's server closed and its model was dropped; `error` is one line if closing failed."""
 

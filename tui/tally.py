@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from tqbench.events import LayerErrors, UnitConverted
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerStats:
     layer: int | None  # None: tensors outside the layers (embeddings, final norm, head)
     units: int  # units of this layer in the layout
@@ -61,14 +61,14 @@ class Tally:
             for layer, n in counts:
                 stats = self.layers.get(layer)
                 if stats is None:
-                    stats = self.layers[layer] = LayerStats(layer, 0)
+                    stats = self.layers[layer] = LayerStats(layer=layer, units=0)
                 stats.units += n
                 stats.done += n if done else 0
 
     def _stats(self, layer: int | None) -> LayerStats:
         stats = self.layers.get(layer)
         if stats is None:  # not in the layout given (never expected): still counted
-            stats = self.layers[layer] = LayerStats(layer, 0)
+            stats = self.layers[layer] = LayerStats(layer=layer, units=0)
         return stats
 
     def add(self, unit: UnitConverted) -> None:

@@ -38,13 +38,13 @@ def choose_model(recipe: str = DEMO_RECIPE) -> Iterator[ModelChosen | Any]:
 
     last = last_model()
     if last is not None:
-        yield ModelChosen(str(last), "last converted model")
+        yield ModelChosen(path=str(last), why="last converted model")
         return
     dest = demo_converted_path(recipe)
     if (dest / INDEX_FILE).is_file():
-        yield ModelChosen(str(dest), "demo (converted earlier)")
+        yield ModelChosen(path=str(dest), why="demo (converted earlier)")
         return
     chosen = Recipe.parse(recipe)
     yield from convert(ensure_demo(), dest, chosen)
     remember_model(dest)
-    yield ModelChosen(str(dest), f"demo, converted now with {chosen.name}")
+    yield ModelChosen(path=str(dest), why=f"demo, converted now with {chosen.name}")

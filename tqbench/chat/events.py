@@ -40,7 +40,7 @@ __all__ = ["ChatEvent", "CompletionDelta", "CompletionDone", "CompletionEvent", 
            "StreamPlan", "StreamReport", "TokenOut", "ToolCall", "UnitConverted"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StreamPlan:
     """What `open` will run, decided from the request and the model's files: `config` None keeps the experts
     resident. `reason`: "off" (asked), "fits", "no routed experts", "asked" or "does not fit"."""
@@ -59,7 +59,7 @@ class StreamPlan:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelLoaded:
     path: str
     model_type: str
@@ -99,7 +99,7 @@ class ModelLoaded:
                 "profile": self.profile.to_dict() if self.profile is not None else None}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StreamReport:
     """Streaming totals and per-layer figures after a reply, with this disk's measured read bandwidth and the
     bandwidth the page-ins got (bytes read on the critical path over the time waited for them)."""
@@ -113,7 +113,8 @@ class StreamReport:
     @classmethod
     def snapshot(cls, stats: StreamStats, disk: DiskSpeed | None, profile: ProfileInfo | None,
                  learned_routings: int | None = None, ranks: tuple[RankStats, ...] = ()) -> StreamReport:
-        return cls(copy.deepcopy(stats), disk, profile, learned_routings, ranks)
+        return cls(stats=copy.deepcopy(stats), disk=disk, profile=profile, learned_routings=learned_routings,
+                   ranks=ranks)
 
     @property
     def hit_rate(self) -> float:

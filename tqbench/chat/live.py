@@ -31,7 +31,7 @@ def bins(experts: int, per: int) -> list[range]:
     return [range(a, min(a + per, experts)) for a in range(0, experts, per)]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerState:
     experts: int
     # per expert: token * len(KINDS) + RANK of how it was served on its last routing, -1 never routed; so the largest
@@ -49,7 +49,7 @@ class PageInMap:
     """Layers x experts, from PageIn events. `layers`: each MoE layer's number of routed experts (from the model)."""
 
     def __init__(self, layers: dict[int, int]):
-        self.layers = {n: LayerState(e) for n, e in sorted(layers.items())}
+        self.layers = {n: LayerState(experts=e) for n, e in sorted(layers.items())}
         self.token = 0  # the newest PageIn.token seen
         self.seen = {k: 0 for k in KINDS}  # routings by how they were served, since the map was made
         self.bytes_read = 0
@@ -118,7 +118,7 @@ def sparkline(values: Iterable[int], top: int, width: int = SPARK) -> str:
     return line.rjust(width)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplyRates:
     """A streaming reply's rates so far: decode tokens per second, expert bytes read per decode token, and bytes
     read per second since the reply began (prefill included)."""
@@ -158,4 +158,5 @@ class ReplyClock:
         now = self._now()
         tok_s = (self.tokens - 1) / (now - self.first) if self.tokens > 1 and now > self.first else 0.0
         per = self.decode_bytes / len(self.decode_passes) if self.decode_passes else 0.0
-        return ReplyRates(tok_s, per, self.bytes / (now - self.t0) if now > self.t0 else 0.0)
+        return ReplyRates(tok_s=tok_s, bytes_per_token=per,
+                          read_bps=self.bytes / (now - self.t0) if now > self.t0 else 0.0)

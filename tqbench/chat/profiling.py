@@ -26,7 +26,8 @@ def start_profile(loaded, opts: ProfileOptions, experts: ExpertStore | None) -> 
             store = ProfileStore(opts.store)
         except ProfileError as e:  # a chat still runs: it just neither learns nor uses what was learned
             print(f"tqbench: warning: {e}; this session does not learn", file=sys.stderr)
-    choice = choose(loaded.path, opts.file, opts.force, store, opts.mature, experts, opts.cold)
+    choice = choose(loaded.path, opts.file, force=opts.force, store=store, mature=opts.mature, experts=experts,
+                    cold=opts.cold)
     pinned, preload_s = 0, 0.0
     if choice.profile is not None and loaded.streamer is not None:  # share 0: no pins, history seeded
         pinned = _pin(loaded.streamer, choice, opts)
@@ -37,8 +38,9 @@ def start_profile(loaded, opts: ProfileOptions, experts: ExpertStore | None) -> 
         tap(loaded.model, learner)
     elif store is not None:
         store.close()
-    info = ProfileInfo(choice.source, choice.where, choice.fingerprint,
-                       round(choice.profile.routings) if choice.profile else 0, pinned, preload_s, learner is not None)
+    info = ProfileInfo(source=choice.source, where=choice.where, fingerprint=choice.fingerprint,
+                       routings=round(choice.profile.routings) if choice.profile else 0, pinned=pinned,
+                       preload_s=preload_s, learning=learner is not None)
     return info, learner
 
 

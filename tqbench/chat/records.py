@@ -11,7 +11,7 @@ if TYPE_CHECKING:  # named only: importing them loads MLX
     from tqbench.machine import DiskSpeed
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StreamSetup:
     """How a streamed model's routed experts run: the cache the budget bought, the readers, this disk's speed."""
 
@@ -47,7 +47,7 @@ class StreamSetup:
                 "why": self.why, "layer_major_tokens": self.layer_major_tokens, **disk_fields(self.disk)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProfileInfo:
     """What opening the model decided about the hot-expert profile (tqbench.profile.choose)."""
 
@@ -65,14 +65,14 @@ class ProfileInfo:
                 "learning": self.learning}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConversationStatus:
     turns: int  # replies since the last reset
     tokens: int  # tokens the conversation's cache holds
     last: ReplyDone | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProfileExport:
     file: str
     routings: float

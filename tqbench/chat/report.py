@@ -24,7 +24,7 @@ TIERS_LEGEND = "P pinned  = cache  + ahead  # disk"
 HOST_TIERS_LEGEND = "P pinned  = cache  + ahead  h host  # disk"  # with a host-RAM tier
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Span:
     text: str
     kind: str = ""  # "": plain, "label", "value" (what the line is about), "muted"
@@ -186,15 +186,16 @@ def reply_line(d: ReplyDone) -> str:
 def reply_lines(d: ReplyDone) -> tuple[Line, Line]:
     """The TUI's status after a reply: the reply's tokens, decode rate and peak memory; the prompt's tokens
     processed (prefill rate) and those reused from the cache."""
-    sep = Span(" · ", "muted")
-    return ((Span(f"{'reply':<{LABEL_WIDTH}}", "label"),
-             Span(f"{d.generated_tokens} tokens{ENDINGS.get(d.finish_reason, '')}", "value"),
-             Span(" at " if d.decode_rate is not None else ", "), Span(decode_text(d), "value"), sep,
-             Span("peak memory "),
-             Span(units.gb(d.peak_memory_bytes), "value")),
-            (Span(f"{'prompt':<{LABEL_WIDTH}}", "label"), Span(f"{d.prompt_tokens} processed", "value"),
-             Span(prefill_text(d)[0]), Span(prefill_text(d)[1], "value"), sep,
-             Span(f"{d.cached_tokens} reused", "value"), Span(" from the cache")))
+    sep = Span(text=" · ", kind="muted")
+    return ((Span(text=f"{'reply':<{LABEL_WIDTH}}", kind="label"),
+             Span(text=f"{d.generated_tokens} tokens{ENDINGS.get(d.finish_reason, '')}", kind="value"),
+             Span(text=" at " if d.decode_rate is not None else ", "), Span(text=decode_text(d), kind="value"), sep,
+             Span(text="peak memory "),
+             Span(text=units.gb(d.peak_memory_bytes), kind="value")),
+            (Span(text=f"{'prompt':<{LABEL_WIDTH}}", kind="label"), Span(text=f"{d.prompt_tokens} processed",
+                                                                         kind="value"),
+             Span(text=prefill_text(d)[0]), Span(text=prefill_text(d)[1], kind="value"), sep,
+             Span(text=f"{d.cached_tokens} reused", kind="value"), Span(text=" from the cache")))
 
 
 def stats_lines(m: ModelLoaded, status: ConversationStatus, report: StreamReport | None) -> list[str]:
@@ -253,21 +254,25 @@ def expert_summary(view: PageInMap, budget: int, rates: ReplyRates | None, repor
         seen, rate, cache = view.seen, view.hit_rate(), view.cache_bytes
     total = sum(seen.values())
     if not total:
-        return [(Span(f"no expert routed yet; cache {units.gb(budget)}{host}", "muted"),), (Span(legend, "muted"),)]
+        return [(Span(text=f"no expert routed yet; cache {units.gb(budget)}{host}",
+                      kind="muted"),), (Span(text=legend, kind="muted"),)]
     split: list[Span] = []
     for k in (k for k in KINDS if host_budget or k != "host"):
-        split += [Span(" ")] if split else []
-        split += [Span(GLYPHS[k], "value"), Span(f"{seen[k] / total:.0%}")]
-    lines: list[Line] = [(Span("hits "), Span(f"{rate:.1%}", "value"), Span("  "), *split)]
+        split += [Span(text=" ")] if split else []
+        split += [Span(text=GLYPHS[k], kind="value"), Span(text=f"{seen[k] / total:.0%}")]
+    lines: list[Line] = [(Span(text="hits "), Span(text=f"{rate:.1%}", kind="value"), Span(text="  "), *split)]
     if rates is not None:
         per_token = humanize.naturalsize(rates.bytes_per_token, format="%.1f")
-        lines.append((Span(f"{rates.tok_s:.1f} tok/s", "value"), Span(" · ", "muted"), Span(per_token, "value"),
-                      Span(" read per token")))
+        lines.append((Span(text=f"{rates.tok_s:.1f} tok/s",
+                           kind="value"), Span(text=" · ", kind="muted"), Span(text=per_token, kind="value"),
+                      Span(text=" read per token")))
         of = f" of {units.bandwidth(disk_bps)}" if disk_bps else ""
-        lines.append((Span("disk "), Span(f"{rates.read_bps / 1e6:.1f}", "value"), Span(f" MB/s{of}")))
-        lines.append((Span("cache "), Span(f"{cache / budget:.0%}" if budget else "-", "value"),
-                      Span(f" of {units.gb(budget)}{host}")))
+        lines.append((Span(text="disk "), Span(text=f"{rates.read_bps / 1e6:.1f}",
+                                               kind="value"), Span(text=f" MB/s{of}")))
+        lines.append((Span(text="cache "), Span(text=f"{cache / budget:.0%}" if budget else "-", kind="value"),
+                      Span(text=f" of {units.gb(budget)}{host}")))
     else:
-        lines.append((Span("cache "), Span(units.gb(cache), "value"), Span(f" of {units.gb(budget)}{host}")))
-    lines.append((Span(legend, "muted"),))
+        lines.append((Span(text="cache "), Span(text=units.gb(cache),
+                                                kind="value"), Span(text=f" of {units.gb(budget)}{host}")))
+    lines.append((Span(text=legend, kind="muted"),))
     return lines

@@ -50,7 +50,7 @@ def parse_host_cache(text: str) -> str | int:
     return n if n > 0 else "off"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StreamRequest:
     """How to run routed experts, as the user said it (decided against the model's files by
     tqbench.chat.stream_plan.plan_streaming). The two sizes are parsed once, by `check()` or at first use."""
@@ -91,7 +91,7 @@ class StreamRequest:
         return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingRequest:
     """Sampling the user asked for; None: the model's generation_config.json decides (tqbench.runtime.conversation.Sampling)."""
 
@@ -113,7 +113,7 @@ class SamplingRequest:
         return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProfileOptions:
     """Which hot-expert profile a chat starts from, and whether it learns one (tqbench.profile)."""
 
@@ -135,7 +135,7 @@ class ProfileOptions:
         return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChatRequest:
     """Everything a chat is opened with. `model` None: the model converted last, else the built-in demo (converted
     first if needed: tqbench.chat.choose.choose_model)."""
@@ -166,7 +166,7 @@ class ChatRequest:
         return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CompletionRequest:
     """One stateless completion (a server's request): a chat's `messages` (with `tools` for the chat template), or a
     plain `prompt` to continue. Sampling left None takes the model's defaults as the chat was opened with them."""

@@ -67,6 +67,7 @@ class Segmenter:
         for c in parsed if isinstance(parsed, list) else [parsed]:
             self._calls += 1
             args = c.get("arguments", {})
-            calls.append(ToolCall(str(c.get("id") or f"call_{self._calls}_{uuid.uuid4().hex[:12]}"), str(c["name"]),
-                                  args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+            calls.append(ToolCall(id=str(c.get("id") or f"call_{self._calls}_{uuid.uuid4().hex[:12]}"),
+                                  name=str(c["name"]),
+                                  arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
         return calls

@@ -52,7 +52,7 @@ from tqbench.runtime.warmup import build_kernels, mlx_warmed, mlx_warmup
 R = TypeVar("R")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Open:
     """A loaded model's state: touched on the engine thread only."""
 
@@ -121,7 +121,7 @@ class ChatSession:
     def status(self) -> ConversationStatus:
         def read() -> ConversationStatus:
             conv = self._current().conversation
-            return ConversationStatus(conv.turns, len(conv.tokens), conv.last)
+            return ConversationStatus(turns=conv.turns, tokens=len(conv.tokens), last=conv.last)
 
         return self._engine.call(read)
 
@@ -192,8 +192,8 @@ class ChatSession:
         if request.prompt_store and group is None:  # several ranks keep no checkpoints: each holds a part of the state
             runs = f"experts={routing.active}" if routing is not None else ""  # the routing the checkpoints hold
             store = PromptStore(cache_dir() / "prompts", model_key(path, runs))
-        conv = Conversation(loaded, system=request.system, chat_template=request.chat_template, can_trim=can_trim,
-                            store=store)
+        conv = Conversation(loaded=loaded, system=request.system, chat_template=request.chat_template,
+                            can_trim=can_trim, store=store)
         try:
             yield from build_kernels(loaded.model)  # CUDA: the fused kernels its first token needs, with progress
             experts = loaded.streamer.store if loaded.streamer is not None else plan.store
@@ -204,17 +204,21 @@ class ChatSession:
         except BaseException:
             conv.close()
             raise
-        info = ModelLoaded(str(loaded.path), loaded.model_type, loaded.turboquant_modules, loaded.weight_bytes,
-                           conv.chat_template, Sampling.defaults(loaded.generation_config, **asdict(request.sampling)),
-                           time.perf_counter() - t0, stream, routing.native if routing else 0,
-                           routing.active if routing else 0, profile)
-        self._open = _Open(conv, info, learner, request.prompt_cache_bytes, can_trim=can_trim)
+        info = ModelLoaded(path=str(loaded.path), model_type=loaded.model_type,
+                           turboquant_modules=loaded.turboquant_modules, weight_bytes=loaded.weight_bytes,
+                           chat_template=conv.chat_template,
+                           sampling=Sampling.defaults(loaded.generation_config, **asdict(request.sampling)),
+                           seconds=time.perf_counter() - t0, stream=stream,
+                           experts_native=routing.native if routing else 0,
+                           experts_active=routing.active if routing else 0, profile=profile)
+        self._open = _Open(conversation=conv, loaded=info, learner=learner,
+                           prompt_cache_bytes=request.prompt_cache_bytes, can_trim=can_trim)
         yield info
 
     def _choose(self, request: ChatRequest) -> Generator[OpenEvent, None, str]:
         """The model to open: the one asked for, else choose_model's (the demo, converted first when none is)."""
         if request.model is not None:
-            yield ModelChosen(request.model, "given")
+            yield ModelChosen(path=request.model, why="given")
             return request.model
         chosen = None
         for ev in choose_model():
@@ -231,10 +235,12 @@ class ChatSession:
         disk = known[1] if known and known[0] == str(loaded.path) else _disk_of(loaded.path)
         self._disk = (str(loaded.path), disk)
         layers = tuple(sorted((n, lay.experts) for n, lay in loaded.streamer.store.layers.items()))
-        return StreamSetup(st.budget_bytes, st.slots, st.slot_bytes, st.staging_bytes, c.workers, c.policy, c.fanout,
-                           st.page_cache, c.lookahead, c.reads_in_flight, disk, layers, plan.reason,
-                           st.host_budget_bytes, st.host_slots, plan.host_why, c.cache_routing,
-                           LAYER_MAJOR_TOKENS if loaded.pipeline is None else 0)
+        return StreamSetup(budget_bytes=st.budget_bytes, slots=st.slots, slot_bytes=st.slot_bytes,
+                           staging_bytes=st.staging_bytes, workers=c.workers, policy=c.policy, fanout=c.fanout,
+                           page_cache=st.page_cache, lookahead=c.lookahead, reads_in_flight=c.reads_in_flight,
+                           disk=disk, layers=layers, why=plan.reason, host_budget_bytes=st.host_budget_bytes,
+                           host_slots=st.host_slots, host_why=plan.host_why, cache_routing=c.cache_routing,
+                           layer_major_tokens=LAYER_MAJOR_TOKENS if loaded.pipeline is None else 0)
 
     def _reply(self, text: str, sampling: Sampling | None) -> Iterator:
         state = self._current()
@@ -326,9 +332,11 @@ class ChatSession:
             held.keep(turn.keep)
             tokens = held.tokens if turn.slot == SLOT_CHAT else held.held
             tokens.extend(turn.tokens)
-            sampling = Sampling(turn.max_tokens, turn.temp, turn.top_p, turn.top_k, turn.seed)
-            for ev in self._watched(state, generate(loaded, list(turn.tokens), held.cache, sampling, turn.keep,
-                                                    tokens, lockstep=lockstep, slot=turn.slot), lockstep):
+            sampling = Sampling(max_tokens=turn.max_tokens, temp=turn.temp, top_p=turn.top_p, top_k=turn.top_k,
+                                seed=turn.seed)
+            for ev in self._watched(state, generate(loaded, list(turn.tokens), held.cache, sampling=sampling,
+                                                    cached=turn.keep, held=tokens, lockstep=lockstep,
+                                                    slot=turn.slot), lockstep):
                 if isinstance(ev, ReplyDone):
                     done.append(ev)
             if state.learner is not None and turn.slot == SLOT_CHAT:  # as rank 0 saves (a server's: now and then)
@@ -357,10 +365,10 @@ class ChatSession:
         state.learner.save()
         out.parent.mkdir(parents=True, exist_ok=True)
         p = export_learned(state.conversation.loaded.path, state.learner.store, out)
-        return ProfileExport(str(out), p.routings, p.sessions, len(p.ranked()))
+        return ProfileExport(file=str(out), routings=p.routings, sessions=p.sessions, pins=len(p.ranked()))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Answer:
     """A completion's answer so far, as its deltas split it."""
 
@@ -372,11 +380,12 @@ class _Answer:
         self.content.append(content)
         self.reasoning.append(reasoning)
         self.calls += calls
-        return CompletionDelta(token, content, reasoning, calls)
+        return CompletionDelta(token=token, content=content, reasoning=reasoning, tool_calls=calls)
 
     def done(self, reply: ReplyDone) -> CompletionDone:
         finish = "tool_calls" if self.calls and reply.finish_reason == "stop" else reply.finish_reason
-        return CompletionDone("".join(self.content), "".join(self.reasoning), tuple(self.calls), finish, reply)
+        return CompletionDone(content="".join(self.content), reasoning="".join(self.reasoning),
+                              tool_calls=tuple(self.calls), finish_reason=finish, reply=reply)
 
 
 def _leader(state: _Open):

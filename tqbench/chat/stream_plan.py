@@ -28,13 +28,13 @@ def plan_streaming(path: str | Path, request: StreamRequest) -> StreamPlan:
 def _plan(path: str | Path, r: StreamRequest) -> StreamPlan:
     budget = r.budget_value
     if budget == "off":
-        return StreamPlan(None, "off")
+        return StreamPlan(config=None, reason="off")
     experts = expert_layout(path)
     if budget == "fit":
         if experts is None:
-            return StreamPlan(None, "no routed experts")
+            return StreamPlan(config=None, reason="no routed experts")
         if not needs_streaming(path, store=experts):
-            return StreamPlan(None, "fits", store=experts)
+            return StreamPlan(config=None, reason="fits", store=experts)
         budget, reason = "auto", "does not fit"
     else:
         reason = "asked"
@@ -46,7 +46,7 @@ def _plan(path: str | Path, r: StreamRequest) -> StreamPlan:
     config = StreamConfig(budget_bytes=budget_bytes, workers=r.workers, policy=r.policy, fanout=r.fanout,
                           page_cache=r.page_cache, lookahead=r.lookahead, reads_in_flight=r.reads_in_flight,
                           host_budget_bytes=host.nbytes, cache_routing=r.cache_routing)
-    return StreamPlan(config, reason, host.why, store=experts)
+    return StreamPlan(config=config, reason=reason, host_why=host.why, store=experts)
 
 
 def expert_layout(path: str | Path) -> ExpertStore | None:

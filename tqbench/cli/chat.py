@@ -91,7 +91,7 @@ def chat(
         elif prompt is None and env_rank() is not None and not as_json:
             err.print(LAUNCHED_HELP_LINE, markup=False)
         turns = [prompt] if prompt is not None else (_typed(err) if interactive else _lines(sys.stdin))
-        _converse(chat_session, loaded, turns, as_json, interactive, err)
+        _converse(chat_session, loaded, turns, as_json=as_json, interactive=interactive, err=err)
     except TqbenchError as e:
         say_error(e)
         raise typer.Exit(e.exit_code) from None

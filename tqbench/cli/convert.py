@@ -97,9 +97,9 @@ def render_progress(events, err: Console) -> ConvertFinished:
     if not err.is_terminal:
         return _render_plain(events, err)
     # One ETA, the engine's (a conversion from the hub counts the downloads in it), on the conversion's bar.
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
-                        DownloadColumn(), TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"),
-                        TextColumn("{task.fields[what]}"), console=err, transient=False)
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
+               TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[what]}"))
+    progress = Progress(*columns, console=err, transient=False)
     task = download = None
     with progress:
         for ev in events:
@@ -170,5 +170,6 @@ def _summary(ev: ConvertFinished) -> None:
     t.add_column("time", justify="right")
     t.add_column("rel. error mean / max", justify="right")
     err = (f"{ev.mean_rel_error:.4f} / {ev.max_rel_error:.4f}" if ev.mean_rel_error is not None else "-")
-    t.add_row(ev.dest, str(ev.shards), units.size(ev.bytes_out), units.gb(ev.bytes_in), f"{ev.seconds:.1f} s", err)
+    cells = (ev.dest, str(ev.shards), units.size(ev.bytes_out), units.gb(ev.bytes_in), f"{ev.seconds:.1f} s", err)
+    t.add_row(*cells)
     show(Console(highlight=False), t)

@@ -114,8 +114,9 @@ class _Progress:
         self.tasks: dict[str, int] = {}
         self.said: dict[str, int] = {}
         if err.is_terminal:
-            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("tokens"), TimeElapsedColumn(), TimeRemainingColumn(), console=err)
+            columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                       TimeElapsedColumn(), TimeRemainingColumn())
+            self.bar = Progress(*columns, console=err)
             self.bar.start()
 
     def update(self, ev) -> None:

@@ -160,7 +160,7 @@ PinShare = Annotated[Optional[float], typer.Option(
 
 # ---- option groups ------------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptionGroup:
     """Options declared once for every command that takes them: (parameter name, annotated type, default) each, and
     `build`, which makes the record the command receives from their values (passed by parameter name)."""
@@ -200,29 +200,29 @@ def takes(**groups: OptionGroup) -> Callable[[Callable], Callable]:
 
 
 RECIPE_FLAGS = OptionGroup(
-    (("bits", Bits, None), ("group_size", GroupSize, None), ("attn_bits", AttnBits, None),
+    options=(("bits", Bits, None), ("group_size", GroupSize, None), ("attn_bits", AttnBits, None),
      ("mlp_bits", MlpBits, None), ("ternary_experts", TernaryExperts, False), ("expert_down_bits", ExpertDownBits, None),
      ("mlp_group_size", MlpGroupSize, None), ("no_rotation", NoRotation, False), ("seed", Seed, None),
      ("fmt", BaseFormat, None), ("expert_format", ExpertFormat, None), ("scales", Scales, None)),
-    lambda no_rotation, fmt, **flags: RecipeFlags(rotation=not no_rotation, format=fmt, **flags))
+    build=lambda no_rotation, fmt, **flags: RecipeFlags(rotation=not no_rotation, format=fmt, **flags))
 
 STREAMING = OptionGroup(
-    (("cache_budget_gb", CacheBudget, None), ("prefetch_workers", PrefetchWorkers, 4),
+    options=(("cache_budget_gb", CacheBudget, None), ("prefetch_workers", PrefetchWorkers, 4),
      ("reads_in_flight", ReadsInFlight, 0), ("cache_policy", CachePolicy, "lrfu-next"), ("fanout", Fanout, False),
      ("lookahead", Lookahead, False), ("page_cache", PageCache, "auto"), ("host_cache_gb", HostCache, "auto"),
      ("cache_routing", CacheRouting, 0.0)),
-    lambda cache_budget_gb, prefetch_workers, cache_policy, host_cache_gb, **rest: StreamRequest(
+    build=lambda cache_budget_gb, prefetch_workers, cache_policy, host_cache_gb, **rest: StreamRequest(
         budget=cache_budget_gb or "fit", workers=prefetch_workers, policy=cache_policy, host_budget=host_cache_gb,
         **rest))
 
 SAMPLING = OptionGroup(
-    (("max_tokens", MaxTokens, None), ("temp", Temp, None), ("top_p", TopP, None), ("top_k", TopK, None),
+    options=(("max_tokens", MaxTokens, None), ("temp", Temp, None), ("top_p", TopP, None), ("top_k", TopK, None),
      ("seed", SamplingSeed, None)),
-    lambda **given: SamplingRequest(**given))
+    build=lambda **given: SamplingRequest(**given))
 
 PROFILE = OptionGroup(
-    (("profile", Profile, None), ("profile_force", ProfileForce, False), ("no_learn", NoLearn, False),
+    options=(("profile", Profile, None), ("profile_force", ProfileForce, False), ("no_learn", NoLearn, False),
      ("cold", Cold, False), ("pin_share", PinShare, None)),
-    lambda profile, profile_force, no_learn, cold, pin_share: ProfileOptions(
+    build=lambda profile, profile_force, no_learn, cold, pin_share: ProfileOptions(
         file=str(profile) if profile else None, learn=not no_learn, pin_share=pin_share, force=profile_force,
         cold=cold))

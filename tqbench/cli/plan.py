@@ -100,7 +100,7 @@ def plan(
 
     prefill = prefill_bound(ckpt.config.raw) if plans[0].footprint.is_moe else None
     if as_json:
-        doc = plan_document(plans, fits, m, tensors, ckpt.origin, hub, prefill)
+        doc = plan_document(plans, fits, m, tensors=tensors, origin=ckpt.origin, hub=hub, prefill=prefill)
         for entry, s in zip(doc["plans"], splits or []):
             entry["split"] = s.to_dict()
         print(json.dumps(doc, indent=2))
@@ -146,10 +146,12 @@ def _measured(m: Machine, src: Path, err: Console) -> Machine:
         else:
             speed = disk_speed(src)
     except OSError as e:
-        return Machine(m.memory_bytes, m.gpu_limit_bytes, m.raisable_limit_bytes, m.platform, None,
-                       f"measurement failed: {e.strerror or e}")
-    return Machine(m.memory_bytes, m.gpu_limit_bytes, m.raisable_limit_bytes, m.platform, speed.bytes_per_s,
-                   speed.source)
+        return Machine(memory_bytes=m.memory_bytes, gpu_limit_bytes=m.gpu_limit_bytes,
+                       raisable_limit_bytes=m.raisable_limit_bytes, platform=m.platform, disk_bytes_per_s=None,
+                       disk_source=f"measurement failed: {e.strerror or e}")
+    return Machine(memory_bytes=m.memory_bytes, gpu_limit_bytes=m.gpu_limit_bytes,
+                   raisable_limit_bytes=m.raisable_limit_bytes, platform=m.platform, disk_bytes_per_s=speed.bytes_per_s,
+                   disk_source=speed.source)
 
 
 # --- JSON --------------------------------------------------------------------------------------------------------
@@ -196,9 +198,10 @@ def _header(p: Plan, m: Machine, origin: HubOrigin | None = None) -> Group:
     disk = f"{speed} ({m.disk_source})"
     limit = _pair(m.gpu_limit_bytes)
     extra = [hub_line(origin)] if origin is not None else []
+    source = [("source  ", "bold"), p.path, ("   model  ", "bold"), p.model_type, ("   params  ", "bold"),
+              units.count(p.params), ("   on disk  ", "bold"), _pair(p.source_bytes)]
     return Group(*extra,
-        Text.assemble(("source  ", "bold"), p.path, ("   model  ", "bold"), p.model_type,
-                      ("   params  ", "bold"), units.count(p.params), ("   on disk  ", "bold"), _pair(p.source_bytes)),
+        Text.assemble(*source),
         Text.assemble(("machine ", "bold"), f"{m.platform}, memory {_pair(m.memory_bytes)}, GPU limit {limit}, "
                                             f"disk {disk}"),
     )

@@ -222,7 +222,7 @@ def merge_cmd(
     with _one_line_errors(output):
         check_output_file(output)
         pa, pb = read_profile(a), read_profile(b)
-        c = merge(pa, pb, weight_a, weight_b, force, (str(a), str(b)))
+        c = merge(pa, pb, weight_a, weight_b=weight_b, force=force, names=(str(a), str(b)))
         write_bytes(output, c.to_text().encode())
     print(f"wrote {os.path.abspath(output)}: {weight_a:g} x {a} ({number(pa.routings)} routings) + {weight_b:g} x "
           f"{b} ({number(pb.routings)}) = {number(c.routings)} routings", file=sys.stderr)
@@ -267,12 +267,14 @@ def diff_renderables(comparison: ProfileDiff) -> list:
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
+    def cells(x, name: str) -> list[str]:
+        return [name, count(x.hot_a), count(x.hot_b), count(x.common), f(x.jaccard, ".2f"), f(x.a_covers_b, ".1%"),
+                f(x.b_covers_a, ".1%")]
+
     for x in comparison.layers:
-        t.add_row(str(x.layer), count(x.hot_a), count(x.hot_b), count(x.common), f(x.jaccard, ".2f"),
-                  f(x.a_covers_b, ".1%"), f(x.b_covers_a, ".1%"), end_section=x is comparison.layers[-1])
+        t.add_row(*cells(x, str(x.layer)), end_section=x is comparison.layers[-1])
     o = comparison.overall
-    t.add_row("all", count(o.hot_a), count(o.hot_b), count(o.common), f(o.jaccard, ".2f"), f(o.a_covers_b, ".1%"),
-              f(o.b_covers_a, ".1%"))
+    t.add_row(*cells(o, "all"))
     t.caption = (f"Jaccard: common / either, per layer and over all (layer, expert) pairs (mean of the layers' "
                  f"{f(o.mean_jaccard, '.2f')}); A serves B: the share of B's routings on A's hot experts")
     return head + [t]

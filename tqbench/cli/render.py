@@ -29,7 +29,7 @@ def summary_header(s: Summary, ckpt: Checkpoint) -> RichGroup:
     lines = [hub_line(ckpt.origin)] if ckpt.origin else []
     lines += [
         Text.assemble(("model   ", "bold"), s.model_type, ("   format  ", "bold"), s.format),
-        Text.assemble(("tensors ", "bold"), f"{s.tensors:,} in {len(ckpt.shards)} shard{'s' if len(ckpt.shards) != 1 else ''}",
+        Text.assemble(("tensors ", "bold"), f"{s.tensors:,} in {len(ckpt.shards)} shard" + "s" * (len(ckpt.shards) != 1),
                       ("   size  ", "bold"), units.size(s.bytes)),
         Text.assemble(("params  ", "bold"), units.count(s.params), ("   active/token  ", "bold"),
                       units.count(s.active_params)),
@@ -53,8 +53,9 @@ def group_table(title: str, groups, first: str) -> Table:
     for c in ("tensors", "params", "size", "binary", "formats"):
         t.add_column(c, justify="right" if c != "formats" else "left")
     for g in groups:
-        t.add_row(str(g.key), f"{g.tensors:,}", units.count(g.params), units.gb(g.bytes), units.gib(g.bytes),
-                  ", ".join(g.formats))
+        cells = (str(g.key), f"{g.tensors:,}", units.count(g.params), units.gb(g.bytes), units.gib(g.bytes),
+                 ", ".join(g.formats))
+        t.add_row(*cells)
     return t
 
 
@@ -63,8 +64,9 @@ def layer_table(s: Summary) -> Table:
     for c in ("layer", "attention", "mlp", "tensors", "params", "size", "experts", "expert size"):
         t.add_column(c, justify="left" if c in ("attention", "mlp") else "right")
     for row in s.by_layer:
-        t.add_row(str(row.layer), row.attention or "-", row.mlp or "-", f"{row.tensors:,}", units.count(row.params),
-                  units.gb(row.bytes), str(row.experts or "-"), units.gb(row.expert_bytes) if row.experts else "-")
+        cells = (str(row.layer), row.attention or "-", row.mlp or "-", f"{row.tensors:,}", units.count(row.params),
+                 units.gb(row.bytes), str(row.experts or "-"), units.gb(row.expert_bytes) if row.experts else "-")
+        t.add_row(*cells)
     return t
 
 
@@ -85,8 +87,10 @@ def tensor_table(tensors: list[Tensor], limit: int) -> Table:
     for x in tensors[:limit]:
         n = x.name
         role = n.role.value + (f" ({n.attention})" if n.attention else "")
-        t.add_row(x.entry.name, role, "-" if n.layer is None else str(n.layer), "-" if n.expert is None else str(n.expert),
-                  x.entry.dtype, "x".join(map(str, x.entry.shape)), units.gb(x.nbytes), x.format, x.entry.shard)
+        layer, expert = ("-" if v is None else str(v) for v in (n.layer, n.expert))
+        shape = "x".join(map(str, x.entry.shape))
+        cells = (x.entry.name, role, layer, expert, x.entry.dtype, shape, units.gb(x.nbytes), x.format, x.entry.shard)
+        t.add_row(*cells)
     if len(tensors) > limit:
         t.caption = f"{len(tensors) - limit:,} more (raise --limit, or use --json)"
     return t

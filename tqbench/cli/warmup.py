@@ -27,9 +27,9 @@ class KernelProgress:
     def show(self, ev) -> None:
         if self.err.is_terminal:
             if self._progress is None:
-                self._progress = Progress(SpinnerColumn(), TextColumn("building tqbench's CUDA kernels"), BarColumn(),
-                                          MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[what]}"),
-                                          console=self.err, transient=True)
+                columns = (SpinnerColumn(), TextColumn("building tqbench's CUDA kernels"), BarColumn(),
+                           MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[what]}"))
+                self._progress = Progress(*columns, console=self.err, transient=True)
                 self._progress.start()
                 self._task = self._progress.add_task("kernels", total=ev.total, what="")
             what = "from the cache" if ev.cached else f"compiled {ev.name}"

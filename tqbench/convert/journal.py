@@ -15,7 +15,7 @@ from tqbench.atomic import write_json
 JOURNAL = ".tqbench-convert.json"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Journal:
     path: Path
     source: str  # source fingerprint
@@ -37,8 +37,9 @@ class Journal:
             return None
         try:
             d = json.loads(path.read_text())
-            return cls(path, d["source"], d["plan"], d["recipe"], dict(d["shards"]), list(d.get("copied", [])),
-                       d.get("origin"), list(d.get("downloaded", [])), d.get("partial"))
+            return cls(path=path, source=d["source"], plan=d["plan"], recipe=d["recipe"], shards=dict(d["shards"]),
+                       copied=list(d.get("copied", [])), origin=d.get("origin"),
+                       downloaded=list(d.get("downloaded", [])), partial=d.get("partial"))
         except (ValueError, KeyError, TypeError):
             return None  # a journal we cannot read is no journal: the shards are redone
 

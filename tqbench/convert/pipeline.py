@@ -59,7 +59,7 @@ def default_read_ahead() -> int:
     return READ_AHEAD if mx.default_device().type == mx.gpu else 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
     """Everything decided before a byte is written: the plan, how many units each shard holds, the fingerprints.
 
@@ -118,11 +118,12 @@ def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SH
         heads.append(header_length(specs(), shard_metadata(recipe)))
         shard_in.append(size_in)
         layer_units.append(tuple(layers.items()))
-    return Layout(ckpt, plan, tuple(counts), files, tuple(shard_in), tuple(layer_units), tuple(heads),
-                  source_fingerprint(ckpt), h.hexdigest(), plan.total_bytes + sum(heads))
+    return Layout(ckpt=ckpt, plan=plan, counts=tuple(counts), files=files, shard_in=tuple(shard_in),
+                  layer_units=tuple(layer_units), header_lengths=tuple(heads), source_fp=source_fingerprint(ckpt),
+                  plan_fp=h.hexdigest(), file_bytes=plan.total_bytes + sum(heads))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DestinationStatus:
     state: str  # "new" (absent or empty), "resumable", "complete", "conflict" (a conversion of another recipe or
     # source: --force replaces it), "foreign" (files that are no tqbench conversion: never replaced)
@@ -144,19 +145,23 @@ def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
     """What converting into `dest` would do: start, resume (how far), nothing, or need --force."""
     dst, n = Path(dest), len(lay.files)
     if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
-        return DestinationStatus("new", 0, n, "new output", (False,) * n)
+        return DestinationStatus(state="new", done_shards=0, total_shards=n, detail="new output", finished=(False,) * n)
     journal = Journal.load(dst) if dst.is_dir() else None
     if not is_conversion(dst):
-        return DestinationStatus("foreign", 0, n, "is not empty and holds no tqbench conversion", (False,) * n)
+        return DestinationStatus(state="foreign", done_shards=0, total_shards=n,
+                                 detail="is not empty and holds no tqbench conversion", finished=(False,) * n)
     if why := moved(lay.ckpt, journal):
-        return DestinationStatus("conflict", 0, n, why, (False,) * n)
+        return DestinationStatus(state="conflict", done_shards=0, total_shards=n, detail=why, finished=(False,) * n)
     if journal is None or journal.source != lay.source_fp or journal.plan != lay.plan_fp:
-        return DestinationStatus("conflict", 0, n, _conflict(journal, lay.plan.recipe), (False,) * n)
+        return DestinationStatus(state="conflict", done_shards=0, total_shards=n,
+                                 detail=_conflict(journal, lay.plan.recipe), finished=(False,) * n)
     finished = tuple(journal.finished(dst, f) for f in lay.files)
     done = sum(finished)
     if done == n and (dst / INDEX_FILE).is_file():
-        return DestinationStatus("complete", done, n, "already converted with this recipe", finished)
-    return DestinationStatus("resumable", done, n, f"interrupted: {done} of {n} shards done", finished)
+        return DestinationStatus(state="complete", done_shards=done, total_shards=n,
+                                 detail="already converted with this recipe", finished=finished)
+    return DestinationStatus(state="resumable", done_shards=done, total_shards=n,
+                             detail=f"interrupted: {done} of {n} shards done", finished=finished)
 
 
 def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: Recipe,
@@ -183,7 +188,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
         tq.quantizer_kernel()  # a bad TQBENCH_QUANTIZER fails here, before the destination is touched
     if ckpt.origin is not None:
         check_revision(ckpt, dst, force)
-    journal = _prepare_dest(ckpt.path, dst, recipe, lay.source_fp, lay.plan_fp, force)
+    journal = _prepare_dest(ckpt.path, dst, recipe, source_fp=lay.source_fp, plan_fp=lay.plan_fp, force=force)
     total_in = sum(lay.shard_in)
     resumed = [journal.finished(dst, f) for f in files]
     if ckpt.origin is not None:
@@ -191,9 +196,10 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
         prepare(ckpt, dst, journal, lay.file_bytes - written, keep_source)
     partial = read_partial(journal, dst, files, resumed)
     done_in = sum(b for b, r in zip(lay.shard_in, resumed) if r) + (partial.bytes_in if partial else 0)
-    yield ConvertStarted(ckpt.name, str(dst), recipe.name, len(files), lay.units, total_in, lay.file_bytes,
-                         plan.total_bytes, sum(resumed), done_in,
-                         _resumed_errors(journal, [f for f, r in zip(files, resumed) if r]))
+    yield ConvertStarted(source=ckpt.name, dest=str(dst), recipe=recipe.name, shards=len(files), units=lay.units,
+                         bytes_in=total_in, bytes_out=lay.file_bytes, tensor_bytes=plan.total_bytes,
+                         resumed_shards=sum(resumed), resumed_bytes_in=done_in,
+                         resumed_errors=_resumed_errors(journal, [f for f, r in zip(files, resumed) if r]))
 
     feed = None
     if ckpt.origin is not None:
@@ -201,8 +207,9 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
         feed = open_feed(ckpt, recipe, journal, units, keep_source)
     progress = Progress(total_in, done_in, time.monotonic)
     try:
-        yield from _write_shards(lay, dst, recipe, journal, resumed, partial, feed, progress, producer_class,
-                                 default_read_ahead() if read_ahead is None else read_ahead)
+        yield from _write_shards(lay, dst, recipe, journal=journal, resumed=resumed, partial=partial, feed=feed,
+                                 progress=progress, producer_class=producer_class,
+                                 read_ahead=default_read_ahead() if read_ahead is None else read_ahead)
     finally:
         if feed is not None:
             feed.close()
@@ -215,8 +222,9 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
         raise_if_no_room(e, dst, "the final files")
         raise
     count, total = sum(a[0] for a in errors.values()), sum(a[1] for a in errors.values())
-    yield ConvertFinished(str(dst), time.monotonic() - t0, total_in, lay.file_bytes, len(files),
-                          total / count if count else None, max((a[2] for a in errors.values()), default=None))
+    yield ConvertFinished(dest=str(dst), seconds=time.monotonic() - t0, bytes_in=total_in, bytes_out=lay.file_bytes,
+                          shards=len(files), mean_rel_error=total / count if count else None,
+                          max_rel_error=max((a[2] for a in errors.values()), default=None))
 
 
 def _layout_for(source: str | Path | Checkpoint | Layout, recipe: Recipe, shard_size: int) -> Layout:
@@ -245,11 +253,13 @@ def _write_shards(lay: Layout, dst: Path, recipe: Recipe, journal: Journal, resu
             items = feed.gate(items)
         pending = _read_ahead(items, lambda unit, after: producer.prefetch(unit, after), stage // 2)
         progress.shown_now()
-        run = ShardRun(dst, recipe, journal, producer, reader, progress, feed, len(lay.files))
+        run = ShardRun(dst, recipe, journal, producer=producer, reader=reader, progress=progress, feed=feed,
+                       shards=len(lay.files))
         for i, (file, header) in enumerate(zip(lay.files, headers)):
             if not resumed[i]:
                 cont = partial if partial and partial.index == i else None
-                yield from run.write(i, file, header, lay.header_lengths[i], lay.counts[i], pending, cont)
+                yield from run.write(i, file, header, head=lay.header_lengths[i], count=lay.counts[i], items=pending,
+                                     cont=cont)
 
 
 def _remaining(stream: Iterator[Iterator[Any]], resumed: list[bool], partial: Partial | None) -> Iterator[Any]:
@@ -282,7 +292,7 @@ def _prepare_dest(src: Path, dst: Path, recipe: Recipe, source_fp: str, plan_fp:
     if same:
         (dst / INDEX_FILE).unlink(missing_ok=True)  # reopened: complete again only when the final step ends
         return journal
-    journal = Journal(dst / JOURNAL, source_fp, plan_fp, recipe.name)
+    journal = Journal(path=dst / JOURNAL, source=source_fp, plan=plan_fp, recipe=recipe.name)
     journal.save()
     return journal
 
@@ -386,7 +396,8 @@ def _resumed_errors(journal: Journal, files: list[str]) -> tuple[LayerErrors, ..
             agg[0] += n
             agg[1] += total
             agg[2] = max(agg[2], worst)
-    return tuple(LayerErrors(int(k) if k else None, int(n), total, worst) for k, (n, total, worst) in out.items())
+    return tuple(LayerErrors(layer=int(k) if k else None, count=int(n), total=total,
+                             worst=worst) for k, (n, total, worst) in out.items())
 
 
 def _combined_errors(journal: Journal, files: list[str]) -> dict[str, list[float]]:
@@ -454,12 +465,14 @@ def converted_config(ckpt: Checkpoint, plan: Plan) -> dict[str, Any]:
         c = m.choice
         if c.format is Format.TURBOQUANT:
             n = m.source.shape[1]
-            modules[m.name] = ModuleQuant("turboquant", None if c.ternary else c.bits, c.ternary, c.group_size,
-                                          tq.rotation_record(n, rotated(plan.recipe, n)), plan.recipe.scales)
+            modules[m.name] = ModuleQuant(format="turboquant", bits=None if c.ternary else c.bits, ternary=c.ternary,
+                                          group_size=c.group_size,
+                                          rotation=tq.rotation_record(n, rotated(plan.recipe, n)),
+                                          scales=plan.recipe.scales)
         elif c.format is Format.AFFINE:
-            modules[m.name] = ModuleQuant("affine", c.bits, False, c.group_size)
+            modules[m.name] = ModuleQuant(format="affine", bits=c.bits, ternary=False, group_size=c.group_size)
         elif c.format is Format.MXFP4:
-            modules[m.name] = ModuleQuant("mxfp4", 4, False, 32)
+            modules[m.name] = ModuleQuant(format="mxfp4", bits=4, ternary=False, group_size=32)
         else:
             continue
         if m.experts:  # the per-expert tensors, `<moe>.experts.*.<proj>`, share it

@@ -25,7 +25,7 @@ _MXFP4_SOURCE = {"weight": "weight_packed", "scales": "weight_scale"}
 _INDEXED_MODULES = 16  # per-expert source modules whose tensor index is kept (a few layers' gate, up and down)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Produced:
     piece: Piece
     data: np.ndarray
@@ -168,7 +168,7 @@ class Producer:
         results = []
         for p in unit.pieces:
             if shared_expert_piece(p):
-                results.append(Produced(p, self.shared(p), 0, None))
+                results.append(Produced(piece=p, data=self.shared(p), source_bytes=0, rel_error=None))
                 continue
             key = (id(p.module), p.expert)
             first = self._last_key != key
@@ -182,7 +182,7 @@ class Producer:
             data = outputs[_output_key(p, outputs)]
             if data.nbytes != p.out.nbytes:
                 raise AssertionError(f"{p.out.name}: produced {data.nbytes} bytes, planned {p.out.nbytes}")
-            results.append(Produced(p, data, nbytes if first else 0, err))
+            results.append(Produced(piece=p, data=data, source_bytes=nbytes if first else 0, rel_error=err))
         return results
 
 
@@ -207,5 +207,5 @@ def _output_key(p: Piece, outputs: dict[str, np.ndarray]) -> str:
 def _slice(e: TensorSpec, i: int, n: int) -> TensorSpec:
     """Expert i of a stacked tensor with a leading expert axis of n."""
     per = e.nbytes // n
-    return TensorSpec(f"{e.name}[{i}]", e.dtype, e.shape[1:], e.shard, e.offset + i * per)
+    return TensorSpec(name=f"{e.name}[{i}]", dtype=e.dtype, shape=e.shape[1:], shard=e.shard, offset=e.offset + i * per)
 

@@ -29,7 +29,7 @@ def shard_metadata(recipe: Recipe) -> dict[str, str]:
     return {"format": "mlx", "tqbench_recipe": recipe.name}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Partial:
     """An output shard an earlier run left part-written, durable up to `mark` (its source was removed after)."""
 
@@ -50,8 +50,8 @@ def read_partial(journal: Journal, dst: Path, files: tuple[str, ...], resumed: l
         part = dst / (p["file"] + ".partial")
         if not part.is_file() or part.stat().st_size < mark.nbytes:
             return None
-        return Partial(files.index(p["file"]), mark, int(p["units"]), int(p["bytes_in"]), dict(p["errors"]),
-                       dict(p["layers"]))
+        return Partial(index=files.index(p["file"]), mark=mark, units=int(p["units"]), bytes_in=int(p["bytes_in"]),
+                       errors=dict(p["errors"]), layers=dict(p["layers"]))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -159,15 +159,16 @@ class ShardRun:
         except OSError as e:
             raise_if_no_room(e, self.dst, JOURNAL)
             raise
-        yield ShardWritten(i + 1, self.shards, file, writer.nbytes, writer.sha256)
+        yield ShardWritten(index=i + 1, total=self.shards, file=file, bytes=writer.nbytes, sha256=writer.sha256)
 
     def _unit(self, shard: OutputShard, u: Unit, unit_in: int) -> Iterator[Any]:
         worst = shard.write(u, unit_in, self.producer.produce(u))
         elapsed, rate, eta = self.progress.add(unit_in)
         if self.feed is not None:
             eta = self.feed.eta(eta)
-        yield UnitConverted(u.pieces[0].out.name, u.layer, u.expert, unit_in, u.nbytes, worst, self.progress.done_in,
-                            self.progress.total_in, elapsed, rate, eta)
+        yield UnitConverted(name=u.pieces[0].out.name, layer=u.layer, expert=u.expert, bytes_in=unit_in,
+                            bytes_out=u.nbytes, rel_error=worst, done_in=self.progress.done_in,
+                            total_in=self.progress.total_in, elapsed=elapsed, rate=rate, eta=eta)
         kill_point("unit")
         if self.feed is None:
             return

@@ -52,7 +52,7 @@ def prepare(ckpt: Checkpoint, dest: Path, journal: Journal, to_write: int, keep_
     o = ckpt.origin
     journal.origin = {"repo": o.repo_id, "revision": o.revision, "commit": o.commit}
     check_free(disk_need(ckpt, to_write, dest, hf_cache(), keep_source))
-    fetch_companions(resolve(HubRef(o.repo_id, o.commit)))
+    fetch_companions(resolve(HubRef(repo_id=o.repo_id, revision=o.commit)))
 
 
 def fetch_companions(listing: Snapshot) -> int:

@@ -12,7 +12,7 @@ from tqbench.skeleton import K3_TEXT_CONFIG, k3_tensor_specs
 from tqbench.tokenizer import NAMED_SPECIAL, NUM_SPECIAL
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoSpec:
     """The shape of a demo model. The defaults give a 0.85 MB checkpoint; scale any field up for benchmarks."""
 

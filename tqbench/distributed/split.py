@@ -34,7 +34,7 @@ def layer_split(layers: int, ranks: int, model_type: str) -> list[tuple[int, int
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankPlan:
     rank: int
     layers: tuple[int, int]  # [start, end)
@@ -48,7 +48,7 @@ class RankPlan:
                 "fit": self.fit.to_dict()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SplitPlan:
     machines: int
     ranks: tuple[RankPlan, ...]
@@ -99,10 +99,10 @@ def split_plan(plan: Plan, machine: Machine, machines: int, hit_rate: float | No
         total = shared + sum(m.bytes for m in mine)
         streamed = sum(m.streamed_bytes for m in mine)
         moe = len({m.layer for m in mine if m.streamed_bytes})
-        fp = Footprint(total, total - streamed, streamed, moe, e.top_k if e and moe else 0,
-                       e.bytes_per_expert if e and moe else 0)
-        out.append(RankPlan(r, (start, end), fp, assess(fp, machine, hit_rate)))
-    return SplitPlan(machines, tuple(out))
+        fp = Footprint(total_bytes=total, resident_bytes=total - streamed, streamed_bytes=streamed, moe_layers=moe,
+                       top_k=e.top_k if e and moe else 0, bytes_per_expert=e.bytes_per_expert if e and moe else 0)
+        out.append(RankPlan(rank=r, layers=(start, end), footprint=fp, fit=assess(fp, machine, hit_rate)))
+    return SplitPlan(machines=machines, ranks=tuple(out))
 
 
 def split_lines(recipe: str, s: SplitPlan) -> list[str]:

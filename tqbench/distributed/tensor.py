@@ -48,7 +48,7 @@ class SliceError(TqbenchError):
     """A module that cannot be split across the ranks as the family asks."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Shards(Pipeline):
     """This rank's place when the model is sharded: every layer (start 0, end the layer count), a slice of each.
     A Pipeline for what the engine asks of one (its rank and size, the layers whose experts it learns, the
@@ -72,7 +72,7 @@ def shard(group, model: nn.Module) -> Shards:
     names = {id(m): name for name, m in model.named_modules()}
     with _dispatch(group, names):
         model.shard(group)
-    return Shards(group.rank(), group.size(), 0, len(model.layers))
+    return Shards(rank=group.rank(), size=group.size(), start=0, end=len(model.layers))
 
 
 # ---- the dispatch around the family's shard ----------------------------------------------------------------------
@@ -102,7 +102,7 @@ def _shard_linear(original, default, names):
         g = group or default
         name = names.get(id(module), type(module).__name__)
         if turboquant(module):
-            m = sliced(module, sharding, g.rank(), g.size(), segments, name)
+            m = sliced(module, sharding, g.rank(), size=g.size(), segments=segments, name=name)
             return ShardedToAll(m, g) if sharding == "sharded-to-all" else m
         with _named(name):
             return original(module, sharding, segments=segments, group=g)
@@ -115,7 +115,7 @@ def _shard_inplace(original, default, names):
         g = group or default
         name = names.get(id(module), type(module).__name__)
         if turboquant(module):
-            _take(module, sliced(module, sharding, g.rank(), g.size(), segments, name))
+            _take(module, sliced(module, sharding, g.rank(), size=g.size(), segments=segments, name=name))
             return None
         with _named(name):
             return original(module, sharding, segments=segments, group=g)
@@ -256,5 +256,7 @@ def _like(module, input_dims: int, output_dims: int, bias: bool | None = None):
     bias = "bias" in module if bias is None else bias
     levels = module.codebook.shape[0]
     if hasattr(module, "num_experts"):  # TurboQuantSwitchLinear
-        return type(module)(input_dims, output_dims, module.num_experts, levels, module.group_size, module.block, bias)
-    return type(module)(input_dims, output_dims, levels, module.group_size, module.block, bias)
+        return type(module)(input_dims, output_dims, num_experts=module.num_experts, levels=levels,
+                            group_size=module.group_size, block=module.block, bias=bias)
+    return type(module)(input_dims, output_dims, levels=levels, group_size=module.group_size, block=module.block,
+                        bias=bias)

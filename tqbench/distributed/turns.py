@@ -26,7 +26,7 @@ _TURN, _END = 1, 2
 _HEADER = 9  # kind, slot, keep, tokens, max_tokens, top_k, seed, temp and top_p (float64 bits)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Turn:
     """One generation, as every rank runs it."""
 
@@ -87,7 +87,8 @@ def receive(group) -> Turn | None:
     if h[0] != _TURN:
         raise TqbenchError(f"rank {group.rank()}: rank 0 sent an unknown message ({h[0]}): the ranks are out of step")
     tokens = _sum(group, np.zeros(h[3], dtype=np.int32))
-    return Turn(h[1], h[2], tuple(int(t) for t in tokens), h[4], _bits_float(h[7]), _bits_float(h[8]), h[5], h[6])
+    return Turn(slot=h[1], keep=h[2], tokens=tuple(int(t) for t in tokens), max_tokens=h[4], temp=_bits_float(h[7]),
+                top_p=_bits_float(h[8]), top_k=h[5], seed=h[6])
 
 
 def _go_on(group, go: bool) -> bool:
@@ -134,8 +135,8 @@ class Leader(Lockstep):
 
     def begin(self, slot: int, keep: int, tokens: list[int], sampling) -> int:
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
-        share(self.group, Turn(slot, keep, tuple(tokens), sampling.max_tokens, sampling.temp, sampling.top_p,
-                               sampling.top_k, seed))
+        share(self.group, Turn(slot=slot, keep=keep, tokens=tuple(tokens), max_tokens=sampling.max_tokens,
+                               temp=sampling.temp, top_p=sampling.top_p, top_k=sampling.top_k, seed=seed))
         self.shared = True
         return seed
 

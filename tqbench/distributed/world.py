@@ -32,7 +32,7 @@ def env_rank() -> int | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Pipeline:
     """This rank's place in a pipeline: its rank, the group's size, and its layers [start, end)."""
 
@@ -68,7 +68,7 @@ def split(group, model) -> Pipeline:
     if len(inner.layers) < group.size():
         raise TqbenchError(f"{len(inner.layers)} layers cannot be split across {group.size()} ranks")
     inner.pipeline(group)
-    return Pipeline(group.rank(), group.size(), inner.start_idx, inner.end_idx)
+    return Pipeline(rank=group.rank(), size=group.size(), start=inner.start_idx, end=inner.end_idx)
 
 
 def agree(group, error: BaseException | None) -> None:
@@ -101,7 +101,7 @@ def every(group, flag: bool) -> bool:
     return int(n.item()) == group.size()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankStats:
     """One pipeline rank's expert streaming, as rank 0 gathers it after each reply (a chat's StreamReport.ranks)."""
 
@@ -139,8 +139,9 @@ def gather_stats(group, pipeline: Pipeline, stats) -> tuple:
     mx.synchronize(generation_stream)
     raw = mx.distributed.all_gather(mx.array(mine.view(np.uint8))[None], group=group)
     rows = np.array(raw).reshape(group.size(), -1).view(np.int64)
-    return tuple(RankStats(r, (int(x[0]), int(x[1])), bool(x[2]), int(x[3]), int(x[4]), int(x[5]), int(x[6]),
-                           int(x[7]) / 1e6, int(x[8])) for r, x in enumerate(rows))
+    return tuple(RankStats(rank=r, layers=(int(x[0]), int(x[1])), streamed=bool(x[2]), hits_gpu=int(x[3]),
+                           hits_host=int(x[4]), misses=int(x[5]), critical_bytes=int(x[6]), stall_s=int(x[7]) / 1e6,
+                           tokens=int(x[8])) for r, x in enumerate(rows))
 
 
 def in_step(events, pipeline: Pipeline):

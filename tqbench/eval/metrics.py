@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WindowSums:
     tokens: int
     nll: float
@@ -45,7 +45,7 @@ def window_sums(logits: mx.array, targets: mx.array, reference: mx.array | None 
     nll = nll_sum(lp, targets)
     if reference is None:
         mx.eval(nll)
-        return WindowSums(int(targets.size), float(nll.item()))
+        return WindowSums(tokens=int(targets.size), nll=float(nll.item()))
     ls = log_probs(reference)
     ref_nll = nll_sum(ls, targets)
     per_window = (mx.exp(ls) * (ls - lp)).sum(axis=-1).reshape(-1, targets.shape[-1]).sum(axis=-1)
@@ -53,6 +53,7 @@ def window_sums(logits: mx.array, targets: mx.array, reference: mx.array | None 
     top1 = (mx.argmax(lp, axis=-1) == mx.argmax(ls, axis=-1)).sum()
     a, b = top5(lp), top5(ls)
     overlap = (a[..., :, None] == b[..., None, :]).sum().astype(mx.float32) / 5
-    mx.eval(nll, ref_nll, kl, top1, overlap, per_window)
-    return WindowSums(int(targets.size), float(nll.item()), float(ref_nll.item()), float(kl.item()), int(top1.item()),
-                      float(overlap.item()), tuple(float(v) for v in per_window.tolist()))
+    mx.eval([nll, ref_nll, kl, top1, overlap, per_window])
+    return WindowSums(tokens=int(targets.size), nll=float(nll.item()), ref_nll=float(ref_nll.item()),
+                      kl=float(kl.item()), top1=int(top1.item()), top5=float(overlap.item()),
+                      kl_windows=tuple(float(v) for v in per_window.tolist()))

@@ -26,7 +26,7 @@ def quick_eval(recipe: str, tokens: int = QUICK_TOKENS, store: str | None = None
     dest = default_dest(demo, chosen.name)
     if not (dest / INDEX_FILE).is_file():
         yield from convert(demo, dest, chosen)
-    yield from evaluate(EvalRequest(str(dest), str(demo), tokens=tokens, prompts=0, store=store))
+    yield from evaluate(EvalRequest(model=str(dest), against=str(demo), tokens=tokens, prompts=0, store=store))
 
 
 def demo_quality(recipe: str, store: str | None = None) -> RecipeQuality | None:

@@ -17,7 +17,7 @@ GENERATE = 32  # tokens each model generates from each prompt
 MAX_WINDOW = 1 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalRequest:
     """One evaluation: `model` scored on the texts, and compared per token with `against` when given.
     `texts`: files of plain text (each one document), or empty for the demo's held-out code and chat."""
@@ -60,7 +60,7 @@ class EvalRequest:
         return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TierShares:
     """Shares of a streamed model's routed experts served by each tier: its GPU cache, the host-RAM tier, the disk."""
 
@@ -72,7 +72,7 @@ class TierShares:
         return {"gpu": round(self.gpu, 4), "host": round(self.host, 4), "disk": round(self.disk, 4)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalStarted:
     model: str
     against: str | None
@@ -88,7 +88,7 @@ class EvalStarted:
     asked_tokens: int = 0  # --tokens, when the texts hold fewer windows than it asks for (0: they hold enough)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalProgress:
     stage: str  # "score", "greedy" or "layers"
     done: int  # tokens scored (score, layers) or generated (greedy)
@@ -102,7 +102,7 @@ class EvalProgress:
         return self.elapsed_s / self.done * (self.total - self.done)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TextScore:
     """Sums over a text's predicted tokens (exact: float64 sums of each window's float32 values); the figures are
     properties. The comparison fields are None without a reference model."""
@@ -146,12 +146,14 @@ class TextScore:
         def add(a, b):
             return None if a is None or b is None else a + b
 
-        return TextScore(name, self.tokens + other.tokens, self.windows + other.windows, self.nll_sum + other.nll_sum,
-                         add(self.ref_nll_sum, other.ref_nll_sum), add(self.kl_sum, other.kl_sum), add(self.top1_agree, other.top1_agree),
-                         add(self.top5_overlap_sum, other.top5_overlap_sum), self.kl_windows + other.kl_windows)
+        return TextScore(name=name, tokens=self.tokens + other.tokens, windows=self.windows + other.windows,
+                         nll_sum=self.nll_sum + other.nll_sum, ref_nll_sum=add(self.ref_nll_sum, other.ref_nll_sum),
+                         kl_sum=add(self.kl_sum, other.kl_sum), top1_agree=add(self.top1_agree, other.top1_agree),
+                         top5_overlap_sum=add(self.top5_overlap_sum, other.top5_overlap_sum),
+                         kl_windows=self.kl_windows + other.kl_windows)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GreedyAgreement:
     """Both models generate greedily from the same prompts: how many tokens come out alike."""
 
@@ -167,7 +169,7 @@ class GreedyAgreement:
         return sum(self.alike) / total if total else 1.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerError:
     """One decoder layer run by both models on the reference model's own input to it (teacher-forced): the relative
     error of MODEL's output, sqrt(sum |out_M - out_S|^2 / sum |out_S|^2) over every scored token."""
@@ -178,7 +180,7 @@ class LayerError:
     rel_error: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalReport:
     model: str
     against: str | None

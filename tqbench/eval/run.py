@@ -104,9 +104,11 @@ def _evaluate(request: EvalRequest, loaded: list | None) -> Iterator:
         forget = _page_in_sink(model, ref)
         total = sum(w.tokens for w in windows)
         margin, decode = request.stream.cache_routing, request.token_by_token
-        yield EvalStarted(str(model.path), str(ref.path) if ref else None, tuple(w.name for w in windows),
-                          sum(len(w.x) for w in windows), request.window, total, active, native, request.layers,
-                          margin, decode, asked_tokens=request.tokens if _ran_short(windows, streams, request) else 0)
+        yield EvalStarted(model=str(model.path), against=str(ref.path) if ref else None,
+                          texts=tuple(w.name for w in windows), windows=sum(len(w.x) for w in windows),
+                          window=request.window, tokens=total, max_active_experts=active, native_experts=native,
+                          layers=request.layers, cache_routing=margin, decode=decode,
+                          asked_tokens=request.tokens if _ran_short(windows, streams, request) else 0)
         misses = substitutions = tiers = None
         if request.layers:
             scores, greedy = (), None
@@ -122,18 +124,21 @@ def _evaluate(request: EvalRequest, loaded: list | None) -> Iterator:
                 misses, substitutions = (after[0] - before[0]) / total, (after[1] - before[1]) / total
                 gpu, host, disk = after[2] - before[2], after[3] - before[3], after[0] - before[0]
                 routed = max(1, gpu + host + disk)
-                tiers = TierShares(gpu / routed, host / routed, disk / routed)
+                tiers = TierShares(gpu=gpu / routed, host=host / routed, disk=disk / routed)
             overall = scores[0]
             for s in scores[1:]:
                 overall = overall.plus(s, "all")
             greedy = None
             if ref is not None and request.prompts and request.generate:
                 greedy = yield from _greedy(model.model, ref.model, windows, request, forget)
-        report = EvalReport(str(model.path), str(ref.path) if ref else None, _recipe(model.path), request.window,
-                            active, native, tuple(scores), overall, greedy, tuple(layers), digest(windows),
-                            time.perf_counter() - t0, model.weight_bytes, _read_bytes(model),
-                            _read_bytes(ref) if ref is not None else None, margin, decode, misses, substitutions,
-                            tiers)
+        report = EvalReport(model=str(model.path), against=str(ref.path) if ref else None, recipe=_recipe(model.path),
+                            window=request.window, max_active_experts=active, native_experts=native,
+                            texts=tuple(scores), total=overall, greedy=greedy, layers=tuple(layers),
+                            text_digest=digest(windows), seconds=time.perf_counter() - t0,
+                            model_bytes=model.weight_bytes, model_read_bytes=_read_bytes(model),
+                            against_read_bytes=_read_bytes(ref) if ref is not None else None, cache_routing=margin,
+                            decode=decode, model_misses_per_token=misses, model_substitutions_per_token=substitutions,
+                            model_tiers=tiers)
         first = model.pipeline is None or model.pipeline.rank == 0
         if ref is not None and overall is not None and not margin and first:  # a recipe's quality, not a routing's
             from tqbench.eval.store import remember
@@ -210,7 +215,8 @@ def _batches(windows: list[Windows], window: int):
 def _score(model, ref, windows: list[Windows], total: int, forget) -> Iterator:
     """Batched passes of whole windows."""
     batches = _batches(windows, windows[0].x.shape[1])
-    return (yield from _scored(model, ref, batches, windows, total, forget, lambda m, x: m(x)))
+    return (yield from _scored(model, ref, batches, windows=windows, total=total, forget=forget,
+                               logits=lambda m, x: m(x)))
 
 
 def _score_decode(model, ref, windows: list[Windows], total: int, forget) -> Iterator:
@@ -226,7 +232,7 @@ def _score_decode(model, ref, windows: list[Windows], total: int, forget) -> Ite
         return mx.concatenate(out, axis=1)
 
     rows = ((w.name, mx.array(w.x[i:i + 1]), mx.array(w.y[i:i + 1])) for w in windows for i in range(len(w.x)))
-    return (yield from _scored(model, ref, rows, windows, total, forget, one_by_one))
+    return (yield from _scored(model, ref, rows, windows=windows, total=total, forget=forget, logits=one_by_one))
 
 
 def _scored(model, ref, batches, windows: list[Windows], total: int, forget, logits) -> Iterator:
@@ -250,9 +256,11 @@ def _scored(model, ref, batches, windows: list[Windows], total: int, forget, log
             acc[7] += s.kl_windows
         done += s.tokens
         forget()
-        yield EvalProgress("score", done, total, time.perf_counter() - t0)
-    compare = ref is not None
-    return [TextScore(name, *a[:3], *(a[3:] if compare else (None,) * 4 + ((),))) for name, a in sums.items()]
+        yield EvalProgress(stage="score", done=done, total=total, elapsed_s=time.perf_counter() - t0)
+    if ref is None:
+        return [TextScore(name=name, tokens=a[0], windows=a[1], nll_sum=a[2]) for name, a in sums.items()]
+    return [TextScore(name=name, tokens=a[0], windows=a[1], nll_sum=a[2], ref_nll_sum=a[3], kl_sum=a[4],
+                      top1_agree=a[5], top5_overlap_sum=a[6], kl_windows=a[7]) for name, a in sums.items()]
 
 
 def _greedy(model, ref, windows: list[Windows], request: EvalRequest, forget) -> Iterator:
@@ -277,12 +285,13 @@ def _greedy(model, ref, windows: list[Windows], request: EvalRequest, forget) ->
             outs.append(out)
             done += request.generate // 2 if m is model else request.generate - request.generate // 2
             forget()
-            yield EvalProgress("greedy", done, total, time.perf_counter() - t0)
+            yield EvalProgress(stage="greedy", done=done, total=total, elapsed_s=time.perf_counter() - t0)
         a, b = outs
         first = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
         alike.append(first)
         same.append(sum(u == v for u, v in zip(a, b)))
-    return GreedyAgreement(len(prompts), request.generate, tuple(alike), tuple(same))
+    return GreedyAgreement(prompts=len(prompts), generated=request.generate, alike=tuple(alike),
+                           same_position=tuple(same))
 
 
 def _layers(model, ref, windows: list[Windows], total: int, forget) -> Iterator:
@@ -293,9 +302,9 @@ def _layers(model, ref, windows: list[Windows], total: int, forget) -> Iterator:
         sums = part if sums is None else [(a + c, b + d) for (a, b), (c, d) in zip(sums, part)]
         done += int(x.size)
         forget()
-        yield EvalProgress("layers", done, total, time.perf_counter() - t0)
+        yield EvalProgress(stage="layers", done=done, total=total, elapsed_s=time.perf_counter() - t0)
     out = []
     for i, (layer, (diff, norm)) in enumerate(zip(layer_list(model), sums)):
         attn, mlp = describe(layer)
-        out.append(LayerError(i, attn, mlp, (diff / norm) ** 0.5 if norm > 0 else 0.0))
+        out.append(LayerError(layer=i, attention=attn, mlp=mlp, rel_error=(diff / norm) ** 0.5 if norm > 0 else 0.0))
     return out

@@ -16,7 +16,7 @@ from tqbench.eval.records import EvalReport
 from tqbench.paths import cache_dir
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RecipeQuality:
     """What one evaluated recipe lost against its source, on `tokens` tokens of `texts`."""
 
@@ -48,10 +48,12 @@ def quality_of(report: EvalReport, source_fingerprint: str) -> RecipeQuality | N
     if report.recipe is None or t is None or t.kl is None:
         return None
     g = report.greedy
-    return RecipeQuality(report.recipe, source_fingerprint, ", ".join(s.name for s in report.texts), t.tokens,
-                         report.window, report.text_digest, t.perplexity, t.ref_perplexity, t.kl, t.top1_agreement,
-                         t.top5_overlap, g.share if g is not None else None, report.max_active_experts,
-                         report.native_experts, time.time())
+    return RecipeQuality(recipe=report.recipe, source_fingerprint=source_fingerprint,
+                         texts=", ".join(s.name for s in report.texts), tokens=t.tokens, window=report.window,
+                         text_digest=report.text_digest, perplexity=t.perplexity, source_perplexity=t.ref_perplexity,
+                         kl=t.kl, top1_agreement=t.top1_agreement, top5_overlap=t.top5_overlap,
+                         greedy_share=g.share if g is not None else None, active_experts=report.max_active_experts,
+                         native_experts=report.native_experts, when=time.time())
 
 
 class EvalStore:

@@ -16,7 +16,7 @@ from tqbench.errors import TqbenchError
 HELDOUT = Path(__file__).with_name("heldout.jsonl")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Text:
     name: str  # "code", "chat" or the file's name
     documents: tuple[str, ...]
@@ -28,7 +28,7 @@ def default_texts() -> tuple[Text, ...]:
     for line in HELDOUT.read_text(encoding="utf-8").splitlines():
         d = json.loads(line)
         kinds.setdefault(d["kind"], []).append(d["text"])
-    return tuple(Text(k, tuple(v)) for k, v in kinds.items())
+    return tuple(Text(name=k, documents=tuple(v)) for k, v in kinds.items())
 
 
 def file_text(path: str | Path) -> Text:
@@ -46,7 +46,7 @@ def file_text(path: str | Path) -> Text:
         raise TqbenchError(f"not UTF-8 text (byte {e.start})", p) from None
     if not text.strip():
         raise TqbenchError("empty: nothing to score", p)
-    return Text(p.name, (text,))
+    return Text(name=p.name, documents=(text,))
 
 
 def token_stream(text: Text, tokenizer) -> np.ndarray:
@@ -68,7 +68,7 @@ def _end_token(tokenizer) -> int | None:
     return getattr(tokenizer, "eos_token_id", None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Windows:
     """A text's scored windows: inputs `x` and targets `y` (windows x window, int32)."""
 
@@ -88,11 +88,11 @@ def cut(name: str, stream: np.ndarray, window: int, count: int) -> Windows:
     if available < 1:
         if len(stream) < 2:
             raise TqbenchError(f"text {name!r} has {len(stream)} token(s): nothing to predict")
-        return Windows(name, stream[None, :-1].copy(), stream[None, 1:].copy())
+        return Windows(name=name, x=stream[None, :-1].copy(), y=stream[None, 1:].copy())
     picks = sorted({int(round(i)) for i in np.linspace(0, available - 1, min(count, available))})
     x = np.stack([stream[i * window: (i + 1) * window] for i in picks])
     y = np.stack([stream[i * window + 1: (i + 1) * window + 1] for i in picks])
-    return Windows(name, x, y)
+    return Windows(name=name, x=x, y=y)
 
 
 def plan_windows(streams: dict[str, np.ndarray], window: int, tokens: int) -> list[Windows]:

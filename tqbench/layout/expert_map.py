@@ -41,7 +41,7 @@ def build(shards: Iterable[Iterable[Unit]], files: Sequence[str], header_lengths
     return {"layout": "streaming", "files": list(files), "layers": layers}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorRange:
     offset: int  # within the expert's bytes
     nbytes: int
@@ -49,7 +49,7 @@ class TensorRange:
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerExperts:
     layer: int
     prefix: str  # `<moe>.experts`: expert E's tensors are `<prefix>.E.<name>`
@@ -62,7 +62,7 @@ class LayerExperts:
         return len(self.locations)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExpertMap:
     root: Path
     files: tuple[str, ...]
@@ -92,7 +92,7 @@ class ExpertMap:
             layer = _layer(path, key, d)
             _check_layer(path, layer, files, sizes)
             layers[layer.layer] = layer
-        return cls(root, tuple(files), layers)
+        return cls(root=root, files=tuple(files), layers=layers)
 
     def locate(self, layer: int, expert: int) -> tuple[Path, int, int]:
         """(file path, absolute offset, length) of one expert's bytes."""
@@ -129,11 +129,12 @@ def _layer(path: Path, key: str, d: Any) -> LayerExperts:
         if math.prod(shape) * DTYPE_SIZES[dtype] != nbytes:
             raise wrong(f"tensor {name!r}: {nbytes} bytes, but shape {shape} x {dtype} needs "
                         f"{math.prod(shape) * DTYPE_SIZES[dtype]}")
-        ranges[name] = TensorRange(offset, nbytes, dtype, tuple(shape))
+        ranges[name] = TensorRange(offset=offset, nbytes=nbytes, dtype=dtype, shape=tuple(shape))
     if not isinstance(experts, list) or not all(isinstance(x, list) and len(x) == 2 and all(map(_count, x))
                                                  for x in experts):
         raise wrong('"experts" is not a list of [file index, offset] pairs')
-    return LayerExperts(int(key), prefix, length, ranges, tuple((f, o) for f, o in experts))
+    return LayerExperts(layer=int(key), prefix=prefix, length=length, tensors=ranges,
+                        locations=tuple((f, o) for f, o in experts))
 
 
 def _check_layer(path: Path, layer: LayerExperts, files: list[str], sizes: list[int]) -> None:

@@ -26,7 +26,7 @@ METHOD = "tqbench"
 _EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModuleQuant:
     format: str  # turboquant, affine or mxfp4
     bits: int | None  # None for ternary
@@ -75,7 +75,7 @@ def _mlx_defaults(quants) -> dict[str, Any]:
     return {"group_size": 64, "bits": 4, "mode": "affine"}  # nothing quantized: values mlx-lm never uses
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class QuantizationBlock:
     """A tqbench conversion's quantization block, read from a config dict."""
 
@@ -98,7 +98,7 @@ class QuantizationBlock:
         if not isinstance(recipe, Mapping) or not isinstance(expert_map, str):
             raise CheckpointError("quantization.recipe is not an object or quantization.expert_map not a file name",
                                   source)
-        return cls(dict(recipe), modules, expert_map)
+        return cls(recipe=dict(recipe), modules=modules, expert_map=expert_map)
 
     def module(self, name: str) -> ModuleQuant | None:
         """The entry of a module; a per-expert module (`...experts.7.w1`) finds its layer's `experts.*` entry."""
@@ -134,8 +134,8 @@ def _module_quant(name: str, e: Any, source: str | Path | None) -> ModuleQuant:
     scales = e.get("scales")
     if scales is not None and scales not in SCALE_RULES:
         raise wrong(f"scales {scales!r} is none of {', '.join(SCALE_RULES)}")
-    return ModuleQuant(fmt, bits, bool(e.get("ternary")), group, dict(rotation) if rotation is not None else None,
-                       scales)
+    return ModuleQuant(format=fmt, bits=bits, ternary=bool(e.get("ternary")), group_size=group,
+                       rotation=dict(rotation) if rotation is not None else None, scales=scales)
 
 
 def _whole(x: Any) -> bool:

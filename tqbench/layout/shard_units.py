@@ -39,7 +39,7 @@ class OutputModule(Protocol):
     def expert_name(self, expert: int | str) -> str: ...  # `<moe>.experts.E.<proj>`
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Piece:
     """One output tensor in file order and what produces it: `module`'s output `param`, for one expert or all."""
 
@@ -49,7 +49,7 @@ class Piece:
     expert: int | None = None  # per-expert piece of a routed-expert module
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Unit:
     pieces: tuple[Piece, ...]
     layer: int | None = None
@@ -96,19 +96,22 @@ def iter_units(modules: Iterable[OutputModule], layout: str = "streaming") -> It
     for group in _groups(modules, layout):
         layer = group[0].layer
         if layout != "streaming" or not _is_run(group):
-            yield from (Unit((Piece(o, m, _param(m, o)),), layer) for m in group for o in m.outputs)
+            yield from (Unit(pieces=(Piece(out=o, module=m, param=_param(m, o)),),
+                             layer=layer) for m in group for o in m.outputs)
             continue
         # Per-layer tensors every expert shares come first, then each expert's tensors back to back.
-        yield from (Unit((Piece(o, m, _param(m, o)),), layer) for m in group for o in m.outputs if not o.streamed)
+        yield from (Unit(pieces=(Piece(out=o, module=m, param=_param(m, o)),),
+                         layer=layer) for m in group for o in m.outputs if not o.streamed)
         for e in range(max(m.experts for m in group)):
             pieces = []
             for m in group:
                 for o in m.outputs:
                     if o.streamed:
                         param = _param(m, o)
-                        out = TensorSpec(f"{m.expert_name(e)}.{param}", o.dtype, o.shape[1:], streamed=True)
-                        pieces.append(Piece(out, m, param, e))
-            yield Unit(tuple(pieces), layer, e)
+                        out = TensorSpec(name=f"{m.expert_name(e)}.{param}", dtype=o.dtype, shape=o.shape[1:],
+                                         streamed=True)
+                        pieces.append(Piece(out=out, module=m, param=param, expert=e))
+            yield Unit(pieces=tuple(pieces), layer=layer, expert=e)
 
 
 def file_units(modules: Iterable[OutputModule], layout: str = "streaming") -> list[Unit]:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 SHIPPED_NAMES = ("tqbench-profile.json", "hot_experts.json")  # looked for in a model directory
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Choice:
     source: str  # "file", "learned", "shipped", "none"
     where: str | None  # the file or store it came from
@@ -82,19 +82,21 @@ def choose(model: str | Path, file: str | Path | None = None, force: bool = Fals
     no profile whatever exists (a baseline for comparisons)."""
     fp, geo = identify(model, experts)
     if cold:
-        return Choice("none", "cold", None, fp, geo)
+        return Choice(source="none", where="cold", profile=None, fingerprint=fp, geometry=geo)
     if file is not None:
-        return Choice("file", str(file), read_file(file, fp, geo, force), fp, geo)
+        return Choice(source="file", where=str(file), profile=read_file(file, fp, geo, force), fingerprint=fp,
+                      geometry=geo)
     if store is not None:
         learned = store.load(fp, geo)
         if learned.routings >= (MATURE if mature is None else mature) and learned.routings > 0:
-            return Choice("learned", str(store.directory), learned, fp, geo)
+            return Choice(source="learned", where=str(store.directory), profile=learned, fingerprint=fp, geometry=geo)
     for candidate, in_model in _shipped(Path(model)):
         try:
-            return Choice("shipped", str(candidate), read_file(candidate, fp, geo, seed_ok=in_model), fp, geo)
+            return Choice(source="shipped", where=str(candidate),
+                          profile=read_file(candidate, fp, geo, seed_ok=in_model), fingerprint=fp, geometry=geo)
         except ProfileError:
             continue  # a shipped file for another model
-    return Choice("none", None, None, fp, geo)
+    return Choice(source="none", where=None, profile=None, fingerprint=fp, geometry=geo)
 
 
 def _shipped(model: Path) -> list[tuple[Path, bool]]:

@@ -53,7 +53,7 @@ def merge(a: Profile, b: Profile, weight_a: float = 1.0, weight_b: float = 1.0, 
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DiffSide:
     """One of the two profiles compared."""
 
@@ -65,7 +65,7 @@ class DiffSide:
         return {"fingerprint": self.fingerprint, "routings": self.routings, "file": self.name}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerDiff:
     layer: int
     hot_a: int  # experts in a's hot set
@@ -80,7 +80,7 @@ class LayerDiff:
                 "jaccard": self.jaccard, "a_covers_b": self.a_covers_b, "b_covers_a": self.b_covers_a}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OverallDiff:
     """The (layer, expert) hot sets pooled over the layers."""
 
@@ -97,7 +97,7 @@ class OverallDiff:
                 "mean_jaccard": self.mean_jaccard, "a_covers_b": self.a_covers_b, "b_covers_a": self.b_covers_a}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProfileDiff:
     share: float  # a layer's hot set: the fewest experts covering this share of its routings
     a: DiffSide
@@ -139,13 +139,15 @@ def diff(a: Profile, b: Profile, share: float = DIFF_SHARE, names: tuple[str, st
         served_ab += float(cb[n][sorted(ha)].sum()) if ha else 0.0
         served_ba += float(ca[n][sorted(hb)].sum()) if hb else 0.0
         jaccard = round(len(ha & hb) / len(union), 4) if union else None
-        layers.append(LayerDiff(n, len(ha), len(hb), len(ha & hb), jaccard, _covers(ha, cb[n]), _covers(hb, ca[n])))
+        layers.append(LayerDiff(layer=n, hot_a=len(ha), hot_b=len(hb), common=len(ha & hb), jaccard=jaccard,
+                                a_covers_b=_covers(ha, cb[n]), b_covers_a=_covers(hb, ca[n])))
     total_a = sum(float(c.sum()) for c in ca.values())
     total_b = sum(float(c.sum()) for c in cb.values())
-    overall = OverallDiff(len(pa), len(pb), len(pa & pb), round(len(pa & pb) / len(pa | pb), 4) if pa | pb else None,
-                          round(float(np.mean(indices)), 4) if indices else None,
-                          round(served_ab / total_b, 4) if total_b > 0 else None,
-                          round(served_ba / total_a, 4) if total_a > 0 else None)
-    return ProfileDiff(share, DiffSide(names[0], a.fingerprint, round(a.routings, 3)),
-                       DiffSide(names[1], b.fingerprint, round(b.routings, 3)), a.fingerprint == b.fingerprint,
-                       tuple(layers), overall)
+    overall = OverallDiff(hot_a=len(pa), hot_b=len(pb), common=len(pa & pb),
+                          jaccard=round(len(pa & pb) / len(pa | pb), 4) if pa | pb else None,
+                          mean_jaccard=round(float(np.mean(indices)), 4) if indices else None,
+                          a_covers_b=round(served_ab / total_b, 4) if total_b > 0 else None,
+                          b_covers_a=round(served_ba / total_a, 4) if total_a > 0 else None)
+    return ProfileDiff(share=share, a=DiffSide(name=names[0], fingerprint=a.fingerprint, routings=round(a.routings, 3)),
+                       b=DiffSide(name=names[1], fingerprint=b.fingerprint, routings=round(b.routings, 3)),
+                       same_model=a.fingerprint == b.fingerprint, layers=tuple(layers), overall=overall)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from tqbench.stream.store import ExpertStore
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Geometry:
     """What a profile's counts must match: MoE layers and experts per layer, and the routing top-k."""
 
@@ -89,4 +89,4 @@ def geometry(path: str | Path, store: ExpertStore | None = None) -> Geometry:
     experts = max(lay.experts for lay in store.layers.values())
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     model_type = str(raw.get("model_type") or text.get("model_type") or "")  # as tqbench.runtime.load names it
-    return Geometry(model_type, layers, experts, int(cfg.top_k or 0))
+    return Geometry(model_type=model_type, layers=layers, experts=experts, top_k=int(cfg.top_k or 0))

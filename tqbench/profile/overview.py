@@ -16,7 +16,7 @@ from tqbench.profile.store import ProfileStore, opened
 from tqbench.profile.summary import ProfileSummary, summary
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChatStart:
     """The profile a chat without --profile starts from."""
 
@@ -27,7 +27,7 @@ class ChatStart:
         return {"source": self.source, "where": self.where}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProfileStamp:
     """What an overview was read from, as far as it changes under a face: the model's learned profile (routings,
     sessions; None without a model) and the profile file shown (size, modification time; None without one, or when it
@@ -37,7 +37,7 @@ class ProfileStamp:
     file: tuple[int, int] | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Overview:
     model: str | None  # None: a profile file shown on its own
     source: str  # of the profile shown: "file", "learned", "shipped", "none"
@@ -74,7 +74,7 @@ def _overview_profile(model: str | Path, store: ProfileStore, file: str | Path |
     fp, geo = identify(model)
     file_stamp = None if file is None else _file_stamp(file)
     learned = store.load(fp, geo)
-    stamp = ProfileStamp((learned.routings, learned.sessions), file_stamp)
+    stamp = ProfileStamp(learned=(learned.routings, learned.sessions), file=file_stamp)
     chat = choose(model, store=store)
     if file is not None:
         p, source, where = read_file(file, fp, geo, force), "file", str(file)
@@ -85,16 +85,17 @@ def _overview_profile(model: str | Path, store: ProfileStore, file: str | Path |
             p, source, where = chat.profile, chat.source, chat.where
     if p is None:
         p = Profile.empty(fp, geo)
-    return Overview(str(model), source, where, ChatStart(chat.source, chat.where), MATURE, tuple(store.warnings),
-                    summary(p, top), stamp), p
+    return Overview(model=str(model), source=source, where=where, chat=ChatStart(source=chat.source, where=chat.where),
+                    mature_at=MATURE, warnings=tuple(store.warnings), summary=summary(p, top), stamp=stamp), p
 
 
 def overview_file(file: str | Path, top: int = 8) -> tuple[Overview, Profile]:
     """A profile file of ours on its own, no model to check it against: `overview`'s record (model and chat None)
     and the profile."""
-    stamp = ProfileStamp(None, _file_stamp(file))
+    stamp = ProfileStamp(learned=None, file=_file_stamp(file))
     p = read_profile(file)
-    return Overview(None, "file", str(file), None, MATURE, (), summary(p, top), stamp), p
+    return Overview(model=None, source="file", where=str(file), chat=None, mature_at=MATURE, warnings=(),
+                    summary=summary(p, top), stamp=stamp), p
 
 
 def profile_view(model: str | Path | None, file: str | Path | None, top: int = 8,
@@ -125,7 +126,7 @@ def profile_stamp(ov: Overview, store: ProfileStore | None = None) -> ProfileSta
         with opened(store) as store:
             p = store.load(ov.summary.fingerprint, ov.summary.geometry)
         learned = (p.routings, p.sessions)
-    return ProfileStamp(learned, _file_stamp(ov.where) if ov.source == "file" else None)
+    return ProfileStamp(learned=learned, file=_file_stamp(ov.where) if ov.source == "file" else None)
 
 
 def _file_stamp(file: str | Path) -> tuple[int, int] | None:

@@ -38,7 +38,7 @@ class ProfileError(TqbenchError):
     """A profile file or store entry that cannot be used."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Profile:
     fingerprint: str
     geometry: Geometry
@@ -50,7 +50,7 @@ class Profile:
     @classmethod
     def empty(cls, fingerprint: str, geometry: Geometry) -> Profile:
         z = {n: np.zeros(geometry.experts) for n in geometry.layers}
-        return cls(fingerprint, geometry, z, {n: a.copy() for n, a in z.items()})
+        return cls(fingerprint=fingerprint, geometry=geometry, decode=z, prefill={n: a.copy() for n, a in z.items()})
 
     def counts(self, prefill_weight: float = PREFILL_WEIGHT) -> dict[int, np.ndarray]:
         """Per layer: decode counts plus `prefill_weight` x prefill's."""
@@ -82,8 +82,10 @@ class Profile:
         self.routings += weight * other.routings
 
     def scaled(self, factor: float) -> Profile:
-        return Profile(self.fingerprint, self.geometry, {n: a * factor for n, a in self.decode.items()},
-                       {n: a * factor for n, a in self.prefill.items()}, self.routings * factor, self.sessions)
+        return Profile(fingerprint=self.fingerprint, geometry=self.geometry,
+                       decode={n: a * factor for n, a in self.decode.items()},
+                       prefill={n: a * factor for n, a in self.prefill.items()}, routings=self.routings * factor,
+                       sessions=self.sessions)
 
     def to_dict(self, pins: int | None = None) -> dict[str, Any]:
         ranked = self.ranked()
@@ -151,8 +153,8 @@ def from_dict(doc: Any, where: str) -> Profile:
     if (not isinstance(layers, list) or not all(_is_whole(n) and n >= 0 for n in layers)
             or len(set(layers)) != len(layers)):
         raise malformed('"model.layers" is not a list of distinct layer numbers')
-    geo = Geometry(text("model", "model_type"), tuple(int(n) for n in layers),
-                   whole("model", "experts", least=1, most=MAX_EXPERTS), whole("model", "top_k", least=0))
+    geo = Geometry(model_type=text("model", "model_type"), layers=tuple(int(n) for n in layers),
+                   experts=whole("model", "experts", least=1, most=MAX_EXPERTS), top_k=whole("model", "top_k", least=0))
     p = Profile.empty(text("fingerprint"), geo)
     for kind in ("decode", "prefill"):
         counts = field("counts", kind)

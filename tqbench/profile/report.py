@@ -36,7 +36,7 @@ def shape(g: Geometry) -> str:
     return f"{g.model_type}: {len(g.layers)} MoE layers x {g.experts} experts, top-{g.top_k}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CoverageRow:
     label: str  # the layer number, or "all"
     decode: str
@@ -51,7 +51,7 @@ class CoverageRow:
         return (self.label, self.decode, self.prefill, count(self.experts_used), *map(count, self.coverage))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CoverageReport:
     shares: tuple[str, ...]  # of the coverage columns, in percent: "50", "80", "90"
     rows: tuple[CoverageRow, ...]  # one per MoE layer, then the total
@@ -63,10 +63,12 @@ class CoverageReport:
 
 
 def coverage_report(s: ProfileSummary) -> CoverageReport:
-    rows = [CoverageRow(str(x.layer), number(x.decode), number(x.prefill), x.experts_used,
-                        tuple(c.experts for c in x.coverage),
-                        ", ".join(f"{h.expert} {h.share:.1%}" for h in x.top) or "-", x is s.layers[-1])
+    rows = [CoverageRow(label=str(x.layer), decode=number(x.decode), prefill=number(x.prefill),
+                        experts_used=x.experts_used, coverage=tuple(c.experts for c in x.coverage),
+                        hottest=", ".join(f"{h.expert} {h.share:.1%}" for h in x.top) or "-",
+                        section_end=x is s.layers[-1])
             for x in s.layers]
-    rows.append(CoverageRow("all", number(s.decode), number(s.prefill), s.experts_used,
-                            tuple(c.experts for c in s.coverage), f"of {s.experts:,} experts"))
-    return CoverageReport(tuple(c.key for c in s.coverage), tuple(rows))
+    rows.append(CoverageRow(label="all", decode=number(s.decode), prefill=number(s.prefill),
+                            experts_used=s.experts_used, coverage=tuple(c.experts for c in s.coverage),
+                            hottest=f"of {s.experts:,} experts"))
+    return CoverageReport(shares=tuple(c.key for c in s.coverage), rows=tuple(rows))

@@ -56,7 +56,7 @@ def import_file(model: str | Path, file: str | Path, store: ProfileStore | None 
     return p, old
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Forgotten:
     fingerprint: str
     routings: float  # of the learned profile forgotten (0 when there was none)
@@ -68,4 +68,4 @@ def forget_learned(model: str | Path, store: ProfileStore | None = None) -> Forg
     fp, geo = identify(model)
     with opened(store) as store:
         old = store.load(fp, geo)
-        return Forgotten(fp, old.routings, store.reset(fp))
+        return Forgotten(fingerprint=fp, routings=old.routings, gone=store.reset(fp))

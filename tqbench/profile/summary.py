@@ -27,13 +27,13 @@ def hottest(p: Profile, layer: int) -> list[int]:
     return [int(e) for e in np.lexsort((np.arange(c.size), -c)) if c[e] > 0]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HotExpert:
     expert: int
     share: float  # of its layer's routings, to 4 decimals
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Coverage:
     share: float  # e.g. 0.8
     experts: int  # the fewest experts covering that share of the routings
@@ -47,7 +47,7 @@ def _coverage_dict(coverage: tuple[Coverage, ...]) -> dict[str, int]:
     return {c.key: c.experts for c in coverage}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerSummary:
     layer: int
     decode: float  # routings, to 3 decimals
@@ -61,7 +61,7 @@ class LayerSummary:
                 "top": [[h.expert, h.share] for h in self.top], "coverage": _coverage_dict(self.coverage)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProfileSummary:
     fingerprint: str
     geometry: Geometry
@@ -93,10 +93,13 @@ def summary(p: Profile, top: int = 8, shares: tuple[float, ...] = SHARES) -> Pro
         c = counts[n]
         total = float(c.sum())
         layers.append(LayerSummary(
-            n, round(float(p.decode[n].sum()), 3), round(float(p.prefill[n].sum()), 3), int((c > 0).sum()),
-            tuple(HotExpert(e, round(float(c[e] / total), 4)) for e in hottest(p, n)[:top]),
-            tuple(Coverage(s, p.coverage(n, s)) for s in shares)))
-    coverage = tuple(Coverage(s, sum(x.coverage[i].experts for x in layers)) for i, s in enumerate(shares))
-    return ProfileSummary(p.fingerprint, p.geometry, round(p.routings, 3), p.sessions,
-                          round(sum(x.decode for x in layers), 3), round(sum(x.prefill for x in layers), 3), coverage,
-                          len(p.geometry.layers) * p.geometry.experts, tuple(layers))
+            layer=n, decode=round(float(p.decode[n].sum()), 3), prefill=round(float(p.prefill[n].sum()),
+                                                                              3), experts_used=int((c > 0).sum()),
+            top=tuple(HotExpert(expert=e, share=round(float(c[e] / total), 4)) for e in hottest(p, n)[:top]),
+            coverage=tuple(Coverage(share=s, experts=p.coverage(n, s)) for s in shares)))
+    coverage = tuple(Coverage(share=s,
+                              experts=sum(x.coverage[i].experts for x in layers)) for i, s in enumerate(shares))
+    return ProfileSummary(fingerprint=p.fingerprint, geometry=p.geometry, routings=round(p.routings, 3),
+                          sessions=p.sessions, decode=round(sum(x.decode for x in layers), 3),
+                          prefill=round(sum(x.prefill for x in layers), 3), coverage=coverage,
+                          experts=len(p.geometry.layers) * p.geometry.experts, layers=tuple(layers))

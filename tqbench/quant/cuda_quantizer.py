@@ -142,7 +142,8 @@ def search_source(book: tuple[float, ...], bounds: tuple[float, ...], group: int
 def _search_cubin(book: tuple[float, ...], bounds: tuple[float, ...], group: int, multipliers: tuple[float, ...],
                   min_scale: float) -> tuple[str, bytes]:
     return cached_cubin(f"{SEARCH_KERNEL}_l{len(book)}_g{group}_m{len(multipliers)}",
-                        lambda name: search_source(book, bounds, group, multipliers, min_scale, name))
+                        lambda name: search_source(book, bounds, group, multipliers=multipliers, min_scale=min_scale,
+                                                   name=name))
 
 
 def search_scales(x: mx.array, rms: mx.array, book: tuple[float, ...], bounds: tuple[float, ...], group: int,

@@ -214,7 +214,7 @@ def unpack(words: mx.array, levels: int, n: int) -> mx.array:
     return codes.reshape(*words.shape[:-1], -1)[..., :n]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Quantized:
     """One TurboQuant Linear: evaluated arrays, ready to write."""
 
@@ -318,8 +318,8 @@ def _scale_search(book: list[float], bounds: list[float], group: int, kernel: st
         """float16 scales (..., groups, 1) by the search rule."""
         g, rms = _grouped(x, group)
         if kernel == "cuda":  # one kernel, every candidate: MLX's operations would take ~45 launches each
-            return cuda_quantizer.search_scales(x, rms.squeeze(-1), tuple(book), tuple(bounds), group,
-                                                SEARCH_MULTIPLIERS, MIN_SCALE)[..., None]
+            return cuda_quantizer.search_scales(x, rms.squeeze(-1), tuple(book), bounds=tuple(bounds), group=group,
+                                                multipliers=SEARCH_MULTIPLIERS, min_scale=MIN_SCALE)[..., None]
         return at_once(g, rms) if x.size <= SEARCH_AT_ONCE else best_in_turn(g, rms)
 
     return searched
@@ -356,8 +356,8 @@ def _coder(book: list[float], bounds: list[float], group: int, kernel: str) -> C
 
     def run_cuda(x: mx.array, given: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         scales = scaled(x, given)[1].squeeze(-1)
-        words, err, norm = cuda_quantizer.quantize_rows(x, scales, tuple(book), tuple(bounds), group,
-                                                        codes_per_word(len(book)))
+        words, err, norm = cuda_quantizer.quantize_rows(x, scales, tuple(book), bounds=tuple(bounds), group=group,
+                                                        per=codes_per_word(len(book)))
         return words, scales, err, norm
 
     return {"cuda": run_cuda, "compare": run_compare, "passes": run, "compiled": mx.compile(run)}[kernel]
@@ -402,7 +402,7 @@ def quantize(w: mx.array, kind: str, group: int, signs: mx.array | None, kernel:
     packed, scales, err, norm = _quantizer(kind, group, kernel or quantizer_kernel(), rule)(x)
     rel = mx.sqrt(err / mx.maximum(norm, 1e-30))
     mx.eval(packed, scales, rel)
-    return Quantized(packed, scales, rel.item())
+    return Quantized(weight=packed, scales=scales, rel_error=rel.item())
 
 
 def dequantize(weight: mx.array, scales: mx.array, book: mx.array, signs: mx.array | None, n: int) -> mx.array:

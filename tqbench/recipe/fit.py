@@ -36,7 +36,7 @@ class Verdict(StrEnum):
     NO_FIT = "does not fit"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Footprint:
     """What a converted model needs: all of it, the non-expert part, and the routed-expert pages."""
 
@@ -52,7 +52,7 @@ class Footprint:
         return self.streamed_bytes > 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Fit:
     verdict: Verdict
     memory_bytes: int
@@ -141,9 +141,12 @@ def assess(fp: Footprint, m: Machine, hit_rate: float | None = None, reduced_k: 
         hit, hit_source = hit_rate, "given"
     else:
         hit, hit_source = min(1.0, (budget or 0) / fp.streamed_bytes), "cache fraction (uniform routing)"
-    return Fit(verdict, m.memory_bytes, m.gpu_limit_bytes, limit, RESERVE, needed, wired, command, budget, top_k,
-               reduced, per_token, per_token_reduced, hit, hit_source, m.disk_bytes_per_s,
-               ceiling(m.disk_bytes_per_s, per_token, hit), ceiling(m.disk_bytes_per_s, per_token_reduced, hit))
+    return Fit(verdict=verdict, memory_bytes=m.memory_bytes, gpu_limit_bytes=m.gpu_limit_bytes, limit_bytes=limit,
+               reserve_bytes=RESERVE, needed_bytes=needed, wired_limit_mb=wired, command=command,
+               cache_budget_bytes=budget, top_k=top_k, reduced_k=reduced, bytes_per_token=per_token,
+               bytes_per_token_reduced=per_token_reduced, hit_rate=hit, hit_rate_source=hit_source,
+               disk_bytes_per_s=m.disk_bytes_per_s, tok_s_ceiling=ceiling(m.disk_bytes_per_s, per_token, hit),
+               tok_s_ceiling_reduced=ceiling(m.disk_bytes_per_s, per_token_reduced, hit))
 
 
 def ceiling(disk_bytes_per_s: float | None, bytes_per_token: int, hit_rate: float | None) -> float | None:

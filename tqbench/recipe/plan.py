@@ -47,12 +47,12 @@ def turboquant_layout(prefix: str, out: int, inp: int, bits: int | None, group: 
     """`out * (4*ceil(in/w) + 2*in/g)` per matrix, + `2*in` signs + `2*len(codebook)` per layer (+ `2*out` bias)."""
     lead = (experts,) if experts else ()
     words = math.ceil(inp / codes_per_word(bits or 0, ternary))
-    ts = [TensorSpec(f"{prefix}.weight", "U32", (*lead, out, words), streamed=bool(experts)),
-          TensorSpec(f"{prefix}.scales", "F16", (*lead, out, inp // group), streamed=bool(experts)),
-          TensorSpec(f"{prefix}.codebook", "F16", (3 if ternary else 2**bits,)),
-          TensorSpec(f"{prefix}.signs", "F16", (inp,))]
+    ts = [TensorSpec(name=f"{prefix}.weight", dtype="U32", shape=(*lead, out, words), streamed=bool(experts)),
+          TensorSpec(name=f"{prefix}.scales", dtype="F16", shape=(*lead, out, inp // group), streamed=bool(experts)),
+          TensorSpec(name=f"{prefix}.codebook", dtype="F16", shape=(3 if ternary else 2**bits,)),
+          TensorSpec(name=f"{prefix}.signs", dtype="F16", shape=(inp,))]
     if bias:
-        ts.append(TensorSpec(f"{prefix}.bias", "F16", (*lead, out), streamed=bool(experts)))
+        ts.append(TensorSpec(name=f"{prefix}.bias", dtype="F16", shape=(*lead, out), streamed=bool(experts)))
     return tuple(ts)
 
 
@@ -61,17 +61,17 @@ def affine_layout(prefix: str, out: int, inp: int, bits: int, group: int, expert
     """`out*in*b/8 + 4*out*in/g` per matrix (fp16 scales and biases), + `2*out` bias."""
     lead = (experts,) if experts else ()
     s = bool(experts)
-    ts = [TensorSpec(f"{prefix}.weight", "U32", (*lead, out, inp * bits // 32), streamed=s),
-          TensorSpec(f"{prefix}.scales", "F16", (*lead, out, inp // group), streamed=s),
-          TensorSpec(f"{prefix}.biases", "F16", (*lead, out, inp // group), streamed=s)]
+    ts = [TensorSpec(name=f"{prefix}.weight", dtype="U32", shape=(*lead, out, inp * bits // 32), streamed=s),
+          TensorSpec(name=f"{prefix}.scales", dtype="F16", shape=(*lead, out, inp // group), streamed=s),
+          TensorSpec(name=f"{prefix}.biases", dtype="F16", shape=(*lead, out, inp // group), streamed=s)]
     if bias:
-        ts.append(TensorSpec(f"{prefix}.bias", "F16", (*lead, out), streamed=s))
+        ts.append(TensorSpec(name=f"{prefix}.bias", dtype="F16", shape=(*lead, out), streamed=s))
     return tuple(ts)
 
 
 # --- source modules ----------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SourceModule:
     """The source tensors one output module comes from: one Linear/norm/router, or all experts of one projection."""
 
@@ -94,7 +94,7 @@ class SourceModule:
         return sum(t.nbytes for t in self.tensors)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sources:
     """A checkpoint's tensors grouped into output modules (done once, shared by every recipe planned)."""
 
@@ -134,11 +134,11 @@ def group_sources(ckpt: Checkpoint) -> Sources:
             stacked = tname.role is Role.ROUTED_EXPERT and tname.stacked
             shape = _logical_shape(tensors, stacked)
             count = _stacked_count(tensors) if stacked else 0
-        modules.append(SourceModule(key, tname, tuple(tensors), tuple(template), count, key in per_expert,
-                                    first.format, shape))
+        modules.append(SourceModule(name=key, tname=tname, tensors=tuple(tensors), template=tuple(template),
+                                    experts=count, per_expert=key in per_expert, format=first.format, shape=shape))
     if ckpt.missing:
         warnings.append(f"incomplete checkpoint: {len(ckpt.missing)} shard(s) missing, sizes undercount")
-    return Sources(ckpt, _experts_in_glu_order(modules), tuple(warnings))
+    return Sources(checkpoint=ckpt, modules=_experts_in_glu_order(modules), warnings=tuple(warnings))
 
 
 _LAYER_NUMBER = re.compile(r"\.layers\.(\d+)\.")
@@ -233,7 +233,7 @@ def _stacked_count(tensors: Iterable[Tensor]) -> int:
 
 # --- the plan ----------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModulePlan:
     source: SourceModule
     choice: Choice
@@ -281,7 +281,7 @@ class ModulePlan:
                 "sources": [t.entry.name for t in s.tensors], "outputs": [t.to_dict() for t in self.outputs]}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoleTotal:
     role: str
     params: int
@@ -293,7 +293,7 @@ class RoleTotal:
         return self.bytes * 8 / self.params if self.params else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExpertTotals:
     moe_layers: int
     experts_per_layer: int
@@ -305,14 +305,14 @@ class ExpertTotals:
     streamed_bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KeptTotal:
     reason: str
     modules: int
     bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     recipe: Recipe
     path: str
@@ -341,8 +341,9 @@ class Plan:
     @property
     def footprint(self) -> Footprint:
         e = self.experts
-        return Footprint(self.total_bytes, self.resident_bytes, self.streamed_bytes, e.moe_layers if e else 0,
-                         e.top_k if e else 0, e.bytes_per_expert if e else 0)
+        return Footprint(total_bytes=self.total_bytes, resident_bytes=self.resident_bytes,
+                         streamed_bytes=self.streamed_bytes, moe_layers=e.moe_layers if e else 0,
+                         top_k=e.top_k if e else 0, bytes_per_expert=e.bytes_per_expert if e else 0)
 
     @cached_property
     def _by_source(self) -> dict[str, ModulePlan]:
@@ -424,8 +425,10 @@ def make_plan(sources: Sources, recipe: Recipe, shard_size: int = SHARD_SIZE, la
         shard_size=shard_size, layout=layout, shards=count_shards(unit_sizes(modules, layout), shard_size),
         params=sum(m.source.params for m in modules), source_bytes=sum(m.source.source_bytes for m in modules),
         total_bytes=total, streamed_bytes=streamed,
-        by_role=tuple(RoleTotal(role, *v) for role, v in roles.items()), experts=experts,
-        kept=tuple(KeptTotal(reason, *v) for reason, v in sorted(kept.items(), key=lambda kv: -kv[1][1])),
+        by_role=tuple(RoleTotal(role=role, params=p, source_bytes=s, bytes=b) for role, (p, s, b) in roles.items()),
+        experts=experts,
+        kept=tuple(KeptTotal(reason=reason, modules=n, bytes=b)
+                   for reason, (n, b) in sorted(kept.items(), key=lambda kv: -kv[1][1])),
         warnings=tuple(warnings))
 
 
@@ -435,19 +438,21 @@ def _plan_module(s: SourceModule, recipe: Recipe) -> ModulePlan:
     bias = "bias" in parts
     if choice.format is Format.TURBOQUANT:
         out, inp = s.shape
-        outputs = turboquant_layout(s.name, out, inp, choice.bits, choice.group_size, choice.ternary, s.experts, bias)
+        outputs = turboquant_layout(s.name, out, inp, bits=choice.bits, group=choice.group_size, ternary=choice.ternary,
+                                    experts=s.experts, bias=bias)
     elif choice.format is Format.AFFINE:
         out, inp = s.shape
-        outputs = affine_layout(s.name, out, inp, choice.bits, choice.group_size, s.experts, bias)
+        outputs = affine_layout(s.name, out, inp, bits=choice.bits, group=choice.group_size, experts=s.experts,
+                                bias=bias)
     elif s.per_expert:
         outputs = _stacked_kept(s)
     elif s.experts:
-        outputs = tuple(TensorSpec(t.entry.name, t.entry.dtype, t.entry.shape,
+        outputs = tuple(TensorSpec(name=t.entry.name, dtype=t.entry.dtype, shape=t.entry.shape,
                                    streamed=len(t.entry.shape) >= 2 and t.entry.shape[0] == s.experts)
                         for t in s.tensors)
     else:
-        outputs = tuple(TensorSpec(t.entry.name, t.entry.dtype, t.entry.shape) for t in s.tensors)
-    return ModulePlan(s, choice, outputs)
+        outputs = tuple(TensorSpec(name=t.entry.name, dtype=t.entry.dtype, shape=t.entry.shape) for t in s.tensors)
+    return ModulePlan(source=s, choice=choice, outputs=outputs)
 
 
 def _stacked_kept(s: SourceModule) -> tuple[TensorSpec, ...]:
@@ -459,7 +464,7 @@ def _stacked_kept(s: SourceModule) -> tuple[TensorSpec, ...]:
             p, dtype, shape = "weight", "U32", (*shape[:-1], shape[-1] // 4)
         elif p == "weight_scale" and s.format == "mxfp4":
             p = "scales"
-        ts.append(TensorSpec(f"{s.name}.{p}", dtype, (s.experts, *shape), streamed=True))
+        ts.append(TensorSpec(name=f"{s.name}.{p}", dtype=dtype, shape=(s.experts, *shape), streamed=True))
     return tuple(ts)
 
 

@@ -66,7 +66,7 @@ _PREFIX = {Format.TURBOQUANT: "tq", Format.AFFINE: "affine", Format.SOURCE: "src
 _QUANTIZED = (Format.TURBOQUANT, Format.AFFINE)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
     bits: int = DEFAULT_BITS
     group_size: int = DEFAULT_GROUP

@@ -26,7 +26,7 @@ NOT_DISK_BOUND = "not disk-bound"
 FAST = 10_000  # tok/s above which the ceiling is shown as ">10k"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Row:
     key: str  # stable: `total`, `bpw attention`, `max tok/s top-k`, ... (the label may carry numbers)
     label: str  # as the CLI shows it, e.g. `max tok/s top-16`, `  attention` (indented under its parent)
@@ -37,7 +37,7 @@ class Row:
     short_label: str | None = None  # the label where a narrow face says the rest elsewhere (`shards`)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanReport:
     recipes: tuple[str, ...]  # the recipes' names, one per cell of a row
     rows: tuple[Row, ...]  # in the CLI's order
@@ -105,7 +105,7 @@ def plan_report(plans: list[Plan], fits: list[Fit], hub: HubDisk | None = None) 
     rows: list[Row] = []
 
     def row(key: str, cells: list[str], label: str | None = None, **kw) -> None:
-        rows.append(Row(key, label or key, tuple(cells), **kw))
+        rows.append(Row(key=key, label=label or key, cells=tuple(cells), **kw))
 
     moe = any(p.experts for p in plans)
     row("resident", [size_cell(p.resident_bytes) for p in plans], primary=True)
@@ -149,5 +149,5 @@ def plan_report(plans: list[Plan], fits: list[Fit], hub: HubDisk | None = None) 
     if hub is not None:
         notes.append(f"disk to convert: straight from the hub, the output plus at most two source shards at once "
                      f"({units.gb(hub.window)}), each removed once converted; free space of {hub.cache_dir}")
-    return PlanReport(tuple(p.recipe.name for p in plans), tuple(rows), plans[0].shard_size,
-                      f"plan (sizes in {SIZES})", tuple(notes))
+    return PlanReport(recipes=tuple(p.recipe.name for p in plans), rows=tuple(rows), shard_size=plans[0].shard_size,
+                      title=f"plan (sizes in {SIZES})", notes=tuple(notes))

@@ -39,7 +39,7 @@ _KEPT_ROLES = {
 _BASE_ROLES = (Role.ATTENTION, Role.SHARED_EXPERT, Role.LATENT_PROJ, Role.DENSE_MLP, Role.LM_HEAD)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Choice:
     """How one module is stored: format, code bits (None for ternary or kept), group, tier, and why it was kept."""
 
@@ -67,7 +67,7 @@ class Choice:
 
 
 def kept(reason: str) -> Choice:
-    return Choice(Format.SOURCE, reason=reason)
+    return Choice(format=Format.SOURCE, reason=reason)
 
 
 def choose(recipe: Recipe, name: TensorName, shape: tuple[int, int] | None, source_format: str) -> Choice:
@@ -85,21 +85,23 @@ def choose(recipe: Recipe, name: TensorName, shape: tuple[int, int] | None, sour
             if source_format != "mxfp4":
                 raise RecipeError(f"recipe {recipe.name}: mxfp4e copies mxfp4 experts, but {name.module} is "
                                   f"{source_format}")
-            return Choice(Format.MXFP4, tier="experts", reason="mxfp4 passthrough")
+            return Choice(format=Format.MXFP4, tier="experts", reason="mxfp4 passthrough")
         if fmt is Format.SOURCE:
             return kept("recipe")
         if name.projection == "down" and recipe.expert_down_bits is not None:
-            choice = Choice(fmt, recipe.expert_down_bits, False, group, "expert down")
+            choice = Choice(format=fmt, bits=recipe.expert_down_bits, ternary=False, group_size=group,
+                            tier="expert down")
         elif recipe.ternary_experts:
-            choice = Choice(fmt, None, True, group, "experts")
+            choice = Choice(format=fmt, bits=None, ternary=True, group_size=group, tier="experts")
         else:
-            choice = Choice(fmt, recipe.expert_bits, False, group, "experts")
+            choice = Choice(format=fmt, bits=recipe.expert_bits, ternary=False, group_size=group, tier="experts")
     elif name.role in _BASE_ROLES:
         if recipe.format is Format.SOURCE:
             return kept("recipe")
         attention = name.role is Role.ATTENTION
         bits = recipe.attention_bits if attention else recipe.bits
-        choice = Choice(recipe.format, bits, False, recipe.group_size, "attention" if attention else "base")
+        choice = Choice(format=recipe.format, bits=bits, ternary=False, group_size=recipe.group_size,
+                        tier="attention" if attention else "base")
     else:
         return kept(name.role.value)
     if source_format not in REQUANTIZABLE:

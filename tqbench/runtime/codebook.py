@@ -96,7 +96,8 @@ def _gather_graph(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook:
 
 
 # Compiled per (sorted_indices, every_expert): decoding, lookup and scaling fuse.
-_GATHER = {(s, e): mx.compile(lambda x, w, sc, b, i, s=s, e=e: _gather_graph(x, w, sc, b, i, s, e))
+_GATHER = {(s, e): mx.compile(lambda x, w, sc, b, i, s=s, e=e: _gather_graph(x, w, sc, codebook=b, indices=i,
+                                                                             sorted_indices=s, every_expert=e))
            for s in (False, True) for e in (False, True)}
 
 
@@ -122,7 +123,8 @@ def _gather_in_pieces(x_rot: mx.array, weight: mx.array, scales: mx.array, codeb
         rows = mx.array(xblock[order[lo:hi]].astype(np.uint32))
         pick = mx.array(experts.astype(np.uint32))
         # not compiled: every piece has shapes of its own (mx.compile would trace each anew)
-        part = _gather_graph(x2[rows], weight[pick], scales[pick], codebook, local, True, True)
+        part = _gather_graph(x2[rows], weight[pick], scales[pick], codebook=codebook, indices=local,
+                             sorted_indices=True, every_expert=True)
         mx.eval(part)  # one piece's decoded weights at a time
         parts.append(part)
     y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)

@@ -104,7 +104,7 @@ class Completions:
         if kept is not None and kept[1] > len(tokens) - len(rest):  # kept on disk, longer than what memory holds
             cache, rest = kept[0], list(tokens[kept[1]:])
         held = list(tokens[:len(tokens) - len(rest)])
-        yield ReplyStarted(len(rest), len(held))
+        yield ReplyStarted(prompt_tokens=len(rest), cached_tokens=len(held))
         held.extend(rest)
         generated: list[ReplyDone] = []
 
@@ -113,8 +113,8 @@ class Completions:
             ended(d)
 
         try:
-            yield from generate(self.loaded, rest, cache, sampling, len(tokens) - len(rest), held, done, stop,
-                                checkpoint=keeper(self.store, list(tokens)))
+            yield from generate(self.loaded, rest, cache, sampling=sampling, cached=len(tokens) - len(rest), held=held,
+                                ended=done, stop=stop, checkpoint=keeper(self.store, list(tokens)))
         finally:
             if generated and generated[0].generated_tokens:  # the prompt was processed: the cache matches `held`
                 self.lru.insert_cache(_KEY, held, cache)
@@ -125,11 +125,11 @@ class Completions:
 
         self.cache, cached = reuse(self.loaded, self.cache, self.held, tokens, self.can_trim)
         rest = tokens[cached:]
-        yield ReplyStarted(len(rest), cached)
+        yield ReplyStarted(prompt_tokens=len(rest), cached_tokens=cached)
         self.held.extend(rest)
         try:
-            yield from generate(self.loaded, rest, self.cache, sampling, cached, self.held, ended, stop, lockstep,
-                                SLOT_COMPLETIONS)
+            yield from generate(self.loaded, rest, self.cache, sampling=sampling, cached=cached, held=self.held,
+                                ended=ended, stop=stop, lockstep=lockstep, slot=SLOT_COMPLETIONS)
         finally:
             if not self.held:  # stopped while the prompt was processed: the cache holds part of it
                 from mlx_lm.models.cache import make_prompt_cache

@@ -26,7 +26,7 @@ from tqbench.runtime.warmup import first_generation
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sampling:
     max_tokens: int = 512
     temp: float = 0.0
@@ -47,7 +47,7 @@ class Sampling:
         return replace(base, **{k: v for k, v in given.items() if v is not None})
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Conversation:
     loaded: Loaded
     system: str | None = None
@@ -107,7 +107,7 @@ class Conversation:
             self.cache, cached = kept
             self.tokens = list(full[:cached])
         new = full[cached:]
-        yield ReplyStarted(len(new), cached)
+        yield ReplyStarted(prompt_tokens=len(new), cached_tokens=cached)
         self.tokens.extend(new)
         self.turns += 1
         if self.chat_template:
@@ -119,8 +119,8 @@ class Conversation:
                 self.messages.append({"role": "assistant", "content": done.text})
 
         try:
-            yield from generate(self.loaded, new, self.cache, sampling, cached, self.tokens, ended, lockstep=lockstep,
-                                checkpoint=keeper(self.store, full))
+            yield from generate(self.loaded, new, self.cache, sampling=sampling, cached=cached, held=self.tokens,
+                                ended=ended, lockstep=lockstep, checkpoint=keeper(self.store, full))
         finally:
             if not self.tokens:  # stopped while the prompt was processed: the cache holds part of it
                 self.reset_cache()
@@ -243,7 +243,9 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
             if not generated:  # the prompt is processed: its last token ran with the first step
                 prefill_s = head_s + (1 / r.prompt_tps if r.prompt_tps else 0.0)
                 if progress is not None:
-                    yield PrefillProgress(len(new), len(new), prefill_s, *_read_since(streamer, read_before))
+                    read, read_bytes = _read_since(streamer, read_before)
+                    yield PrefillProgress(done=len(new), total=len(new), seconds=prefill_s, experts_read=read,
+                                          bytes_read=read_bytes)
             generated.append(r.token)
             held.append(r.token)  # the cache holds every token generate_step has yielded
             decode_tps = r.generation_tps
@@ -254,7 +256,7 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
                 if cut >= 0:
                     piece, pending = pending[:cut], ""
                     text.append(piece)
-                    yield TokenOut(r.token, piece, thinking)
+                    yield TokenOut(id=r.token, text=piece, thinking=thinking)
                     finish = "stop"
                     break
                 keep = _stop_prefix(pending, stop) if r.finish_reason is None else 0
@@ -263,12 +265,12 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
                 finish = r.finish_reason
                 if piece:
                     text.append(piece)
-                    yield TokenOut(r.token, piece, thinking)
+                    yield TokenOut(id=r.token, text=piece, thinking=thinking)
                 break
             if THINK_OPEN in piece:
                 thinking = True
             text.append(piece)  # before the yield: a reply closed there keeps this token's text
-            yield TokenOut(r.token, piece, thinking)
+            yield TokenOut(id=r.token, text=piece, thinking=thinking)
             if THINK_CLOSE in piece:
                 thinking = False
     finally:
@@ -276,9 +278,10 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
             steps.close()  # here, on the MLX thread, not whenever it is collected
         else:  # stopped while the prompt was processed: the cache holds part of it, so nothing of it is reused
             held.clear()
-        done = ReplyDone("".join(text), len(new), cached, len(generated), len(new) / prefill_s if prefill_s else 0.0,
-                         decode_tps, int(mx.get_peak_memory()), finish, prefill_s=prefill_s,
-                         warmup=warmup, routing_changed=routing_changed(loaded.model, streamer),
+        done = ReplyDone(text="".join(text), prompt_tokens=len(new), cached_tokens=cached,
+                         generated_tokens=len(generated), prefill_tps=len(new) / prefill_s if prefill_s else 0.0,
+                         decode_tps=decode_tps, peak_memory_bytes=int(mx.get_peak_memory()), finish_reason=finish,
+                         prefill_s=prefill_s, warmup=warmup, routing_changed=routing_changed(loaded.model, streamer),
                          substitutions=(streamer.stats.substitutions - substituted) if streamer is not None else 0)
         ended(done)
     if finish == "cancelled":  # the loop ended without a final response: the caller stopped early

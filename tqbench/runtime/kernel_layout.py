@@ -84,7 +84,7 @@ def choose_layout(levels: int, n: int, out: int, pairs: int = 1, batch: int = 1,
         return cuda_layout(levels, n)
     last = None
     for lay in _metal_candidates(levels, n):
-        if _fits(levels, n, out, experts, batch, lay):
+        if _fits(levels, n, out, experts=experts, batch=batch, lay=lay):
             return lay
         last = lay
     return last  # spills: `kernel_batch` keeps launches from getting here
@@ -95,6 +95,6 @@ def kernel_batch(levels: int, n: int, out: int, experts: int = 1, backend: str =
     if backend != "metal":
         return KERNEL_BATCH
     for batch in range(KERNEL_BATCH, 1, -1):
-        if any(_fits(levels, n, out, experts, batch, lay) for lay in _metal_candidates(levels, n)):
+        if any(_fits(levels, n, out, experts=experts, batch=batch, lay=lay) for lay in _metal_candidates(levels, n)):
             return batch
     return 1

@@ -98,7 +98,7 @@ def trit_digits(word: int, start: int, count: int) -> list[int]:
 TRIT_MAGIC = 0x4B000000  # float bits of 2^23: the multiply's addend makes the high word the float 2^23 + trit
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Dialect:
     name: str
     header: str
@@ -162,7 +162,7 @@ DIALECTS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Spec:
     """Everything one compiled kernel is specialised for."""
 

@@ -90,7 +90,7 @@ def make_spec(levels: int, group: int, n: int, out: int, experts: int, batch: in
               scale_dtype: str = "float16", book_dtype: str = "float16", pairs: int = 1, xdiv: int = 0,
               backend: str = "cuda", **layout) -> Spec:
     """The kernel of one launch, in `backend`'s layout (tqbench.runtime.kernel_layout) unless `layout` says."""
-    lay = choose_layout(levels, n, out, pairs, batch, backend, experts)
+    lay = choose_layout(levels, n, out, pairs=pairs, batch=batch, backend=backend, experts=experts)
     lay.update(layout)
     return Spec(levels=levels, group=group, n=n, out=out, experts=experts, batch=batch, gather=gather, xdiv=xdiv,
                 scale_dtype=scale_dtype, book_dtype=book_dtype, **lay)
@@ -109,8 +109,8 @@ def self_check_specs(kind: str, levels: int, group: int, sdtype, bdtype, backend
         return [spec for rows in SELF_CHECK_ROWS
                 for spec in matmul_specs(rows, levels, group, n, out, *names, backend=backend)]
     shape = (len(SELF_CHECK_INDICES), len(SELF_CHECK_INDICES[0]))
-    return gather_specs(SELF_CHECK_GATHER_X[-1], SELF_CHECK_GATHER_X[:-1], shape, levels, group, n, out, experts,
-                        *names, backend=backend)
+    return gather_specs(SELF_CHECK_GATHER_X[-1], SELF_CHECK_GATHER_X[:-1], shape, levels=levels, group=group, n=n,
+                        out=out, experts=experts, scale_dtype=names[0], book_dtype=names[1], backend=backend)
 
 
 def _launch_rows(rows: int, step: int) -> list[int]:
@@ -121,7 +121,8 @@ def _launch_rows(rows: int, step: int) -> list[int]:
 def matmul_specs(x_rows: int, levels: int, group: int, n: int, out: int, scale_dtype: str, book_dtype: str,
                  backend: str = "cuda", **layout) -> list[Spec]:
     """The kernel of each launch `fused_matmul` makes for `x_rows` rows of x: batches of up to `kernel_batch` rows."""
-    return [make_spec(levels, group, n, out, 1, m, False, scale_dtype, book_dtype, backend=backend, **layout)
+    return [make_spec(levels, group, n, out=out, experts=1, batch=m, gather=False, scale_dtype=scale_dtype,
+                      book_dtype=book_dtype, backend=backend, **layout)
             for m in _launch_rows(x_rows, kernel_batch(levels, n, out, 1, backend))]
 
 
@@ -132,8 +133,9 @@ def fused_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: 
     out = weight.shape[-2]
     lead = x_rot.shape[:-1]
     x2 = x_rot.reshape(-1, n).astype(mx.float32)
-    specs = matmul_specs(x2.shape[0], codebook.shape[0], n // scales.shape[-1], n, out, dtype_name(scales.dtype),
-                         dtype_name(codebook.dtype), backend, **layout)
+    specs = matmul_specs(x2.shape[0], codebook.shape[0], n // scales.shape[-1], n=n, out=out,
+                         scale_dtype=dtype_name(scales.dtype), book_dtype=dtype_name(codebook.dtype), backend=backend,
+                         **layout)
     parts = []
     s = 0
     for spec in specs:
@@ -162,8 +164,8 @@ def gather_specs(m: int, xbatch: tuple, ishape: tuple, levels: int, group: int, 
     """The kernel of each launch `fused_gather` makes for x (*xbatch, m, n) and indices of shape `ishape`."""
     bshape = tuple(mx.broadcast_shapes(tuple(xbatch), tuple(ishape)))
     npairs, xdiv = math.prod(bshape), _x_divisor(tuple(xbatch), bshape)
-    return [make_spec(levels, group, n, out, experts, b, True, scale_dtype, book_dtype, pairs=npairs, xdiv=xdiv,
-                      backend=backend, **layout)
+    return [make_spec(levels, group, n, out=out, experts=experts, batch=b, gather=True, scale_dtype=scale_dtype,
+                      book_dtype=book_dtype, pairs=npairs, xdiv=xdiv, backend=backend, **layout)
             for b in _launch_rows(m, kernel_batch(levels, n, out, experts, backend))]
 
 
@@ -187,8 +189,9 @@ def fused_gather(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: 
         xidx = mx.broadcast_to(mx.arange(nx, dtype=mx.uint32).reshape(xbatch), bshape).reshape(-1)
         sel = mx.stack([xidx, idx], axis=1)
     x3 = x_rot.reshape(nx, m, n).astype(mx.float32)
-    specs = gather_specs(m, xbatch, tuple(indices.shape), codebook.shape[0], n // scales.shape[-1], n, out, experts,
-                         dtype_name(scales.dtype), dtype_name(codebook.dtype), backend, **layout)
+    specs = gather_specs(m, xbatch, tuple(indices.shape), levels=codebook.shape[0], group=n // scales.shape[-1], n=n,
+                         out=out, experts=experts, scale_dtype=dtype_name(scales.dtype),
+                         book_dtype=dtype_name(codebook.dtype), backend=backend, **layout)
     parts = []
     s = 0
     for spec in specs:
@@ -241,7 +244,7 @@ def rel_error(a: mx.array, b: mx.array) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Dispatcher:
     """Chooses fused kernel or reference per call. `backend` None means detect (default_backend()); the kernels are
     pluggable (tests give stand-ins); each (kind, levels, group, dtype) is self-checked once, at first use. Every
@@ -293,13 +296,14 @@ class Dispatcher:
                 and indices * m <= 16 * self.max_rows and self._supported(n, weight.shape[1], weight, scales, codebook))
 
     def _ok(self, kind: str, backend: str, codebook: mx.array, scales: mx.array, n: int) -> bool:
-        return self.check(kind, backend, codebook.shape[0], n // scales.shape[-1], scales.dtype, codebook.dtype)
+        return self.check(kind, backend, levels=codebook.shape[0], group=n // scales.shape[-1], sdtype=scales.dtype,
+                          bdtype=codebook.dtype)
 
     def check(self, kind: str, backend: str, levels: int, group: int, sdtype, bdtype) -> bool:
         """Whether the fused kernel of this configuration passed its self-check: run once, at the first ask."""
         key = (kind, backend, levels, group, str(sdtype), str(bdtype))
         if key not in self.checked:
-            self.checked[key] = self._self_check(kind, backend, levels, group, sdtype, bdtype)
+            self.checked[key] = self._self_check(kind, backend, levels, group=group, sdtype=sdtype, bdtype=bdtype)
         return self.checked[key]
 
     def _self_check(self, kind: str, backend: str, levels: int, group: int, sdtype, bdtype) -> bool:
@@ -321,17 +325,19 @@ class Dispatcher:
             else:
                 x = mx.random.normal((*SELF_CHECK_GATHER_X, n), key=mx.random.key(7))
                 idx = mx.array(SELF_CHECK_INDICES, dtype=mx.uint32)
-                got = self.gather_kernel(x, weight, scales, book, idx, backend)
+                got = self.gather_kernel(x, weight, scales, book, idx, backend=backend)
                 with mx.stream(mx.cpu):
                     want = ref.gather_matmul(x, weight, scales, book, idx)
                 errs.append(rel_error(got, want))
             err = max(errs)
             if not err <= SELF_CHECK_TOL:  # NaN fails too
-                return self._fail(kind, backend, levels, group, sdtype, f"relative error {err:.3g} > {SELF_CHECK_TOL}")
+                return self._fail(kind, backend, levels=levels, group=group, sdtype=sdtype,
+                                  why=f"relative error {err:.3g} > {SELF_CHECK_TOL}")
             return True
         except Exception as e:  # noqa: BLE001 - any failure means: use the reference
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return self._fail(kind, backend, levels, group, sdtype, f"{type(e).__name__}: {msg[:200]}")
+            return self._fail(kind, backend, levels=levels, group=group, sdtype=sdtype,
+                              why=f"{type(e).__name__}: {msg[:200]}")
 
     def _fail(self, kind, backend, levels, group, sdtype, why) -> bool:
         line = (f"tqbench: fused TurboQuant kernel failed its self-check on {backend} ({kind}, {levels} levels, "
@@ -375,7 +381,8 @@ class Dispatcher:
                 and self._ok("matmul", backend, codebook, scales, n)):
             key = ("matmul", backend, codebook.shape[0], scales.shape[-1], str(scales.dtype), str(codebook.dtype), n,
                    weight.shape[0], rows)
-            return self._first_use(key, self._what("matmul", codebook, scales, n, weight.shape[0], f"{rows} rows of x"),
+            return self._first_use(key, self._what("matmul", codebook, scales, n=n, out=weight.shape[0],
+                                                   rows=f"{rows} rows of x"),
                                    lambda: self.matmul_kernel(x_rot, weight, scales, codebook, backend),
                                    lambda: ref.matmul(x_rot, weight, scales, codebook))
         return ref.matmul(x_rot, weight, scales, codebook)
@@ -385,16 +392,19 @@ class Dispatcher:
         backend = self.resolved_backend()
         n = x_rot.shape[-1]
         if (backend is not None and x_rot.ndim >= 2
-                and self.fits_gather(x_rot.shape[-2], indices.size, n, weight, scales, codebook)
+                and self.fits_gather(x_rot.shape[-2], indices.size, n, weight=weight, scales=scales, codebook=codebook)
                 and self._ok("gather", backend, codebook, scales, n)):
             key = ("gather", backend, codebook.shape[0], scales.shape[-1], str(scales.dtype), str(codebook.dtype), n,
                    weight.shape[1], weight.shape[0], tuple(x_rot.shape[:-1]), tuple(indices.shape))
-            what = self._what("gather", codebook, scales, n, weight.shape[1],
-                              f"x {tuple(x_rot.shape)}, indices {tuple(indices.shape)}")
+            what = self._what("gather", codebook, scales, n=n, out=weight.shape[1],
+                              rows=f"x {tuple(x_rot.shape)}, indices {tuple(indices.shape)}")
             return self._first_use(key, what,
-                                   lambda: self.gather_kernel(x_rot, weight, scales, codebook, indices, backend),
-                                   lambda: ref.gather_matmul(x_rot, weight, scales, codebook, indices, sorted_indices))
-        return ref.gather_matmul(x_rot, weight, scales, codebook, indices, sorted_indices)
+                                   lambda: self.gather_kernel(x_rot, weight, scales, codebook, indices,
+                                                              backend=backend),
+                                   lambda: ref.gather_matmul(x_rot, weight, scales, codebook=codebook, indices=indices,
+                                                             sorted_indices=sorted_indices))
+        return ref.gather_matmul(x_rot, weight, scales, codebook=codebook, indices=indices,
+                                 sorted_indices=sorted_indices)
 
 
 dispatcher = Dispatcher()  # the process's: benchmarks read its self-checks and warnings
@@ -406,4 +416,5 @@ def matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.arr
 
 def gather_matmul(x_rot: mx.array, weight: mx.array, scales: mx.array, codebook: mx.array, indices: mx.array,
                   sorted_indices: bool = False) -> mx.array:
-    return dispatcher.gather_matmul(x_rot, weight, scales, codebook, indices, sorted_indices)
+    return dispatcher.gather_matmul(x_rot, weight, scales, codebook=codebook, indices=indices,
+                                    sorted_indices=sorted_indices)

@@ -75,7 +75,8 @@ class TurboQuantSwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         xr = ref.rotate_input(x, self.signs, self.block)
-        y = kernels.gather_matmul(xr, self.weight, self.scales, self.codebook, indices, sorted_indices)
+        y = kernels.gather_matmul(xr, self.weight, self.scales, codebook=self.codebook, indices=indices,
+                                  sorted_indices=sorted_indices)
         if "bias" in self:
             y = y + mx.expand_dims(self.bias[indices].astype(mx.float32), -2)
         return y.astype(x.dtype)

@@ -45,7 +45,7 @@ class LoadError(CheckpointError):
     """A model directory that cannot be run."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Loaded:
     model: nn.Module
     tokenizer: Any  # mlx_lm's TokenizerWrapper
@@ -218,7 +218,8 @@ def load(given: str | Path, trust_remote_code: bool = False, *, lazy: bool = Fal
             except (ValueError, OSError) as e:  # transformers: no tokenizer files, a broken tokenizer.json, ...
                 raise LoadError(f"cannot load its tokenizer ({_one_line(e)})", path) from None
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    return Loaded(model, tok, config, path, model_type(config), len(swapped), nbytes, streamer, pipeline)
+    return Loaded(model=model, tokenizer=tok, config=config, path=path, model_type=model_type(config),
+                  turboquant_modules=len(swapped), weight_bytes=nbytes, streamer=streamer, pipeline=pipeline)
 
 
 def _stream(model: nn.Module, path: Path, config: Any, pipeline: Any = None, store: Any = None):
@@ -386,9 +387,10 @@ def swap_turboquant(model: nn.Module, weights: dict[str, mx.array], rotations: d
         bias = f"{p}.bias" in weights
         try:
             if weight.ndim == 3:
-                m = TurboQuantSwitchLinear(n, scales.shape[-2], weight.shape[0], levels, group, block, bias)
+                m = TurboQuantSwitchLinear(n, scales.shape[-2], weight.shape[0], levels=levels, group_size=group,
+                                           block=block, bias=bias)
             else:
-                m = TurboQuantLinear(n, scales.shape[-2], levels, group, block, bias)
+                m = TurboQuantLinear(n, scales.shape[-2], levels, group_size=group, block=block, bias=bias)
         except ValueError as e:
             raise LoadError(f"tensor {key}: {e}", path) from None
         if m.weight.shape != weight.shape:

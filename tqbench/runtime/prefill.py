@@ -44,7 +44,8 @@ def prefill(loaded: Loaded, tokens: list[int], cache: list[Any], total: int | No
     with mx.stream(generation_stream):
         if layer_major(loaded, cache) and len(tokens) > step:
             for start in range(0, len(tokens), window):
-                yield from _layer_major(loaded, tokens[start:start + window], cache, step, clock, start)
+                yield from _layer_major(loaded, tokens[start:start + window], cache, step=step, clock=clock,
+                                        before=start)
             return
         done = 0
         while done < len(tokens):
@@ -75,9 +76,10 @@ class _Clock:
 
     def progress(self, done: int, layers_done: int = 0, layers: int = 0, window: int = 0) -> PrefillProgress:
         s = self.stats
-        return PrefillProgress(done, self.total, time.perf_counter() - self.t0, s.misses - self.misses if s else 0,
-                               s.critical_bytes - self.read if s else 0, layers_done=layers_done, layers=layers,
-                               window=window)
+        return PrefillProgress(done=done, total=self.total, seconds=time.perf_counter() - self.t0,
+                               experts_read=s.misses - self.misses if s else 0,
+                               bytes_read=s.critical_bytes - self.read if s else 0, layers_done=layers_done,
+                               layers=layers, window=window)
 
 
 class _FromOffset:
@@ -122,7 +124,7 @@ class _FromOffset:
 def _layer_major(loaded: Loaded, tokens: list[int], cache: list[Any], step: int, clock: _Clock,
                  before: int) -> Iterator[PrefillProgress]:
     """One window of `tokens` (the prompt's `before` tokens already in `cache`), layer by layer."""
-    from greenlet import greenlet, getcurrent
+    from greenlet import getcurrent, greenlet
 
     streamer = loaded.streamer
     here = getcurrent()

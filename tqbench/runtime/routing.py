@@ -12,7 +12,7 @@ import mlx.nn as nn
 from tqbench.errors import TqbenchError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ActiveExperts:
     native: int
     active: int
@@ -73,12 +73,12 @@ def set_active_experts(model: nn.Module, k: int) -> ActiveExperts:
         raise TqbenchError(f"--max-active-experts {k}: choose 1..{native} (the model routes to {native}), or 0 for "
                            "native")
     if k == current:
-        return ActiveExperts(native, k, 0)
+        return ActiveExperts(native=native, active=k, layers=0)
     for obj, attr in knobs:
         if id(obj) not in seen:
             seen.add(id(obj))
             setattr(obj, attr, k)
-    return ActiveExperts(native, k, len(knobs))
+    return ActiveExperts(native=native, active=k, layers=len(knobs))
 
 
 def routing_changed(model: nn.Module, streamer=None) -> bool:

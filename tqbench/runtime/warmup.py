@@ -63,9 +63,11 @@ def decode_kernels(model: nn.Module, dispatcher: kernels.Dispatcher | None = Non
                         ((sorted_,), (sorted_,), sorted_)]  # (x batch shape, indices shape, routings)
             levels, group, n, out, sdtype, bdtype = _product(proj)
             for xbatch, ishape, routings in products:
-                if d.fits_gather(1, routings, n, proj.weight, proj.scales, proj.codebook):
-                    specs.update(dict.fromkeys(kernels.gather_specs(1, xbatch, ishape, levels, group, n, out,
-                                                                    proj.weight.shape[0], sdtype, bdtype, backend)))
+                if d.fits_gather(1, routings, n, weight=proj.weight, scales=proj.scales, codebook=proj.codebook):
+                    specs.update(dict.fromkeys(kernels.gather_specs(1, xbatch, ishape, levels=levels, group=group, n=n,
+                                                                    out=out, experts=proj.weight.shape[0],
+                                                                    scale_dtype=sdtype, book_dtype=bdtype,
+                                                                    backend=backend)))
     return list(specs)
 
 
@@ -129,9 +131,10 @@ def build_kernels(model: nn.Module, dispatcher: kernels.Dispatcher | None = None
     for done, spec in enumerate(specs, 1):
         cached = build(spec)
         compiled += not cached
-        yield KernelsCompiling(done, len(specs), kernel_name(spec, "cuda"), cached, compiled, time.perf_counter() - t0)
+        yield KernelsCompiling(done=done, total=len(specs), name=kernel_name(spec, "cuda"), cached=cached,
+                               compiled=compiled, elapsed_s=time.perf_counter() - t0)
     for kind, levels, group, sdtype, bdtype in _configurations(specs):
-        d.check(kind, "cuda", levels, group, sdtype, bdtype)
+        d.check(kind, "cuda", levels=levels, group=group, sdtype=sdtype, bdtype=bdtype)
 
 
 def _build_cubin(spec: Spec) -> bool:
@@ -163,11 +166,11 @@ def mlx_warmup() -> MlxWarmup | None:
         return None
     _warmed = True
     held = _mlx_cached()
-    return MlxWarmup(held == 0, held)
+    return MlxWarmup(first_run=held == 0, cached=held)
 
 
 def mlx_warmed(warmup: MlxWarmup, seconds: float) -> MlxWarmedUp:
-    return MlxWarmedUp(seconds, max(0, _mlx_cached() - warmup.cached))
+    return MlxWarmedUp(seconds=seconds, compiled=max(0, _mlx_cached() - warmup.cached))
 
 
 def _mlx_cached() -> int:

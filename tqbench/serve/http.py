@@ -206,8 +206,8 @@ class _Handler(BaseHTTPRequestHandler):
                         self.wfile.flush()
                     case CompletionDelta() if stream:
                         if ev.content or ev.reasoning or ev.tool_calls:
-                            self._sse(openai.chunk(kind, rid, model, ev.content, ev.reasoning,
-                                                   _calls(ev.tool_calls, True, streamed_calls)))
+                            self._sse(openai.chunk(kind, rid, model, text=ev.content, reasoning=ev.reasoning,
+                                                   tool_calls=_calls(ev.tool_calls, True, streamed_calls)))
                         streamed_calls += len(ev.tool_calls)
                     case CompletionDone():
                         done = ev
@@ -244,8 +244,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         else:  # the whole answer, as the engine split it
-            self._send_json(200, openai.response(kind, rid, model, done.content, done.reasoning,
-                                                 _calls(done.tool_calls, False), finish, use))
+            self._send_json(200, openai.response(kind, rid, model, text=done.content, reasoning=done.reasoning,
+                                                 tool_calls=_calls(done.tool_calls, False), finish=finish, use=use))
 
     def _body(self) -> bytes:
         length = self.headers.get("Content-Length")

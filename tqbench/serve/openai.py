@@ -33,7 +33,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ApiRequest:
     """A checked request: what to run, and how to answer."""
 
@@ -98,7 +98,7 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
         raise ApiError(400, f"seed {seed}: give 0 to 2^63-1", "seed")
     if top_p is not None:  # OpenAI's 1 is tqbench's 0 (off); its 0 keeps only the likeliest token
         top_p = 0.0 if top_p >= 1.0 else max(top_p, 1e-6)
-    sampling = SamplingRequest(max_tokens, temp, top_p, top_k, seed)
+    sampling = SamplingRequest(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed)
     stop = _stop(body.get("stop"))
     if kind == "chat":
         messages = _messages(body.get("messages"))
@@ -106,7 +106,7 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
         completion = CompletionRequest(messages=messages, tools=tools, sampling=sampling, stop=stop)
     else:
         completion = CompletionRequest(prompt=_prompt(body.get("prompt")), sampling=sampling, stop=stop)
-    return ApiRequest(kind, model, completion, stream, include_usage)
+    return ApiRequest(kind=kind, model=model, completion=completion, stream=stream, include_usage=include_usage)
 
 
 def _opt(body: dict[str, Any], name: str, kind: type) -> Any:

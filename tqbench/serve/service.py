@@ -32,7 +32,7 @@ WATCH_QUEUE = 4096  # events a watcher may fall behind by before it loses some
 RECENT = 32  # requests the rates and Retry-After are taken over
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -42,7 +42,7 @@ class ServeOptions:
     max_requests: int = 0  # stop after this many completions (0: serve until stopped)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestDone:
     """One completion request's end, as the server answered it."""
 
@@ -60,7 +60,7 @@ class RequestDone:
     prefill_s: float = 0.0  # processing the prompt, to the first token
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServeStatus:
     """Everything a face shows about a server, at one moment."""
 
@@ -96,7 +96,7 @@ class QueueFull(ApiError):
                          type="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after)})
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Counts:
     ok: int = 0
     cancelled: int = 0
@@ -192,8 +192,9 @@ class Service:
             self._prefill = None
             with self._lock:
                 self._admitted -= 1
-            rec = self._count(request, rid, outcome, done.reply if done else (ended[0] if ended else None),
-                              done.finish_reason if done else "cancelled", arrived, started or end, first or end, end)
+            rec = self._count(request, rid, outcome, r=done.reply if done else (ended[0] if ended else None),
+                              finish=done.finish_reason if done else "cancelled", arrived=arrived,
+                              started=started or end, first=first or end, end=end)
             status = self.status()
             self._publish(rec)
             self._publish(status)
@@ -202,9 +203,11 @@ class Service:
 
     def _count(self, request: ApiRequest, rid: str, outcome: str, r, finish: str, arrived: float, started: float,
                first: float, end: float) -> RequestDone:
-        rec = RequestDone(rid, request.kind, outcome, finish, r.prompt_tokens if r else 0, r.cached_tokens if r else 0,
-                          r.generated_tokens if r else 0, started - arrived, first - arrived,
-                          r.decode_tps if r else 0.0, end - arrived, r.prefill_s if r else 0.0)
+        rec = RequestDone(id=rid, kind=request.kind, outcome=outcome, finish_reason=finish,
+                          prompt_tokens=r.prompt_tokens if r else 0, cached_tokens=r.cached_tokens if r else 0,
+                          completion_tokens=r.generated_tokens if r else 0, queued_s=started - arrived,
+                          ttft_s=first - arrived, decode_tps=r.decode_tps if r else 0.0, seconds=end - arrived,
+                          prefill_s=r.prefill_s if r else 0.0)
         with self._lock:
             c = self._counts
             name = {"ok": "ok", "cancelled": "cancelled", "error": "failed"}[outcome]
@@ -232,12 +235,15 @@ class Service:
             decode_s = sum((r.completion_tokens - 1) / r.decode_tps for r in c.recent
                            if r.decode_tps > 0 and r.completion_tokens > 1)
             running = min(1, self._admitted)
-            return ServeStatus(self.model_id, self.url, time.monotonic() - self._t0, c.ok + c.cancelled + c.failed,
-                               c.ok, c.cancelled, c.failed, c.rejected, c.refused, running, self._admitted - running,
-                               c.prompt_tokens, c.cached_tokens, c.completion_tokens,
-                               tokens / decode_s if decode_s > 0 else 0.0, c.ttft_s, self._stream,
-                               self.loaded.stream.layers if self.loaded.stream is not None else (), c.prefill_s,
-                               self._prefill)
+            return ServeStatus(model=self.model_id, url=self.url, uptime_s=time.monotonic() - self._t0,
+                               requests=c.ok + c.cancelled + c.failed, ok=c.ok, cancelled=c.cancelled, failed=c.failed,
+                               rejected=c.rejected, refused=c.refused, running=running, queued=self._admitted - running,
+                               prompt_tokens=c.prompt_tokens, cached_tokens=c.cached_tokens,
+                               completion_tokens=c.completion_tokens,
+                               decode_tps=tokens / decode_s if decode_s > 0 else 0.0, ttft_s=c.ttft_s,
+                               stream=self._stream,
+                               layers=self.loaded.stream.layers if self.loaded.stream is not None else (),
+                               prefill_s=c.prefill_s, prefilling=self._prefill)
 
     def watch(self) -> Watcher:
         """A live feed of this server's events (PageIn, RequestDone, ServeStatus); close it when done."""

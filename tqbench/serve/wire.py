@@ -35,8 +35,8 @@ def decode_event(d: dict[str, Any]) -> PageIn | RequestDone | ServeStatus | None
     """A record from an event_dict (None for an event this version does not know)."""
     kind = d.get("event")
     if kind == "page_in":
-        return PageIn(d["token"], d["layer"], tuple(d["experts"]), tuple(d["served"]), d["bytes_read"], d["stall_s"],
-                      d.get("cache_bytes", 0))
+        return PageIn(token=d["token"], layer=d["layer"], experts=tuple(d["experts"]), served=tuple(d["served"]),
+                      bytes_read=d["bytes_read"], stall_s=d["stall_s"], cache_bytes=d.get("cache_bytes", 0))
     if kind == "request":
         return RequestDone(**{f.name: d[f.name] for f in fields(RequestDone) if f.name in d})
     if kind == "status":
@@ -55,9 +55,11 @@ def decode_status(d: dict[str, Any]) -> ServeStatus:
         prefill = d["stream"].get("prefill") or {}
         stats.prefill_hits, stats.prefill_misses = prefill.get("hits", 0), prefill.get("misses", 0)
         stats.prefill_bytes, stats.prefill_stall_s = prefill.get("critical_bytes", 0), prefill.get("stall_s", 0.0)
-        ranks = tuple(RankStats(r["rank"], tuple(r["layers"]), r["streamed"], r["hits_gpu"], r["hits_host"],
-                                r["misses"], r["critical_bytes"], r["stall_s"], r["tokens"]) for r in d.get("ranks", ()))
-        stream = StreamReport(stats, None, None, ranks=ranks)
+        ranks = tuple(RankStats(rank=r["rank"], layers=tuple(r["layers"]), streamed=r["streamed"],
+                                hits_gpu=r["hits_gpu"], hits_host=r["hits_host"], misses=r["misses"],
+                                critical_bytes=r["critical_bytes"], stall_s=r["stall_s"],
+                                tokens=r["tokens"]) for r in d.get("ranks", ()))
+        stream = StreamReport(stats=stats, disk=None, profile=None, ranks=ranks)
     plain = {f.name: d[f.name] for f in fields(ServeStatus) if f.name not in ("stream", "layers", "prefilling")
              and f.name in d}
     prefilling = PrefillProgress(**d["prefilling"]) if d.get("prefilling") else None

@@ -45,7 +45,7 @@ _DTYPES = {d: d for d in DTYPE_SIZES}  # the one string object of each dtype nam
 MAX_HEADER_BYTES = 100_000_000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TensorSpec:
     """One tensor: the one record used for what a shard header says, what a conversion plans to write and what a
     writer streams. `shard` and `offset` say where it lies once in a file (`offset` absolute within the file);
@@ -71,7 +71,7 @@ class TensorSpec:
                 "streamed": self.streamed}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardHeader:
     """One shard's header as read from its file, every tensor entry validated (a checkpoint keeps a summary of it:
     tqbench.source.checkpoint.ShardSummary)."""
@@ -130,10 +130,11 @@ def parse_header(raw: bytes, size: int, path: Path, name: str, where: str | None
                 raise CheckpointError("__metadata__ is not a JSON object of strings", where)
             metadata = value
         else:
-            tensors.append(_entry(where, name, key, value, data_start, shapes))
+            tensors.append(_entry(where, name, key, value=value, data_start=data_start, shapes=shapes))
     _check_bounds(where, tensors, size)
     tensors.sort(key=lambda t: t.offset)
-    return ShardHeader(name, Path(path), size, data_start, metadata, tuple(tensors))
+    return ShardHeader(file=name, path=Path(path), file_size=size, data_start=data_start, metadata=metadata,
+                       tensors=tuple(tensors))
 
 
 def _items(text: str, path: Path) -> Iterator[tuple[str, object]]:
@@ -180,7 +181,8 @@ def _entry(path: Path, shard: str, key: str, value: object, data_start: int,
             f"tensor {key!r}: {nbytes} bytes in the file but shape {shape} x {dtype} needs {expected}", path
         )
     shape = tuple(shape)
-    return TensorSpec(key, _DTYPES[dtype], shapes.setdefault(shape, shape), shard, data_start + offsets[0])
+    return TensorSpec(name=key, dtype=_DTYPES[dtype], shape=shapes.setdefault(shape, shape), shard=shard,
+                      offset=data_start + offsets[0])
 
 
 def _check_bounds(path: Path, tensors: list[TensorSpec], size: int) -> None:

@@ -58,7 +58,7 @@ class ResumeError(ValueError):
     the specs): the caller writes the shard over."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WriterMark:
     """A point up to which `<shard>.partial` is durably written: the header and the first `tensors` tensors."""
 
@@ -75,7 +75,7 @@ class WriterMark:
         for key, value in d.items():
             if type(value) is not int or value < 0:
                 raise ValueError(f"writer mark: {key} must be a non-negative integer, not {value!r}")
-        return cls(d["nbytes"], d["tensors"])
+        return cls(nbytes=d["nbytes"], tensors=d["tensors"])
 
 
 def _datasync(fd: int) -> None:
@@ -228,7 +228,7 @@ class ShardWriter:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        self._mark = WriterMark(self.nbytes, self._next)
+        self._mark = WriterMark(nbytes=self.nbytes, tensors=self._next)
         return self._mark
 
     def close(self) -> Path:
@@ -354,7 +354,7 @@ class _Worker:
 
 def save_shard(path: Path, tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str] | None = None) -> Path:
     """Write a whole shard from `{name: (dtype, array)}` in insertion order."""
-    specs = [TensorSpec(n, dt, tuple(a.shape)) for n, (dt, a) in tensors.items()]
+    specs = [TensorSpec(name=n, dtype=dt, shape=tuple(a.shape)) for n, (dt, a) in tensors.items()]
     with ShardWriter(path, specs, metadata) as w:
         for n, (_, a) in tensors.items():
             w.write(n, a)

@@ -25,7 +25,7 @@ _METADATA_PARAMS = {"weight_scale", "weight_scale_inv", "scales", "biases", "cod
                     "weight_zero_point", "weight_global_scale", "input_global_scale"}
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Kind:
     """What one or many tensors are: every expert's tensor of one layer, projection and param in one shard shares one
     Kind. `name` is the classification (for per-expert tensors: expert 0's). `format` and `params` are filled in
@@ -44,7 +44,7 @@ class Kind:
         return n if expert is None else f"{n[:self.split]}{expert}{n[self.split + 1:]}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Tensor:
     """One classified tensor: its shared Kind, its absolute offset in its shard and, for a per-expert tensor, the
     expert. Names and header entries are built when asked for, so a checkpoint of 82,432 experts (half a million
@@ -57,7 +57,8 @@ class Tensor:
     @property
     def entry(self) -> TensorSpec:
         k = self.info
-        return TensorSpec(k.tensor_name(self.expert), k.dtype, k.shape, k.shard, self.offset)
+        return TensorSpec(name=k.tensor_name(self.expert), dtype=k.dtype, shape=k.shape, shard=k.shard,
+                          offset=self.offset)
 
     @property
     def kind(self) -> TensorName:
@@ -77,8 +78,9 @@ class Tensor:
         if self.expert is None:
             return t
         module = t.module.replace(".experts.0.", f".experts.{self.expert}.", 1)
-        return TensorName(self.info.tensor_name(self.expert), t.role, module, t.param, t.layer, self.expert,
-                          t.stacked, t.projection, t.attention)
+        return TensorName(name=self.info.tensor_name(self.expert), role=t.role, module=module, param=t.param,
+                          layer=t.layer, expert=self.expert, stacked=t.stacked, projection=t.projection,
+                          attention=t.attention)
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +88,7 @@ class Tensor:
         return math.prod(k.shape) * DTYPE_SIZES[k.dtype]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardSummary:
     """A shard as the checkpoint keeps it: its ShardHeader's facts, without its tensor entries (only their count)."""
 
@@ -104,13 +106,13 @@ class IncompleteCheckpoint(CheckpointError):
     exit_code = ExitCode.INCOMPLETE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MissingShard:
     file: str
     tensors: tuple[str, ...]  # what the index says lives there
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HubOrigin:
     """Where a checkpoint opened from the hub comes from, and what opening it fetched."""
 
@@ -135,7 +137,7 @@ class HubOrigin:
             f"{self.repo_id}@{self.revision} ({short})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Checkpoint:
     path: Path  # the directory: for a hub checkpoint, its commit's folder in the Hugging Face cache
     config: ModelConfig
@@ -191,15 +193,17 @@ def assemble(root: Path, config: ModelConfig, headers: Iterable[ShardHeader | Mi
             missing.append(header)
             continue
         tensors.extend(table.add(where, t) for t in header.tensors)
-        shards.append(ShardSummary(header.file, header.path, header.file_size, header.data_start, header.metadata,
-                                   len(header.tensors)))
+        shards.append(ShardSummary(file=header.file, path=header.path, file_size=header.file_size,
+                                   data_start=header.data_start, metadata=header.metadata, tensors=len(header.tensors)))
         del header
-        yield ShardScanned(i, count, shards[-1].file, shards[-1].tensors, fetched())
+        yield ShardScanned(index=i, total=count, file=shards[-1].file, tensors=shards[-1].tensors,
+                           fetched_bytes=fetched())
 
     table.check_experts(where, config, (n for m in missing for n in m.tensors))
     table.resolve(config, f"{where}/config.json")
-    yield CheckpointOpened(Checkpoint(root, config, tuple(shards), tuple(tensors), tuple(missing), index_total_size,
-                                      origin() if origin else None))
+    yield CheckpointOpened(checkpoint=Checkpoint(path=root, config=config, shards=tuple(shards), tensors=tuple(tensors),
+                                                 missing=tuple(missing), index_total_size=index_total_size,
+                                                 origin=origin() if origin else None))
 
 
 def shard_files(root: Path, index: ShardIndex | None) -> list[str]:
@@ -217,7 +221,7 @@ def shard_headers(root: Path, index: ShardIndex | None, files: list[str]) -> Ite
     checked against the index; a MissingShard for a file the index names that is not there."""
     for file in files:
         if not (root / file).is_file():
-            yield MissingShard(file, tuple(sorted(index.names(file))) if index else ())
+            yield MissingShard(file=file, tensors=tuple(sorted(index.names(file))) if index else ())
             continue
         header = read_header(root / file, file)
         if index is not None and not index.matches(file, (t.name for t in header.tensors)):
@@ -277,7 +281,7 @@ class _Table:
         key = (id(name), t.dtype, t.shape, t.shard, split)
         k = self.kinds.get(key)
         if k is None:
-            k = self.kinds[key] = Kind(name, t.dtype, t.shape, t.shard, split)
+            k = self.kinds[key] = Kind(name=name, dtype=t.dtype, shape=t.shape, shard=t.shard, split=split)
         if expert is None:
             first = self.seen.setdefault(t.name, t.shard)
             if first != t.shard:
@@ -285,7 +289,7 @@ class _Table:
         else:
             self._see_expert(root, t, name, expert)
             expert = self.numbers.setdefault(expert, expert)
-        return Tensor(k, t.offset, expert)
+        return Tensor(info=k, offset=t.offset, expert=expert)
 
     def _see_expert(self, root: Path, t: TensorSpec, name: TensorName, expert: int) -> None:
         seen = self.experts_seen.setdefault(id(name), {})  # shard -> bitmap of the experts it holds
@@ -337,7 +341,8 @@ class _Table:
         # A module's tensors by param (for the experts of one layer and projection: expert 0's, as all are alike).
         modules: dict[str, dict[str, TensorSpec]] = defaultdict(dict)
         for k in kinds:
-            modules[k.name.module].setdefault(k.name.param, TensorSpec(k.name.name, k.dtype, k.shape, k.shard))
+            modules[k.name.module].setdefault(k.name.param,
+                                              TensorSpec(name=k.name.name, dtype=k.dtype, shape=k.shape, shard=k.shard))
         block = QuantizationBlock.from_config(config.quantization, config_file)
         resolved: dict[int, TensorName] = {}
         for k in kinds:
@@ -347,7 +352,8 @@ class _Table:
             parts = modules[n.module]
             entry = block.module(n.module) if block else None
             k.format = entry.format if entry else module_format(parts, config)
-            k.params = _params(TensorSpec(n.name, k.dtype, k.shape), n, parts, k.format, config, entry)
+            k.params = _params(TensorSpec(name=n.name, dtype=k.dtype, shape=k.shape), n, parts, fmt=k.format,
+                               config=config, entry=entry)
 
 
 def module_format(parts: dict[str, TensorSpec], config: ModelConfig) -> str:

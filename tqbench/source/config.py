@@ -17,7 +17,7 @@ def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     raw: dict[str, Any] = field(repr=False)
     model_type: str

@@ -31,7 +31,7 @@ def _digest(names: Iterable[str]) -> tuple[int, int]:
     return count, total
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardIndex:
     path: Path
     files: dict[str, tuple[int, int]]  # shard file -> (tensor count, checksum of the names)
@@ -69,8 +69,8 @@ def read_index(root: Path) -> ShardIndex | None:
         if Path(file).is_absolute() or (root / file).resolve().parent != base:
             raise CheckpointError(f"shard path {file!r} points outside the checkpoint directory", path)
     total = _metadata(text).get("total_size")
-    return ShardIndex(path, {f: (c, d) for f, (c, d) in names.items()},
-                      int(total) if isinstance(total, (int, float)) else None)
+    return ShardIndex(path=path, files={f: (c, d) for f, (c, d) in names.items()},
+                      total_size=int(total) if isinstance(total, (int, float)) else None)
 
 
 def _pairs(text: str, path: Path) -> Iterator[tuple[str, str]]:

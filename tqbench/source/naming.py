@@ -71,7 +71,7 @@ _STACKED = re.compile(r"\.(?:switch_mlp|experts)\.(gate_proj|up_proj|down_proj|g
 _NON_TEXT = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector", "visual.")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TensorName:
     """What a tensor name says about the tensor."""
 
@@ -104,10 +104,10 @@ def classify(name: str) -> TensorName:
 
     def make(role: Role, **kw) -> TensorName:
         kw.setdefault("projection", last)
-        return TensorName(name, role, module, param, layer, **kw)
+        return TensorName(name=name, role=role, module=module, param=param, layer=layer, **kw)
 
     if any(w in inner for w in _NON_TEXT) or "mtp" in inner.split(".")[:2]:
-        return TensorName(name, Role.OTHER, module, param, projection=last)
+        return TensorName(name=name, role=Role.OTHER, module=module, param=param, projection=last)
     if "attn_res" in inner or "attention_res" in inner or "mlp_res" in inner:
         return make(Role.ATTN_RES)
     if e := _EXPERT.search(inner + "."):

@@ -23,7 +23,7 @@ from tqbench.managed import GpuPrefetch, default_prefetch, host_view
 ALIGN = 4096  # regions start on page boundaries (a dtype view of any region is aligned)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Region:
     start: int
     end: int
@@ -54,7 +54,7 @@ class Arena:
         start = self._fit(size)
         if start is None:
             return None
-        r = Region(start, start + nbytes)
+        r = Region(start=start, end=start + nbytes)
         self._live.append(r)
         self._head = start + size
         self.prefetch.to_host(self.view[r.start:r.end])

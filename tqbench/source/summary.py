@@ -25,7 +25,7 @@ _FORMAT_NAMES = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Group:
     key: str
     tensors: int
@@ -34,7 +34,7 @@ class Group:
     formats: tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerSummary:
     layer: int
     attention: str | None  # kda / mla / generic
@@ -46,7 +46,7 @@ class LayerSummary:
     expert_bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExpertSummary:
     moe_layers: int
     experts_per_layer: int
@@ -59,7 +59,7 @@ class ExpertSummary:
     routed_bytes: int  # every routed-expert tensor: the experts' pages and the per-layer codebooks and signs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Summary:
     schema: str
     path: str
@@ -86,8 +86,8 @@ def _group(key: str, tensors: list[Tensor]) -> Group:
     formats = Counter()
     for t in tensors:
         formats[t.format] += t.nbytes
-    return Group(key, len(tensors), sum(t.params for t in tensors), sum(t.nbytes for t in tensors),
-                 tuple(f for f, _ in formats.most_common()))
+    return Group(key=key, tensors=len(tensors), params=sum(t.params for t in tensors),
+                 bytes=sum(t.nbytes for t in tensors), formats=tuple(f for f, _ in formats.most_common()))
 
 
 def detect_format(ckpt: Checkpoint) -> str:
@@ -142,8 +142,9 @@ def _layer(i: int, tensors: list[Tensor]) -> LayerSummary:
     attention = next((t.name.attention for t in tensors if t.name.role is Role.ATTENTION), None)
     routed = [t for t in tensors if t.name.role is Role.ROUTED_EXPERT]
     mlp = "moe" if routed else "dense" if any(t.name.role is Role.DENSE_MLP for t in tensors) else None
-    return LayerSummary(i, attention, mlp, len(tensors), sum(t.params for t in tensors),
-                        sum(t.nbytes for t in tensors), _expert_count(routed), sum(t.nbytes for t in routed))
+    return LayerSummary(layer=i, attention=attention, mlp=mlp, tensors=len(tensors),
+                        params=sum(t.params for t in tensors), bytes=sum(t.nbytes for t in tensors),
+                        experts=_expert_count(routed), expert_bytes=sum(t.nbytes for t in routed))
 
 
 def _expert_count(routed: list[Tensor]) -> int:

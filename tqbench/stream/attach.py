@@ -98,9 +98,10 @@ def router(block: nn.Module) -> Any:
     if args is not None and hasattr(args, "num_experts_per_token") and "e_score_correction_bias" in block:
         from mlx_lm.models.kimi_k3 import _group_expert_select  # kimi_k3
 
-        return lambda x: _group_expert_select(gate(x), block.e_score_correction_bias, args.num_experts_per_token,
-                                              args.num_expert_group, args.topk_group, args.routed_scaling_factor,
-                                              args.moe_renormalize)[0]
+        return lambda x: _group_expert_select(gate(x), block.e_score_correction_bias, top_k=args.num_experts_per_token,
+                                              n_group=args.num_expert_group, topk_group=args.topk_group,
+                                              routed_scaling_factor=args.routed_scaling_factor,
+                                              renormalize=args.moe_renormalize)[0]
     if hasattr(gate, "top_k") and hasattr(gate, "norm_topk_prob"):  # deepseek_v3: the gate returns (inds, scores)
         return lambda x: gate(x)[0]
     if hasattr(block, "top_k"):  # qwen3_moe: softmax top-k
@@ -145,7 +146,8 @@ def _wrap_for_cache_routing(model: nn.Module, blocks: list[str], originals: list
         if bias_at is None or native is None:
             raise TqbenchError(f"--cache-routing: {path}'s router has no selection bias to favour cached experts "
                                "with (kimi_k3 and deepseek_v3 have one); leave it at 0 for this model")
-        wraps.append((path, CacheRoutedBlock(block, layer, bias_at, native, streamer.config.cache_routing, streamer)))
+        wraps.append((path, CacheRoutedBlock(block, layer, bias_at, native=native, margin=streamer.config.cache_routing,
+                                             streamer=streamer)))
     model.update_modules(_tree(wraps))
 
 

@@ -12,7 +12,7 @@ from tqbench.machine import machine
 from tqbench.recipe.fit import RESERVE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelBytes:
     total: int  # the safetensors files
     experts: int  # every routed expert's bytes
@@ -33,7 +33,8 @@ def model_bytes(path: str | Path, store: Any = None) -> ModelBytes:
         store.close()
     total = sum((store.root / f).stat().st_size for f in store.files)
     layers = store.layers.values()
-    return ModelBytes(total, sum(lay.nbytes * lay.experts for lay in layers), max(lay.nbytes for lay in layers))
+    return ModelBytes(total=total, experts=sum(lay.nbytes * lay.experts for lay in layers),
+                      one_expert=max(lay.nbytes for lay in layers))
 
 
 def auto_budget(path: str | Path, gpu_limit: int | None = None, store: Any = None) -> int:
@@ -46,7 +47,7 @@ def auto_budget(path: str | Path, gpu_limit: int | None = None, store: Any = Non
 HOST_RESERVE = 8 * 10**9  # auto leaves this much of the free memory (or a tenth of RAM, if more) to everything else
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HostTierPlan:
     nbytes: int  # 0: no host tier
     why: str  # "asked", "asked on unified memory", "auto", "off", "unified memory" (auto there: one tier), "nothing
@@ -60,25 +61,25 @@ def host_tier_plan(asked: str | int, path: str | Path, gpu_budget: int, store: A
     memory available now minus the reserve, at most the experts the GPU budget leaves out, so it never pushes the
     machine into swap."""
     if asked == "off":
-        return HostTierPlan(0, "off")
+        return HostTierPlan(nbytes=0, why="off")
     if unified is None:
         from tqbench.managed import on_cuda
 
         unified = not on_cuda()
     if asked != "auto":
-        return HostTierPlan(int(asked), "asked on unified memory" if unified else "asked")
+        return HostTierPlan(nbytes=int(asked), why="asked on unified memory" if unified else "asked")
     if unified:
-        return HostTierPlan(0, "unified memory")
+        return HostTierPlan(nbytes=0, why="unified memory")
     from tqbench.machine import physical_memory
 
     mb = model_bytes(path, store)
     left = mb.experts - gpu_budget
     if left < mb.one_expert:
-        return HostTierPlan(0, "nothing left")
+        return HostTierPlan(nbytes=0, why="nothing left")
     free = (available if available is not None else available_memory()) - max(HOST_RESERVE, physical_memory() // 10)
     if free < mb.one_expert:
-        return HostTierPlan(0, "no room")
-    return HostTierPlan(min(free, left + mb.one_expert), "auto")
+        return HostTierPlan(nbytes=0, why="no room")
+    return HostTierPlan(nbytes=min(free, left + mb.one_expert), why="auto")
 
 
 def available_memory() -> int:

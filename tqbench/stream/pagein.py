@@ -83,9 +83,9 @@ class Pager:
                 clock.to_host += time.perf_counter() - t
 
         try:
-            total = self._read_into(layer, pool, reads, slots, clock, to_host,
-                                    {e: host.slot(i, pool.nbytes) for e, i in from_host.items()},
-                                    {slot: view for slot, (_, view) in out.items()})
+            total = self._read_into(layer, pool, reads, slots=slots, clock=clock, submitted=to_host,
+                                    from_host={e: host.slot(i, pool.nbytes) for e, i in from_host.items()},
+                                    out={slot: view for slot, (_, view) in out.items()})
             if clock is not None:
                 clock.add_to(self.stats, len(reads), time.perf_counter())
         except BaseException:

@@ -10,14 +10,14 @@ MISS_TIMES = ("miss_timed", "miss_queue_s", "miss_read_s", "miss_buffer_wait_s",
               "miss_to_host_s", "miss_before_reads_s", "miss_reading_s", "miss_after_reads_s")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerTotals:
     hits: int = 0
     misses: int = 0
     stall_s: float = 0.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StreamStats:
     budget_bytes: int = 0
     page_cache: str = "on"  # "on" (buffered reads) or "off" (bypassed)

@@ -31,7 +31,7 @@ class StoreError(TqbenchError):
     """The expert files changed or vanished under a running session, or a layout cannot be streamed."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Part:
     """One array of an expert: `projection.param` (e.g. gate_proj.weight), where it lies in the expert's buffer."""
 
@@ -43,7 +43,7 @@ class Part:
     nbytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Extent:
     """Bytes of one expert in a file: `length` bytes at `offset` go to `into` in the expert's buffer."""
 
@@ -53,7 +53,7 @@ class Extent:
     into: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerLayout:
     layer: int
     module: str  # the source's MoE module (`...layers.3.block_sparse_moe`)
@@ -116,10 +116,11 @@ class ExpertStore:
                 proj, _, param = key.rpartition(".")
                 if proj not in PROJECTIONS:
                     raise StoreError(f"layer {n}: expert tensor {key!r} is no gate/up/down projection", root)
-                parts.append(Part(PROJECTIONS[proj], param, t.dtype, t.shape, t.offset, t.nbytes))
-            extents = tuple((Extent(fi, off, lay.length, 0),) for fi, off in lay.locations)
-            layers[n] = LayerLayout(n, lay.prefix.rpartition(".experts")[0], lay.experts, lay.length, tuple(parts),
-                                    extents)
+                parts.append(Part(projection=PROJECTIONS[proj], param=param, dtype=t.dtype, shape=t.shape,
+                                  offset=t.offset, nbytes=t.nbytes))
+            extents = tuple((Extent(file=fi, offset=off, length=lay.length, into=0),) for fi, off in lay.locations)
+            layers[n] = LayerLayout(layer=n, module=lay.prefix.rpartition(".experts")[0], experts=lay.experts,
+                                    nbytes=lay.length, parts=tuple(parts), extents=extents)
         return cls(root, em.files, layers)
 
     @classmethod
@@ -155,11 +156,14 @@ class ExpertStore:
             parts, offset = [], 0
             for m, fi, t in items:
                 one = t.nbytes // e_count
-                parts.append(Part(m["proj"], m["param"], t.dtype, tuple(t.shape[1:]), offset, one))
+                parts.append(Part(projection=m["proj"], param=m["param"], dtype=t.dtype, shape=tuple(t.shape[1:]),
+                                  offset=offset, nbytes=one))
                 offset += one
-            extents = tuple(tuple(Extent(fi, t.offset + e * (t.nbytes // e_count), t.nbytes // e_count, part.offset)
+            extents = tuple(tuple(Extent(file=fi, offset=t.offset + e * (t.nbytes // e_count),
+                                         length=t.nbytes // e_count, into=part.offset)
                                   for (m, fi, t), part in zip(items, parts)) for e in range(e_count))
-            layers[n] = LayerLayout(n, items[0][0]["moe"], e_count, offset, tuple(parts), extents)
+            layers[n] = LayerLayout(layer=n, module=items[0][0]["moe"], experts=e_count, nbytes=offset,
+                                    parts=tuple(parts), extents=extents)
         return cls(root, files, layers)
 
     @classmethod
@@ -204,7 +208,8 @@ class ExpertStore:
                 if m["param"] == "weight_packed":  # MLX's view of the same bytes
                     dtype, shape = "U32", (*shape[:-1], shape[-1] * DTYPE_SIZES[t.dtype] // 4)
                 offset = parts[-1].offset + parts[-1].nbytes if parts else 0
-                parts.append(Part(PROJECTIONS[m["proj"]], param, dtype, shape, offset, t.nbytes))
+                parts.append(Part(projection=PROJECTIONS[m["proj"]], param=param, dtype=dtype, shape=shape,
+                                  offset=offset, nbytes=t.nbytes))
                 shapes.append((m["proj"], m["param"], t.dtype, tuple(t.shape)))
             extents = []
             for e in range(len(experts)):
@@ -214,11 +219,12 @@ class ExpertStore:
                     fi, t = tensors.get((proj, param), (None, None))
                     if t is None or t.dtype != dtype or tuple(t.shape) != shape:
                         raise StoreError(f"layer {n}: expert {e}'s {proj}.{param} differs from expert 0's", root)
-                    row.append(Extent(fi, t.offset, t.nbytes, part.offset))
+                    row.append(Extent(file=fi, offset=t.offset, length=t.nbytes, into=part.offset))
                 extents.append(tuple(row))
             moe = experts[0][0][0]["moe"]
-            layers[n] = LayerLayout(n, moe, len(experts), parts[-1].offset + parts[-1].nbytes, tuple(parts),
-                                    tuple(extents))
+            layers[n] = LayerLayout(layer=n, module=moe, experts=len(experts),
+                                    nbytes=parts[-1].offset + parts[-1].nbytes, parts=tuple(parts),
+                                    extents=tuple(extents))
         return cls(root, files, layers)
 
     @classmethod

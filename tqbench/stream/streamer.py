@@ -35,7 +35,7 @@ from tqbench.stream.stats import LayerTotals, StreamStats
 from tqbench.stream.store import ExpertStore, LayerLayout, StoreError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StreamConfig:
     budget_bytes: int
     workers: int = 4
@@ -116,7 +116,8 @@ class Streamer:
             self.host = HostTier(config.host_budget_bytes, widest)
             self.stats.host_budget_bytes = config.host_budget_bytes
             self.stats.host_slots = self.host.capacity
-        self.pager = Pager(store, self.stats, self.host, workers, biggest, config.fanout, config.reads_in_flight)
+        self.pager = Pager(store, self.stats, self.host, workers=workers, buffer_bytes=biggest, fanout=config.fanout,
+                           reads_in_flight=config.reads_in_flight)
         self.events: list[PageIn] = []
         self.token = 0  # forward passes so far (a decode step or a prefill chunk each)
         self._last_layer = None
@@ -278,7 +279,8 @@ class Streamer:
         locked = {(layer, e) for e in slots}
         read_bytes = speculative = 0
         if self._ahead:
-            read_bytes, speculative = self._settle_ahead(layer, experts, pool, slots, served, locked)
+            read_bytes, speculative = self._settle_ahead(layer, experts, pool, slots=slots, served=served,
+                                                         locked=locked)
         missing = [e for e in experts if e not in slots]
         lut = np.zeros(self.store.layers[layer].experts, dtype=np.uint32)
         stall = 0.0
@@ -324,7 +326,8 @@ class Streamer:
     def page_in(self, layer: int, pool: Pool, missing: list[int], slots: dict[int, int], locked: set,
                 timed: bool = True, served: dict[int, str] | None = None) -> int:
         """Pager.page_in at this forward pass (a prefill's experts cold)."""
-        return self.pager.page_in(layer, pool, missing, slots, locked, self._tick, self._prefill, timed, served)
+        return self.pager.page_in(layer, pool, missing, slots=slots, locked=locked, now=self._tick, cold=self._prefill,
+                                  timed=timed, served=served)
 
     def _count(self, layer: int, experts: list[int], served: dict[int, str], read_bytes: int, stall: float) -> None:
         s = self.stats
@@ -351,7 +354,8 @@ class Streamer:
         s.cache_bytes_max = max(s.cache_bytes_max, s.cache_bytes)
         if self.host is not None:
             s.host_bytes, s.host_admitted, s.host_dropped = self.host.bytes_held, self.host.admitted, self.host.dropped
-        self.events.append(PageIn(self.token, layer, tuple(experts), kinds, read_bytes, stall, s.cache_bytes))
+        self.events.append(PageIn(token=self.token, layer=layer, experts=tuple(experts), served=kinds,
+                                  bytes_read=read_bytes, stall_s=stall, cache_bytes=s.cache_bytes))
 
     # ---- between tokens ----
 

@@ -317,11 +317,11 @@ class ChatScreen(Screen):
             return
         text = one_line(event.worker.error)
         if event.worker.group == chat_load.GROUP:
-            self.post_message(ChatLoadFailed(self.model.load_id, text))
+            self.post_message(ChatLoadFailed(load_id=self.model.load_id, message=text))
         elif event.worker.group == chat_turns.GROUP and self.replying:
-            self.post_message(ChatReplyFailed(self.turns.turn_id, text))
+            self.post_message(ChatReplyFailed(turn_id=self.turns.turn_id, message=text))
         elif event.worker.group == chat_turns.RESET_GROUP:
-            self.post_message(ChatResetDone(text))
+            self.post_message(ChatResetDone(error=text))
 
     # ---- keys -----------------------------------------------------------------------------------------------------
 

@@ -28,9 +28,9 @@ def export_profile(screen: Screen, session: Callable[[], ChatSession], model_pat
         try:
             info = session().export_profile(file)
         except Exception as e:
-            screen.post_message(ChatProfileExported(None, error=one_line(e)))
+            screen.post_message(ChatProfileExported(file=None, error=one_line(e)))
             return
-        screen.post_message(ChatProfileExported(info.file, info.routings))
+        screen.post_message(ChatProfileExported(file=info.file, routings=info.routings))
 
     screen.run_worker(export, thread=True, exclusive=True, group=GROUP, exit_on_error=False,
                       description="export the profile")

@@ -44,30 +44,31 @@ def relay_load(post: Post, chat, request, load_id: int, cancelled: Callable[[], 
                     case UnitConverted():
                         latest = ev
                         if time.monotonic() - posted >= PROGRESS_INTERVAL:
-                            post(ChatConvertProgress(load_id, ev))
+                            post(ChatConvertProgress(load_id=load_id, unit=ev))
                             posted, latest = time.monotonic(), None
                     case ConvertStarted():
-                        post(ChatLoadStep(load_id, (f"no model converted yet: converting the demo with {ev.recipe} "
-                                                    f"({ev.units:,} units, {units.gb(ev.bytes_in)})..."),
+                        post(ChatLoadStep(load_id=load_id,
+                                          text=(f"no model converted yet: converting the demo with {ev.recipe} "
+                                                f"({ev.units:,} units, {units.gb(ev.bytes_in)})..."),
                                           converting=True))
                     case ModelChosen():
                         if latest is not None:
-                            post(ChatConvertProgress(load_id, latest))
+                            post(ChatConvertProgress(load_id=load_id, unit=latest))
                         chosen = ev
-                        post(ChatLoadStep(load_id, f"loading {display_path(Path(ev.path))}..."))
+                        post(ChatLoadStep(load_id=load_id, text=f"loading {display_path(Path(ev.path))}..."))
                     case KernelsCompiling():
                         if time.monotonic() - posted >= PROGRESS_INTERVAL or ev.done == ev.total:
-                            post(ChatLoadStep(load_id, report.kernels_line(ev)))
+                            post(ChatLoadStep(load_id=load_id, text=report.kernels_line(ev)))
                             posted = time.monotonic()
                     case ModelLoaded():
                         loaded = ev
                     case _:  # StreamPlan (shown once loaded) and the conversion's other events (its bar shows them)
                         pass
     except Exception as e:  # TqbenchError (bad input) or a bug: one line either way
-        post(ChatLoadFailed(load_id, one_line(e)))
+        post(ChatLoadFailed(load_id=load_id, message=one_line(e)))
         return
     if chosen is not None and loaded is not None and not cancelled():
-        post(ChatModelReady(load_id, chosen, loaded))
+        post(ChatModelReady(load_id=load_id, chosen=chosen, loaded=loaded))
 
 
 def relay_reply(post: Post, chat, job, turn_id: int, streaming: bool, cancelled: Callable[[], bool]) -> None:
@@ -86,7 +87,7 @@ def relay_reply(post: Post, chat, job, turn_id: int, streaming: bool, cancelled:
     def flush() -> None:
         nonlocal batch
         if batch:
-            post(ChatExperts(turn_id, tuple(batch), clock.rates()))
+            post(ChatExperts(turn_id=turn_id, events=tuple(batch), rates=clock.rates()))
             batch = []
 
     def parts() -> tuple[tuple[str, bool], ...]:
@@ -108,15 +109,15 @@ def relay_reply(post: Post, chat, job, turn_id: int, streaming: bool, cancelled:
                             runs.append(([ev.text], ev.thinking))
                     if time.monotonic() - posted >= STREAM_INTERVAL:
                         flush()
-                        post(ChatReplyProgress(turn_id, parts(), tokens))
+                        post(ChatReplyProgress(turn_id=turn_id, parts=parts(), tokens=tokens))
                         posted = time.monotonic()
                 case ReplyStarted():
                     started = True
-                    post(ChatReplyBegan(turn_id, ev))
+                    post(ChatReplyBegan(turn_id=turn_id, event=ev))
                 case MlxWarmup():
-                    post(ChatReplyNote(turn_id, report.mlx_warmup_line(ev)))
+                    post(ChatReplyNote(turn_id=turn_id, text=report.mlx_warmup_line(ev)))
                 case PrefillProgress():
-                    post(ChatReplyNote(turn_id, report.prefill_line(ev)))
+                    post(ChatReplyNote(turn_id=turn_id, text=report.prefill_line(ev)))
                 case ReplyDone():
                     done = ev
                 case MlxWarmedUp():  # the first token, which follows, says it
@@ -130,6 +131,6 @@ def relay_reply(post: Post, chat, job, turn_id: int, streaming: bool, cancelled:
     except Exception as e:  # TqbenchError or a bug: one line either way
         job.stop()
         flush()
-        post(ChatReplyFailed(turn_id, one_line(e)))
+        post(ChatReplyFailed(turn_id=turn_id, message=one_line(e)))
         return
-    post(ChatReplyEnded(turn_id, parts(), done, stats))
+    post(ChatReplyEnded(turn_id=turn_id, parts=parts(), done=done, stream=stats))

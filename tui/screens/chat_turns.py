@@ -130,12 +130,13 @@ class ChatTurns:
 
     def _relay(self, turn_id: int, job: Job, streaming: bool) -> None:
         worker = get_current_worker()
-        relay_reply(self._screen.post_message, self._session(), job, turn_id, streaming, lambda: worker.is_cancelled)
+        relay_reply(self._screen.post_message, self._session(), job, turn_id=turn_id, streaming=streaming,
+                    cancelled=lambda: worker.is_cancelled)
 
     def _reset(self) -> None:
         try:
             self._session().reset()
         except Exception as e:
-            self._screen.post_message(ChatResetDone(one_line(e)))
+            self._screen.post_message(ChatResetDone(error=one_line(e)))
             return
         self._screen.post_message(ChatResetDone())

@@ -292,7 +292,7 @@ class ConvertScreen(Screen):
         self.started = self.finished_event = self.last_unit = None
         self.shards_done = sum(kept)
         remember_conversion(source_base(lay.ckpt), recipe.name, self.dest, self.form.size_text.strip())
-        self.run.start(lay, self.dest, recipe, size, replace, tally)
+        self.run.start(lay, self.dest, recipe=recipe, shard_size=size, replace=replace, tally=tally)
         self.form.disable_fields(True)
         self.progress.prepare(lay.units, tally.snapshot())
         self.table.focus()
@@ -363,9 +363,9 @@ class ConvertScreen(Screen):
         error = event.worker.error
         text = str(error) if isinstance(error, TqbenchError) else f"{type(error).__name__}: {error}"
         if event.worker.group == convert_check.GROUP:
-            self.post_message(DestinationCheckFailed(self.check.request_id, text))
+            self.post_message(DestinationCheckFailed(request_id=self.check.request_id, message=text))
         elif event.worker.group == convert_run.GROUP and self.running:
-            self.post_message(ConvertFailed(self.run.run_id, text))
+            self.post_message(ConvertFailed(run_id=self.run.run_id, message=text))
 
     def _ended(self) -> None:
         """The run is over (finished, stopped or failed): the form comes back and the destination is checked."""

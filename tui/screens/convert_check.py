@@ -108,10 +108,13 @@ class OutputCheck:
             # On a daemon thread: quitting never waits for a K3 layout (pure Python: no MLX).
             result = next(iter(iterate_in_daemon(engine, lambda: worker.is_cancelled)), None)
         except TqbenchError as e:
-            screen.post_message(DestinationCheckFailed(request_id, str(e)))
+            screen.post_message(DestinationCheckFailed(request_id=request_id, message=str(e)))
             return
         except OSError as e:
-            screen.post_message(DestinationCheckFailed(request_id, f"{e.strerror or e}: {e.filename or dest}"))
+            screen.post_message(DestinationCheckFailed(request_id=request_id,
+                                                       message=f"{e.strerror or e}: {e.filename or dest}"))
             return
         if result is not None and not worker.is_cancelled:
-            screen.post_message(DestinationChecked(request_id, key, *result, dest=dest))
+            lay, status = result
+            screen.post_message(DestinationChecked(request_id=request_id, key=key, layout=lay, status=status,
+                                                   dest=dest))

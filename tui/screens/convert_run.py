@@ -100,7 +100,7 @@ class ConvertRun:
         def flush() -> None:
             nonlocal pending, posted
             if pending and unit is not None:
-                post(ConvertProgress(run_id, unit, tally.snapshot()))
+                post(ConvertProgress(run_id=run_id, unit=unit, layers=tally.snapshot()))
                 posted = time.monotonic()
                 pending = False
 
@@ -116,25 +116,25 @@ class ConvertRun:
                 flush()
                 if isinstance(event, ConvertStarted):
                     tally.seed(event.resumed_errors)  # the errors of units earlier runs converted
-                    post(ConvertBegan(run_id, event, tally.snapshot()))
+                    post(ConvertBegan(run_id=run_id, event=event, layers=tally.snapshot()))
                 elif isinstance(event, ShardWritten):
-                    post(ConvertShardWritten(run_id, event))
+                    post(ConvertShardWritten(run_id=run_id, event=event))
                 elif isinstance(event, (SourceProgress, SourceRemoved)):
-                    post(ConvertSource(run_id, event))
+                    post(ConvertSource(run_id=run_id, event=event))
                 elif isinstance(event, ConvertFinished):
                     finished = True
-                    post(ConvertDone(run_id, event))
+                    post(ConvertDone(run_id=run_id, event=event))
         except TqbenchError as e:
             flush()
-            post(ConvertFailed(run_id, str(e)))
+            post(ConvertFailed(run_id=run_id, message=str(e)))
             return
         except Exception as e:  # a bug or an OSError: still one line, and the run ends
             flush()
-            post(ConvertFailed(run_id, f"{type(e).__name__}: {e}"))
+            post(ConvertFailed(run_id=run_id, message=f"{type(e).__name__}: {e}"))
             return
         finally:
             job.stop()
             job.wait()  # the generator is closed on the engine thread: no shard is half-written any more
         flush()
         if not finished:
-            post(ConvertStopped(run_id))
+            post(ConvertStopped(run_id=run_id))

@@ -158,10 +158,10 @@ class RecipeScreen(Screen):
             sources = next(iter(iterate_in_daemon(lambda: [group_sources(ckpt)], lambda: worker.is_cancelled)),
                            None)
         except TqbenchError as e:
-            self.post_message(PlanFailed(str(e)))
+            self.post_message(PlanFailed(message=str(e)))
             return
         if sources is not None and not worker.is_cancelled:
-            self.post_message(SourcesGrouped(ckpt, sources))
+            self.post_message(SourcesGrouped(checkpoint=ckpt, sources=sources))
 
     def on_sources_grouped(self, message: SourcesGrouped) -> None:
         if message.checkpoint is self.checkpoint:
@@ -178,7 +178,7 @@ class RecipeScreen(Screen):
         # On a daemon thread: fingerprinting a K3 checkpoint's 497k tensors takes a while, and quitting never waits.
         qualities = next(iter(iterate_in_daemon(lambda: [remembered(ckpt)], lambda: worker.is_cancelled)), None)
         if qualities is not None and not worker.is_cancelled:
-            self.post_message(QualitiesRead(ckpt, qualities))
+            self.post_message(QualitiesRead(checkpoint=ckpt, qualities=qualities))
 
     def on_qualities_read(self, message: QualitiesRead) -> None:
         if message.checkpoint is self.checkpoint:
@@ -218,17 +218,18 @@ class RecipeScreen(Screen):
                 if isinstance(event, EvalReport):
                     finished = True
                 elif not isinstance(event, UnitConverted) or time.monotonic() - posted >= PROGRESS_INTERVAL:
-                    post(QuickEvalProgress(eval_id, event))  # a skipped unit's figures come with a later one
+                    post(QuickEvalProgress(eval_id=eval_id,
+                                           event=event))  # a skipped unit's figures come with a later one
                     posted = time.monotonic()
             job.stop()
             job.wait()  # closed on the engine thread
             if not finished:
-                post(QuickEvalStopped(eval_id))
+                post(QuickEvalStopped(eval_id=eval_id))
                 return
-            post(QuickEvalDone(eval_id, demo_quality(recipe)))
+            post(QuickEvalDone(eval_id=eval_id, quality=demo_quality(recipe)))
         except Exception as e:  # TqbenchError (a recipe the demo cannot take) or a bug: one line either way
             job.stop()
-            post(QuickEvalFailed(eval_id, one_line(e)))
+            post(QuickEvalFailed(eval_id=eval_id, message=one_line(e)))
 
     def on_quick_eval_progress(self, message: QuickEvalProgress) -> None:
         if message.eval_id == self._eval_id and self._eval_job is not None:
@@ -302,9 +303,9 @@ class RecipeScreen(Screen):
                         break
                     plans[recipe] = make_plan(sources, recipe)
         except TqbenchError as e:
-            self.post_message(PlanFailed(str(e)))
+            self.post_message(PlanFailed(message=str(e)))
         if plans:
-            self.post_message(PlansReady(request_id, ckpt, plans))
+            self.post_message(PlansReady(request_id=request_id, checkpoint=ckpt, plans=plans))
 
     def on_plans_ready(self, message: PlansReady) -> None:
         if message.checkpoint is not self.checkpoint:

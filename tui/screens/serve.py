@@ -177,7 +177,7 @@ class ServeScreen(Screen):
         except TqbenchError as e:
             self._set_error(one_line(e))
             return
-        self.options = ServeOptions(HOST, self.server.port, self.field("serve-key") or None)
+        self.options = ServeOptions(host=HOST, port=self.server.port, api_key=self.field("serve-key") or None)
         request = replace(self.request, stream=replace(self.request.stream, budget=self.field("serve-budget") or "fit"))
         self.state = "loading"
         self._line(choosing_line())
@@ -350,11 +350,11 @@ class ServeScreen(Screen):
             return
         text = one_line(event.worker.error)
         if event.worker.group == chat_load.GROUP:
-            self.post_message(ChatLoadFailed(self.model.load_id, text))
+            self.post_message(ChatLoadFailed(load_id=self.model.load_id, message=text))
         elif event.worker.group == STOP_GROUP:
-            self.post_message(ServeStopped(text))
+            self.post_message(ServeStopped(error=text))
         elif event.worker.group == FEED_GROUP:
-            self.post_message(ServeFeedEnded(self.feed_id, text))
+            self.post_message(ServeFeedEnded(feed_id=self.feed_id, message=text))
 
     # ---- keys and lines -------------------------------------------------------------------------------------------
 

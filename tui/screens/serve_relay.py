@@ -22,9 +22,9 @@ def batch(feed_id: int, events: list, status=None) -> ServeFeed:
     from tqbench.serve.service import RequestDone, ServeStatus
 
     statuses = [ev for ev in events if isinstance(ev, ServeStatus)]
-    return ServeFeed(feed_id, tuple(ev for ev in events if isinstance(ev, PageIn)),
-                     tuple(ev for ev in events if isinstance(ev, RequestDone)),
-                     status if status is not None else (statuses[-1] if statuses else None))
+    return ServeFeed(feed_id=feed_id, page_ins=tuple(ev for ev in events if isinstance(ev, PageIn)),
+                     requests=tuple(ev for ev in events if isinstance(ev, RequestDone)),
+                     status=status if status is not None else (statuses[-1] if statuses else None))
 
 
 def relay_service(post: Post, service, feed_id: int, cancelled: Callable[[], bool]) -> None:
@@ -64,4 +64,4 @@ def relay_attach(post: Post, url: str, api_key: str | None, feed_id: int, cancel
     if pending:
         post(batch(feed_id, pending))
     if ended is not None:
-        post(ServeFeedEnded(feed_id, ended))
+        post(ServeFeedEnded(feed_id=feed_id, message=ended))

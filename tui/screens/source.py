@@ -88,16 +88,17 @@ class SourceScreen(Screen):
         if path is None:
             path = last_checkpoint()
         if path is None:
-            self.post_message(ScanStarted(load_id, "preparing the built-in demo model..."))
+            self.post_message(ScanStarted(load_id=load_id, text="preparing the built-in demo model..."))
             try:
                 from tqbench.demo import ensure_demo
             except ImportError as e:
-                self.post_message(LoadFailed(load_id, f"no checkpoint given and the demo model is unavailable ({e})"))
+                self.post_message(LoadFailed(load_id=load_id,
+                                             message=f"no checkpoint given and the demo model is unavailable ({e})"))
                 return
             path = next(iter(iterate_in_daemon(lambda: [ensure_demo()], lambda: worker.is_cancelled)), None)
             if path is None:
                 return  # cancelled
-        self.post_message(ScanStarted(load_id, f"opening {display_path(path)}...", path))
+        self.post_message(ScanStarted(load_id=load_id, text=f"opening {display_path(path)}...", path=path))
 
         def engine():
             for event in scan_checkpoint(path):
@@ -111,21 +112,21 @@ class SourceScreen(Screen):
             for item in iterate_in_daemon(engine, lambda: worker.is_cancelled):
                 if isinstance(item, ShardScanned):
                     seen += item.tensors
-                    self.post_message(ScanProgress(load_id, item.index, item.total, item.file, seen,
-                                                   item.fetched_bytes))
+                    self.post_message(ScanProgress(load_id=load_id, index=item.index, total=item.total, file=item.file,
+                                                   tensors_so_far=seen, fetched_bytes=item.fetched_bytes))
                 elif isinstance(item, CheckpointOpened):
                     ckpt = item.checkpoint
                 else:
                     prepared = item
         except TqbenchError as e:
-            self.post_message(LoadFailed(load_id, str(e)))
+            self.post_message(LoadFailed(load_id=load_id, message=str(e)))
             return
         if ckpt is None or prepared is None or worker.is_cancelled:
             return
         summary, tensors = prepared
         if ckpt.origin is None:  # a hub repository is opened on request, never by surprise at start
             remember_checkpoint(Path(path))
-        self.post_message(CheckpointLoaded(load_id, ckpt, summary, tensors))
+        self.post_message(CheckpointLoaded(load_id=load_id, checkpoint=ckpt, summary=summary, tensors=tensors))
 
     def on_scan_started(self, message: ScanStarted) -> None:
         if message.load_id == self._load_id:

@@ -77,7 +77,8 @@ class ExpertPanel(Vertical):
         if stats is not None:
             self.report = stats
             if decode_tps is not None and self.rates is not None:  # the engine's decode rate, not the estimate
-                self.rates = ReplyRates(decode_tps, self.rates.bytes_per_token, self.rates.read_bps)
+                self.rates = ReplyRates(tok_s=decode_tps, bytes_per_token=self.rates.bytes_per_token,
+                                        read_bps=self.rates.read_bps)
             self.show_summary()
 
     def toggle_pause(self) -> bool:
@@ -96,8 +97,9 @@ class ExpertPanel(Vertical):
             return
         self._summary_at = time.monotonic()
         if self.experts is not None and self.setup is not None:
-            lines = report.expert_summary(self.experts, self.setup.budget_bytes, self.rates, self.report,
-                                          self.setup.disk_bytes_per_s, self.setup.host_budget_bytes)
+            lines = report.expert_summary(self.experts, self.setup.budget_bytes, self.rates, report=self.report,
+                                          disk_bps=self.setup.disk_bytes_per_s,
+                                          host_budget=self.setup.host_budget_bytes)
             self.summary.update(content(lines), layout=False)  # at most 5 lines, its height: no layout pass
 
     def place(self, body, width: int, height: int) -> None:

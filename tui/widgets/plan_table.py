@@ -56,7 +56,7 @@ FIRST_LINE_ROWS = ("resident", "routed experts", "total", "cache budget", "exper
 QUALITY_ROWS = {"perplexity": "perplexity", "kl": "KL vs source", "top-1 agreement": "top-1 agreement"}  # key: label
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Row:
     key: str
     label: str
@@ -86,7 +86,7 @@ def quality_cells(q: RecipeQuality | None) -> dict[str, str]:
 
 def quality_rows(qualities: list[RecipeQuality | None]) -> list[Row]:
     cells = [quality_cells(q) for q in qualities]
-    return [Row(key, label, tuple(num(c[key]) for c in cells)) for key, label in QUALITY_ROWS.items()]
+    return [Row(key=key, label=label, cells=tuple(num(c[key]) for c in cells)) for key, label in QUALITY_ROWS.items()]
 
 
 def screen_rows(report: PlanReport, fits: list[Fit], qualities: list[RecipeQuality | None],
@@ -100,7 +100,7 @@ def screen_rows(report: PlanReport, fits: list[Fit], qualities: list[RecipeQuali
         if not r.primary and quality:
             rows, quality = rows + quality, []
         if r.parent in keys and not any(x.key == BPW_HEADING for x in rows):
-            rows.append(Row(BPW_HEADING, BPW_HEADING, tuple(Text("") for _ in report.recipes)))
+            rows.append(Row(key=BPW_HEADING, label=BPW_HEADING, cells=tuple(Text("") for _ in report.recipes)))
         label = r.short_label or r.label
         if label_width is not None and len(label) > label_width:
             label = "\n".join(textwrap.wrap(label, label_width))
@@ -110,7 +110,7 @@ def screen_rows(report: PlanReport, fits: list[Fit], qualities: list[RecipeQuali
             cells = tuple(num(_command(c) if c != "-" else c) for c in r.cells)
         else:
             cells = tuple(num(c) for c in r.cells)
-        rows.append(Row(r.key, label, cells))
+        rows.append(Row(key=r.key, label=label, cells=cells))
     return rows + quality
 
 
@@ -150,7 +150,7 @@ def compact_rows(rows: list[Row]) -> list[Row]:
         for c in r.cells:
             plain = c.plain.split("\n")[0] if r.key in FIRST_LINE_ROWS else c.plain.replace("\n", " ")
             cells.append(Text(wrap_cell(plain), style=c.style, justify="right", no_wrap=True, end=""))
-        out.append(Row(r.key, wrap_cell(r.label.replace("\n", " ").strip()), tuple(cells)))
+        out.append(Row(key=r.key, label=wrap_cell(r.label.replace("\n", " ").strip()), cells=tuple(cells)))
     return out
 
 

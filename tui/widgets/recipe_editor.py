@@ -326,7 +326,7 @@ class RecipeEditor(Vertical):
     def _choose(self, recipe: Recipe) -> None:
         if recipe != self.recipe:
             self.recipe = recipe
-        self.post_message(RecipeChosen(recipe))
+        self.post_message(RecipeChosen(recipe=recipe))
 
     # ---- machine ----------------------------------------------------------------------------------------------------
 
@@ -395,7 +395,7 @@ class RecipeEditor(Vertical):
             except TqbenchError as e:
                 self._set_error("memory", f"memory: {e}")
         self._show_machine()
-        self.post_message(MachineChosen(self.machine))
+        self.post_message(MachineChosen(machine=self.machine))
 
     def _show_machine(self) -> None:
         self.query_one("#memory", Input).placeholder = f"{units.gb(self._here)} (here)"

@@ -109,8 +109,9 @@ class RunProgress(Vertical):
                else "- (nothing quantized)")
         resumed = (Content.styled(f"  (resumed: {began.resumed_shards} of {began.shards} shards were done before)",
                                   "$text-muted") if began is not None and began.resumed_shards else "")
-        self.query_one("#convert-rate", Static).update(Content.assemble(
-            (f"{'done':<{KEY}}", "bold $text-success"), f"in {ev.seconds:.1f} s: read {units.gb(ev.bytes_in)}, wrote ",
-            (units.size(ev.bytes_out), "bold"), f" in {plural(ev.shards, 'shard')}\n",
-            (f"{'rel. error':<{KEY}}", "bold"), f"mean {err}", resumed, "\n",
-            (f"{'written to':<{KEY}}", "bold"), display_path(Path(ev.dest))))
+        parts = [(f"{'done':<{KEY}}", "bold $text-success"),
+                 f"in {ev.seconds:.1f} s: read {units.gb(ev.bytes_in)}, wrote ", (units.size(ev.bytes_out), "bold"),
+                 f" in {plural(ev.shards, 'shard')}\n",
+                 (f"{'rel. error':<{KEY}}", "bold"), f"mean {err}", resumed, "\n",
+                 (f"{'written to':<{KEY}}", "bold"), display_path(Path(ev.dest))]
+        self.query_one("#convert-rate", Static).update(Content.assemble(*parts))

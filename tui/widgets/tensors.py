@@ -145,7 +145,8 @@ class TensorPanel(Vertical):
         if get_current_worker().is_cancelled:
             return
         rows = [(t, tensor_cells(t)) for t in matches[:ROW_LIMIT]]
-        self.post_message(FilterApplied(filter_id, pattern, rows, len(matches), len(tensors)))
+        self.post_message(FilterApplied(filter_id=filter_id, pattern=pattern, rows=rows, matches=len(matches),
+                                        total=len(tensors)))
 
     def on_filter_applied(self, message: FilterApplied) -> None:
         message.stop()

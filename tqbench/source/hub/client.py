@@ -22,13 +22,13 @@ class HubError(TqbenchError):
     """The hub refused or could not be reached (one line, naming the repository or file)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HubFile:
     name: str
     size: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Snapshot:
     """A repository at one commit, as the hub lists it."""
 
@@ -77,8 +77,8 @@ def resolve(ref: HubRef) -> Snapshot:
     url = endpoint()
     with hub_errors(where, url):
         info = HfApi(endpoint=url).model_info(ref.repo_id, revision=ref.revision, files_metadata=True)
-    files = tuple(HubFile(s.rfilename, int(s.size or 0)) for s in info.siblings or ())
-    return Snapshot(ref.repo_id, ref.revision or "main", info.sha, url, files)
+    files = tuple(HubFile(name=s.rfilename, size=int(s.size or 0)) for s in info.siblings or ())
+    return Snapshot(repo_id=ref.repo_id, revision=ref.revision or "main", commit=info.sha, endpoint=url, files=files)
 
 
 def read_range(snap: Snapshot, name: str, start: int, end: int) -> bytes:

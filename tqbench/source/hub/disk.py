@@ -19,8 +19,8 @@ WINDOW = 2  # downloaded source shards on disk at once: the one being converted 
 def snapshot_of(ckpt: Checkpoint) -> Snapshot:
     """The hub commit a checkpoint was opened from, listing its shards."""
     o = ckpt.origin
-    return Snapshot(o.repo_id, o.revision, o.commit, o.endpoint, tuple(HubFile(s.file, s.file_size)
-                                                                      for s in ckpt.shards))
+    return Snapshot(repo_id=o.repo_id, revision=o.revision, commit=o.commit, endpoint=o.endpoint,
+                    files=tuple(HubFile(name=s.file, size=s.file_size) for s in ckpt.shards))
 
 
 def _to_fetch(ckpt: Checkpoint) -> list[int]:
@@ -29,7 +29,7 @@ def _to_fetch(ckpt: Checkpoint) -> list[int]:
     return sorted((s.file_size for s in ckpt.shards if cached_file(snap, s.file) is None), reverse=True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HubDisk:
     """What `plan` says about converting a hub checkpoint: the source shards on disk at once, and the room there."""
 
@@ -40,10 +40,11 @@ class HubDisk:
 
 def hub_disk(ckpt: Checkpoint) -> HubDisk:
     cache = hf_cache()
-    return HubDisk(sum(_to_fetch(ckpt)[:WINDOW]), shutil.disk_usage(_existing(cache)).free, str(cache))
+    return HubDisk(window=sum(_to_fetch(ckpt)[:WINDOW]), free=shutil.disk_usage(_existing(cache)).free,
+                   cache_dir=str(cache))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DiskNeed:
     """Free space a conversion from the hub needs before it starts."""
 
@@ -62,7 +63,8 @@ def disk_need(ckpt: Checkpoint, output_bytes: int, output_dir: Path, cache_dir: 
     sizes = _to_fetch(ckpt)
     source = sum(sizes if keep_source else sizes[:WINDOW])
     out, cache = _existing(output_dir), _existing(cache_dir)
-    return DiskNeed(output_bytes, source, str(output_dir), str(cache_dir), os.stat(out).st_dev == os.stat(cache).st_dev)
+    return DiskNeed(output=output_bytes, source=source, output_dir=str(output_dir), cache_dir=str(cache_dir),
+                    same_disk=os.stat(out).st_dev == os.stat(cache).st_dev)
 
 
 def check_free(need: DiskNeed) -> None:

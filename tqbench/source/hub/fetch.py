@@ -79,7 +79,7 @@ class ShardFetcher:
             self.live.discard(file)
             self.ready.discard(file)
             self.cond.notify_all()
-            return SourceRemoved(file, size, self._on_disk())
+            return SourceRemoved(file=file, bytes=size, on_disk=self._on_disk())
 
     def close(self) -> None:
         with self.cond:
@@ -123,5 +123,6 @@ class ShardFetcher:
 
     def _progress(self, waiting: bool) -> SourceProgress:
         elapsed = time.monotonic() - self.t0
-        return SourceProgress(self.current, self.downloaded, self.to_download,
-                              self.downloaded / elapsed if elapsed > 0 else 0.0, self._on_disk(), waiting)
+        return SourceProgress(file=self.current, downloaded=self.downloaded, to_download=self.to_download,
+                              rate=self.downloaded / elapsed if elapsed > 0 else 0.0, on_disk=self._on_disk(),
+                              waiting=waiting)

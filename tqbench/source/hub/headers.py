@@ -16,7 +16,7 @@ from tqbench.shards.header import header_size
 WORKERS = 8  # requests in flight: the hub answers each in one round trip, so latency, not bandwidth, bounds this
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RemoteHeader:
     file: str
     size: int  # the file's size, as the hub lists it
@@ -41,7 +41,7 @@ def remote_headers(snap: Snapshot, files: Iterable[str]) -> Iterator[RemoteHeade
                 for f in files:
                     raw = cache.get(_key(snap, f)) if f not in pending else None  # one at a time: K3's are 75 MB
                     if raw is not None:
-                        yield RemoteHeader(f, snap.size(f) or 0, raw, 0)
+                        yield RemoteHeader(file=f, size=snap.size(f) or 0, raw=raw, fetched=0)
                         continue
                     # fetched ahead, or (rarely) evicted from the cache since it was looked up: fetched now
                     header = pending.pop(f).result() if f in pending else _fetch(snap, f)
@@ -59,13 +59,13 @@ def file_head(snap: Snapshot, file: str, nbytes: int) -> RemoteHeader:
     with Cache(str(cache_dir() / "hub-headers")) as cache:
         key = _key(snap, file) + f"|head{nbytes}"
         if (raw := cache.get(key)) is not None:
-            return RemoteHeader(file, snap.size(file) or 0, raw, 0)
+            return RemoteHeader(file=file, size=snap.size(file) or 0, raw=raw, fetched=0)
         raw = read_range(snap, file, 0, nbytes)
         cache.set(key, raw)
-        return RemoteHeader(file, snap.size(file) or 0, raw, len(raw))
+        return RemoteHeader(file=file, size=snap.size(file) or 0, raw=raw, fetched=len(raw))
 
 
 def _fetch(snap: Snapshot, file: str) -> RemoteHeader:
     size = snap.size(file) or 0
     n = header_size(read_range(snap, file, 0, 8) if size >= 8 else b"", size, snap.where(file))
-    return RemoteHeader(file, size, read_range(snap, file, 8, 8 + n), 8 + n)
+    return RemoteHeader(file=file, size=size, raw=read_range(snap, file, 8, 8 + n), fetched=8 + n)

@@ -9,7 +9,7 @@ from pathlib import Path
 _REF = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w.][\w./-]*))?")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HubRef:
     repo_id: str
     revision: str | None = None  # None: the repository's default branch
@@ -25,4 +25,4 @@ def hub_ref(source: str | Path) -> HubRef | None:
     if Path(text).expanduser().exists():
         return None
     m = _REF.fullmatch(text)
-    return HubRef(m["repo"], m["rev"]) if m else None
+    return HubRef(repo_id=m["repo"], revision=m["rev"]) if m else None

@@ -71,10 +71,11 @@ def scan_hub(ref: HubRef) -> Iterator[ShardScanned | CheckpointOpened]:
             yield parse_header(h.raw, h.size, root / f, f, snap.where(f))
 
     def origin() -> HubOrigin:
-        return HubOrigin(snap.repo_id, snap.revision, snap.commit, snap.endpoint, fetched[0], counts["cached"],
-                         counts["local"])
+        return HubOrigin(repo_id=snap.repo_id, revision=snap.revision, commit=snap.commit, endpoint=snap.endpoint,
+                         fetched_bytes=fetched[0], headers_cached=counts["cached"], shards_local=counts["local"])
 
-    yield from assemble(root, config, headers(), len(files), index_total, origin, lambda: fetched[0], snap.where())
+    yield from assemble(root, config, headers(), count=len(files), index_total_size=index_total, origin=origin,
+                        fetched=lambda: fetched[0], where=snap.where())
 
 
 _TOTAL = re.compile(rb'"total_size"\s*:\s*(\d+)')
