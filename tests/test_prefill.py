@@ -19,6 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from conftest import demo_tq4
 from tqbench.chat.events import PageIn, PrefillProgress, ReplyDone, TokenOut
 from tqbench.engine import engine
+from tqbench.recipe.fit import prefill_bound
 from tqbench.runtime import prefill as P
 from tqbench.runtime.conversation import Conversation, Sampling, generate
 from tqbench.runtime.load import load
@@ -39,9 +40,12 @@ def prompt_of(loaded, n: int) -> list[int]:
     return list(tokens[:n])
 
 
+PEAKS: dict[str, int] = {}
+
+
 def prefilled(model: Path, n: int, order: str, window: int = P.LAYER_MAJOR_TOKENS):
     """Process a prompt of n tokens but its last (streamed at BUDGET), then the last: (the last token's logits, the
-    progress events, the page-ins, the streamer's prefill misses)."""
+    progress events, the page-ins, the streamer's prefill misses). The prefill's peak MLX memory is in PEAKS[order]."""
     def run():
         m = load(model, streaming=StreamConfig(budget_bytes=BUDGET, workers=2))
         tokens = prompt_of(m, n)
@@ -49,10 +53,14 @@ def prefilled(model: Path, n: int, order: str, window: int = P.LAYER_MAJOR_TOKEN
         real = P.layer_major
         if order == "chunks":
             P.layer_major = lambda *a: False
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
         try:
             progress = list(P.prefill(m, tokens[:-1], cache, total=n, window=window))
         finally:
             P.layer_major = real
+        PEAKS[order] = mx.get_peak_memory()
         logits = m.model(mx.array(tokens[-1:])[None], cache=cache)[0, -1].astype(mx.float32)
         mx.eval(logits)
         out = np.array(logits), progress, m.streamer.drain(), m.streamer.stats.prefill_misses
@@ -79,6 +87,10 @@ def test_layer_by_layer_reads_each_expert_once_and_gives_the_same_logits(model):
     assert layer_progress[-1].done == 5999 and layer_progress[-1].layers == 0
     assert [p.fraction for p in layer_progress] == pytest.approx([5999 * k / moe_layers / 6000
                                                                   for k in range(1, moe_layers + 1)] + [5999 / 6000])
+    # what layer by layer holds beyond chunk by chunk stays within the bound `tqbench plan` states for 5,999 tokens
+    bound = prefill_bound(json.loads((model / "config.json").read_text())).held_bytes(5999)
+    extra = PEAKS["layers"] - PEAKS["chunks"]
+    assert 0 < extra <= bound < 3 * extra
 
 
 def test_windows_of_a_long_prompt_each_read_their_experts_once(model):

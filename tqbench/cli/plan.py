@@ -124,8 +124,8 @@ def plan(
 
 def prefill_line(b: PrefillBound) -> str:
     return (f"long prompts, experts streamed: layer by layer, each routed expert read once per {b.window_tokens:,} "
-            f"prompt tokens, holding {units.gb(b.bytes_per_token)} of activations a token "
-            f"({units.gb(b.window_bytes)} for a window)")
+            f"prompt tokens, holding about {units.gb(b.window_bytes)} for a window ({units.gb(b.bytes_per_token)} "
+            f"of activations a token, and the chunks' attention masks)")
 
 
 def recipes_from(names: list[str] | None, flags: RecipeFlags) -> list[Recipe]:

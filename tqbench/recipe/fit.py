@@ -160,19 +160,30 @@ def ceiling(disk_bytes_per_s: float | None, bytes_per_token: int, hit_rate: floa
 # ---- a long prompt, layer by layer (tqbench.runtime.prefill) ----------------------------------------------------------
 
 LAYER_MAJOR_TOKENS = 16384  # a layer-by-layer window: the prompt tokens whose activations are held at once
+PREFILL_CHUNK = 2048  # mlx-lm's prefill step: the tokens each chunk's attention runs at once
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillBound:
     """How a streamed model processes a long prompt: layer by layer in windows of `window_tokens`, each routed expert
-    read once per window, holding about `bytes_per_token` of activations per token of the window."""
+    read once per window, holding about `bytes_per_token` of activations per token of the window and each chunk's
+    attention mask (one byte per token and key it may see)."""
 
     bytes_per_token: int
     window_tokens: int = LAYER_MAJOR_TOKENS
+    chunk_tokens: int = PREFILL_CHUNK
+
+    def held_bytes(self, tokens: int) -> int:
+        """What a window of `tokens` holds beyond one chunk's processing: every token's activations, and every
+        chunk's mask over the keys before it and its own, with half again for what these terms leave out (the
+        demo measured 1.24x their sum at 5,999 tokens: tests/test_prefill.py)."""
+        masks = sum(min(self.chunk_tokens, tokens - a) * min(a + self.chunk_tokens, tokens)
+                    for a in range(0, tokens, self.chunk_tokens))
+        return (self.bytes_per_token * tokens + masks) * 3 // 2
 
     @property
     def window_bytes(self) -> int:
-        return self.bytes_per_token * self.window_tokens
+        return self.held_bytes(self.window_tokens)
 
     def to_dict(self) -> dict:
         return {"activation_bytes_per_token": self.bytes_per_token, "window_tokens": self.window_tokens,
@@ -180,10 +191,11 @@ class PrefillBound:
 
 
 def prefill_bound(config: dict) -> PrefillBound:
-    """The activations a layer-by-layer prefill holds per prompt token: each chunk's hidden state between layers (with
-    a K3's attention-residual snapshots, one per block of layers, and the layer's working copies), and a MoE layer's
-    routed input for every one of its experts per token, in float32 as the TurboQuant products take it (twice: the
-    rotated input and its sorted copy)."""
+    """The activations a layer-by-layer prefill holds per prompt token, in bf16: each chunk's hidden state between
+    layers (with a K3's attention-residual snapshots, one per block of layers, and the layer's working copies), a MoE
+    layer's input for every token (each chunk's and the joined copy) and its experts' outputs (k per token: joined,
+    then split back). The experts' products themselves run one chunk's tokens at a time (tqbench.stream.streamer's
+    ROWS_AT_ONCE), as chunk by chunk."""
     text = config.get("text_config") or config
     hidden = int(text.get("hidden_size") or 0)
     latent = int(text.get("routed_expert_hidden_size") or hidden)
@@ -191,4 +203,4 @@ def prefill_bound(config: dict) -> PrefillBound:
     layers = int(text.get("num_hidden_layers") or 0)
     block = text.get("attn_res_block_size")
     snapshots = 1 + (-(-layers // int(block)) if block else 0)
-    return PrefillBound(bytes_per_token=2 * hidden * (snapshots + 2) + 4 * latent * 2 * k)
+    return PrefillBound(bytes_per_token=2 * hidden * (snapshots + 2) + 2 * 2 * latent + 2 * 2 * k * latent)

@@ -137,6 +137,7 @@ def _layer_major(loaded: Loaded, tokens: list[int], cache: list[Any], step: int,
         return greenlet(lambda: loaded.model(part, cache=stand_ins), parent=here)
 
     def park(layer: int, inner: Any, x: mx.array, indices: mx.array) -> mx.array:
+        mx.eval(x, indices)  # this chunk's work up to here, alone (as chunk by chunk): its temporaries freed now
         return here.switch(("moe", layer, inner, x, indices))
 
     layers, done = len(streamer.store.layers), 0

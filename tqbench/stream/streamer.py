@@ -8,7 +8,9 @@ straight into a pool slot's memory (tqbench/managed.py); nothing is stacked or c
 
 The budget covers the pools and the staging buffers reads land in (two per worker): nothing is held outside it.
 When a layer needs more distinct experts than the pool has slots (a small budget, a long prefill), it runs in
-chunks of experts, each chunk's rows selected exactly.
+chunks of experts, each chunk's rows selected exactly. A call with more tokens than ROWS_AT_ONCE (a long prompt run
+layer by layer, tqbench.runtime.prefill) computes its experts' products that many tokens at a time, over the same
+slots: the experts are read once, and the products' temporaries are one prefill chunk's, not the whole prompt's.
 
 Here: the pools' sizes, a layer's call, look-ahead and cache-routing bookkeeping. A pool's arrays and slot copies are
 tqbench/stream/pool.py's; the page-ins (reads, host-tier copies, their threads and staging buffers)
@@ -33,6 +35,9 @@ from tqbench.stream.policies import DEFAULT_POLICY
 from tqbench.stream.pool import Pool
 from tqbench.stream.stats import LayerTotals, StreamStats
 from tqbench.stream.store import ExpertStore, LayerLayout, StoreError
+
+
+ROWS_AT_ONCE = 2048  # tokens whose expert products are computed at once: mlx-lm's prefill chunk
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,7 +301,7 @@ class Streamer:
             self._guess = None
             for e, s in slots.items():
                 lut[e] = s
-            y = inner(x, mx.array(lut[ids]))
+            y = _in_pieces(inner, x, mx.array(lut[ids]))
         else:  # more distinct experts than slots: chunks of experts, each chunk's rows selected exactly
             self._guess = None
             # Resident experts first: chunks holding only those read nothing, so no page-in evicts one of them
@@ -315,7 +320,7 @@ class Streamer:
                 for e, s in chunk_slots.items():
                     lut[e] = s
                 mask = np.isin(ids, chunk)
-                part = inner(x, mx.array(np.where(mask, lut[ids], 0).astype(np.uint32)))
+                part = _in_pieces(inner, x, mx.array(np.where(mask, lut[ids], 0).astype(np.uint32)))
                 m = mx.expand_dims(mx.array(mask), -1)
                 y = mx.where(m, part, mx.zeros_like(part) if y is None else y)
                 mx.eval(y)  # before the next chunk overwrites these slots
@@ -379,3 +384,19 @@ def _much_larger_than_ram(store: ExpertStore) -> bool:
     total = sum((store.root / f).stat().st_size for f in store.files)
     return total > 0.6 * physical_memory()
 
+
+
+def _in_pieces(inner: Any, x: mx.array, slots: mx.array) -> mx.array:
+    """inner(x, slots), ROWS_AT_ONCE tokens at a time when there are more (x: (..., tokens, dims), slots: (..., tokens,
+    k)); each piece evaluated before the next, so only one piece's temporaries are held."""
+    axis = x.ndim - 2
+    n = x.shape[axis]
+    if n <= ROWS_AT_ONCE:
+        return inner(x, slots)
+    pieces = []
+    for a in range(0, n, ROWS_AT_ONCE):
+        rows = slice(a, a + ROWS_AT_ONCE)
+        piece = inner(x[..., rows, :], slots[..., rows, :])
+        mx.eval(piece)
+        pieces.append(piece)
+    return mx.concatenate(pieces, axis=axis)
