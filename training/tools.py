@@ -219,8 +219,9 @@ def _schema(qualname: str, kinds: dict[str, str]) -> tuple[dict[str, Any], dict[
     if not properties:
         return None
     tool_name = qualname.replace(".", "_")
+    description = first_sentence(inspect.getdoc(fn)) or f"{qualname} from the standard library."
     schema = {"type": "function", "function": {
-        "name": tool_name, "description": first_sentence(inspect.getdoc(fn)) or f"{qualname} from the standard library.",
+        "name": tool_name, "description": description,
         "parameters": {"type": "object", "properties": properties, "required": required}}}
     return schema, order
 
