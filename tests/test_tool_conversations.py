@@ -8,6 +8,8 @@ import importlib
 import inspect
 import json
 
+import pytest
+
 from training.tools import HELDOUT_MODULES, build, tools
 
 
@@ -64,3 +66,81 @@ def test_the_same_seed_builds_the_same_conversations():
     a = [c.to_json() for c in build(seed=7, per_tool=2, heldout=True)]
     b = [c.to_json() for c in build(seed=7, per_tool=2, heldout=True)]
     assert a == b and a != [c.to_json() for c in build(seed=8, per_tool=2, heldout=True)]
+
+
+OLD_TEMPLATE = (  # the template before tools: a conversation without them must render exactly as it did
+    "{% for m in messages %}"
+    '<|open|>message role="{{ m.role }}"<|sep|>{{ m.content }}<|end_of_msg|>'
+    "{% endfor %}"
+    '{% if add_generation_prompt %}<|open|>message role="assistant"<|sep|>{% endif %}'
+)
+
+
+@pytest.fixture(scope="module")
+def wrapper(tmp_path_factory):
+    """mlx-lm's TokenizerWrapper over a demo tokenizer written with today's chat template."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from tqbench.demo.spec import DemoSpec
+    from tqbench.demo.tokenizer import demo_tokenizer_ranks
+    from tqbench.tokenizer import write_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer(d, demo_tokenizer_ranks(DemoSpec()))
+    return load_tokenizer(d)
+
+
+def test_a_conversation_without_tools_renders_as_before():
+    from training.conversations import render
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 'a "quoted" <b> & é'},
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+    for gen in (False, True):
+        assert render(messages, add_generation_prompt=gen) == render(messages, OLD_TEMPLATE, add_generation_prompt=gen)
+
+
+def test_tool_calls_render_as_k3_writes_them_and_mlx_lms_parser_reads_them_back(wrapper):
+    """The rendering of training equals the tokenizer's (transformers), and the assistant's tools section, read by
+    mlx-lm's kimi_k3 tool parser, gives back each reference call: name and JSON-typed arguments."""
+    from training.conversations import render
+
+    convs = build(seed=1, per_tool=2, heldout=False) + build(seed=1, per_tool=2, heldout=True)
+    parse = wrapper.tool_parser
+    assert wrapper.has_tool_calling and wrapper.tool_call_start == "<|open|>tools<|sep|>"
+    for c in convs:
+        text = render(c.messages, tools=c.tools)
+        assert text == wrapper.apply_chat_template(list(c.messages), tools=list(c.tools), tokenize=False)
+        assert text.startswith('<|open|>message role="system" name="tool_declare"<|sep|>')
+        assert json.loads(text[text.index("<|sep|>") + 7:text.index("<|end_of_msg|>")]) == list(c.tools)
+        start = text.index("<|open|>tools<|sep|>") + len("<|open|>tools<|sep|>")
+        calls = parse(text[start:text.index("<|close|>tools<|sep|>")], list(c.tools))
+        assert calls == [c.call]
+        assert f'<|open|>message role="tool" tool="{c.tool}" index="1"<|sep|>{c.messages[2]["content"]}' in text
+        prompt = render(c.messages[:1], tools=c.tools, add_generation_prompt=True)
+        assert text.startswith(prompt) and prompt.endswith('<|open|>message role="assistant"<|sep|>')
+
+
+def test_argument_types_and_attribute_escapes():
+    """Every JSON type gets K3's type name, strings stay raw, attribute values escape & and "; arguments given as a
+    string go in one json block."""
+    from training.conversations import render
+
+    args = {"s": 'a "b" & <c>', "i": 3, "f": 1.5, "t": True, "n": None, "o": {"k": [1]}, "l": ["x"]}
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": 'we"ird&', "arguments": args}},
+        {"type": "function", "function": {"name": "raw", "arguments": '{"a": 1}'}}]}
+    text = render([{"role": "user", "content": "go"}, call])
+    assert text == (
+        '<|open|>message role="user"<|sep|>go<|end_of_msg|>'
+        '<|open|>message role="assistant"<|sep|><|open|>tools<|sep|>'
+        '<|open|>call tool="we&quot;ird&amp;" index="1"<|sep|>'
+        '<|open|>argument key="s" type="string"<|sep|>a "b" & <c><|close|>argument<|sep|>'
+        '<|open|>argument key="i" type="number"<|sep|>3<|close|>argument<|sep|>'
+        '<|open|>argument key="f" type="number"<|sep|>1.5<|close|>argument<|sep|>'
+        '<|open|>argument key="t" type="boolean"<|sep|>true<|close|>argument<|sep|>'
+        '<|open|>argument key="n" type="null"<|sep|>null<|close|>argument<|sep|>'
+        '<|open|>argument key="o" type="object"<|sep|>{"k": [1]}<|close|>argument<|sep|>'
+        '<|open|>argument key="l" type="array"<|sep|>["x"]<|close|>argument<|sep|>'
+        '<|close|>call<|sep|>'
+        '<|open|>call tool="raw" index="2"<|sep|><|open|>json type="object"<|sep|>{"a": 1}<|close|>json<|sep|>'
+        '<|close|>call<|sep|><|close|>tools<|sep|><|end_of_msg|>')

@@ -36,10 +36,48 @@ PAT_STR = (
     r"""|\s+(?!\S)|\s+"""
 )
 
-# K3-style (XTML) chat template: every message ends with the eos token, so generation stops where a turn ends.
+# K3-style (XTML) chat template: every message ends with the eos token, so generation stops where a turn ends. Tools
+# as K3's encoder writes them (docs/kimi-k3.md, "Tool calls"): the offered tools' JSON schemas in a system message
+# first; an assistant's calls after its text, `<|open|>tools<|sep|>` then per call `<|open|>call tool="NAME"
+# index="I"<|sep|>` (1-based in the message) with one `<|open|>argument key="K" type="T"<|sep|>VALUE<|close|>argument
+# <|sep|>` per argument (a string raw, any other value as JSON; arguments that are not an object: one
+# `<|open|>json type="object"<|sep|>` block), `<|close|>call<|sep|>`, and `<|close|>tools<|sep|>`; each tool result
+# as a message of role "tool" naming its call's tool and index. A conversation without tools renders as before.
+_ATTR = '| replace("&", "&amp;") | replace(\'"\', "&quot;")'
+_TYPE = ("{% if v is string %}string{% elif v is boolean %}boolean{% elif v is number %}number"
+         "{% elif v is none %}null{% elif v is mapping %}object{% else %}array{% endif %}")
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    '<|open|>message role="system" name="tool_declare"<|sep|>{{ tools | tojson }}<|end_of_msg|>'
+    "{% endif %}"
+    "{% set ns = namespace(calls=[], k=0) %}"
     "{% for m in messages %}"
-    '<|open|>message role="{{ m.role }}"<|sep|>{{ m.content }}<|end_of_msg|>'
+    "{% if m.role == 'tool' %}"
+    "{% set ns.k = ns.k + 1 %}"
+    "{% set call = ns.calls[ns.k - 1] if ns.k <= ns.calls | length else none %}"
+    '<|open|>message role="tool" tool="{{ (m.name or (call.function.name if call else "")) ' + _ATTR + ' }}" '
+    'index="{{ ns.k }}"<|sep|>{{ m.content }}<|end_of_msg|>'
+    "{% else %}"
+    '<|open|>message role="{{ m.role }}"<|sep|>{{ m.content if m.content is not none else "" }}'
+    "{% if m.tool_calls %}"
+    "{% set ns.calls = m.tool_calls %}{% set ns.k = 0 %}"
+    "<|open|>tools<|sep|>"
+    "{% for c in m.tool_calls %}"
+    '<|open|>call tool="{{ c.function.name ' + _ATTR + ' }}" index="{{ loop.index }}"<|sep|>'
+    "{% if c.function.arguments is mapping %}"
+    "{% for key, v in c.function.arguments.items() %}"
+    '<|open|>argument key="{{ key ' + _ATTR + ' }}" type="' + _TYPE + '"<|sep|>'
+    "{{ v if v is string else v | tojson }}<|close|>argument<|sep|>"
+    "{% endfor %}"
+    "{% else %}"
+    '<|open|>json type="object"<|sep|>{{ c.function.arguments }}<|close|>json<|sep|>'
+    "{% endif %}"
+    "<|close|>call<|sep|>"
+    "{% endfor %}"
+    "<|close|>tools<|sep|>"
+    "{% endif %}"
+    "<|end_of_msg|>"
+    "{% endif %}"
     "{% endfor %}"
     '{% if add_generation_prompt %}<|open|>message role="assistant"<|sep|>{% endif %}'
 )

@@ -553,19 +553,25 @@ def build_conversations(items: Sequence[DocItem], seed: int, passes: int = 1, gr
 @lru_cache(maxsize=4)
 def _compiled(template: str):
     """The template compiled as transformers compiles chat templates (a sandboxed environment, trim_blocks,
-    lstrip_blocks, the loopcontrols extension), so the rendering is the same string."""
+    lstrip_blocks, the loopcontrols extension, its `tojson`: json.dumps without HTML escapes, non-ASCII kept), so the
+    rendering is the same string."""
+    import json
+
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     return env.from_string(template)
 
 
 def render(messages: Sequence[dict], template: str = CHAT_TEMPLATE, add_generation_prompt: bool = False,
-           **special) -> str:
-    """`messages` rendered by the chat `template` (the one `tqbench.tokenizer` writes into tokenizer_config.json):
-    what `tokenizer.apply_chat_template(messages, tokenize=False)` returns."""
-    return _compiled(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt, **special)
+           tools: Sequence[dict] | None = None, **special) -> str:
+    """`messages` rendered by the chat `template` (the one `tqbench.tokenizer` writes into tokenizer_config.json), with
+    `tools` offered: what `tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)` returns."""
+    return _compiled(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                      tools=list(tools) if tools else None, **special)
 
 
 def encode_conversation(encoding, messages: Sequence[dict], template: str = CHAT_TEMPLATE) -> list[int]:
