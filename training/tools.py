@@ -92,7 +92,6 @@ TOOLS: dict[str, dict[str, str]] = {
     "math.perm": {"n": "small", "k": "small?"},
     "math.factorial": {"n": "small"},
     "math.isqrt": {"n": "int"},
-    "math.hypot": {},  # *coordinates: not offered (see _schema)
     "math.degrees": {"x": "float"},
     "math.radians": {"x": "float"},
     "math.copysign": {"x": "float", "y": "float"},
@@ -122,7 +121,6 @@ TOOLS: dict[str, dict[str, str]] = {
     "statistics.median_high": {"data": "ints"},
     "fnmatch.fnmatch": {"name": "path", "pat": "pattern"},
     "fnmatch.filter": {"names": "paths", "pat": "pattern"},
-    "keyword.iskeyword": {"s": "word"},
     "difflib.get_close_matches": {"word": "word", "possibilities": "words", "n": "small?"},
     "shlex.quote": {"s": "text"},
     "shlex.split": {"s": "text"},
