@@ -124,6 +124,9 @@ def _watch(service, err: Console) -> None:
                             err.print(report.request_line(ev), markup=False)
                     for line in _warmup_lines(service, shown):
                         err.print(line, markup=False)
+            for ev in watcher.get(0):  # ended by --max-requests: the last request's line, published as it ended
+                if isinstance(ev, RequestDone):
+                    err.print(report.request_line(ev), markup=False)
         finally:  # the totals, once, however it ends (the live region is gone by now)
             for line in report.status_lines(service.status()):
                 err.print(line, markup=False)

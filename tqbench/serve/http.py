@@ -181,6 +181,9 @@ class _Handler(BaseHTTPRequestHandler):
                 for ev in events:
                     self._sse(wire.event_dict(ev))
                     quiet = time.monotonic()
+            if not self._gone():  # stopping: what the last request published before it (its record, the status)
+                for ev in w.get(0):
+                    self._sse(wire.event_dict(ev))
 
     # ---- POST -----------------------------------------------------------------------------------------------------
 
