@@ -43,9 +43,14 @@ def prompt_of(loaded, n: int) -> list[int]:
 PEAKS: dict[str, int] = {}
 
 
-def prefilled(model: Path, n: int, order: str, window: int = P.LAYER_MAJOR_TOKENS):
-    """Process a prompt of n tokens but its last (streamed at BUDGET), then the last: (the last token's logits, the
-    progress events, the page-ins, the streamer's prefill misses). The prefill's peak MLX memory is in PEAKS[order]."""
+STEP = 512  # chunks of a quarter of mlx-lm's 2,048 tokens: the same code on prompts a quarter as long (a fast loop)
+N = 1600  # three chunks and a bit
+
+
+def prefilled(model: Path, n: int, order: str, window: int = P.LAYER_MAJOR_TOKENS, step: int = STEP):
+    """Process a prompt of n tokens but its last (streamed at BUDGET) in chunks of `step`, then the last: (the last
+    token's logits, the progress events, the page-ins, the streamer's prefill misses). The prefill's peak MLX memory
+    is in PEAKS[order]."""
     def run():
         m = load(model, streaming=StreamConfig(budget_bytes=BUDGET, workers=2))
         tokens = prompt_of(m, n)
@@ -57,7 +62,7 @@ def prefilled(model: Path, n: int, order: str, window: int = P.LAYER_MAJOR_TOKEN
         mx.clear_cache()
         mx.reset_peak_memory()
         try:
-            progress = list(P.prefill(m, tokens[:-1], cache, total=n, window=window))
+            progress = list(P.prefill(m, tokens[:-1], cache, total=n, step=step, window=window))
         finally:
             P.layer_major = real
         PEAKS[order] = mx.get_peak_memory()
@@ -71,52 +76,60 @@ def prefilled(model: Path, n: int, order: str, window: int = P.LAYER_MAJOR_TOKEN
 
 
 def test_layer_by_layer_reads_each_expert_once_and_gives_the_same_logits(model):
-    """6,000 tokens (three chunks) at a 4 MB expert cache: chunk by chunk reads about three times the experts the
-    prompt routes to (each chunk pages in nearly all of them again); layer by layer reads each once (goal: at most
-    1.05x), and the last token's logits are the same to the bit (each chunk's attention and each token's experts
-    compute exactly what they compute chunk by chunk: only the order of the work changes)."""
-    chunk_logits, chunk_progress, _, chunk_misses = prefilled(model, 6000, "chunks")
-    layer_logits, layer_progress, page_ins, layer_misses = prefilled(model, 6000, "layers")
+    """1,600 tokens (three chunks and a bit) at a 4 MB expert cache: chunk by chunk reads nearly three times the
+    experts the prompt routes to (each chunk pages in nearly all of them again); layer by layer reads each once (goal:
+    at most 1.05x), and the last token's logits are the same to the bit (each chunk's attention and each token's
+    experts compute exactly what they compute chunk by chunk: only the order of the work changes)."""
+    chunk_logits, chunk_progress, _, chunk_misses = prefilled(model, N, "chunks")
+    layer_logits, layer_progress, page_ins, layer_misses = prefilled(model, N, "layers")
     routed = {(e.layer, x) for e in page_ins for x in e.experts if isinstance(e, PageIn)}
     assert layer_misses <= 1.05 * len(routed) and chunk_misses > 2 * len(routed)
     np.testing.assert_array_equal(layer_logits, chunk_logits)
-    assert [p.done for p in chunk_progress] == [2048, 4096, 5999]
+    assert [p.done for p in chunk_progress] == [512, 1024, 1536, N - 1]
     moe_layers = len({e.layer for e in page_ins})
     assert [p.layers_done for p in layer_progress] == list(range(1, moe_layers + 1)) + [0]
-    assert all(p.layers == moe_layers and p.done == 0 and p.window == 5999 for p in layer_progress[:-1])
-    assert layer_progress[-1].done == 5999 and layer_progress[-1].layers == 0
-    assert [p.fraction for p in layer_progress] == pytest.approx([5999 * k / moe_layers / 6000
-                                                                  for k in range(1, moe_layers + 1)] + [5999 / 6000])
-    # what layer by layer holds beyond chunk by chunk stays within the bound `tqbench plan` states for 5,999 tokens
+    assert all(p.layers == moe_layers and p.done == 0 and p.window == N - 1 for p in layer_progress[:-1])
+    assert layer_progress[-1].done == N - 1 and layer_progress[-1].layers == 0
+    assert [p.fraction for p in layer_progress] == pytest.approx([(N - 1) * k / moe_layers / N
+                                                                  for k in range(1, moe_layers + 1)] + [(N - 1) / N])
+
+
+@pytest.mark.slow
+def test_what_a_long_prompt_holds_stays_within_the_plans_bound(model):
+    """6,000 tokens in mlx-lm's 2,048-token chunks (the experts' products then run in the same 2,048 rows either way):
+    the MLX memory layer by layer holds beyond chunk by chunk is within the bound `tqbench plan` states for those
+    tokens, and the bound is not loose (under 3x). Measured here: 56.5 MB against a bound of 68.2 MB."""
+    prefilled(model, 6000, "chunks", step=P.PREFILL_STEP)
+    prefilled(model, 6000, "layers", step=P.PREFILL_STEP)
     bound = prefill_bound(json.loads((model / "config.json").read_text())).held_bytes(5999)
     extra = PEAKS["layers"] - PEAKS["chunks"]
     assert 0 < extra <= bound < 3 * extra
 
 
 def test_windows_of_a_long_prompt_each_read_their_experts_once(model):
-    """A window of two chunks: 6,000 tokens run layer by layer in two windows (4,096 and 1,903 tokens), with the same
+    """A window of two chunks: 1,600 tokens run layer by layer in two windows (1,024 and 575 tokens), with the same
     logits again."""
-    chunk_logits, _, _, _ = prefilled(model, 6000, "chunks")
-    logits, progress, _, _ = prefilled(model, 6000, "layers", window=2 * P.PREFILL_STEP)
+    chunk_logits, _, _, _ = prefilled(model, N, "chunks")
+    logits, progress, _, _ = prefilled(model, N, "layers", window=2 * STEP)
     np.testing.assert_array_equal(logits, chunk_logits)
-    assert [p.done for p in progress if not p.layers] == [4096, 5999]  # each window's end
-    assert {(p.done, p.window) for p in progress if p.layers} == {(0, 4096), (4096, 1903)}
+    assert [p.done for p in progress if not p.layers] == [1024, N - 1]  # each window's end
+    assert {(p.done, p.window) for p in progress if p.layers} == {(0, 1024), (1024, N - 1 - 1024)}
 
 
 def test_a_resident_prompt_goes_chunk_by_chunk_and_replies_as_mlx_lm_does(model):
     def run():
         m = load(model)
-        tokens = prompt_of(m, 4500)
+        tokens = prompt_of(m, 2100)
         events = list(generate(m, tokens, make_prompt_cache(m.model), Sampling(max_tokens=6), 0, []))
         want = [r.token for r in stream_generate(m.model, m.tokenizer, mx.array(tokens), max_tokens=6)]
         return events, want
 
     events, want = engine().call(run)
     progress = [e for e in events if isinstance(e, PrefillProgress)]
-    assert [p.done for p in progress] == [2048, 4096, 4499, 4500] and {p.total for p in progress} == {4500}
+    assert [p.done for p in progress] == [2048, 2099, 2100] and {p.total for p in progress} == {2100}
     assert all(a.seconds <= b.seconds for a, b in zip(progress, progress[1:])) and progress[-1].experts_read == 0
     done = events[-1]
-    assert isinstance(done, ReplyDone) and done.prompt_tokens == 4500 and done.prefill_s == progress[-1].seconds
+    assert isinstance(done, ReplyDone) and done.prompt_tokens == 2100 and done.prefill_s == progress[-1].seconds
     tokens = [e.id for e in events if isinstance(e, TokenOut)]
     assert len(tokens) >= 3 and tokens == want[:len(tokens)]
 

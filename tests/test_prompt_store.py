@@ -18,6 +18,7 @@ from tqbench.runtime.load import load
 from tqbench.runtime.prompt_store import MIN_TOKENS, PromptStore, model_key
 
 TEXT = (Path(__file__).resolve().parent.parent / "tqbench" / "runtime" / "load.py").read_text()[:12000]
+SHORT = TEXT[:1500]  # about 500 tokens: more than MIN_TOKENS, and a fast loop
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +62,14 @@ def test_a_second_conversation_continues_from_the_kept_prompt(model, tmp_path):
     prompt that extends it continues from it too, with the tokens of the same prefix continued in memory; a prompt of
     fewer than MIN_TOKENS is not kept."""
     store = PromptStore(tmp_path / "prompts", model_key(model))
-    first, started, cache = reply(model, store, TEXT)
+    first, started, cache = reply(model, store, SHORT)
     assert started.cached_tokens == 0 and started.prompt_tokens > MIN_TOKENS
-    again, started2, cache2 = reply(model, store, TEXT)
+    again, started2, cache2 = reply(model, store, SHORT)
     assert (started2.cached_tokens, started2.prompt_tokens) == (started.prompt_tokens - 1, 1)
     assert again == first
-    longer, started3, _ = reply(model, store, TEXT + "\n\ndef main():\n")
+    longer, started3, _ = reply(model, store, SHORT + "\n\ndef main():\n")
     assert started3.cached_tokens == started.prompt_tokens - 1
-    assert longer == continued(model, TEXT + "\n\ndef main():\n", started3.cached_tokens)
+    assert longer == continued(model, SHORT + "\n\ndef main():\n", started3.cached_tokens)
     reply(model, store, "def add(a, b):")
     assert reply(model, store, "def add(a, b):")[1].cached_tokens == 0  # a short prompt is not kept
     store.close()
@@ -87,14 +88,14 @@ def test_another_model_or_routing_never_reads_a_kept_prompt(model, tmp_path):
 
 def test_a_corrupt_entry_is_one_warning_and_a_fresh_prefill(model, tmp_path, capsys):
     store = PromptStore(tmp_path / "prompts", model_key(model))
-    first, started, _ = reply(model, store, TEXT)
+    first, started, _ = reply(model, store, SHORT)
     for f in (tmp_path / "prompts").rglob("*.val"):
         f.write_bytes(b"\0" * 64)  # the checkpoint's bytes broken on disk
-    again, started2, _ = reply(model, store, TEXT)
+    again, started2, _ = reply(model, store, SHORT)
     err = capsys.readouterr().err
     assert started2.cached_tokens == 0 and again == first
     assert err.count("tqbench: warning: a kept prompt cache of ") == 1 and "processed again" in err
-    third, started3, _ = reply(model, store, TEXT)  # the fresh prefill was kept again
+    third, started3, _ = reply(model, store, SHORT)  # the fresh prefill was kept again
     assert started3.cached_tokens == started.prompt_tokens - 1
     store.close()
 
@@ -102,11 +103,11 @@ def test_a_corrupt_entry_is_one_warning_and_a_fresh_prefill(model, tmp_path, cap
 def test_the_store_stays_within_its_bytes(model, tmp_path):
     """Checkpoints of three prompts in a store that holds about two: the least recently used goes."""
     probe = PromptStore(tmp_path / "probe", model_key(model))
-    reply(model, probe, TEXT)
+    reply(model, probe, SHORT)
     one = max(e[2] for e in probe._index().values())  # one checkpoint's bytes
     probe.close()
     store = PromptStore(tmp_path / "prompts", model_key(model), max_bytes=int(2.5 * one))
-    texts = [TEXT, TEXT.replace("def ", "def  "), TEXT.replace("(", "( ")]
+    texts = [SHORT, "# two\n" + SHORT, "# three\n" + SHORT]  # no prefix of one begins another
     for t in texts:
         reply(model, store, t)
     index = store._index()
