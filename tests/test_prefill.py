@@ -75,12 +75,22 @@ def prefilled(model: Path, n: int, order: str, window: int = P.LAYER_MAJOR_TOKEN
     return engine().call(run)
 
 
+_CHUNKS: dict[Path, tuple] = {}
+
+
+def chunk_by_chunk(model: Path) -> tuple:
+    """prefilled(model, N, "chunks"), run once for the tests that compare with it."""
+    if model not in _CHUNKS:
+        _CHUNKS[model] = prefilled(model, N, "chunks")
+    return _CHUNKS[model]
+
+
 def test_layer_by_layer_reads_each_expert_once_and_gives_the_same_logits(model):
     """1,600 tokens (three chunks and a bit) at a 4 MB expert cache: chunk by chunk reads nearly three times the
     experts the prompt routes to (each chunk pages in nearly all of them again); layer by layer reads each once (goal:
     at most 1.05x), and the last token's logits are the same to the bit (each chunk's attention and each token's
     experts compute exactly what they compute chunk by chunk: only the order of the work changes)."""
-    chunk_logits, chunk_progress, _, chunk_misses = prefilled(model, N, "chunks")
+    chunk_logits, chunk_progress, _, chunk_misses = chunk_by_chunk(model)
     layer_logits, layer_progress, page_ins, layer_misses = prefilled(model, N, "layers")
     routed = {(e.layer, x) for e in page_ins for x in e.experts if isinstance(e, PageIn)}
     assert layer_misses <= 1.05 * len(routed) and chunk_misses > 2 * len(routed)
@@ -109,7 +119,7 @@ def test_what_a_long_prompt_holds_stays_within_the_plans_bound(model):
 def test_windows_of_a_long_prompt_each_read_their_experts_once(model):
     """A window of two chunks: 1,600 tokens run layer by layer in two windows (1,024 and 575 tokens), with the same
     logits again."""
-    chunk_logits, _, _, _ = prefilled(model, N, "chunks")
+    chunk_logits, _, _, _ = chunk_by_chunk(model)
     logits, progress, _, _ = prefilled(model, N, "layers", window=2 * STEP)
     np.testing.assert_array_equal(logits, chunk_logits)
     assert [p.done for p in progress if not p.layers] == [1024, N - 1]  # each window's end

@@ -26,10 +26,15 @@ def model(tmp_path_factory) -> Path:
     return demo_tq4(tmp_path_factory.mktemp("prompt-store"))
 
 
+LOADED: dict[Path, object] = {}  # each model loaded once (engine thread); every reply is a fresh conversation on it
+
+
 def reply(model: Path, store: PromptStore | None, text: str, n: int = 6):
     """(tokens, ReplyStarted) of one plain-text reply in a fresh conversation."""
     def run():
-        conv = Conversation(loaded=load(model), chat_template=False, store=store)
+        if model not in LOADED:
+            LOADED[model] = load(model)
+        conv = Conversation(loaded=LOADED[model], chat_template=False, store=store)
         events = list(conv.reply(text, Sampling(max_tokens=n)))
         return [e.id for e in events if type(e).__name__ == "TokenOut"], events[0], conv.cache
 
