@@ -183,6 +183,12 @@ def median(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def source_text() -> str:
+    """This repository's Python source (tqbench/), in a fixed order: real code, far more than 8,192 tokens of it (the
+    long prompts of benchmarks/prefill.py and scripts/gpu_prompt_check.py)."""
+    return "\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "tqbench").rglob("*.py")))
+
+
 # --- models
 
 

@@ -42,16 +42,11 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from harness import REPO, convert_demo, drop_cache, dump_json, log, machine_info  # noqa: E402
+from harness import convert_demo, drop_cache, dump_json, log, machine_info, source_text  # noqa: E402
 
 SCHEMA = "tqbench.bench.prefill/1"
 SCRIPT = Path(__file__).resolve()
 MODES = ("chunked", "layer-major", "disk-cache")
-
-
-def source_text() -> str:
-    """This repository's Python source in a fixed order: real code, far more than 8,192 tokens of it."""
-    return "\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "tqbench").rglob("*.py")))
 
 
 def child_prompt(a: dict) -> None:

@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from harness import RESULT_MARK, emit  # noqa: E402
+from harness import RESULT_MARK, emit, source_text  # noqa: E402
 
 K3_RECIPE = ["--bits", "3", "-g", "64", "--ternary-experts", "--expert-down-bits", "4"]
 GB = 10**9
@@ -52,11 +52,6 @@ def parse_bytes(text: str) -> int:
     from tqbench.recipe.fit import parse_size
 
     return parse_size(text)
-
-
-def source_text() -> str:
-    """This repository's Python source, in a fixed order: real code, far more than 8,192 tokens of it."""
-    return "\n".join(p.read_text(encoding="utf-8") for p in sorted((ROOT / "tqbench").rglob("*.py")))
 
 
 def cut_to_tokens(tokenizer, text: str, n: int) -> tuple[str, int]:

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from training.conversations import first_sentence
+
 WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "north", "green", "seven", "quiet",
          "maple", "ember", "orbit", "pixel", "tulip", "amber", "coral", "frost")
 DIRS = ("usr", "lib", "home", "src", "docs", "tmp", "data", "build", "var", "etc")
@@ -183,12 +185,6 @@ def is_heldout(qualname: str) -> bool:
     return int.from_bytes(hashlib.sha256(qualname.encode()).digest()[:4], "big") % HELDOUT_EVERY == 0
 
 
-def first_sentence(doc: str | None) -> str:
-    text = " ".join((doc or "").strip().split("\n\n")[0].split())
-    end = text.find(". ")
-    return (text[:end + 1] if end >= 0 else text)[:200]
-
-
 def _schema(qualname: str, kinds: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]] | None:
     """The tool's schema from the real function (None when a parameter it needs is not drawable: *args, a required
     parameter without a kind)."""
@@ -217,7 +213,7 @@ def _schema(qualname: str, kinds: dict[str, str]) -> tuple[dict[str, Any], dict[
     if not properties:
         return None
     tool_name = qualname.replace(".", "_")
-    description = first_sentence(inspect.getdoc(fn)) or f"{qualname} from the standard library."
+    description = first_sentence(inspect.getdoc(fn) or "") or f"{qualname} from the standard library."
     schema = {"type": "function", "function": {
         "name": tool_name, "description": description,
         "parameters": {"type": "object", "properties": properties, "required": required}}}
