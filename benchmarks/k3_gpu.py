@@ -286,6 +286,8 @@ def child_decode(a: dict) -> None:
                      per_layer={str(k): v for k, v in sorted(per_layer.items())},
                      hit_rate_all=st.stats.hit_rate(),  # the whole run: prefill, warm-up and measured tokens
                      gpu_prefetch=dict(active=st.prefetch.active, calls=st.prefetch.calls, error=st.prefetch.error),
+                     dma=dict(active=st.dma.active, calls=st.dma.calls, error=st.dma.error,
+                              pinned_bytes=st.dma.pinned_bytes),
                      trace=[[e.token, e.layer, list(e.experts)] for e in st.events])
             st.close()
         out.append(r)
@@ -451,7 +453,7 @@ def summarize(run: dict) -> dict:
                    disk_gbps_on_misses=d["critical_bytes"] / d["stall_s"] / 1e9 if d["stall_s"] else None,
                    pinned=run.get("pinned"), preload_s=run.get("preload_s"), preload_bytes=run.get("preload_bytes"),
                    slots=run["slots"], budget_bytes=run["budget_bytes"], cache_bytes_max=run["cache_bytes_max"],
-                   gpu_prefetch=run.get("gpu_prefetch"))
+                   gpu_prefetch=run.get("gpu_prefetch"), dma=run.get("dma"))
         p = run["prefill_delta"]  # the prompt's one forward pass: its reads, its wait, and the rest (compute)
         row["prefill"] = dict(tokens=run["prompt_tokens"], seconds=run["prefill_s"], hits=p["hits"],
                               misses=p["misses"], bytes=p["critical_bytes"], stall_s=p["stall_s"],
@@ -561,11 +563,12 @@ def main(argv: list[str] | None = None) -> int:
     add_size_options(p, DEFAULTS, QUICK, "a CPU smoke run at tiny shapes")
     p.add_argument("--parts", default="convert,stream,resident",
                    help="any of convert, build (the streaming model only), stream, resident")
-    p.add_argument("--runs", default="A,B,W,8,L", help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead, "
-                                                       "F fan-out, X 16 workers, 1 one worker, 2 two, R one read in "
-                                                       "flight, H host tier (--host-gb), P page cache on, T both "
-                                                       "tiers at the shares full K3 gets on the lent box (B cold), C cache-aware "
-                                                       "routing at each of --cache-margins")
+    p.add_argument("--runs", default="A,B,W,8,L",
+                   help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead, F fan-out, X 16 workers, 1 one "
+                        "worker, 2 two, R one read in flight, H host tier (--host-gb), P page cache on, T both tiers at "
+                        "the shares full K3 gets on the lent box (B cold), N B cold and M the host tier with slots "
+                        "written through host pages (no DMA copies: the way before), C cache-aware routing at each of "
+                        "--cache-margins")
     p.add_argument("--work", type=Path, help="work directory on the disk to measure (kept)")
     p.add_argument("--out", type=Path, default=Path("bench-results/k3_gpu.json"))
     p.add_argument("--timeout", type=float, default=900)
@@ -674,12 +677,16 @@ def main(argv: list[str] | None = None) -> int:
                 dict(label="B cold, page cache on", prompt="B", stream=dict(stream, page_cache="on")),
                 dict(label="B cold, K3 box tiers", prompt="B", stream=dict(
                     stream, budget_bytes=box_budget(model, K3_BOX_SHARES["gpu"], cfg["workers"]),
-                    host_budget_bytes=max(eb, int(K3_BOX_SHARES["host"] * model["expert_total_bytes"]))))
+                    host_budget_bytes=max(eb, int(K3_BOX_SHARES["host"] * model["expert_total_bytes"])))),
+                # issue 50: the slots written the way before DMA copies (through the host, their pages migrating)
+                dict(label="B cold, page migration", prompt="B", stream=dict(stream, dma_copies=False)),
+                dict(label="B cold, host tier, page migration", prompt="B",
+                     stream=dict(stream, host_budget_bytes=int(cfg["host_gb"] * 1e9), dma_copies=False)),
             ] + [  # cache-aware routing: a cached expert within the margin of an uncached one is chosen instead
                 dict(label=f"B cold, cache routing {m:g}", prompt="B", stream=dict(stream, cache_routing=m))
                 for m in map(float, str(cfg["cache_margins"]).split(","))]
         chosen = set(a.runs.split(","))
-        keys = "ABW8LFX12RHPT" + "C" * (len(runs) - 13)
+        keys = "ABW8LFX12RHPTNM" + "C" * (len(runs) - 15)
         runs = [r for r, key in zip(runs, keys) if key in chosen]
         drop_cache(files)
         res = run_child(SCRIPT, "decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],

@@ -4,6 +4,7 @@ tier is exclusive with the slots and never holds more than its budget."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +136,22 @@ def test_host_tier_bookkeeping():
     assert (1, 1) not in tier and len(tier) == 2 and tier.bytes_held == 200
     with pytest.raises(ValueError, match="cannot hold one expert"):
         HostTier(99, 100)
+
+
+def test_host_slots_start_on_pages_of_their_own_and_are_pinned_once_each():
+    """On CUDA each host slot is page-locked (DmaCopy.pin) on its first use: the ranges must not share a page (the
+    driver refuses to lock a page twice), and a slot is locked once however often it is used."""
+    pinned = []
+    tier = HostTier(3 * 5000, 5000, pin=lambda view: pinned.append((view.ctypes.data, view.nbytes)) or True)
+    assert tier.capacity == 3 and not pinned
+    a = tier.slot(1, 5000)
+    tier.slot(1, 4000)
+    tier.slot(0, 5000)
+    assert [n for _, n in pinned] == [8192, 8192] and len(a) == 5000
+    (first, _), (second, _) = sorted(pinned)
+    assert first % mmap.PAGESIZE == 0 and second - first == 8192  # page-aligned, 2 pages apart: no page shared
+    a[:] = 7
+    assert (tier.slot(1, 5000) == 7).all() and not tier.slot(2, 5000).any() and len(pinned) == 3
 
 
 def test_part_views_round_trip(model, expert):

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tqbench.managed import GpuPrefetch, host_view
+from tqbench.managed import DmaCopy, GpuPrefetch, host_view
 
 
 @pytest.mark.parametrize("dtype, np_dtype", [(mx.uint32, np.uint32), (mx.uint8, np.uint8),
@@ -42,3 +42,15 @@ def test_prefetch_is_a_no_op_off_cuda_and_a_missing_driver_is_reported_not_raise
     assert not on.active and "libcuda" in on.error
     on.to_gpu(np.zeros(16, np.uint8))
     assert on.calls == 0
+
+
+def test_dma_copies_are_off_without_cuda_and_the_copy_path_falls_back_to_numpy():
+    """Off CUDA (or with the driver missing) DmaCopy does nothing and says so; a pool's copies are then numpy's."""
+    off = DmaCopy(enabled=False)
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+    assert not off.active and off.copy(dst, src) is False and off.pin(src) is False and off.pinned_bytes == 0
+    assert not dst.any()
+    if mx.cuda.is_available():
+        pytest.skip("this machine has a CUDA driver")
+    on = DmaCopy(enabled=True)
+    assert not on.active and "libcuda" in on.error

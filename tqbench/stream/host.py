@@ -13,6 +13,9 @@ CPU) there is one tier: the budget for this one is then 0 unless asked for, and 
 
 from __future__ import annotations
 
+import mmap
+from typing import Callable
+
 import numpy as np
 
 from tqbench.stream.cache import SlotCache
@@ -21,16 +24,20 @@ HOST_POLICY = "lru"
 
 
 class HostTier:
-    """`capacity` slots of `slot_bytes` each in one anonymous allocation (pages are committed as they are written),
-    and which (layer, expert) each holds."""
+    """`capacity` slots of `slot_bytes` each in one anonymous mapping (pages are committed as they are written), each
+    slot starting on a page of its own, and which (layer, expert) each holds. `pin` (DmaCopy.pin on CUDA): called once
+    on each slot's pages before its first use, so copies to and from the GPU run at DMA speed."""
 
-    def __init__(self, budget_bytes: int, slot_bytes: int):
+    def __init__(self, budget_bytes: int, slot_bytes: int, pin: Callable[[np.ndarray], bool] | None = None):
         self.slot_bytes = slot_bytes
         self.capacity = budget_bytes // slot_bytes
         if self.capacity < 1:
             raise ValueError(f"a host tier of {budget_bytes:,} bytes cannot hold one expert ({slot_bytes:,} bytes)")
         self.cache = SlotCache(self.capacity, HOST_POLICY)
-        self.arena = np.empty((self.capacity, slot_bytes), dtype=np.uint8)
+        stride = -(-slot_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # page-aligned slots: each pinned on its own
+        self.arena = np.frombuffer(mmap.mmap(-1, self.capacity * stride), dtype=np.uint8).reshape(self.capacity, stride)
+        self.pin = pin
+        self.pinned = np.zeros(self.capacity, dtype=bool) if pin is not None else None
         self.admitted = 0  # experts moved here from a GPU slot
         self.dropped = 0  # experts evicted from here (gone from both tiers)
 
@@ -45,7 +52,11 @@ class HostTier:
         return len(self.cache) * self.slot_bytes
 
     def slot(self, index: int, nbytes: int) -> np.ndarray:
-        """A host slot's first `nbytes`: an expert's buffer, laid out as the store reads it (part offsets from 0)."""
+        """A host slot's first `nbytes`: an expert's buffer, laid out as the store reads it (part offsets from 0).
+        Engine thread (it pins the slot on first use)."""
+        if self.pinned is not None and not self.pinned[index]:
+            self.pinned[index] = True  # tried once: an unpinned slot still copies, slower
+            self.pin(self.arena[index])
         return self.arena[index, :nbytes]
 
     def take(self, keys: list, locked: set) -> dict:

@@ -36,6 +36,8 @@ class StreamStats:
     host_dropped: int = 0  # experts evicted from it (gone from both tiers)
     host_copy_s: float = 0.0  # worker seconds copying host -> slot (and the slot's old expert out)
     host_to_gpu_s: float = 0.0  # engine-thread seconds asking those slots' pages to move to the GPU
+    copies: str = "numpy"  # how slots are written: "dma" (CUDA copy engines, tqbench.managed.DmaCopy) or "numpy"
+    pinned_bytes: int = 0  # host memory page-locked for DMA copies (staging buffers, host-tier slots used so far)
     lookahead_reads: int = 0  # experts read ahead
     lookahead_used: int = 0  # of those, routed at the layer they were read for
     reads: int = 0
@@ -105,6 +107,7 @@ class StreamStats:
                 "misses": self.misses, "host_budget_bytes": self.host_budget_bytes, "host_slots": self.host_slots,
                 "host_bytes": self.host_bytes, "host_admitted": self.host_admitted, "host_dropped": self.host_dropped,
                 "host_copy_s": round(self.host_copy_s, 6), "host_to_gpu_s": round(self.host_to_gpu_s, 6),
+                "copies": self.copies, "pinned_bytes": self.pinned_bytes,
                 "tiers": {k: round(v, 4) for k, v in self.tier_rates().items()},
                 "lookahead_reads": self.lookahead_reads, "lookahead_used": self.lookahead_used, "hit_rate": round(self.hit_rate(), 4),
                 "reads": self.reads, "critical_bytes": self.critical_bytes,

@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from tqbench.events import PageIn
-from tqbench.managed import GpuPrefetch
+from tqbench.managed import DmaCopy, GpuPrefetch
 from tqbench.stream.host import HostTier
 from tqbench.stream.pagein import Pager, read_buffers, staging_bytes
 from tqbench.stream.policies import DEFAULT_POLICY
@@ -57,6 +57,8 @@ class StreamConfig:
     host_budget_bytes: int = 0  # a host-RAM tier for experts evicted from the pools (tqbench.stream.host; 0: none)
     cache_routing: float = 0.0  # margin: in decode, a resident expert within this selection score of an uncached
     # one may take its place (attach.CacheRoutedBlock; 0: off, the model's own routing, untouched)
+    dma_copies: bool = True  # CUDA: slots written by the copy engines from pinned memory (tqbench.managed.DmaCopy);
+    # False: through the host, the slots' pages migrating both ways (the way before; benchmarks compare the two)
 
 
 class Streamer:
@@ -85,7 +87,8 @@ class Streamer:
         total = sum(len(g) * g[0].nbytes * g[0].experts for g in groups.values())
         room = config.budget_bytes - staging
         self.pools: list[Pool] = []
-        self.prefetch = GpuPrefetch()  # CUDA: slot writes migrate to the GPU in bulk
+        self.prefetch = GpuPrefetch()  # CUDA without DMA copies: slot writes migrate to the GPU in bulk
+        self.dma = DmaCopy(enabled=None if config.dma_copies else False)
         self.pool_of: dict[int, Pool] = {}
         for group in groups.values():
             group.sort(key=lambda lay: lay.layer)
@@ -106,7 +109,7 @@ class Streamer:
             alloc = [1 + (slots - n) * (bounds[i + 1] - bounds[i]) // len(group) for i in range(n)]
             alloc[-1] += slots - sum(alloc)
             for i in range(n):
-                pool = Pool(per, max(1, min(alloc[i], cap)), config.policy, self.prefetch)
+                pool = Pool(per, max(1, min(alloc[i], cap)), config.policy, self.prefetch, dma=self.dma)
                 self.pools.append(pool)
                 for lay in group[bounds[i]:bounds[i + 1]]:
                     self.pool_of[lay.layer] = pool
@@ -118,11 +121,14 @@ class Streamer:
             if config.host_budget_bytes < widest:
                 raise StoreError(f"the host cache ({config.host_budget_bytes:,} bytes) cannot hold one expert "
                                  f"({widest:,} bytes)", store.root)
-            self.host = HostTier(config.host_budget_bytes, widest)
+            self.host = HostTier(config.host_budget_bytes, widest, pin=self.dma.pin if self.dma.active else None)
             self.stats.host_budget_bytes = config.host_budget_bytes
             self.stats.host_slots = self.host.capacity
         self.pager = Pager(store, self.stats, self.host, workers=workers, buffer_bytes=biggest, fanout=config.fanout,
                            reads_in_flight=config.reads_in_flight)
+        if self.dma.active:
+            for buf in self.pager.buffers:
+                self.dma.pin(buf)
         self.events: list[PageIn] = []
         self.token = 0  # forward passes so far (a decode step or a prefill chunk each)
         self._last_layer = None
@@ -359,6 +365,8 @@ class Streamer:
         s.cache_bytes_max = max(s.cache_bytes_max, s.cache_bytes)
         if self.host is not None:
             s.host_bytes, s.host_admitted, s.host_dropped = self.host.bytes_held, self.host.admitted, self.host.dropped
+        s.copies = "dma" if self.dma.active else "numpy"
+        s.pinned_bytes = self.dma.pinned_bytes
         self.events.append(PageIn(token=self.token, layer=layer, experts=tuple(experts), served=kinds,
                                   bytes_read=read_bytes, stall_s=stall, cache_bytes=s.cache_bytes))
 
@@ -370,6 +378,7 @@ class Streamer:
 
     def close(self) -> None:
         self.pager.close()
+        self.dma.unpin_all()
         self.store.close()
 
 
