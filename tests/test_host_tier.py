@@ -5,6 +5,7 @@ tier is exclusive with the slots and never holds more than its budget."""
 from __future__ import annotations
 
 import mmap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -138,20 +139,32 @@ def test_host_tier_bookkeeping():
         HostTier(99, 100)
 
 
-def test_host_slots_start_on_pages_of_their_own_and_are_pinned_once_each():
-    """On CUDA each host slot is page-locked (DmaCopy.pin) on its first use: the ranges must not share a page (the
-    driver refuses to lock a page twice), and a slot is locked once however often it is used."""
-    pinned = []
-    tier = HostTier(3 * 5000, 5000, pin=lambda view: pinned.append((view.ctypes.data, view.nbytes)) or True)
-    assert tier.capacity == 3 and not pinned
-    a = tier.slot(1, 5000)
-    tier.slot(1, 4000)
-    tier.slot(0, 5000)
-    assert [n for _, n in pinned] == [8192, 8192] and len(a) == 5000
-    (first, _), (second, _) = sorted(pinned)
-    assert first % mmap.PAGESIZE == 0 and second - first == 8192  # page-aligned, 2 pages apart: no page shared
-    a[:] = 7
-    assert (tier.slot(1, 5000) == 7).all() and not tier.slot(2, 5000).any() and len(pinned) == 3
+def test_host_slots_start_on_pages_of_their_own_and_are_pinned_once_each_ahead_of_use():
+    """On CUDA each host slot is page-locked (DmaCopy.pin) before its first use, by a thread of its own in the order
+    slots are handed out: the ranges must not share a page (the driver refuses to lock a page twice), every slot is
+    locked exactly once, and a slot asked for before that thread reached it is pinned first where it is asked for."""
+    pinned, gate = [], threading.Event()
+
+    def pin(view):
+        if threading.current_thread().name == "tqbench-pin":
+            gate.wait(5)  # the pinning thread holds slot 0 until the engine side asked for slot 2
+        pinned.append((view.ctypes.data, view.nbytes, threading.current_thread().name))
+        return True
+
+    tier = HostTier(4 * 5000, 5000, pin=pin)
+    assert tier.capacity == 4
+    view = tier.slot(2, 5000)  # not reached by the pinning thread yet: pinned here
+    assert [(n, who) for _, n, who in pinned] == [(8192, threading.current_thread().name)]
+    gate.set()
+    tier.slot(0, 4000)  # the thread holds it: waited for, not pinned twice
+    tier.close()
+    assert sorted(a for a, _, _ in pinned) == [tier.arena[i].ctypes.data for i in range(4)]  # each slot once
+    assert {who for _, _, who in pinned[1:]} == {"tqbench-pin"} and all(n == 8192 for _, n, _ in pinned)
+    first = tier.arena[0].ctypes.data
+    assert first % mmap.PAGESIZE == 0 and tier.arena[1].ctypes.data - first == 8192  # page-aligned, none shared
+    view[:] = 7
+    assert (tier.slot(2, 5000) == 7).all() and not tier.slot(3, 5000).any() and len(pinned) == 4
+    assert tier.cache.place_many([(0, 0), (0, 1)], 0, set()) == [0, 1]  # handed out from slot 0 up, as pinned
 
 
 def test_part_views_round_trip(model, expert):

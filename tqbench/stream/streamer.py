@@ -378,6 +378,8 @@ class Streamer:
 
     def close(self) -> None:
         self.pager.close()
+        if self.host is not None:
+            self.host.close()
         self.dma.unpin_all()
         self.store.close()
 
