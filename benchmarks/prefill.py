@@ -18,7 +18,8 @@ cache's) are dropped from the page cache:
 - `layer-major`: as `tqbench chat` runs it today, with a prompt cache in an empty directory (the checkpoint it
   writes before the first token is in its time);
 - `disk-cache`: the same prompt again in a new process, continuing from that checkpoint (a restart).
-Each runs the prompt through tqbench's Conversation (the loop chat and serve run) to one greedy token and reports the
+Before them, untimed, one chunked and one layer-major process at the first length pay for compiling kernels
+(`--no-warmup` skips them). Each runs the prompt through tqbench's Conversation (the loop chat and serve run) to one greedy token and reports the
 time to the first token (from the reply's start, the prompt cache lookup included), the experts and bytes read for
 the prompt, the distinct (layer, expert) pairs it routed to, the first token, peak RSS and (CUDA) MLX's peak memory.
 The disk's raw rate (O_DIRECT reads of expert-sized chunks of the model's files, `benchmarks/streaming.py`) is
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, help="work directory (default: a temporary one, removed afterwards)")
     p.add_argument("--out", type=Path, default=Path("bench-results/prefill.json"))
     p.add_argument("--timeout", type=float, default=1800, help="seconds per process")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed warm-up processes (chunked and layer-major at the first length)")
     p.add_argument("--no-openblas", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -147,6 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         a.out.write_text(dump_json(doc))
 
     try:
+        # MLX's CUDA build compiles its kernels the first time a shape is run and keeps them on disk: on a fresh H100
+        # machine the first timed process spent 50 s of its 57 s doing so. Untimed processes pay for it first.
+        doc["warmup"] = [] if a.no_warmup else [
+            run_child(SCRIPT, mode, dict(mode=mode, model=str(model), budget=parse_size(budgets[0]), host=host,
+                                         workers=a.workers, store=str(work / f"warmup-{mode}"), text=str(text),
+                                         length=lengths[0]), a.timeout, env={"TQBENCH_CACHE_DIR": str(work / "cache")})
+            for mode in ("chunked", "layer-major")]
+        for w in doc["warmup"]:
+            log(f"warm-up {w['mode']}: {w['ttft_s']:.1f} s (untimed)")
         for budget in budgets:
             for length in lengths:
                 store = work / f"prompts-{budget}-{length}"
