@@ -303,3 +303,23 @@ def build(seed: int, per_tool: int, heldout: bool) -> list[ToolConversation]:
                 out.append(conv)
                 made += 1
     return [out[i] for i in rng.permutation(len(out))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the held-out cases `tqbench eval --tools` ships: `python -m training.tools --out tqbench/eval/tools.jsonl`."""
+    import argparse
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-tool", type=int, default=4)
+    a = p.parse_args(argv)
+    cases = build(a.seed, a.per_tool, heldout=True)
+    a.out.write_text("".join(json.dumps(c.to_json(), ensure_ascii=False) + "\n" for c in cases), encoding="utf-8")
+    print(f"{len(cases)} held-out tool conversations ({len({c.tool for c in cases})} tools) -> {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

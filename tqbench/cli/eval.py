@@ -21,7 +21,8 @@ from tqbench.cli.errors import say_error
 from tqbench.cli.render import show
 from tqbench.errors import TqbenchError
 
-STAGES = {"score": "scoring", "greedy": "generating", "layers": "layers"}
+STAGES = {"score": "scoring", "greedy": "generating", "layers": "layers", "tools": "tool calls"}
+UNITS = {"tools": "calls"}  # what a stage counts (tokens unless named here)
 
 
 @options.takes(stream=options.STREAMING)
@@ -48,6 +49,14 @@ def eval_model(
     decode: Annotated[bool, typer.Option(
         "--decode", help="Score token by token through a KV cache, one token per pass as a chat decodes (always with "
                          "--cache-routing): the expert cache sees decode's misses.")] = False,
+    tools: Annotated[bool, typer.Option(
+        "--tools", help="Score tool calls instead of texts: the demo's held-out tool conversations (valid calls, "
+                        "exact calls, agreement with SRC's own call, answers quoting the tool's result).")] = False,
+    tools_file: Annotated[Optional[Path], typer.Option(
+        "--tools-file", metavar="JSONL", help="Score these tool conversations (one JSON object a line: tools and "
+                                              "messages with one reference tool call); implies --tools.")] = None,
+    tool_cases: Annotated[int, typer.Option("--tool-cases", min=0, help="Score the first N tool cases (0: all).")
+                          ] = 0,
     stream: StreamRequest = options.FROM_OPTIONS,
     trust_remote_code: options.TrustRemoteCode = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (stable schema) on stdout.")] = False,
@@ -69,7 +78,8 @@ def eval_model(
             model=str(model), against=str(against) if against is not None else None,
             texts=tuple(str(t) for t in text or ()), window=window, tokens=tokens, prompts=prompts,
             prompt_tokens=min(32, window), generate=generate, layers=layers, max_active_experts=max_active_experts,
-            stream=stream, trust_remote_code=trust_remote_code, decode=decode).check()
+            stream=stream, trust_remote_code=trust_remote_code, decode=decode, tools=tools,
+            tools_file=str(tools_file) if tools_file is not None else None, tool_cases=tool_cases).check()
         report = None
         with submit(lambda: evaluate(request)) as events:
             progress = _Progress(err)
@@ -99,6 +109,8 @@ def started_line(ev) -> str:
         routing = f", {ev.max_active_experts} of {ev.native_experts} experts per token"
     if ev.cache_routing:
         routing += f", routing changed: cache routing margin {ev.cache_routing:g}"
+    if ev.tool_cases:
+        return f"evaluating {what}: {ev.tool_cases} tool calls ({ev.tool_set}){routing}"
     mode = "layer by layer, " if ev.layers else "token by token, " if ev.decode else ""
     fewer = f" (all the texts hold: fewer than the {ev.asked_tokens:,} asked)" if ev.asked_tokens else ""
     return (f"evaluating {what}: {mode}{ev.tokens:,} tokens in {ev.windows} windows of {ev.window} "
@@ -114,22 +126,24 @@ class _Progress:
         self.tasks: dict[str, int] = {}
         self.said: dict[str, int] = {}
         if err.is_terminal:
-            columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                       TimeElapsedColumn(), TimeRemainingColumn())
+            columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TimeRemainingColumn())
             self.bar = Progress(*columns, console=err)
             self.bar.start()
 
     def update(self, ev) -> None:
         if self.bar is not None:
             if ev.stage not in self.tasks:
-                self.tasks[ev.stage] = self.bar.add_task(STAGES[ev.stage], total=ev.total)
+                self.tasks[ev.stage] = self.bar.add_task(STAGES[ev.stage], total=ev.total,
+                                                         unit=UNITS.get(ev.stage, "tokens"))
             self.bar.update(self.tasks[ev.stage], completed=ev.done)
             return
         quarter = 4 * ev.done // ev.total
         if quarter > self.said.get(ev.stage, 0):
             self.said[ev.stage] = quarter
             eta = f", {ev.eta_s:.0f} s left" if ev.eta_s else ""
-            print(f"{STAGES[ev.stage]} {ev.done:,}/{ev.total:,} tokens ({ev.done / ev.total:.0%}), "
+            print(f"{STAGES[ev.stage]} {ev.done:,}/{ev.total:,} {UNITS.get(ev.stage, 'tokens')} "
+                  f"({ev.done / ev.total:.0%}), "
                   f"{ev.elapsed_s:.0f} s{eta}", file=self.err.file, flush=True)
 
     def close(self) -> None:
@@ -178,6 +192,8 @@ def tables(r) -> list:
         g = r.greedy
         out.append(f"greedy agreement: {sum(g.alike)} of {g.prompts * g.generated} generated tokens alike before the "
                    f"first difference ({g.share:.0%}; per prompt {', '.join(map(str, g.alike))} of {g.generated})")
+    if r.tools is not None:
+        out.append(tools_table(r))
     if r.layers:
         t = Table(title=f"layer errors of {r.model} against {r.against} (teacher-forced)", title_justify="left")
         for c in ("layer", "attention", "mlp", "rel. error"):
@@ -187,3 +203,40 @@ def tables(r) -> list:
         t.caption = f"window {r.window}; {r.seconds:.1f} s"
         out.append(t)
     return out
+
+
+def _share(n: int | None, of: int) -> str:
+    return "-" if n is None else f"{n} of {of} ({n / of:.0%})" if of else "-"
+
+
+def tools_table(r):
+    """The tool-call scores: one row per figure, the model's and (with --against) SRC's."""
+    s = r.tools
+    compare = s.source_valid is not None
+    t = Table(title=f"tool calls of {r.model}" + (f" against {r.against}" if compare else ""), title_justify="left")
+    for c in ("", "model") + (("SRC",) if compare else ()):
+        t.add_column(c, justify="left" if not c else "right")
+    rows = [("valid calls", _share(s.valid, s.cases), _share(s.source_valid, s.cases)),
+            ("exact (= reference)", _share(s.exact, s.cases), _share(s.source_exact, s.cases)),
+            ("answers quoting the result", _share(s.answered, s.answers), "")]
+    if compare:
+        rows.insert(2, ("same call as SRC's", _share(s.agree, s.cases), ""))
+    for row in rows:
+        t.add_row(*(row if compare else row[:2]))
+    notes = [f"model {units.size(r.model_bytes)} resident"]
+    if r.recipe:
+        notes.append(f"recipe {r.recipe}")
+    if r.native_experts and r.max_active_experts != r.native_experts:
+        notes.append(f"{r.max_active_experts} of {r.native_experts} experts per token")
+    if r.cache_routing:
+        notes.append(f"routing changed: cache routing margin {r.cache_routing:g}")
+    problems: dict[str, int] = {}
+    for x in s.results:
+        if x.call.problem:
+            key = x.call.problem.split(":")[0] if x.call.problem.startswith("arguments") else x.call.problem
+            problems[key] = problems.get(key, 0) + 1
+    if problems:
+        notes.append("invalid: " + ", ".join(f"{k} ({n})" for k, n in sorted(problems.items(), key=lambda kv: -kv[1])))
+    notes.append(f"{r.seconds:.1f} s")
+    t.caption = "; ".join(notes)
+    return t

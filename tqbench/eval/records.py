@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tqbench.chat.request import StreamRequest
 from tqbench.errors import TqbenchError, UsageError
+from tqbench.eval.tools import ToolScore
 
 WINDOW = 256  # tokens of context per window; every window starts from an empty context
 TOKENS = 4096  # predicted tokens, spread over the texts
@@ -37,6 +38,13 @@ class EvalRequest:
     store: str | None = None  # where evaluations of conversions against their source are remembered (None: the
     # user cache; tqbench.eval.store)
     decode: bool = False  # score token by token through a KV cache, as a chat decodes (always with cache routing)
+    tools: bool = False  # score tool calls instead of texts (tqbench.eval.tools)
+    tools_file: str | None = None  # the cases (JSONL; None: the shipped held-out set); implies tools
+    tool_cases: int = 0  # the first this many cases (0: all)
+
+    @property
+    def scores_tools(self) -> bool:
+        return self.tools or self.tools_file is not None
 
     @property
     def token_by_token(self) -> bool:
@@ -57,6 +65,10 @@ class EvalRequest:
             raise UsageError("--layers compares two models layer by layer: give --against SRC")
         if self.layers and self.token_by_token:
             raise UsageError("--layers runs whole windows: leave out --decode and --cache-routing")
+        if self.scores_tools and (self.layers or self.texts):
+            raise UsageError("--tools scores tool calls, not texts: leave out --layers and --text")
+        if self.tool_cases < 0:
+            raise TqbenchError(f"tool cases {self.tool_cases}: give 0 (all) or more")
         return self
 
 
@@ -86,6 +98,8 @@ class EvalStarted:
     cache_routing: float = 0.0  # MODEL's cache-routing margin (0: its own routing)
     decode: bool = False  # scored token by token
     asked_tokens: int = 0  # --tokens, when the texts hold fewer windows than it asks for (0: they hold enough)
+    tool_cases: int = 0  # tool calls to score (--tools; then no texts)
+    tool_set: str = ""  # where the cases come from
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +216,7 @@ class EvalReport:
     model_misses_per_token: float | None = None  # MODEL's expert misses per scored token (None: experts resident)
     model_substitutions_per_token: float | None = None  # routed experts cache routing put in place of the model's
     model_tiers: TierShares | None = None  # where MODEL's routed experts came from while scoring (None: resident)
+    tools: ToolScore | None = None  # --tools: the tool calls scored (then no texts)
 
     @property
     def routing_changed(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tqbench.eval.records import EvalReport, GreedyAgreement, TextScore
+from tqbench.eval.tools import CallCheck, ToolScore
 
 SCHEMA = "tqbench.eval/1"
 
@@ -16,6 +17,20 @@ def score_dict(s: TextScore) -> dict:
 def greedy_dict(g: GreedyAgreement) -> dict:
     return {"prompts": g.prompts, "generated": g.generated, "share_alike": g.share, "alike": list(g.alike),
             "same_position": list(g.same_position)}
+
+
+def call_dict(c: CallCheck) -> dict:
+    return {"name": c.name, "arguments": c.arguments, "valid": c.valid, "problem": c.problem, "text": c.text}
+
+
+def tools_dict(t: ToolScore) -> dict:
+    return {"cases": t.cases, "valid": t.valid, "valid_rate": t.valid_rate, "exact": t.exact,
+            "exact_rate": t.exact_rate, "source_valid": t.source_valid, "source_exact": t.source_exact,
+            "source_exact_rate": t.source_exact_rate, "agree": t.agree, "agree_rate": t.agree_rate,
+            "answers": t.answers, "answered": t.answered, "answer_rate": t.answer_rate,
+            "results": [{"case": r.where, "tool": r.tool, "call": call_dict(r.call), "exact": r.exact,
+                         "source": call_dict(r.source) if r.source is not None else None, "agrees": r.agrees,
+                         "answer": r.answer, "answered": r.answered} for r in t.results]}
 
 
 def report_dict(r: EvalReport) -> dict:
@@ -40,4 +55,5 @@ def report_dict(r: EvalReport) -> dict:
         "decode": r.decode,
         "per_token": {"misses": r.model_misses_per_token, "substitutions": r.model_substitutions_per_token},
         "tiers": r.model_tiers.to_dict() if r.model_tiers else None,
+        "tools": tools_dict(r.tools) if r.tools is not None else None,
     }

@@ -97,6 +97,8 @@ def _evaluate(request: EvalRequest, loaded: list | None) -> Iterator:
         native = active = native_top_k(model.model)
         if request.max_active_experts:
             active = set_active_experts(model.model, request.max_active_experts).active
+        if request.scores_tools:
+            return (yield from _tool_eval(request, model, ref, active=active, native=native, t0=t0))
         streams = {t.name: token_stream(t, model.tokenizer) for t in texts}
         if ref is not None:
             _same_tokens(texts, streams, ref.tokenizer, request.against)
@@ -147,6 +149,27 @@ def _evaluate(request: EvalRequest, loaded: list | None) -> Iterator:
         yield report
     finally:
         _close(*(loaded or ()))
+
+
+def _tool_eval(request: EvalRequest, model, ref, active: int, native: int, t0: float) -> Iterator:
+    """--tools: the tool-call cases scored (tqbench.eval.tools), one EvalReport with `tools` and no texts."""
+    import hashlib
+
+    from tqbench.eval.tools import TOOL_SET, load_cases, score_tools
+
+    cases = load_cases(request.tools_file, request.tool_cases)
+    yield EvalStarted(model=str(model.path), against=str(ref.path) if ref else None, texts=(), windows=0, window=0,
+                      tokens=0, max_active_experts=active, native_experts=native, layers=False,
+                      cache_routing=request.stream.cache_routing, tool_cases=len(cases),
+                      tool_set=request.tools_file or TOOL_SET)
+    score = yield from score_tools(model, ref, cases)
+    digest_of = hashlib.sha256(json.dumps([c.where for c in cases] + [c.name for c in cases]).encode()).hexdigest()
+    yield EvalReport(model=str(model.path), against=str(ref.path) if ref else None, recipe=_recipe(model.path),
+                     window=0, max_active_experts=active, native_experts=native, texts=(), total=None, greedy=None,
+                     layers=(), text_digest=digest_of, seconds=time.perf_counter() - t0,
+                     model_bytes=model.weight_bytes, model_read_bytes=_read_bytes(model),
+                     against_read_bytes=_read_bytes(ref) if ref is not None else None,
+                     cache_routing=request.stream.cache_routing, tools=score)
 
 
 def _load(path: str, stream, trust_remote_code: bool, group=None):
