@@ -22,7 +22,7 @@ from tqbench.convert.pipeline import source_fingerprint
 from tqbench.demo import ensure_demo
 from tqbench.destination import default_dest
 from tqbench.engine import engine as engine_thread
-from tqbench.eval.store import EvalStore, RecipeQuality
+from tqbench.eval.store import EvalStore, RecipeQuality, ToolQuality
 from tqbench.recipe import Recipe, assess, group_sources, machine, make_plan, parse_size
 from tqbench.machine import GB, cached_disk_speed, disk_cache_file, disk_speed
 from tqbench.recipe.fit import Verdict
@@ -613,11 +613,14 @@ def quality(recipe: str, fingerprint: str, perplexity: float, active_experts: in
                          native_experts=8, when=time.time())
 
 
-def store_holds(*records: RecipeQuality) -> None:
+def store_holds(*records: RecipeQuality, tools: dict | None = None) -> None:
+    """`tools`: {(fingerprint, recipe): ToolQuality} stored as `tqbench eval --tools` stores them."""
     store = EvalStore()  # the test's own cache directory (conftest)
     try:
         for q in records:
             store.put(q)
+        for (fingerprint, recipe), t in (tools or {}).items():
+            store.put_tools(fingerprint, recipe, t)
     finally:
         store.close()
 
@@ -626,8 +629,8 @@ def notes(app) -> list[str]:
     return [n.message for n in app._notifications]
 
 
-def quality_column(table: PlanTable, key: str) -> tuple[str, str, str]:
-    return tuple(table.text(row, key) for row in ("perplexity", "kl", "top-1 agreement"))
+def quality_column(table: PlanTable, key: str) -> tuple[str, ...]:
+    return tuple(table.text(row, key) for row in ("perplexity", "kl", "top-1 agreement", "tool calls"))
 
 
 def quality_caption(app) -> str:
@@ -639,28 +642,31 @@ async def test_quality_rows_show_the_evaluations_of_the_loaded_source():
     demo = ensure_demo()
     fingerprint = source_fingerprint(open_checkpoint(demo))
     initial = Recipe.parse(INITIAL_RECIPE).name
+    calls = ToolQuality(cases=52, tool_set="d", valid_rate=1.0, exact_rate=0.8, agree_rate=0.9423, source_exact_rate=0.85,
+                        when=time.time())
     store_holds(quality(initial, fingerprint, 11.2623),
                 quality("tq4-g64", "another source", 10.5),  # measured on another source: never shown here
-                quality("tq4-g64", fingerprint, 10.0, active_experts=4))  # at another routing: not this recipe's
+                quality("tq4-g64", fingerprint, 10.0, active_experts=4),  # at another routing: not this recipe's
+                tools={(fingerprint, initial): calls, ("another source", "tq4-g64"): calls})
     app = TqbenchApp(demo)
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await open_recipe_screen(pilot)
         table = screen.query_one(PlanTable)
         await wait_for(pilot, lambda: initial in screen.qualities, "the store to be read")
         await settle(pilot)
-        assert quality_column(table, CURRENT) == ("11.26 (+8.2%)", "0.152", "87.1%")
+        assert quality_column(table, CURRENT) == ("11.26 (+8.2%)", "0.152", "87.1%", "94% of 52")
         assert quality_caption(app) == "quality: 512 tokens of code, chat, window 256"
         rows = [str(r.key.value) for r in table.ordered_rows]
         at = rows.index("perplexity")  # after what decides a recipe (Row.primary), before the details
-        assert rows[at - 1] == "max tok/s reduced" and rows[at:at + 4] == [*QUALITY_ROWS, BPW_HEADING]
+        assert rows[at - 1] == "max tok/s reduced" and rows[at:at + 5] == [*QUALITY_ROWS, BPW_HEADING]
 
         await set_input(pilot, "#recipe-name", "tq4-g64")  # never evaluated on this source at native routing
-        assert quality_column(table, CURRENT) == ("-", "-", "-")
+        assert quality_column(table, CURRENT) == ("-", "-", "-", "-")
         assert quality_caption(app) == "quality: none measured on this source (v: quick eval)"
         await set_input(pilot, "#recipe-name", initial)
         await pilot.press("plus")  # pinned, then edited: the caption says what the pin's cells were measured on
         await set_input(pilot, "#recipe-name", "tq4-g64")
-        assert quality_column(table, CURRENT) == ("-", "-", "-")
+        assert quality_column(table, CURRENT) == ("-", "-", "-", "-")
         assert quality_column(table, initial) == ("11.26 (+8.2%)", "0.152", "87.1%")
         assert quality_caption(app) == "quality: 512 tokens of code, chat, window 256"
 
@@ -702,7 +708,7 @@ async def test_quick_eval_fills_the_quality_rows_of_the_demo():
         screen.quick_tokens = 256
         await set_input(pilot, "#recipe-name", name)
         table = screen.query_one(PlanTable)
-        assert quality_column(table, CURRENT) == ("-", "-", "-")
+        assert quality_column(table, CURRENT) == ("-", "-", "-", "-")
         await pilot.press("v")
         await wait_for(pilot, lambda: "converting" in quality_caption(app), "the conversion's progress", 60)
         assert f"quick eval of {name} on the demo: converting" in quality_caption(app)

@@ -164,12 +164,17 @@ def _tool_eval(request: EvalRequest, model, ref, active: int, native: int, t0: f
                       tool_set=request.tools_file or TOOL_SET)
     score = yield from score_tools(model, ref, cases)
     digest_of = hashlib.sha256(json.dumps([c.where for c in cases] + [c.name for c in cases]).encode()).hexdigest()
-    yield EvalReport(model=str(model.path), against=str(ref.path) if ref else None, recipe=_recipe(model.path),
+    report = EvalReport(model=str(model.path), against=str(ref.path) if ref else None, recipe=_recipe(model.path),
                      window=0, max_active_experts=active, native_experts=native, texts=(), total=None, greedy=None,
                      layers=(), text_digest=digest_of, seconds=time.perf_counter() - t0,
                      model_bytes=model.weight_bytes, model_read_bytes=_read_bytes(model),
                      against_read_bytes=_read_bytes(ref) if ref is not None else None,
                      cache_routing=request.stream.cache_routing, tools=score)
+    if ref is not None and not request.stream.cache_routing and (model.pipeline is None or model.pipeline.rank == 0):
+        from tqbench.eval.store import remember
+
+        remember(report, ref.path, request.store)  # a recipe's tool calls, beside its KL on the Recipe screen
+    yield report
 
 
 def _load(path: str, stream, trust_remote_code: bool, group=None):

@@ -53,7 +53,8 @@ CURRENT = "current"
 BPW_HEADING = "bpw by role"  # the heading of the per-role bits per weight, which the CLI indents under bits/weight
 COMPACT_WIDTH = 9  # compact mode: labels, cells and names wrap at this width (`585.12 GB`, `streaming`, `max tok/s`)
 FIRST_LINE_ROWS = ("resident", "routed experts", "total", "cache budget", "expert page")  # compact: the first line
-QUALITY_ROWS = {"perplexity": "perplexity", "kl": "KL vs source", "top-1 agreement": "top-1 agreement"}  # key: label
+QUALITY_ROWS = {"perplexity": "perplexity", "kl": "KL vs source", "top-1 agreement": "top-1 agreement",
+                "tool calls": "tool calls"}  # key: label; tool calls: the share made as the source makes them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,11 +78,14 @@ def verdict_cell(fit: Fit) -> Text:
 
 def quality_cells(q: RecipeQuality | None) -> dict[str, str]:
     """One recipe's quality cells by row key: perplexity with its change against the source's, KL(source || recipe)
-    per token in nats, top-1 agreement; `-` when the recipe was never evaluated."""
+    per token in nats, top-1 agreement, and the held-out tool calls it makes as the source does (`tqbench eval
+    --tools`); `-` when the recipe was never evaluated (so)."""
     if q is None:
         return dict.fromkeys(QUALITY_ROWS, "-")
+    t = q.tool_calls
     return {"perplexity": f"{q.perplexity:.2f} ({q.perplexity_change:+.1%})", "kl": f"{q.kl:.3f}",
-            "top-1 agreement": f"{q.top1_agreement:.1%}"}
+            "top-1 agreement": f"{q.top1_agreement:.1%}",
+            "tool calls": f"{t.agree_rate:.0%} of {t.cases}" if t is not None else "-"}
 
 
 def quality_rows(qualities: list[RecipeQuality | None]) -> list[Row]:
