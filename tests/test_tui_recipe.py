@@ -728,7 +728,7 @@ async def test_quick_eval_fills_the_quality_rows_of_the_demo():
         assert notes(app)[-1] == (f"{name} on the demo: perplexity {q.perplexity:.2f} ({q.perplexity_change:+.1%} vs "
                                   f"source), KL {q.kl:.3f}")
         assert quality_column(table, CURRENT) == (f"{q.perplexity:.2f} ({q.perplexity_change:+.1%})", f"{q.kl:.3f}",
-                                                  f"{q.top1_agreement:.1%}")
+                                                  f"{q.top1_agreement:.1%}", "-")  # no tool calls in a quick eval
         assert quality_caption(app) == "quality: 512 tokens of code, chat, window 256"
 
         await set_input(pilot, "#recipe-name", "affine8-g64")
