@@ -161,6 +161,50 @@ def test_streaming_gives_the_same_text_and_usage(server):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_logprobs_are_the_models_own_and_stream_as_they_come(server, demo):
+    """Each generated token's log-probability and its 3 likeliest alternatives, as OpenAI gives them, equal the
+    model's log-softmax computed independently (mlx-lm's model run here over the prompt and the tokens); streamed,
+    the same entries arrive with the chunks; the completions endpoint gives its legacy form."""
+    import mlx.core as mx
+    from mlx_lm import load as mlx_load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    messages = [{"role": "user", "content": U1}]
+    r = ask(server, messages, max_tokens=N, logprobs=True, top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == r.choices[0].message.content
+    assert len(entries) == r.usage.completion_tokens and r.choices[0].finish_reason == "length"
+    model, tok = mlx_load(str(demo))
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids = [tok.encode(e.token, add_special_tokens=False) for e in entries]
+    assert all(len(i) == 1 for i in ids)
+    ids = [i[0] for i in ids]
+    # mlx-lm's model run here as generation runs it (the prompt but its last token, then one token a pass through a
+    # KV cache), each position's log-softmax in the model's dtype, as mlx-lm computes it
+    cache = make_prompt_cache(model)
+    model(mx.array([prompt[:-1]]), cache=cache)
+    expected = []
+    for t in [prompt[-1]] + ids[:-1]:
+        logits = model(mx.array([[t]]), cache=cache)[0, -1]
+        expected.append((logits - mx.logsumexp(logits, keepdims=True)).astype(mx.float32).tolist())
+    for e, i, row in zip(entries, ids, expected):
+        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 3
+        assert e.logprob == pytest.approx(row[i], abs=1e-6)
+        assert e.top_logprobs[0].token == e.token  # greedy: the likeliest token is the one generated
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(sorted(row, reverse=True)[:3], abs=1e-6)
+    chunks = list(ask(server, messages, max_tokens=N, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    t = server.client.completions.create(model="demo", prompt=U1, max_tokens=N, temperature=0, logprobs=2)
+    lp = t.choices[0].logprobs
+    assert "".join(lp.tokens) == t.choices[0].text and len(lp.token_logprobs) == len(lp.tokens) == N
+    assert lp.text_offset == [sum(len(x) for x in lp.tokens[:i]) for i in range(N)]
+    assert all(len(top) == 2 and max(top.values()) == pytest.approx(p) for top, p in zip(lp.top_logprobs,
+                                                                                         lp.token_logprobs))
+    plain = ask(server, messages, max_tokens=N)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
+
+
 def test_stop_sequences_end_the_text_where_they_begin(server, cli_replies):
     full = cli_replies[0]["text"]
     stop = full[len(full) // 3: len(full) // 3 + 3]
@@ -384,8 +428,20 @@ def test_the_openai_parser_maps_fields_as_documented():
     assert c.messages[0] == {"role": "system", "content": "be brief"} and c.stop == ("END",)
     assert c.sampling.max_tokens == 5 and c.sampling.top_p == 0.0 and r.stream and r.include_usage
     with pytest.raises(ApiError) as e:
-        parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True})
-    assert e.value.status == 400 and e.value.param == "logprobs"
+        parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "n": 2})
+    assert e.value.status == 400 and e.value.param == "n"
+    one = [{"role": "user", "content": "x"}]
+    assert parse_request("chat", {"messages": one, "logprobs": True}).completion.sampling.logprobs == 0
+    assert parse_request("chat", {"messages": one, "logprobs": True, "top_logprobs": 4}).completion.sampling.logprobs == 4
+    assert parse_request("chat", {"messages": one, "logprobs": False}).completion.sampling.logprobs is None
+    assert parse_request("text", {"prompt": "x", "logprobs": 2}).completion.sampling.logprobs == 2
+    for kind, body, param in [("chat", {"messages": one, "top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+                              ("chat", {"messages": one, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                              ("text", {"prompt": "x", "logprobs": 6}, "logprobs"),
+                              ("text", {"prompt": "x", "logprobs": True}, "logprobs")]:
+        with pytest.raises(ApiError) as e:
+            parse_request(kind, body)
+        assert e.value.status == 400 and e.value.param == param
     t = parse_request("text", {"prompt": ["only one"], "max_tokens": 3})
     assert t.completion.prompt == "only one" and t.completion.messages is None
 

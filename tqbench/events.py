@@ -227,10 +227,28 @@ class MlxWarmedUp:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TopLogprob:
+    id: int
+    text: str  # the token decoded alone
+    logprob: float  # natural log of its probability under the model (before temperature and top-p / top-k)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenLogprob:
+    """A generated token's log-probability and, when asked, the likeliest tokens at its position (best first)."""
+
+    id: int
+    text: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
 class TokenOut:
     id: int
     text: str  # this token's new text (may be "" while a multi-byte character is incomplete)
     thinking: bool  # inside a <think> block
+    logprob: TokenLogprob | None = None  # when the sampling asked for them (Sampling.logprobs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,6 +302,7 @@ class CompletionDelta:
     content: str
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    logprob: TokenLogprob | None = None  # this token's, when asked
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,3 +315,4 @@ class CompletionDone:
     tool_calls: tuple[ToolCall, ...]
     finish_reason: str
     reply: ReplyDone
+    logprobs: tuple[TokenLogprob, ...] = ()  # every generated token's, when asked

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from tqbench.chat.records import ProfileInfo, StreamSetup, disk_fields
 from tqbench.events import (CompletionDelta, CompletionDone, ConvertEvent, ConvertFinished, ConvertStarted,
                             KernelsCompiling, MlxWarmedUp, MlxWarmup, ModelChosen, PageIn, PrefillProgress, ReplyDone,
-                            ReplyStarted, ShardWritten, SourceProgress, SourceRemoved, TokenOut, ToolCall,
-                            UnitConverted)
+                            ReplyStarted, ShardWritten, SourceProgress, SourceRemoved, TokenLogprob, TokenOut, ToolCall,
+                            TopLogprob, UnitConverted)
 
 if TYPE_CHECKING:  # named only: importing them loads MLX
     from tqbench.distributed.world import RankStats
@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # named only: importing them loads MLX
 __all__ = ["ChatEvent", "CompletionDelta", "CompletionDone", "CompletionEvent", "ConvertEvent", "ConvertFinished",
            "ConvertStarted", "KernelsCompiling", "MlxWarmedUp", "MlxWarmup", "ModelChosen", "ModelLoaded", "OpenEvent",
            "PageIn", "PrefillProgress", "ReplyDone", "ReplyEvent", "ReplyStarted", "ShardWritten", "SourceProgress", "SourceRemoved",
-           "StreamPlan", "StreamReport", "TokenOut", "ToolCall", "UnitConverted"]
+           "StreamPlan", "StreamReport", "TokenLogprob", "TokenOut", "ToolCall", "TopLogprob", "UnitConverted"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -100,6 +100,7 @@ class SamplingRequest:
     top_p: float | None = None  # 0: off
     top_k: int | None = None  # 0: off
     seed: int | None = None
+    logprobs: int | None = None  # each token's log-probability and its N likeliest alternatives (Sampling.logprobs)
 
     def check(self) -> SamplingRequest:
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -28,7 +28,8 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from tqbench.chat.choose import choose_model
 from tqbench.chat.events import (CompletionDelta, CompletionDone, CompletionEvent, ModelChosen, ModelLoaded, OpenEvent,
-                                 ReplyDone, ReplyEvent, ReplyStarted, StreamPlan, StreamReport, TokenOut, ToolCall)
+                                 ReplyDone, ReplyEvent, ReplyStarted, StreamPlan, StreamReport, TokenLogprob, TokenOut,
+                                 ToolCall)
 from tqbench.chat.profiling import start_profile
 from tqbench.chat.records import ConversationStatus, ProfileExport, StreamSetup
 from tqbench.chat.request import ChatRequest, CompletionRequest
@@ -271,7 +272,9 @@ class ChatSession:
                                 lockstep):
             match ev:  # a reply's tokens and end, split into the answer, its reasoning and its tool calls
                 case TokenOut():
-                    ev = answer.add(ev.id, *split.feed(ev.text, None))
+                    ev = replace(answer.add(ev.id, *split.feed(ev.text, None)), logprob=ev.logprob)
+                    if ev.logprob is not None:
+                        answer.logprobs.append(ev.logprob)
                 case ReplyDone():
                     tail = answer.add(-1, *split.feed("", ev.finish_reason))
                     if tail.content or tail.reasoning or tail.tool_calls:
@@ -375,6 +378,7 @@ class _Answer:
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, token: int, content: str, reasoning: str, calls: tuple[ToolCall, ...]) -> CompletionDelta:
         self.content.append(content)
@@ -385,7 +389,8 @@ class _Answer:
     def done(self, reply: ReplyDone) -> CompletionDone:
         finish = "tool_calls" if self.calls and reply.finish_reason == "stop" else reply.finish_reason
         return CompletionDone(content="".join(self.content), reasoning="".join(self.reasoning),
-                              tool_calls=tuple(self.calls), finish_reason=finish, reply=reply)
+                              tool_calls=tuple(self.calls), finish_reason=finish, reply=reply,
+                              logprobs=tuple(self.logprobs))
 
 
 def _leader(state: _Open):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
-from tqbench.events import PrefillProgress, ReplyDone, ReplyStarted, TokenOut
+from tqbench.events import PrefillProgress, ReplyDone, ReplyStarted, TokenLogprob, TokenOut, TopLogprob
 from tqbench.errors import TqbenchError
 from tqbench.runtime.load import Loaded
 from tqbench.runtime.prefill import prefill
@@ -33,6 +33,7 @@ class Sampling:
     top_p: float = 0.0  # 0: off
     top_k: int = 0  # 0: off
     seed: int | None = None
+    logprobs: int = -1  # each token's log-probability (0) and its N likeliest alternatives (N); -1: none
 
     @classmethod
     def defaults(cls, generation_config: dict[str, Any], **given: Any) -> Sampling:
@@ -265,12 +266,13 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
                 finish = r.finish_reason
                 if piece:
                     text.append(piece)
-                    yield TokenOut(id=r.token, text=piece, thinking=thinking)
+                    yield TokenOut(id=r.token, text=piece, thinking=thinking,
+                                   logprob=_logprob(loaded, r, sampling.logprobs))
                 break
             if THINK_OPEN in piece:
                 thinking = True
             text.append(piece)  # before the yield: a reply closed there keeps this token's text
-            yield TokenOut(id=r.token, text=piece, thinking=thinking)
+            yield TokenOut(id=r.token, text=piece, thinking=thinking, logprob=_logprob(loaded, r, sampling.logprobs))
             if THINK_CLOSE in piece:
                 thinking = False
     finally:
@@ -287,6 +289,23 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
     if finish == "cancelled":  # the loop ended without a final response: the caller stopped early
         finish = "length"
     yield replace(done, finish_reason=finish)
+
+
+def _logprob(loaded: Loaded, r, top: int) -> TokenLogprob | None:
+    """The generated token's log-probability (mlx-lm's GenerationResponse.logprobs: the model's log-softmax before
+    the sampler's temperature and filters) and the `top` likeliest tokens there; None when not asked (top < 0)."""
+    if top < 0:
+        return None
+    lp = r.logprobs.reshape(-1)
+    decode = loaded.tokenizer.decode
+    best: tuple[TopLogprob, ...] = ()
+    if top > 0:
+        ids = mx.argpartition(-lp, kth=min(top, lp.shape[0]) - 1)[:top]
+        values = lp[ids].astype(mx.float32)
+        pairs = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
+        best = tuple(TopLogprob(id=i, text=decode([i]), logprob=v) for i, v in pairs)
+    return TokenLogprob(id=r.token, text=decode([r.token]), logprob=float(lp[r.token].astype(mx.float32).item()),
+                        top=best)
 
 
 def _read_since(streamer, before: tuple[int, int]) -> tuple[int, int]:

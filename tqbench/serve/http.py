@@ -196,6 +196,7 @@ class _Handler(BaseHTTPRequestHandler):
         done: CompletionDone | None = None
         started = False
         streamed_calls = 0  # tool calls sent so far: the next one's index in the stream
+        logprobs = _LogprobChunks(kind) if request.completion.sampling.logprobs is not None else None
         try:
             for ev in events:
                 match ev:
@@ -208,9 +209,12 @@ class _Handler(BaseHTTPRequestHandler):
                         self.wfile.write(f": prompt {ev.done}/{ev.total} tokens processed\n\n".encode())
                         self.wfile.flush()
                     case CompletionDelta() if stream:
-                        if ev.content or ev.reasoning or ev.tool_calls:
+                        if logprobs is not None and ev.logprob is not None:
+                            logprobs.pending.append(ev.logprob)
+                        if ev.content or ev.reasoning or ev.tool_calls:  # with the tokens' logprobs since the last
                             self._sse(openai.chunk(kind, rid, model, text=ev.content, reasoning=ev.reasoning,
-                                                   tool_calls=_calls(ev.tool_calls, True, streamed_calls)))
+                                                   tool_calls=_calls(ev.tool_calls, True, streamed_calls),
+                                                   logprobs=logprobs.take() if logprobs is not None else None))
                         streamed_calls += len(ev.tool_calls)
                     case CompletionDone():
                         done = ev
@@ -241,14 +245,19 @@ class _Handler(BaseHTTPRequestHandler):
         use = openai.usage(r.prompt_tokens, r.cached_tokens, r.generated_tokens)
         finish = "length" if done.finish_reason == "cancelled" else done.finish_reason
         if stream:
-            self._sse(openai.chunk(kind, rid, model, finish=finish))
+            self._sse(openai.chunk(kind, rid, model, finish=finish,
+                                   logprobs=logprobs.take() if logprobs is not None and logprobs.pending else None))
             if request.include_usage:
                 self._sse(openai.chunk(kind, rid, model, use=use))
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         else:  # the whole answer, as the engine split it
+            lp = None
+            if logprobs is not None:
+                lp = (openai.chat_logprobs(done.logprobs) if kind == "chat" else openai.text_logprobs(done.logprobs))
             self._send_json(200, openai.response(kind, rid, model, text=done.content, reasoning=done.reasoning,
-                                                 tool_calls=_calls(done.tool_calls, False), finish=finish, use=use))
+                                                 tool_calls=_calls(done.tool_calls, False), finish=finish, use=use,
+                                                 logprobs=lp))
 
     def _body(self) -> bytes:
         length = self.headers.get("Content-Length")
@@ -335,3 +344,21 @@ def warn_if_exposed(host: str) -> str | None:
         return None
     return (f"warning: listening on {host}: anyone who can reach this machine can use the model"
             " (add --api-key, or keep the default 127.0.0.1)")
+
+
+class _LogprobChunks:
+    """A stream's token logprobs not sent yet: a token whose text is held back (a marker, a stop string's start) sends
+    its logprob with the next chunk that has text. Completions' text offsets run on over the whole stream."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.pending: list = []
+        self.offset = 0
+
+    def take(self) -> dict:
+        entries, self.pending = self.pending, []
+        if self.kind == "chat":
+            return openai.chat_logprobs(entries)
+        out = openai.text_logprobs(entries, self.offset)
+        self.offset += sum(len(e.text) for e in entries)
+        return out

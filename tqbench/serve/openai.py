@@ -46,7 +46,7 @@ class ApiRequest:
 
 # Documented fields tqbench does not implement: accepted while they hold these (default) values.
 _DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
-    "n": (1, None), "logprobs": (False, None), "top_logprobs": (None, 0), "presence_penalty": (0, 0.0, None),
+    "n": (1, None), "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None), "logit_bias": (None, {}), "echo": (False, None), "best_of": (1, None),
     "suffix": (None, ""), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (True, False, None),
     "tool_choice": (None, "auto", "none"), "modalities": (None, ["text"]),
@@ -54,8 +54,9 @@ _DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
 _IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier",
             "verbosity", "stream_options")  # bookkeeping with no effect on the text; stream_options read apart
 _CHAT = ("model", "messages", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-         "seed", "stop", "tools")
-_TEXT = ("model", "prompt", "stream", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+         "seed", "stop", "tools", "logprobs", "top_logprobs")
+_TEXT = ("model", "prompt", "stream", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
+MAX_TOP_LOGPROBS = {"chat": 20, "text": 5}  # OpenAI's own limits
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -98,7 +99,8 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
         raise ApiError(400, f"seed {seed}: give 0 to 2^63-1", "seed")
     if top_p is not None:  # OpenAI's 1 is tqbench's 0 (off); its 0 keeps only the likeliest token
         top_p = 0.0 if top_p >= 1.0 else max(top_p, 1e-6)
-    sampling = SamplingRequest(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed)
+    sampling = SamplingRequest(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, seed=seed,
+                               logprobs=_logprobs(kind, body))
     stop = _stop(body.get("stop"))
     if kind == "chat":
         messages = _messages(body.get("messages"))
@@ -107,6 +109,40 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
     else:
         completion = CompletionRequest(prompt=_prompt(body.get("prompt")), sampling=sampling, stop=stop)
     return ApiRequest(kind=kind, model=model, completion=completion, stream=stream, include_usage=include_usage)
+
+
+def _logprobs(kind: str, body: dict[str, Any]) -> int | None:
+    """How many alternatives per token to report (0: the token's own log-probability only), None: no logprobs.
+    Chat: `logprobs` true, and `top_logprobs` N; completions: `logprobs` N (the legacy form)."""
+    name = "top_logprobs" if kind == "chat" else "logprobs"
+    top = _opt(body, name, int)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS[kind]:
+        raise ApiError(400, f"{name} {top}: give 0 to {MAX_TOP_LOGPROBS[kind]}", name)
+    if kind == "text":
+        return top
+    if not _opt(body, "logprobs", bool):
+        if top:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return top or 0
+
+
+def chat_logprobs(entries) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object for TokenLogprob records."""
+    def one(t) -> dict[str, Any]:
+        return {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode("utf-8"))}
+
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e.top]} for e in entries]}
+
+
+def text_logprobs(entries, offset: int = 0) -> dict[str, Any]:
+    """The completions endpoint's (legacy) `logprobs` object; `offset`: the text's length before these tokens."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.text)
+    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries], "text_offset": offsets}
 
 
 def _opt(body: dict[str, Any], name: str, kind: type) -> Any:
@@ -246,20 +282,20 @@ def chat_message(content: str, reasoning: str, tool_calls: list[dict[str, Any]])
 
 
 def response(kind: str, rid: str, model: str, text: str, reasoning: str, tool_calls: list[dict[str, Any]],
-             finish: str, use: dict[str, Any]) -> dict[str, Any]:
+             finish: str, use: dict[str, Any], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     created = int(time.time())
     if kind == "chat":
         choice = {"index": 0, "message": chat_message(text, reasoning, tool_calls), "finish_reason": finish,
-                  "logprobs": None}
+                  "logprobs": logprobs}
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
                 "usage": use}
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": use}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}], "usage": use}
 
 
 def chunk(kind: str, rid: str, model: str, text: str = "", reasoning: str = "",
           tool_calls: list[dict[str, Any]] | None = None, finish: str | None = None, role: bool = False,
-          use: dict[str, Any] | None = None) -> dict[str, Any]:
+          use: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed chunk; with `use` (and no choice), the last chunk stream_options.include_usage asks for."""
     created = int(time.time())
     if kind == "chat":
@@ -274,9 +310,9 @@ def chunk(kind: str, rid: str, model: str, text: str = "", reasoning: str = "",
         if tool_calls:
             delta["tool_calls"] = tool_calls
         return {"id": rid, "object": obj, "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
     if use is not None:
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
                 "usage": use}
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
