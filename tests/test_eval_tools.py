@@ -155,3 +155,35 @@ def test_eval_tools_counts_what_the_model_generated(tmp_path, capsys):
         assert r["call"]["valid"] <= (calls is not None)
         assert r["answered"] == has_result(r["answer"], c.result)
     assert doc["answered"] == sum(r["answered"] for r in doc["results"]) and doc["answers"] == 2
+
+
+def test_tool_calls_greedy_samples_outside_a_call_and_takes_the_likeliest_inside(tmp_path):
+    """`--tool-syntax greedy`: from the token that completes the tool-call start marker to the one that completes
+    its end marker, the sampler's draw is replaced by the likeliest token; elsewhere the sampler draws."""
+    import mlx.core as mx
+
+    from tqbench.runtime.conversation import ToolCallsGreedy
+
+    wrapper = _wrapper(tmp_path)
+    start = wrapper.encode(wrapper.tool_call_start, add_special_tokens=False)
+    end = wrapper.encode(wrapper.tool_call_end, add_special_tokens=False)
+    vocab, likeliest = len(wrapper.get_vocab()), 7
+    drawn: list[int] = []
+
+    def sampler(logprobs):  # a draw that is never the likeliest token: what a hot temperature might give
+        token = script.pop(0)
+        drawn.append(token)
+        return mx.array([token])
+
+    def peaked(at: int):
+        return mx.array([[0.0 if i == at else -9.0 for i in range(vocab)]])
+
+    guard = ToolCallsGreedy.around(sampler, wrapper)
+    script = [11, *start]  # outside: the sampler draws, the start marker included
+    got = [int(guard(peaked(likeliest)).item()) for _ in range(len(script))]
+    assert got == [11, *start] and guard.inside
+    inside = [int(guard(peaked(t)).item()) for t in [5, 6, *end]]  # inside: the likeliest, whatever the sampler
+    assert inside == [5, 6, *end] and not guard.inside and drawn == [11, *start]
+    script = [12]
+    assert int(guard(peaked(likeliest)).item()) == 12  # outside again: sampled
+    assert ToolCallsGreedy.around(sampler, type("NoTools", (), {"has_tool_calling": False})()) is sampler

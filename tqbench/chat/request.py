@@ -101,8 +101,11 @@ class SamplingRequest:
     top_k: int | None = None  # 0: off
     seed: int | None = None
     logprobs: int | None = None  # each token's log-probability and its N likeliest alternatives (Sampling.logprobs)
+    tool_syntax: str | None = None  # "greedy": tool-call blocks decode greedily (Sampling.tool_syntax)
 
     def check(self) -> SamplingRequest:
+        if self.tool_syntax not in (None, "sample", "greedy"):
+            raise UsageError(f"--tool-syntax {self.tool_syntax}: give sample or greedy")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise TqbenchError(f"max tokens {self.max_tokens}: give 1 or more")
         if self.temp is not None and self.temp < 0:

@@ -57,6 +57,10 @@ def eval_model(
                                               "messages with one reference tool call); implies --tools.")] = None,
     tool_cases: Annotated[int, typer.Option("--tool-cases", min=0, help="Score the first N tool cases (0: all).")
                           ] = 0,
+    tool_temp: Annotated[float, typer.Option(
+        "--tool-temp", min=0.0, help="Sample MODEL's tool calls and answers at this temperature, seeded per case "
+                                     "(0: greedy; SRC's calls stay greedy).")] = 0.0,
+    tool_syntax: options.ToolSyntax = None,
     stream: StreamRequest = options.FROM_OPTIONS,
     trust_remote_code: options.TrustRemoteCode = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (stable schema) on stdout.")] = False,
@@ -79,7 +83,8 @@ def eval_model(
             texts=tuple(str(t) for t in text or ()), window=window, tokens=tokens, prompts=prompts,
             prompt_tokens=min(32, window), generate=generate, layers=layers, max_active_experts=max_active_experts,
             stream=stream, trust_remote_code=trust_remote_code, decode=decode, tools=tools,
-            tools_file=str(tools_file) if tools_file is not None else None, tool_cases=tool_cases).check()
+            tools_file=str(tools_file) if tools_file is not None else None, tool_cases=tool_cases,
+            tool_temp=tool_temp, tool_syntax=tool_syntax or "sample").check()
         report = None
         with submit(lambda: evaluate(request)) as events:
             progress = _Progress(err)

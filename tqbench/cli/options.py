@@ -132,6 +132,10 @@ Temp = Annotated[Optional[float], typer.Option("--temp", min=0.0, help="Sampling
 TopP = Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (0: off).")]
 TopK = Annotated[Optional[int], typer.Option("--top-k", min=0, help="Sample among the k likeliest (0: off).")]
 SamplingSeed = Annotated[Optional[int], typer.Option("--seed", min=0, max=2**64 - 1, help="Random seed for sampling.")]
+ToolSyntax = Annotated[Optional[str], typer.Option(
+    "--tool-syntax", metavar="sample|greedy",
+    help="greedy: decode tool calls' blocks greedily whatever --temp (a sampled call that breaks its format fails "
+         "an agent); the rest of the reply is sampled as asked.")]
 NoChatTemplate = Annotated[bool, typer.Option(
     "--no-chat-template", help="Send turns as plain text (a base model's continuation).")]
 Profile = Annotated[Optional[Path], typer.Option(
@@ -217,7 +221,7 @@ STREAMING = OptionGroup(
 
 SAMPLING = OptionGroup(
     options=(("max_tokens", MaxTokens, None), ("temp", Temp, None), ("top_p", TopP, None), ("top_k", TopK, None),
-     ("seed", SamplingSeed, None)),
+     ("seed", SamplingSeed, None), ("tool_syntax", ToolSyntax, None)),
     build=lambda **given: SamplingRequest(**given))
 
 PROFILE = OptionGroup(

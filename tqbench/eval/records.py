@@ -41,6 +41,8 @@ class EvalRequest:
     tools: bool = False  # score tool calls instead of texts (tqbench.eval.tools)
     tools_file: str | None = None  # the cases (JSONL; None: the shipped held-out set); implies tools
     tool_cases: int = 0  # the first this many cases (0: all)
+    tool_temp: float = 0.0  # MODEL's calls sampled at this temperature (0: greedy; the source's are greedy)
+    tool_syntax: str = "sample"  # "greedy": MODEL's tool-call blocks decode greedily (the guard)
 
     @property
     def scores_tools(self) -> bool:
@@ -69,6 +71,9 @@ class EvalRequest:
             raise UsageError("--tools scores tool calls, not texts: leave out --layers and --text")
         if self.tool_cases < 0:
             raise TqbenchError(f"tool cases {self.tool_cases}: give 0 (all) or more")
+        if self.tool_temp < 0 or self.tool_syntax not in ("sample", "greedy"):
+            raise TqbenchError(f"tool temperature {self.tool_temp:g} / syntax {self.tool_syntax!r}: give 0 or more / "
+                               "sample or greedy")
         return self
 
 

@@ -162,7 +162,7 @@ def _tool_eval(request: EvalRequest, model, ref, active: int, native: int, t0: f
                       tokens=0, max_active_experts=active, native_experts=native, layers=False,
                       cache_routing=request.stream.cache_routing, tool_cases=len(cases),
                       tool_set=request.tools_file or TOOL_SET)
-    score = yield from score_tools(model, ref, cases)
+    score = yield from score_tools(model, ref, cases, temp=request.tool_temp, tool_syntax=request.tool_syntax)
     digest_of = hashlib.sha256(json.dumps([c.where for c in cases] + [c.name for c in cases]).encode()).hexdigest()
     report = EvalReport(model=str(model.path), against=str(ref.path) if ref else None, recipe=_recipe(model.path),
                      window=0, max_active_experts=active, native_experts=native, texts=(), total=None, greedy=None,

@@ -277,22 +277,26 @@ def has_result(answer: str, result: str) -> bool:
 # ---- scoring (engine thread) --------------------------------------------------------------------------------------------
 
 
-def score_tools(model, ref, cases: tuple[ToolCase, ...]) -> Iterator:
+def score_tools(model, ref, cases: tuple[ToolCase, ...], temp: float = 0.0, tool_syntax: str = "sample",
+                seed: int = 0) -> Iterator:
     """Yield an EvalProgress (stage "tools") per case, return the ToolScore. `model`, `ref`:
-    tqbench.runtime.load.Loaded (ref None without --against)."""
+    tqbench.runtime.load.Loaded (ref None without --against). MODEL samples at `temp` (0: greedy), seeded per case,
+    with `tool_syntax` (tqbench.runtime.conversation.ToolCallsGreedy); the source always decodes greedily."""
     from tqbench.eval.records import EvalProgress
 
     t0 = time.perf_counter()
     results = []
     for i, case in enumerate(cases):
-        call = check_call(_reply(model, case.prompt, case.tools, CALL_TOKENS), model.tokenizer, case.tools)
+        sampled = dict(temp=temp, tool_syntax=tool_syntax, seed=seed + i)
+        call = check_call(_reply(model, case.prompt, case.tools, CALL_TOKENS, **sampled), model.tokenizer, case.tools)
         source = agrees = None
         if ref is not None:
             source = check_call(_reply(ref, case.prompt, case.tools, CALL_TOKENS), ref.tokenizer, case.tools)
             agrees = source.valid and same_call(call, source.name, source.arguments)
         answer = answered = None
         if case.tool_message is not None:
-            answer = _reply(model, case.prompt + (case.call_message, case.tool_message), case.tools, ANSWER_TOKENS)
+            answer = _reply(model, case.prompt + (case.call_message, case.tool_message), case.tools, ANSWER_TOKENS,
+                            **sampled)
             answered = has_result(answer, case.result or "")
         results.append(ToolCaseResult(where=case.where, tool=case.name, call=call,
                                       exact=same_call(call, case.name, case.arguments), source=source, agrees=agrees,
@@ -309,9 +313,10 @@ def score_tools(model, ref, cases: tuple[ToolCase, ...]) -> Iterator:
                      answers=len(with_answer), answered=sum(r.answered for r in with_answer), results=tuple(results))
 
 
-def _reply(loaded, messages: tuple[dict[str, Any], ...], tools: tuple[dict[str, Any], ...], max_tokens: int) -> str:
-    """The model's greedy reply to `messages` with `tools` (the text as generated, markers included), up to
-    `max_tokens` tokens, stopping once a tool call is complete."""
+def _reply(loaded, messages: tuple[dict[str, Any], ...], tools: tuple[dict[str, Any], ...], max_tokens: int,
+           temp: float = 0.0, tool_syntax: str = "sample", seed: int = 0) -> str:
+    """The model's reply to `messages` with `tools` (the text as generated, markers included), up to `max_tokens`
+    tokens, stopping once a tool call is complete; greedy unless `temp`."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from tqbench.events import ReplyDone, TokenOut
@@ -321,8 +326,8 @@ def _reply(loaded, messages: tuple[dict[str, Any], ...], tools: tuple[dict[str, 
     tokens = chat_prompt(loaded, [dict(m) for m in messages], [dict(t) for t in tools])
     end = getattr(loaded.tokenizer, "tool_call_end", None)
     text: list[str] = []
-    steps = generate(loaded, tokens, make_prompt_cache(loaded.model), Sampling(max_tokens=max_tokens, temp=0.0),
-                     cached=0, held=[])
+    sampling = Sampling(max_tokens=max_tokens, temp=temp, tool_syntax=tool_syntax, seed=seed if temp else None)
+    steps = generate(loaded, tokens, make_prompt_cache(loaded.model), sampling, cached=0, held=[])
     try:
         for ev in steps:
             if isinstance(ev, TokenOut):

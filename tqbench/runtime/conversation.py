@@ -34,6 +34,7 @@ class Sampling:
     top_k: int = 0  # 0: off
     seed: int | None = None
     logprobs: int = -1  # each token's log-probability (0) and its N likeliest alternatives (N); -1: none
+    tool_syntax: str = "sample"  # "greedy": tool-call blocks decode greedily whatever the sampler (ToolCallsGreedy)
 
     @classmethod
     def defaults(cls, generation_config: dict[str, Any], **given: Any) -> Sampling:
@@ -218,6 +219,8 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(sampling.temp, sampling.top_p, top_k=sampling.top_k)
+    if sampling.tool_syntax == "greedy" and sampling.temp > 0:
+        sampler = ToolCallsGreedy.around(sampler, loaded.tokenizer)
     mx.reset_peak_memory()
     warmup = first_generation()
     streamer = loaded.streamer
@@ -289,6 +292,36 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
     if finish == "cancelled":  # the loop ended without a final response: the caller stopped early
         finish = "length"
     yield replace(done, finish_reason=finish)
+
+
+class ToolCallsGreedy:
+    """A sampler that decodes a tool call's block greedily (`--tool-syntax greedy`): from the token that completes
+    the tokenizer's tool-call start marker to the one that completes its end marker, the likeliest token, whatever
+    the sampler around it would draw. A sampled call that breaks its format (a marker, a quote, a key misspelt) is a
+    failed call for an agent; greedy decoding inside the block keeps the format the model learned, and the answer
+    around it is still sampled. It follows the tokens it returns (one `.item()` a token: it waits for each)."""
+
+    def __init__(self, sampler: Callable, start: list[int], end: list[int]) -> None:
+        self.sampler, self.start, self.end = sampler, start, end
+        self.recent: list[int] = []
+        self.inside = False
+
+    @classmethod
+    def around(cls, sampler: Callable, tokenizer) -> Callable:
+        """The sampler wrapped for this tokenizer's tool-call markers (the sampler itself when it has none)."""
+        start, end = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_call_end", None)
+        if not getattr(tokenizer, "has_tool_calling", False) or not start or not end:
+            return sampler
+        return cls(sampler, tokenizer.encode(start, add_special_tokens=False),
+                   tokenizer.encode(end, add_special_tokens=False))
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        token = mx.argmax(logprobs, axis=-1) if self.inside else self.sampler(logprobs)
+        self.recent = (self.recent + [int(token.reshape(-1)[0].item())])[-max(len(self.start), len(self.end)):]
+        marker = self.end if self.inside else self.start
+        if self.recent[-len(marker):] == marker:
+            self.inside = not self.inside
+        return token
 
 
 def _logprob(loaded: Loaded, r, top: int) -> TokenLogprob | None:
