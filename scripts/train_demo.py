@@ -131,6 +131,8 @@ def prepare(work: Path, stdlib: Path | None, a: argparse.Namespace | None = None
         if getattr(a, "code_tests", False):
             corpus["code_tests"]["tokens"] = int(sum(len(d) for d in code_docs[len(train_files):]))
         corpus["chat"], train = prepare_chat(work, root, files, enc, code_docs, code_files, a)
+        if getattr(a, "tools_per_tool", 0):
+            corpus["tools"] = prepare_tools(work, enc, a)
     np.save(work / "train.npy", train.astype(np.uint16))
     (work / "corpus.json").write_text(json.dumps(corpus, indent=2) + "\n")
     log(f"corpus: {len(train_files)} train files ({corpus['train']['tokens']:,} tokens), {len(val_files)} held out "
@@ -204,6 +206,58 @@ def prepare_chat(work: Path, root: Path, files: list[str], enc, code_docs: list[
         f"conversations, {used['chat']:,} used ({mixed.chat_tokens:,} tokens, {mixed.chat_share:.1%} of "
         f"{len(mixed.tokens):,}); held-out {len(val_convs)} conversations ({len(val_chat):,} tokens)")
     return info, mixed.tokens
+
+
+def prepare_tools(work: Path, enc, a: argparse.Namespace) -> dict:
+    """Tool-call conversations (training/tools.py) as whole sequences, not cut into the stream's windows (a
+    conversation is 400-870 tokens, its tool list far from its call): tools.npz (the training tools, --tools-per-tool
+    conversations each) and val_tools.npz (the held-out tools, 4 each), each with the tokens back to back, a loss
+    mask per token (1 on the assistant's call and answer) and each conversation's start."""
+    from tqbench.tokenizer import CHAT_TEMPLATE
+    from training.tools import build, encode_tool_conversation
+
+    info = {}
+    for name, heldout, per in (("tools", False, a.tools_per_tool), ("val_tools", True, 4)):
+        convs = build(a.seed, per, heldout=heldout)
+        tokens, mask, starts = [], [], []
+        for c in convs:
+            ids, m = encode_tool_conversation(enc, c, CHAT_TEMPLATE)
+            starts.append(len(tokens))
+            tokens += ids
+            mask += m
+        np.savez(work / f"{name}.npz", tokens=np.array(tokens, np.uint16), mask=np.array(mask, np.uint8),
+                 starts=np.array(starts, np.int64))
+        lengths = np.diff(starts + [len(tokens)])
+        info[name] = {"conversations": len(convs), "tools": len({c.tool for c in convs}), "tokens": len(tokens),
+                      "trained_tokens": int(sum(mask)), "longest": int(lengths.max()), "median": int(np.median(lengths))}
+    log(f"tools: {info['tools']['conversations']:,} conversations of {info['tools']['tools']} tools "
+        f"({info['tools']['tokens']:,} tokens, {info['tools']['trained_tokens']:,} trained), held out "
+        f"{info['val_tools']['conversations']} of {info['val_tools']['tools']} tools")
+    return info
+
+
+def load_tools(path: Path):
+    """(tokens, mask, starts, lengths) of a tools.npz, or None when it is not there."""
+    if not path.is_file():
+        return None
+    d = np.load(path)
+    starts = d["starts"]
+    return d["tokens"].astype(np.int32), d["mask"], starts, np.diff(np.append(starts, len(d["tokens"])))
+
+
+def tool_batch(tools, pick: np.ndarray, pad: int):
+    """Whole tool conversations as one batch: inputs padded with `pad`, targets -1 where the loss is masked (the
+    prompt's tokens, the padding)."""
+    tokens, mask, starts, lengths = tools
+    width = int(lengths[pick].max()) - 1
+    x = np.full((len(pick), width), pad, np.int32)
+    y = np.full((len(pick), width), -1, np.int32)
+    for row, c in enumerate(pick):
+        t = tokens[starts[c]:starts[c] + lengths[c]]
+        m = mask[starts[c]:starts[c] + lengths[c]]
+        x[row, :len(t) - 1] = t[:-1]
+        y[row, :len(t) - 1] = np.where(m[1:] == 1, t[1:], -1)
+    return x, y
 
 
 def _domain_tokens(convs, docs, top: int = 20) -> dict:
@@ -359,7 +413,7 @@ def load_init(model, ckpt: Path, work: Path) -> int:
 
 RESUME_KEYS = ("spec", "seed", "batch", "seq_len", "lr", "warmup", "final_lr_frac", "bias_lr", "bias_schedule",
                "bias_band", "bias_window", "bias_freeze", "router_lr_mult", "weight_decay", "clip", "eval_every", "kda",
-               "kda_chunk", "optimizer", "init")
+               "kda_chunk", "optimizer", "init", "tool_share", "tool_batch")
 
 
 def save_resume(d: Path, model, optimizer, rng, ema, i: int, total: int, curve: list, best: dict, run_loss: float,
@@ -431,10 +485,17 @@ def training_step(model, moes: list, a: argparse.Namespace):
     ema_decay = 1.0 - 1.0 / a.bias_window if a.bias_window > 1 else 0.0
     first_rule = band == (1.0, 1.0) and not ema_decay  # the first demo's balancing, as it ran
 
+    masked = getattr(a, "tool_share", 0) > 0  # tool batches mark the tokens without loss with target -1
+
     def loss_fn(model, x, y):
         with capture_routing(model) as picks:
             logits = model(x)
-        loss = nn.losses.cross_entropy(logits.astype(mx.float32), y, reduction="mean")
+        if masked:
+            keep = y >= 0
+            per_token = nn.losses.cross_entropy(logits.astype(mx.float32), mx.maximum(y, 0), reduction="none")
+            loss = (per_token * keep).sum() / mx.maximum(keep.sum(), 1)
+        else:
+            loss = nn.losses.cross_entropy(logits.astype(mx.float32), y, reduction="mean")
         counts = mx.stack([mx.zeros(E, dtype=mx.int32).at[p.reshape(-1)].add(1) for p in picks])  # [moe layers, E]
         return loss, counts
 
@@ -518,10 +579,37 @@ def train(work: Path, a: argparse.Namespace) -> dict:
     rng = np.random.default_rng(a.seed)
     starts_max = len(train_ids) - T - 1
 
+    tools = load_tools(work / "tools.npz") if a.tool_share > 0 else None
+    val_tools = load_tools(work / "val_tools.npz") if tools is not None else None
+    if a.tool_share > 0 and tools is None:
+        raise SystemExit(f"--tool-share: no tools.npz in {work} (prepare it with --tools-per-tool N)")
+    eos = special_ids(SPEC)["eos_token_id"]
+    per_tool_batch = a.tool_batch or max(1, B * T // 1024)  # about a stream batch's tokens
+
     def batch():
+        if tools is not None and rng.random() < a.tool_share:  # whole tool conversations, the prompt masked
+            x, y = tool_batch(tools, rng.integers(0, len(tools[2]), per_tool_batch), eos)
+            return mx.array(x), mx.array(y)
         s = rng.integers(0, starts_max, B)
         w = train_ids[s[:, None] + np.arange(T + 1)]
         return mx.array(w[:, :-1]), mx.array(w[:, 1:])
+
+    def tool_loss():
+        """The masked loss on the held-out tools' conversations (the assistant's calls and answers)."""
+        import mlx.nn as nn
+
+        reset_attn_res_cache(model)
+        model.eval()
+        total, count = 0.0, 0
+        for i in range(0, len(val_tools[2]), 4):
+            x, y = tool_batch(val_tools, np.arange(i, min(i + 4, len(val_tools[2]))), eos)
+            logits = model(mx.array(x)).astype(mx.float32)
+            yy = mx.array(y)
+            keep = yy >= 0
+            total += float((nn.losses.cross_entropy(logits, mx.maximum(yy, 0), reduction="none") * keep).sum())
+            count += int(keep.sum())
+        model.train()
+        return total / max(count, 1)
 
     def eval_subset(ids):
         ex, ey = windows(ids, T)
@@ -558,6 +646,8 @@ def train(work: Path, a: argparse.Namespace) -> dict:
         curve.append({"step": 0, "tokens": 0, "val_loss": round(val0["loss"], 4)})
         if eval_chat is not None:
             curve[0]["val_chat_loss"] = round(evaluate(tokens=eval_chat)["loss"], 4)
+        if val_tools is not None:
+            curve[0]["val_tools_loss"] = round(tool_loss(), 4)
         log(f"step 0: {curve[0]}")
         run_loss, run_n, loads_acc = 0.0, 0, np.zeros((len(moes), E))
         ema = mx.zeros((len(moes), E))
@@ -607,6 +697,7 @@ def train(work: Path, a: argparse.Namespace) -> dict:
                 "train_loss": round(run_loss / run_n, 4),
                 "val_loss": round(val["loss"], 4),
                 **({"val_chat_loss": round(chat["loss"], 4)} if chat is not None else {}),
+                **({"val_tools_loss": round(tool_loss(), 4)} if val_tools is not None else {}),
                 "lr": float(f"{lr_now:.3g}"),
                 "grad_norm": round(gnorm.item(), 3),
                 "load_max_over_mean": round(float((share.max(axis=1) * E).max()), 3),
@@ -667,6 +758,8 @@ def train(work: Path, a: argparse.Namespace) -> dict:
                           "u_schedule": "u = u_peak * lr / peak lr" if a.bias_schedule == "lr" else "constant",
                           "band": list(band), "window_steps": a.bias_window,
                           "frozen_from_step": math.ceil(a.bias_freeze * total) if a.bias_freeze < 1 else None},
+            "tools": {"share_of_steps": a.tool_share, "conversations_per_batch": per_tool_batch,
+                      "loss": "the assistant's tool calls and answers only"} if tools is not None else None,
             "compiled": a.compile, "kda": a.kda, "kda_chunk": a.kda_chunk if a.kda == "chunked" else None,
             "time_budget_s": a.time_budget if a.steps is None else None,
             "device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
@@ -826,6 +919,14 @@ def main(argv=None) -> None:
                         "wide (also private names and signature-only items; chat since v5) or rich (wide, plus "
                         "training-only questions with new answers: what a module provides, what methods a class has, "
                         "what a function returns, which module defines a name)")
+    p.add_argument("--tools-per-tool", type=int, default=0,
+                   help="prepare: tool-call conversations per training tool (training/tools.py), kept whole in "
+                        "tools.npz; the held-out tools' in val_tools.npz")
+    p.add_argument("--tool-share", type=float, default=0.0,
+                   help="train: the share of steps whose batch is whole tool conversations (loss on the assistant's "
+                        "calls and answers only); their held-out loss joins the curve")
+    p.add_argument("--tool-batch", type=int, default=0,
+                   help="train: conversations per tool batch (0: about a stream batch's tokens, batch x seq-len / 1024)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--save-final", action="store_true",
                    help="also save the last step's weights in <work>/final when an earlier step is kept")

@@ -305,6 +305,31 @@ def build(seed: int, per_tool: int, heldout: bool) -> list[ToolConversation]:
     return [out[i] for i in rng.permutation(len(out))]
 
 
+def encode_tool_conversation(encoding, conv: ToolConversation, template: str) -> tuple[list[int], list[int]]:
+    """A conversation's token ids as one training sequence, and each token's loss mask: 1 on what the assistant says
+    (the tool call, then the answer after the tool's result, each through its end-of-message marker), 0 on the tool
+    list, the request and the result. Encoded piece by piece at the template's markers (specials), which gives the
+    ids of the whole rendering."""
+    from training.conversations import render
+
+    messages, offered = list(conv.messages), list(conv.tools)
+    cuts = (render(messages[:1], template, add_generation_prompt=True, tools=offered),
+            render(messages[:2], template, tools=offered),
+            render(messages[:3], template, add_generation_prompt=True, tools=offered),
+            render(messages, template, tools=offered))
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""
+    for i, text in enumerate(cuts):
+        if not text.startswith(done):
+            raise ValueError("the template does not render a conversation's prefixes as prefixes")
+        piece = encoding.encode(text[len(done):], allowed_special="all")
+        ids += piece
+        mask += [i % 2] * len(piece)
+        done = text
+    return ids, mask
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write the held-out cases `tqbench eval --tools` ships: `python -m training.tools --out tqbench/eval/tools.jsonl`."""
     import argparse
