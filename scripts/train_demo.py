@@ -218,7 +218,7 @@ def prepare_tools(work: Path, enc, a: argparse.Namespace) -> dict:
 
     info = {}
     for name, heldout, per in (("tools", False, a.tools_per_tool), ("val_tools", True, 4)):
-        convs = build(a.seed, per, heldout=heldout)
+        convs = build(a.seed, per, heldout=heldout, alias_share=0.0 if heldout else a.tool_alias_share)
         tokens, mask, starts = [], [], []
         for c in convs:
             ids, m = encode_tool_conversation(enc, c, CHAT_TEMPLATE)
@@ -922,6 +922,9 @@ def main(argv=None) -> None:
     p.add_argument("--tools-per-tool", type=int, default=0,
                    help="prepare: tool-call conversations per training tool (training/tools.py), kept whole in "
                         "tools.npz; the held-out tools' in val_tools.npz")
+    p.add_argument("--tool-alias-share", type=float, default=0.0,
+                   help="prepare: the share of training tool conversations whose tools are renamed (made-up function "
+                        "and parameter names), so that names are copied, not learned by heart")
     p.add_argument("--tool-share", type=float, default=0.0,
                    help="train: the share of steps whose batch is whole tool conversations (loss on the assistant's "
                         "calls and answers only); their held-out loss joins the curve")

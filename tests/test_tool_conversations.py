@@ -144,3 +144,31 @@ def test_argument_types_and_attribute_escapes():
         '<|close|>call<|sep|>'
         '<|open|>call tool="raw" index="2"<|sep|><|open|>json type="object"<|sep|>{"a": 1}<|close|>json<|sep|>'
         '<|close|>call<|sep|><|close|>tools<|sep|><|end_of_msg|>')
+
+
+def test_aliased_tools_are_the_real_functions_under_names_a_model_cannot_know():
+    """prepare --tool-alias-share: a conversation's tools renamed (function and parameters) stay the real functions:
+    the call's arguments, mapped back to the real parameter names, give the tool's result when really called; the
+    request says the renamed call; the schema keeps the description and types under the new names."""
+    convs = build(seed=5, per_tool=3, heldout=False, alias_share=1.0)
+    real = {t.name: t for t in tools()}
+    names = {t.name for t in tools()}
+    for c in convs:
+        assert c.tool not in names and c.tool in [s["function"]["name"] for s in c.tools]
+        assert not {s["function"]["name"] for s in c.tools} & names
+        schema = next(s["function"] for s in c.tools if s["function"]["name"] == c.tool)
+        assert set(c.call["arguments"]) <= set(schema["parameters"]["properties"])
+        assert set(schema["parameters"]["required"]) <= set(c.call["arguments"])
+        request = c.messages[0]["content"]
+        assert f"{c.tool}(" in request
+        tool = next(t for t in real.values() if t.module == c.domain and t.schema["function"]["description"]
+                    == schema["description"] and len(t.kinds) == len(schema["parameters"]["properties"]))
+        assert len({s["function"]["name"] for s in c.tools}) == len(c.tools)
+        params = inspect.signature(_function(tool.qualname)).parameters
+        mapping = dict(zip(schema["parameters"]["properties"], tool.kinds))
+        real_args = {mapping[k]: v for k, v in c.call["arguments"].items()}
+        positional = [real_args[p] for p in real_args if params[p].kind == params[p].POSITIONAL_ONLY]
+        keywords = {p: v for p, v in real_args.items() if params[p].kind != params[p].POSITIONAL_ONLY}
+        expected = json.loads(json.dumps(_function(tool.qualname)(*positional, **keywords), default=str))
+        assert json.loads(c.messages[2]["content"]) == expected
+    assert build(seed=5, per_tool=3, heldout=False) == build(seed=5, per_tool=3, heldout=False, alias_share=0.0)

@@ -239,17 +239,54 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))  # tuples become lists, the rest their str
 
 
-def _call_text(tool: Tool, args: dict[str, Any]) -> str:
-    """The call as Python source: the required and positional-only parameters by position, the others by keyword."""
+def _call_text(tool: Tool, args: dict[str, Any], alias: Alias | None = None) -> str:
+    """The call as Python source: the required and positional-only parameters by position, the others by keyword
+    (under the alias's names when given)."""
     required = tool.schema["function"]["parameters"]["required"]
     params = inspect.signature(tool.function()).parameters
     by_position = [k for k in args if k in required or params[k].kind == params[k].POSITIONAL_ONLY]
-    parts = [repr(args[k]) for k in by_position] + [f"{k}={args[k]!r}" for k in args if k not in by_position]
-    return f"{tool.qualname}({', '.join(parts)})"
+    key = (lambda k: alias.params[k]) if alias else (lambda k: k)
+    parts = [repr(args[k]) for k in by_position] + [f"{key(k)}={args[k]!r}" for k in args if k not in by_position]
+    return f"{alias.name if alias else tool.qualname}({', '.join(parts)})"
 
 
-def conversation(tool: Tool, offered: list[Tool], rng: np.random.Generator, index: int) -> ToolConversation | None:
-    """One conversation calling `tool` (None when the drawn call raises)."""
+@dataclass(frozen=True, kw_only=True)
+class Alias:
+    """A tool renamed for one conversation: a made-up function name and parameter names (the function, its
+    description and its values stay the real ones). A model trained on a few dozen tools learns their names by heart
+    (the first fine-tune called held-out tools by training tools' names); with names it cannot know, it has to copy
+    them from the tool list and the request, which is what an unseen tool asks for."""
+
+    name: str
+    params: dict[str, str]  # real parameter -> its name here
+
+    @classmethod
+    def draw(cls, tool: Tool, rng: np.random.Generator) -> Alias:
+        words = [_word(rng) for _ in range(int(rng.integers(1, 3)))]
+        name = "_".join(words) + (f"_{int(rng.integers(2, 99))}" if rng.random() < 0.3 else "")
+        taken: set[str] = set()
+        params = {}
+        for p in tool.kinds:
+            new = _word(rng) if rng.random() < 0.5 else p
+            while new in taken:
+                new += "_" + _word(rng)[0]
+            taken.add(new)
+            params[p] = new
+        return cls(name=name, params=params)
+
+    def schema(self, tool: Tool) -> dict[str, Any]:
+        fn = tool.schema["function"]
+        props = fn["parameters"]["properties"]
+        return {"type": "function", "function": {
+            "name": self.name, "description": fn["description"],
+            "parameters": {"type": "object", "properties": {self.params[k]: v for k, v in props.items()},
+                           "required": [self.params[k] for k in fn["parameters"]["required"]]}}}
+
+
+def conversation(tool: Tool, offered: list[Tool], rng: np.random.Generator, index: int,
+                 aliased: bool = False) -> ToolConversation | None:
+    """One conversation calling `tool` (None when the drawn call raises); `aliased`: every offered tool under a
+    made-up name and parameter names (Alias), the request written with them."""
     args = {}
     for p, kind in tool.kinds.items():
         if kind.endswith("?") and rng.random() < 0.5:
@@ -264,25 +301,33 @@ def conversation(tool: Tool, offered: list[Tool], rng: np.random.Generator, inde
     except Exception:  # noqa: BLE001 - a drawn call the function refuses (a negative comb, ...): not used
         return None
     result = _jsonable(result)
-    call = _call_text(tool, args)
+    aliases: dict[str, Alias] = {}
+    for t in offered if aliased else ():
+        a = Alias.draw(t, rng)
+        while a.name in {x.name for x in aliases.values()}:  # one name per tool in a conversation
+            a = Alias.draw(t, rng)
+        aliases[t.name] = a
+    alias = aliases.get(tool.name)
+    call = _call_text(tool, args, alias)
     request = REQUESTS[rng.integers(len(REQUESTS))].format(call=call)
     answer = ANSWERS[rng.integers(len(ANSWERS))].format(call=call, result=json.dumps(result, ensure_ascii=False))
     call_id = f"call_{index}"
+    name = alias.name if alias else tool.name
+    arguments = {alias.params[k]: v for k, v in args.items()} if alias else args
     messages = (
         {"role": "user", "content": request},
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": call_id, "type": "function", "function": {"name": tool.name, "arguments": args}}]},
-        {"role": "tool", "tool_call_id": call_id, "name": tool.name,
-         "content": json.dumps(result, ensure_ascii=False)},
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "name": name, "content": json.dumps(result, ensure_ascii=False)},
         {"role": "assistant", "content": answer},
     )
-    return ToolConversation(tools=tuple(t.schema for t in offered), messages=messages, tool=tool.name,
-                            heldout=tool.heldout, domain=tool.module)
+    schemas = tuple(aliases[t.name].schema(t) if aliased else t.schema for t in offered)
+    return ToolConversation(tools=schemas, messages=messages, tool=name, heldout=tool.heldout, domain=tool.module)
 
 
-def build(seed: int, per_tool: int, heldout: bool) -> list[ToolConversation]:
+def build(seed: int, per_tool: int, heldout: bool, alias_share: float = 0.0) -> list[ToolConversation]:
     """`per_tool` conversations for every tool of one split (held out or not), each offering 3-5 tools of that split
-    (the same module's first), in a seeded order."""
+    (the same module's first), in a seeded order; `alias_share` of them with every tool renamed (Alias)."""
     rng = np.random.default_rng([seed, 0x7001, int(heldout)])
     pool = [t for t in tools() if t.heldout == heldout]
     out: list[ToolConversation] = []
@@ -298,7 +343,8 @@ def build(seed: int, per_tool: int, heldout: bool) -> list[ToolConversation]:
             others += [rest[i] for i in rng.permutation(len(rest))][:n - len(others)]
             offered = others + [tool]
             offered = [offered[i] for i in rng.permutation(len(offered))]
-            conv = conversation(tool, offered, rng, index=len(out))
+            conv = conversation(tool, offered, rng, index=len(out),
+                                aliased=bool(alias_share) and rng.random() < alias_share)
             if conv is not None:
                 out.append(conv)
                 made += 1
