@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from tqbench.chat.request import StreamRequest
 from tqbench.errors import TqbenchError, UsageError
-from tqbench.eval.tools import ToolScore
 
 WINDOW = 256  # tokens of context per window; every window starts from an empty context
 TOKENS = 4096  # predicted tokens, spread over the texts
@@ -197,6 +197,74 @@ class LayerError:
     attention: str  # the attention module's class, as mlx-lm names it
     mlp: str
     rel_error: float
+
+
+# ---- tool calls (tqbench.eval.tools) ----
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallCheck:
+    """One generated call, read and checked."""
+
+    text: str  # what the model generated
+    name: str | None  # the parsed call (None: no call came out)
+    arguments: Any  # parsed arguments (a dict when valid JSON)
+    problem: str  # why the call is not valid ("" when it is)
+
+    @property
+    def valid(self) -> bool:
+        return not self.problem
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolCaseResult:
+    where: str
+    tool: str  # the reference tool
+    call: CallCheck
+    exact: bool  # the call equals the reference
+    source: CallCheck | None = None  # the source model's call (with --against)
+    agrees: bool | None = None  # both valid and equal
+    answer: str | None = None  # the reply after the reference call's result
+    answered: bool | None = None  # it contains the result
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolScore:
+    """Counts over the cases; the rates are properties (None where nothing was counted)."""
+
+    cases: int
+    valid: int
+    exact: int
+    source_valid: int | None  # the source's own calls (None without --against)
+    source_exact: int | None
+    agree: int | None  # valid and equal to the source's call
+    answers: int  # cases with a result to answer from
+    answered: int  # answers containing the result
+    results: tuple[ToolCaseResult, ...]
+
+    @staticmethod
+    def _rate(n: int | None, of: int) -> float | None:
+        return None if n is None or not of else n / of
+
+    @property
+    def valid_rate(self) -> float | None:
+        return self._rate(self.valid, self.cases)
+
+    @property
+    def exact_rate(self) -> float | None:
+        return self._rate(self.exact, self.cases)
+
+    @property
+    def agree_rate(self) -> float | None:
+        return self._rate(self.agree, self.cases)
+
+    @property
+    def source_exact_rate(self) -> float | None:
+        return self._rate(self.source_exact, self.cases)
+
+    @property
+    def answer_rate(self) -> float | None:
+        return self._rate(self.answered, self.answers)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from tqbench.eval.records import EvalReport, GreedyAgreement, TextScore
-from tqbench.eval.tools import CallCheck, ToolScore
+from tqbench.eval.records import CallCheck, EvalReport, GreedyAgreement, TextScore, ToolScore
 
 SCHEMA = "tqbench.eval/1"
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tqbench.errors import TqbenchError
+from tqbench.eval.records import CallCheck, EvalProgress, ToolCaseResult, ToolScore
 
 TOOL_SET = "tools.jsonl"  # the shipped cases, in this package
 CALL_TOKENS = 160  # at most this many tokens for a call (the longest reference call is about 120)
@@ -45,71 +46,6 @@ class ToolCase:
     call_message: dict[str, Any]  # the reference assistant message (for the answer's prompt)
     result: str | None  # the tool message's content after the call (None: the answer is not scored)
     tool_message: dict[str, Any] | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class CallCheck:
-    """One generated call, read and checked."""
-
-    text: str  # what the model generated
-    name: str | None  # the parsed call (None: no call came out)
-    arguments: Any  # parsed arguments (a dict when valid JSON)
-    problem: str  # why the call is not valid ("" when it is)
-
-    @property
-    def valid(self) -> bool:
-        return not self.problem
-
-
-@dataclass(frozen=True, kw_only=True)
-class ToolCaseResult:
-    where: str
-    tool: str  # the reference tool
-    call: CallCheck
-    exact: bool  # the call equals the reference
-    source: CallCheck | None = None  # the source model's call (with --against)
-    agrees: bool | None = None  # both valid and equal
-    answer: str | None = None  # the reply after the reference call's result
-    answered: bool | None = None  # it contains the result
-
-
-@dataclass(frozen=True, kw_only=True)
-class ToolScore:
-    """Counts over the cases; the rates are properties (None where nothing was counted)."""
-
-    cases: int
-    valid: int
-    exact: int
-    source_valid: int | None  # the source's own calls (None without --against)
-    source_exact: int | None
-    agree: int | None  # valid and equal to the source's call
-    answers: int  # cases with a result to answer from
-    answered: int  # answers containing the result
-    results: tuple[ToolCaseResult, ...]
-
-    @staticmethod
-    def _rate(n: int | None, of: int) -> float | None:
-        return None if n is None or not of else n / of
-
-    @property
-    def valid_rate(self) -> float | None:
-        return self._rate(self.valid, self.cases)
-
-    @property
-    def exact_rate(self) -> float | None:
-        return self._rate(self.exact, self.cases)
-
-    @property
-    def agree_rate(self) -> float | None:
-        return self._rate(self.agree, self.cases)
-
-    @property
-    def source_exact_rate(self) -> float | None:
-        return self._rate(self.source_exact, self.cases)
-
-    @property
-    def answer_rate(self) -> float | None:
-        return self._rate(self.answered, self.answers)
 
 
 # ---- the cases --------------------------------------------------------------------------------------------------------
@@ -282,8 +218,6 @@ def score_tools(model, ref, cases: tuple[ToolCase, ...], temp: float = 0.0, tool
     """Yield an EvalProgress (stage "tools") per case, return the ToolScore. `model`, `ref`:
     tqbench.runtime.load.Loaded (ref None without --against). MODEL samples at `temp` (0: greedy), seeded per case,
     with `tool_syntax` (tqbench.runtime.conversation.ToolCallsGreedy); the source always decodes greedily."""
-    from tqbench.eval.records import EvalProgress
-
     t0 = time.perf_counter()
     results = []
     for i, case in enumerate(cases):
