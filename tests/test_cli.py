@@ -202,6 +202,8 @@ RANGES = [
     ("eval", "--prefetch-workers", "0", "greater than or equal to 1"),
     ("eval", "--reads-in-flight", "-1", "greater than or equal to 0"),
     ("eval", "--cache-routing", "2", "less than or equal to 1"),
+    ("eval", "--tool-cases", "-1", "greater than or equal to 0"),
+    ("eval", "--tool-temp", "-0.5", "greater than or equal to 0"),
     ("profile show", "--top", "-1", "greater than or equal to 0"),
     ("profile merge", "--weight-a", "-1", "greater than or equal to 0"),
     ("profile merge", "--weight-b", "-0.5", "greater than or equal to 0"),

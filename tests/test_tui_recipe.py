@@ -667,7 +667,7 @@ async def test_quality_rows_show_the_evaluations_of_the_loaded_source():
         await pilot.press("plus")  # pinned, then edited: the caption says what the pin's cells were measured on
         await set_input(pilot, "#recipe-name", "tq4-g64")
         assert quality_column(table, CURRENT) == ("-", "-", "-", "-")
-        assert quality_column(table, initial) == ("11.26 (+8.2%)", "0.152", "87.1%")
+        assert quality_column(table, initial) == ("11.26 (+8.2%)", "0.152", "87.1%", "94% of 52")
         assert quality_caption(app) == "quality: 512 tokens of code, chat, window 256"
 
         recipe_keys = dict(next(keys for title, keys in sections(app) if title.startswith("Recipe screen")))
