@@ -50,6 +50,7 @@ def test_dma_copies_are_off_without_cuda_and_the_copy_path_falls_back_to_numpy()
     src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
     assert not off.active and off.copy(dst, src) is False and off.pin(src) is False and off.pinned_bytes == 0
     assert not dst.any()
+    off.close()  # nothing pinned, no stream: a no-op
     if mx.cuda.is_available():
         pytest.skip("this machine has a CUDA driver")
     on = DmaCopy(enabled=True)

@@ -130,6 +130,7 @@ class DmaCopy(_Driver):
         self.pinned: list[tuple[int, int]] = []  # (address, bytes) registered by pin, released by unpin_all
         self.pinned_bytes = 0
         self._pin_lock = threading.Lock()
+        self._streams: list = []  # every thread's stream, destroyed by close
 
     def _declare(self, lib) -> None:
         lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
@@ -137,6 +138,7 @@ class DmaCopy(_Driver):
         lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
         lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
 
     def _stream(self):
         stream = getattr(self._local, "stream", None)
@@ -149,6 +151,8 @@ class DmaCopy(_Driver):
                 self._fail(f"cuStreamCreate returned {r}")
                 return None
             stream = self._local.stream = handle
+            with self._pin_lock:
+                self._streams.append(handle)
         return stream
 
     def copy(self, dst: np.ndarray, src: np.ndarray) -> bool:
@@ -191,6 +195,15 @@ class DmaCopy(_Driver):
             self.pinned.append((address, view.nbytes))
             self.pinned_bytes += view.nbytes
         return True
+
+    def close(self) -> None:
+        """Release every pinned range and every thread's stream (once the threads that copy are done)."""
+        self.unpin_all()
+        with self._pin_lock:
+            if self.lib is not None:
+                for stream in self._streams:
+                    self.lib.cuStreamDestroy_v2(stream)
+            self._streams.clear()
 
     def unpin_all(self) -> None:
         """Release every range `pin` locked (before the memory is freed)."""

@@ -380,7 +380,7 @@ class Streamer:
         self.pager.close()
         if self.host is not None:
             self.host.close()
-        self.dma.unpin_all()
+        self.dma.close()
         self.store.close()
 
 
