@@ -155,6 +155,10 @@ def test_eval_tools_counts_what_the_model_generated(tmp_path, capsys):
         assert r["call"]["valid"] <= (calls is not None)
         assert r["answered"] == has_result(r["answer"], c.result)
     assert doc["answered"] == sum(r["answered"] for r in doc["results"]) and doc["answers"] == 2
+    shown = CliRunner().invoke(app, ["eval", str(model), "--tools", "--tool-cases", "2"])
+    kinds = [r["call"]["problem"] for r in doc["results"] if r["call"]["problem"]]
+    flat = " ".join(shown.stdout.split())  # the caption wraps at the terminal's width
+    assert shown.exit_code == 0 and all(k.split(":")[0] in flat for k in kinds)
 
 
 def test_tool_calls_greedy_samples_outside_a_call_and_takes_the_likeliest_inside(tmp_path):

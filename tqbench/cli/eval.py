@@ -235,13 +235,8 @@ def tools_table(r):
         notes.append(f"{r.max_active_experts} of {r.native_experts} experts per token")
     if r.cache_routing:
         notes.append(f"routing changed: cache routing margin {r.cache_routing:g}")
-    problems: dict[str, int] = {}
-    for x in s.results:
-        if x.call.problem:
-            key = x.call.problem.split(":")[0] if x.call.problem.startswith("arguments") else x.call.problem
-            problems[key] = problems.get(key, 0) + 1
-    if problems:
-        notes.append("invalid: " + ", ".join(f"{k} ({n})" for k, n in sorted(problems.items(), key=lambda kv: -kv[1])))
+    if s.problems:
+        notes.append("invalid: " + ", ".join(f"{k} ({n})" for k, n in s.problems.items()))
     notes.append(f"{r.seconds:.1f} s")
     t.caption = "; ".join(notes)
     return t

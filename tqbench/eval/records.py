@@ -266,6 +266,17 @@ class ToolScore:
     def answer_rate(self) -> float | None:
         return self._rate(self.answered, self.answers)
 
+    @property
+    def problems(self) -> dict[str, int]:
+        """Why MODEL's calls were invalid: each kind of problem (an argument's problems as one, "arguments") and how
+        many calls had it, most first."""
+        counts: dict[str, int] = {}
+        for r in self.results:
+            if r.call.problem:
+                kind = "arguments" if r.call.problem.startswith("arguments") else r.call.problem
+                counts[kind] = counts.get(kind, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
 
 @dataclass(frozen=True, kw_only=True)
 class EvalReport:
