@@ -565,8 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="any of convert, build (the streaming model only), stream, resident")
     p.add_argument("--runs", default="A,B,W,8,L",
                    help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead, F fan-out, X 16 workers, 1 one "
-                        "worker, 2 two, R one read in flight, H host tier (--host-gb), P page cache on, T both tiers at "
-                        "the shares full K3 gets on the lent box (B cold), N B cold and M the host tier with slots "
+                        "worker, 2 two, R one read in flight, H host tier (--host-gb), P page cache on, T both tiers "
+                        "at the shares full K3 gets on the lent box (B cold), N B cold and M the host tier with slots "
                         "written through host pages (no DMA copies: the way before), C cache-aware routing at each of "
                         "--cache-margins")
     p.add_argument("--work", type=Path, help="work directory on the disk to measure (kept)")

@@ -229,7 +229,8 @@ def prepare_tools(work: Path, enc, a: argparse.Namespace) -> dict:
                  starts=np.array(starts, np.int64))
         lengths = np.diff(starts + [len(tokens)])
         info[name] = {"conversations": len(convs), "tools": len({c.tool for c in convs}), "tokens": len(tokens),
-                      "trained_tokens": int(sum(mask)), "longest": int(lengths.max()), "median": int(np.median(lengths))}
+                      "trained_tokens": int(sum(mask)), "longest": int(lengths.max()),
+                      "median": int(np.median(lengths))}
     log(f"tools: {info['tools']['conversations']:,} conversations of {info['tools']['tools']} tools "
         f"({info['tools']['tokens']:,} tokens, {info['tools']['trained_tokens']:,} trained), held out "
         f"{info['val_tools']['conversations']} of {info['val_tools']['tools']} tools")

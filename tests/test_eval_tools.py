@@ -98,7 +98,8 @@ def test_a_case_file_that_is_not_one_says_where(tmp_path):
     line = json.dumps({"tools": list(good.tools), "messages": list(good.prompt) + [good.call_message]})
     f = tmp_path / "mine.jsonl"
     f.write_text(line + "\n\n" + line + "\n")
-    assert len(load_cases(str(f))) == 2 and load_cases(str(f))[1].where == f"{f}:3" and load_cases(str(f))[0].result is None
+    read = load_cases(str(f))
+    assert len(read) == 2 and read[1].where == f"{f}:3" and read[0].result is None
     for bad, says in [("{", "not JSON"), ('{"tools": [], "messages": []}', "no assistant message with tool_calls"),
                       (line.replace(good.name, "nope", 1).replace(f'"name": "{good.name}"', '"name": "zz"'),
                        "must name one of the offered tools")]:

@@ -432,7 +432,8 @@ def test_the_openai_parser_maps_fields_as_documented():
     assert e.value.status == 400 and e.value.param == "n"
     one = [{"role": "user", "content": "x"}]
     assert parse_request("chat", {"messages": one, "logprobs": True}).completion.sampling.logprobs == 0
-    assert parse_request("chat", {"messages": one, "logprobs": True, "top_logprobs": 4}).completion.sampling.logprobs == 4
+    four = parse_request("chat", {"messages": one, "logprobs": True, "top_logprobs": 4})
+    assert four.completion.sampling.logprobs == 4
     assert parse_request("chat", {"messages": one, "logprobs": False}).completion.sampling.logprobs is None
     assert parse_request("text", {"prompt": "x", "logprobs": 2}).completion.sampling.logprobs == 2
     for kind, body, param in [("chat", {"messages": one, "top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true

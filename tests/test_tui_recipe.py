@@ -642,8 +642,8 @@ async def test_quality_rows_show_the_evaluations_of_the_loaded_source():
     demo = ensure_demo()
     fingerprint = source_fingerprint(open_checkpoint(demo))
     initial = Recipe.parse(INITIAL_RECIPE).name
-    calls = ToolQuality(cases=52, tool_set="d", valid_rate=1.0, exact_rate=0.8, agree_rate=0.9423, source_exact_rate=0.85,
-                        when=time.time())
+    calls = ToolQuality(cases=52, tool_set="d", valid_rate=1.0, exact_rate=0.8, agree_rate=0.9423,
+                        source_exact_rate=0.85, when=time.time())
     store_holds(quality(initial, fingerprint, 11.2623),
                 quality("tq4-g64", "another source", 10.5),  # measured on another source: never shown here
                 quality("tq4-g64", fingerprint, 10.0, active_experts=4),  # at another routing: not this recipe's

@@ -36,7 +36,8 @@ if TYPE_CHECKING:  # named only: importing them loads MLX
 
 __all__ = ["ChatEvent", "CompletionDelta", "CompletionDone", "CompletionEvent", "ConvertEvent", "ConvertFinished",
            "ConvertStarted", "KernelsCompiling", "MlxWarmedUp", "MlxWarmup", "ModelChosen", "ModelLoaded", "OpenEvent",
-           "PageIn", "PrefillProgress", "ReplyDone", "ReplyEvent", "ReplyStarted", "ShardWritten", "SourceProgress", "SourceRemoved",
+           "PageIn", "PrefillProgress", "ReplyDone", "ReplyEvent", "ReplyStarted", "ShardWritten", "SourceProgress",
+           "SourceRemoved",
            "StreamPlan", "StreamReport", "TokenLogprob", "TokenOut", "ToolCall", "TopLogprob", "UnitConverted"]
 
 
