@@ -159,3 +159,17 @@ def load_script(path: Path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer(tmp_path_factory):
+    """mlx-lm's TokenizerWrapper over a demo tokenizer written with today's chat template (it renders tools)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from tqbench.demo.spec import DemoSpec
+    from tqbench.demo.tokenizer import demo_tokenizer_ranks
+    from tqbench.tokenizer import write_tokenizer
+
+    d = tmp_path_factory.mktemp("tool-tokenizer")
+    write_tokenizer(d, demo_tokenizer_ranks(DemoSpec()))
+    return load_tokenizer(d)

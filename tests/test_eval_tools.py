@@ -52,17 +52,6 @@ def test_the_shipped_cases_are_held_out_tools_with_their_results():
     assert len(load_cases(limit=3)) == 3
 
 
-def _wrapper(tmp_path):
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    from tqbench.demo.spec import DemoSpec
-    from tqbench.demo.tokenizer import demo_tokenizer_ranks
-    from tqbench.tokenizer import write_tokenizer
-
-    write_tokenizer(tmp_path, demo_tokenizer_ranks(DemoSpec()))
-    return load_tokenizer(tmp_path)
-
-
 def _reference_text(wrapper, case) -> str:
     """The reference call as the template renders it after the generation prompt: what a right model generates."""
     prompt = wrapper.apply_chat_template([dict(m) for m in case.prompt], tools=list(case.tools), tokenize=False,
@@ -73,8 +62,8 @@ def _reference_text(wrapper, case) -> str:
     return whole[len(prompt):]
 
 
-def test_a_right_call_is_valid_and_exact_and_each_wrong_one_says_why(tmp_path):
-    wrapper = _wrapper(tmp_path)
+def test_a_right_call_is_valid_and_exact_and_each_wrong_one_says_why(tool_tokenizer):
+    wrapper = tool_tokenizer
     cases = load_cases()
     for case in cases:
         got = check_call(_reference_text(wrapper, case), wrapper, case.tools)
@@ -162,14 +151,14 @@ def test_eval_tools_counts_what_the_model_generated(tmp_path, capsys):
     assert shown.exit_code == 0 and all(k.split(":")[0] in flat for k in kinds)
 
 
-def test_tool_calls_greedy_samples_outside_a_call_and_takes_the_likeliest_inside(tmp_path):
+def test_tool_calls_greedy_samples_outside_a_call_and_takes_the_likeliest_inside(tool_tokenizer):
     """`--tool-syntax greedy`: from the token that completes the tool-call start marker to the one that completes
     its end marker, the sampler's draw is replaced by the likeliest token; elsewhere the sampler draws."""
     import mlx.core as mx
 
     from tqbench.runtime.conversation import ToolCallsGreedy
 
-    wrapper = _wrapper(tmp_path)
+    wrapper = tool_tokenizer
     start = wrapper.encode(wrapper.tool_call_start, add_special_tokens=False)
     end = wrapper.encode(wrapper.tool_call_end, add_special_tokens=False)
     vocab, likeliest = len(wrapper.get_vocab()), 7

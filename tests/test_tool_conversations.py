@@ -76,18 +76,9 @@ OLD_TEMPLATE = (  # the template before tools: a conversation without them must 
 )
 
 
-@pytest.fixture(scope="module")
-def wrapper(tmp_path_factory):
-    """mlx-lm's TokenizerWrapper over a demo tokenizer written with today's chat template."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    from tqbench.demo.spec import DemoSpec
-    from tqbench.demo.tokenizer import demo_tokenizer_ranks
-    from tqbench.tokenizer import write_tokenizer
-
-    d = tmp_path_factory.mktemp("tok")
-    write_tokenizer(d, demo_tokenizer_ranks(DemoSpec()))
-    return load_tokenizer(d)
+@pytest.fixture
+def wrapper(tool_tokenizer):
+    return tool_tokenizer
 
 
 def test_a_conversation_without_tools_renders_as_before():
