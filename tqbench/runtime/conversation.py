@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from tqbench.events import PrefillProgress, ReplyDone, ReplyStarted, TokenLogprob, TokenOut, TopLogprob
 from tqbench.errors import TqbenchError
+from tqbench.runtime.grammar import Constrained, logits_size
 from tqbench.runtime.load import Loaded
 from tqbench.runtime.prefill import prefill
 from tqbench.runtime.routing import routing_changed
@@ -34,7 +35,9 @@ class Sampling:
     top_k: int = 0  # 0: off
     seed: int | None = None
     logprobs: int = -1  # each token's log-probability (0) and its N likeliest alternatives (N); -1: none
-    tool_syntax: str = "sample"  # "greedy": tool-call blocks decode greedily whatever the sampler (ToolCallsGreedy)
+    tool_syntax: str = "sample"  # "greedy": tool-call blocks decode greedily whatever the sampler (ToolCallsGreedy);
+    # "schema": tool calls follow the offered tools' schemas (the caller builds `grammar`: tqbench.runtime.grammar)
+    grammar: str | None = None  # llguidance Lark grammar the reply follows token by token (tqbench.runtime.grammar)
 
     @classmethod
     def defaults(cls, generation_config: dict[str, Any], **given: Any) -> Sampling:
@@ -221,6 +224,8 @@ def generate(loaded: Loaded, new: list[int], cache: list[Any], sampling: Samplin
     sampler = make_sampler(sampling.temp, sampling.top_p, top_k=sampling.top_k)
     if sampling.tool_syntax == "greedy" and sampling.temp > 0:
         sampler = ToolCallsGreedy.around(sampler, loaded.tokenizer)
+    if sampling.grammar is not None:
+        sampler = Constrained.around(sampler, loaded.tokenizer, sampling.grammar, logits_size(loaded.config))
     mx.reset_peak_memory()
     warmup = first_generation()
     streamer = loaded.streamer
