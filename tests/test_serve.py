@@ -415,6 +415,55 @@ def test_streamed_experts_give_the_resident_text_and_a_full_queue_answers_429(de
         store.close()
 
 
+def test_tool_choice_and_response_format_hold_a_real_reply_to_the_schema(demo, tmp_path):
+    """A model whose template renders tools (the demo, which has not learned to call them, with today's template):
+    tool_choice naming a tool gets a call to it whose arguments satisfy its schema, streamed as the same deltas;
+    "none" gets text alone; response_format json_schema gets JSON that follows the schema; both at once is a 400. The
+    server stops by itself after --max-requests."""
+    from tqbench.eval.tools import schema_problem
+    from tqbench.tokenizer import CHAT_TEMPLATE
+
+    model = Path(shutil.copytree(demo, tmp_path / "tools"))
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": params}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+    s = Served(model, tmp_path / "cache", "--max-requests", "4", key=None)
+    user = [{"role": "user", "content": "Weather in Oslo for three days?"}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = s.client.chat.completions.create(model="tools", messages=user, tools=tools, tool_choice=choice, max_tokens=80,
+                                         temperature=0.8, seed=5)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) >= 1
+    for call in calls:
+        assert call.function.name == "get_weather"
+        assert schema_problem(json.loads(call.function.arguments), params) == "", call.function.arguments
+    chunks = list(s.client.chat.completions.create(model="tools", messages=user, tools=tools, tool_choice=choice,
+                                                   max_tokens=80, temperature=0.8, seed=5, stream=True))
+    streamed: dict[int, list[str]] = {}
+    for c in chunks:
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            streamed.setdefault(d.index, []).append(d.function.arguments or "")
+    assert ["".join(streamed[i]) for i in sorted(streamed)] == [c.function.arguments for c in calls]
+    r = s.client.chat.completions.create(model="tools", messages=user, tools=tools, tool_choice="none", max_tokens=12)
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason in ("stop", "length")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},
+              "required": ["city", "ok"], "additionalProperties": False}
+    r = s.client.chat.completions.create(model="tools", messages=user, max_tokens=60, temperature=0.7, seed=2,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "w", "schema": schema}})
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"city", "ok"} and isinstance(value["ok"], bool) and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:  # refused before it runs: not one of the 4 requests
+        s.client.chat.completions.create(model="tools", messages=user, tools=tools, response_format={"type": "json_object"})
+    assert e.value.status_code == 400 and e.value.body["param"] == "response_format"
+    assert s.proc.wait(120) == 0
+
+
 # ---- the parts ------------------------------------------------------------------------------------------------------
 
 def test_the_openai_parser_maps_fields_as_documented():
@@ -443,6 +492,24 @@ def test_the_openai_parser_maps_fields_as_documented():
         with pytest.raises(ApiError) as e:
             parse_request(kind, body)
         assert e.value.status == 400 and e.value.param == param
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    c = parse_request("chat", {"messages": one, "tools": tools, "tool_choice": {"type": "function",
+                                                                               "function": {"name": "f"}}}).completion
+    assert c.tool_choice == "f" and c.response_schema is None
+    assert parse_request("chat", {"messages": one, "tool_choice": "none"}).completion.tool_choice == "auto"
+    fmt = parse_request("chat", {"messages": one, "response_format": {"type": "json_object"}}).completion
+    assert fmt.response_schema == {"type": "object"}
+    for body in [{"messages": one, "tool_choice": "required"},  # no tools
+                 {"messages": one, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                 {"messages": one, "tools": tools, "tool_choice": "always"},
+                 {"messages": one, "response_format": {"type": "xml"}},
+                 {"messages": one, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                 {"messages": one, "response_format": {"type": "json_schema", "json_schema": {
+                     "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}]:
+        with pytest.raises(ApiError) as e:
+            parse_request("chat", body)
+        assert e.value.status == 400 and e.value.param in ("tool_choice", "response_format"), body
+        assert e.value.param == ("response_format" if "response_format" in body else "tool_choice")
     t = parse_request("text", {"prompt": ["only one"], "max_tokens": 3})
     assert t.completion.prompt == "only one" and t.completion.messages is None
 

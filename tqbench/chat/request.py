@@ -91,6 +91,12 @@ class StreamRequest:
         return self
 
 
+# How tool calls are decoded: as sampled; their blocks greedily (ToolCallsGreedy); or constrained to the offered
+# tools' schemas (tqbench.runtime.grammar).
+TOOL_SYNTAX = ("sample", "greedy", "schema")
+TOOL_CHOICE = ("auto", "none", "required")  # OpenAI's; a tool's name asks for a call to it
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingRequest:
     """Sampling the user asked for; None: the model's generation_config.json decides (tqbench.runtime.conversation.Sampling)."""
@@ -101,11 +107,11 @@ class SamplingRequest:
     top_k: int | None = None  # 0: off
     seed: int | None = None
     logprobs: int | None = None  # each token's log-probability and its N likeliest alternatives (Sampling.logprobs)
-    tool_syntax: str | None = None  # "greedy": tool-call blocks decode greedily (Sampling.tool_syntax)
+    tool_syntax: str | None = None  # "greedy" / "schema": guards on tool calls (Sampling.tool_syntax)
 
     def check(self) -> SamplingRequest:
-        if self.tool_syntax not in (None, "sample", "greedy"):
-            raise UsageError(f"--tool-syntax {self.tool_syntax}: give sample or greedy")
+        if self.tool_syntax not in (None, *TOOL_SYNTAX):
+            raise UsageError(f"--tool-syntax {self.tool_syntax}: give {', '.join(TOOL_SYNTAX)}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise TqbenchError(f"max tokens {self.max_tokens}: give 1 or more")
         if self.temp is not None and self.temp < 0:
@@ -178,6 +184,8 @@ class CompletionRequest:
     messages: tuple[dict, ...] | None = None
     prompt: str | None = None
     tools: tuple[dict, ...] | None = None
+    tool_choice: str = "auto"  # TOOL_CHOICE or a tool's name; other than auto, decoding is constrained to it
+    response_schema: dict | None = None  # the reply is one JSON value under this schema (OpenAI's response_format)
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
     stop: tuple[str, ...] = ()
 
@@ -188,5 +196,9 @@ class CompletionRequest:
             raise TqbenchError("messages: give at least one")
         if any(not s for s in self.stop):
             raise TqbenchError("stop: an empty string would stop at once")
+        if self.tool_choice != "auto" and not self.tools:
+            raise TqbenchError(f"tool_choice {self.tool_choice!r} needs tools")
+        if self.response_schema is not None and self.tools and self.tool_choice != "none":
+            raise TqbenchError("response_format with tools: give tool_choice none, or one of them")
         self.sampling.check()
         return self

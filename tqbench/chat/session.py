@@ -45,6 +45,7 @@ from tqbench.profile import export_learned
 from tqbench.recipe.fit import LAYER_MAJOR_TOKENS
 from tqbench.runtime.complete import Completions, chat_prompt, text_prompt
 from tqbench.runtime.conversation import Conversation, Sampling, generate
+from tqbench.runtime.grammar import reply_grammar
 from tqbench.runtime.load import load, preflight
 from tqbench.runtime.prompt_store import PromptStore, model_key
 from tqbench.runtime.routing import set_active_experts
@@ -265,6 +266,10 @@ class ChatSession:
         given = {k: v for k, v in asdict(request.sampling).items() if v is not None}
         sampling = replace(state.loaded.sampling, **given)
         tools = [dict(t) for t in request.tools] if request.tools else None
+        grammar = reply_grammar(tools=tools, tool_choice=request.tool_choice, tool_syntax=sampling.tool_syntax,
+                                response_schema=request.response_schema)
+        if grammar is not None:
+            sampling = replace(sampling, grammar=grammar)
         split = Segmenter(loaded.tokenizer, tools, loaded.tokenizer.decode(tokens[-8:]))
         answer = _Answer()
         lockstep = _leader(state)

@@ -14,7 +14,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tqbench.chat.request import CompletionRequest, SamplingRequest
+from tqbench.chat.request import TOOL_CHOICE, CompletionRequest, SamplingRequest
+from tqbench.errors import TqbenchError
+from tqbench.runtime.grammar import check_grammar, json_grammar
 
 MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -54,7 +56,7 @@ _DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
 _IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier",
             "verbosity", "stream_options")  # bookkeeping with no effect on the text; stream_options read apart
 _CHAT = ("model", "messages", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-         "seed", "stop", "tools", "logprobs", "top_logprobs")
+         "seed", "stop", "tools", "logprobs", "top_logprobs", "tool_choice", "response_format")
 _TEXT = ("model", "prompt", "stream", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
 MAX_TOP_LOGPROBS = {"chat": 20, "text": 5}  # OpenAI's own limits
 
@@ -105,7 +107,13 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
     if kind == "chat":
         messages = _messages(body.get("messages"))
         tools = _tools(body.get("tools"))
-        completion = CompletionRequest(messages=messages, tools=tools, sampling=sampling, stop=stop)
+        choice = _tool_choice(body.get("tool_choice"), tools)
+        schema = _response_schema(body.get("response_format"))
+        if schema is not None and tools and choice != "none":
+            raise ApiError(400, "response_format with tools: set tool_choice to \"none\" or leave one out",
+                           "response_format")
+        completion = CompletionRequest(messages=messages, tools=tools, tool_choice=choice, response_schema=schema,
+                                       sampling=sampling, stop=stop)
     else:
         completion = CompletionRequest(prompt=_prompt(body.get("prompt")), sampling=sampling, stop=stop)
     return ApiRequest(kind=kind, model=model, completion=completion, stream=stream, include_usage=include_usage)
@@ -233,6 +241,48 @@ def _template_call(call: Any, where: str) -> dict[str, Any]:
     except json.JSONDecodeError:
         raise ApiError(400, f"{where}.function.arguments is not JSON", where) from None
     return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...] | None) -> str:
+    """OpenAI's tool_choice as CompletionRequest.tool_choice: auto, none, required or a tool's name; other than auto
+    it is held by constrained decoding (tqbench.runtime.grammar)."""
+    if value is None or (value in ("auto", "none") and not tools):
+        return "auto"
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        value = value["function"].get("name")
+        names = [t["function"]["name"] for t in tools or ()]
+        if value not in names:
+            raise ApiError(400, f"tool_choice names {value!r}, which tools does not offer", "tool_choice")
+        return value
+    if value not in TOOL_CHOICE:
+        raise ApiError(400, "tool_choice must be \"auto\", \"none\", \"required\" or "
+                            "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if not tools:
+        raise ApiError(400, f"tool_choice {value!r} needs tools", "tool_choice")
+    return value
+
+
+def _response_schema(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format as the JSON schema the reply must follow (None: text): json_object is any object;
+    json_schema gives its `json_schema.schema`. A schema llguidance cannot compile is a 400 naming the field."""
+    if value is None or value == {"type": "text"}:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object", "response_format")
+    else:
+        raise ApiError(400, "response_format.type must be \"text\", \"json_object\" or \"json_schema\"",
+                       "response_format")
+    try:
+        check_grammar(json_grammar(schema))
+    except TqbenchError as e:
+        raise ApiError(400, f"response_format: {e}", "response_format") from None
+    return schema
 
 
 def _tools(value: Any) -> tuple[dict[str, Any], ...] | None:
