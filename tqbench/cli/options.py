@@ -133,9 +133,10 @@ TopP = Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0, help
 TopK = Annotated[Optional[int], typer.Option("--top-k", min=0, help="Sample among the k likeliest (0: off).")]
 SamplingSeed = Annotated[Optional[int], typer.Option("--seed", min=0, max=2**64 - 1, help="Random seed for sampling.")]
 ToolSyntax = Annotated[Optional[str], typer.Option(
-    "--tool-syntax", metavar="sample|greedy",
+    "--tool-syntax", metavar="sample|greedy|schema",
     help="greedy: decode tool calls' blocks greedily whatever --temp (a sampled call that breaks its format fails "
-         "an agent); the rest of the reply is sampled as asked.")]
+         "an agent); schema: constrain each call to an offered tool and its arguments to that tool's JSON schema. "
+         "The rest of the reply is sampled as asked.")]
 NoChatTemplate = Annotated[bool, typer.Option(
     "--no-chat-template", help="Send turns as plain text (a base model's continuation).")]
 Profile = Annotated[Optional[Path], typer.Option(

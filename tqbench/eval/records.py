@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tqbench.chat.request import StreamRequest
+from tqbench.chat.request import TOOL_SYNTAX, StreamRequest
 from tqbench.errors import TqbenchError, UsageError
 
 WINDOW = 256  # tokens of context per window; every window starts from an empty context
@@ -42,7 +42,7 @@ class EvalRequest:
     tools_file: str | None = None  # the cases (JSONL; None: the shipped held-out set); implies tools
     tool_cases: int = 0  # the first this many cases (0: all)
     tool_temp: float = 0.0  # MODEL's calls sampled at this temperature (0: greedy; the source's are greedy)
-    tool_syntax: str = "sample"  # "greedy": MODEL's tool-call blocks decode greedily (the guard)
+    tool_syntax: str = "sample"  # the guard on MODEL's calls: "greedy" blocks, or "schema" (constrained decoding)
 
     @property
     def scores_tools(self) -> bool:
@@ -71,9 +71,9 @@ class EvalRequest:
             raise UsageError("--tools scores tool calls, not texts: leave out --layers and --text")
         if self.tool_cases < 0:
             raise TqbenchError(f"tool cases {self.tool_cases}: give 0 (all) or more")
-        if self.tool_temp < 0 or self.tool_syntax not in ("sample", "greedy"):
+        if self.tool_temp < 0 or self.tool_syntax not in TOOL_SYNTAX:
             raise TqbenchError(f"tool temperature {self.tool_temp:g} / syntax {self.tool_syntax!r}: give 0 or more / "
-                               "sample or greedy")
+                               + " or ".join(TOOL_SYNTAX))
         return self
 
 
