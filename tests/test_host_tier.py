@@ -8,6 +8,7 @@ import mmap
 import threading
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -59,10 +60,19 @@ def _streamed(model, expert, slots: int, host_slots: int, workers: int = 2, **kw
 ])
 def test_a_host_tier_is_bit_identical_to_resident_and_serves_misses_by_copy(model, expert, resident, slots,
                                                                             host_slots, workers, policy):
+    """On the CPU streamed experts compute what resident ones do, bit for bit. On CUDA the prompt's expert gathers
+    take other MLX kernels for a pool of slots than for all experts (another order of bf16 arithmetic; on this
+    prompt of arbitrary ids the next-token distribution is flat and routings flip: results/gpu-cuda-checks-h100.json),
+    so there the host tier is held to the same streaming without it."""
     loaded = _streamed(model, expert, slots, host_slots, workers, policy=policy)
     logits, tokens = _run(loaded.model)
-    np.testing.assert_array_equal(logits, resident[0])
-    assert tokens == resident[1]
+    reference = resident
+    if mx.default_device() == mx.gpu and mx.cuda.is_available():
+        plain = _streamed(model, expert, slots, 0, workers, policy=policy)
+        reference = _run(plain.model)
+        plain.streamer.close()
+    np.testing.assert_array_equal(logits, reference[0])
+    assert tokens == reference[1]
     st = loaded.streamer.stats
     events = loaded.streamer.drain()
     served = [k for e in events for k in e.served]
