@@ -2,7 +2,8 @@
 """Two checks for a GPU sitting (issue 50), written to files the sitting brings back:
 
     python3 scripts/gpu_cuda_checks.py logits --out logits-cuda.npz   # then the same here on the CPU, and compare
-    python3 scripts/gpu_cuda_checks.py launch                           # prints the table below
+    python3 scripts/gpu_cuda_checks.py noise                            # the CPU's own logits under bf16-sized noise
+    python3 scripts/gpu_cuda_checks.py launch                           # launch cost against the cubin's bytes
 
 `logits`: tests/test_host_tier.py's prompt on the demo's tq3a-tqTe-down4-g32 conversion, resident and streamed
 (12 slots, no host tier): the prompt's logits and 10 greedy tokens each, saved as .npz (results/gpu-cuda-checks-h100.json
@@ -34,6 +35,39 @@ def logits_check(out: str) -> None:
     st = _run(_streamed(m, expert_bytes(m), 12, 0, 2, policy="lru").model)
     np.savez(out, resident=res[0], streamed=st[0], resident_tokens=np.array(res[1]), streamed_tokens=np.array(st[1]))
     print("resident tokens", res[1], "\nstreamed tokens", st[1])
+
+
+def noise_check() -> None:
+    """How far bf16-sized noise moves the same prompt's logits on this machine: every decoder layer's output scaled
+    by (1 + eps x N(0, 1)), against the plain run (what another backend's order of arithmetic can do)."""
+    import mlx.core as mx
+
+    from conftest import converted
+    from model_helpers import logits
+    from test_host_tier import PROMPT, RECIPE
+    from tqbench.runtime.load import load
+
+    model = load(converted(RECIPE)).model
+    base = logits(model, PROMPT).astype(np.float32)
+    cls = type(model.model.layers[0])
+    plain = cls.__call__
+    for eps in (2 ** -10, 2 ** -8):
+        for seed in (1, 2):
+            key = [mx.random.key(seed)]
+
+            def noisy(self, *a, **k):
+                h, blocks = plain(self, *a, **k)
+                key[0], sub = mx.random.split(key[0])
+                return h * (1 + eps * mx.random.normal(h.shape, key=sub).astype(h.dtype)), blocks
+
+            cls.__call__ = noisy
+            try:
+                x = logits(model, PROMPT).astype(np.float32)
+            finally:
+                cls.__call__ = plain
+            d = np.abs(x - base).max(-1).ravel()
+            print(f"eps 2^{int(np.log2(eps))} seed {seed}: logits moved up to {d.max():.2f} (rows {np.round(d, 2)}), "
+                  f"argmax alike on {(x.argmax(-1) == base.argmax(-1)).sum()} of {len(PROMPT)} rows")
 
 
 def sections(blob: bytes) -> list[tuple[str, int]]:
@@ -87,10 +121,10 @@ def launch_check() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=["logits", "launch"])
+    ap.add_argument("check", choices=["logits", "noise", "launch"])
     ap.add_argument("--out", default="logits-cuda.npz")
     a = ap.parse_args()
-    logits_check(a.out) if a.check == "logits" else launch_check()
+    {"logits": lambda: logits_check(a.out), "noise": noise_check, "launch": launch_check}[a.check]()
 
 
 if __name__ == "__main__":
