@@ -60,6 +60,11 @@ def test_the_templates_own_calls_are_accepted_to_the_end(tool_tokenizer):
     assert text.count("<|open|>call") == 2 and "&quot;hi&quot; &amp; go" in text
     accepted, ids, c = _feed(tool_tokenizer, tool_call_grammar(TOOLS), text)
     assert accepted == len(ids) and c.matcher.is_stopped()  # the end-of-message token ends the grammar too
+    # one call at most when parallel calls are off: the second call's opening is refused
+    n, ids, _ = _feed(tool_tokenizer, tool_call_grammar(TOOLS, parallel=False), text)
+    assert tool_tokenizer.decode(ids[:n]).endswith('<|close|>call<|sep|>') and tool_tokenizer.decode(ids[n:]).startswith(
+        '<|open|>call tool="say')
+    assert reply_grammar(tools=TOOLS, parallel=False) == tool_call_grammar(TOOLS, parallel=False)
     # text alone is a reply too, unless a call is required
     n, ids, c = _feed(tool_tokenizer, tool_call_grammar(TOOLS), "No call.<|end_of_msg|>")
     assert n == len(ids) and c.matcher.is_stopped()

@@ -497,19 +497,22 @@ def test_the_openai_parser_maps_fields_as_documented():
                                                                                "function": {"name": "f"}}}).completion
     assert c.tool_choice == "f" and c.response_schema is None
     assert parse_request("chat", {"messages": one, "tool_choice": "none"}).completion.tool_choice == "auto"
+    assert not parse_request("chat", {"messages": one, "tools": tools,
+                                      "parallel_tool_calls": False}).completion.parallel_tool_calls
     fmt = parse_request("chat", {"messages": one, "response_format": {"type": "json_object"}}).completion
     assert fmt.response_schema == {"type": "object"}
     for body in [{"messages": one, "tool_choice": "required"},  # no tools
                  {"messages": one, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}},
                  {"messages": one, "tools": tools, "tool_choice": "always"},
+                 {"messages": one, "tools": tools, "parallel_tool_calls": "no"},
                  {"messages": one, "response_format": {"type": "xml"}},
                  {"messages": one, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
                  {"messages": one, "response_format": {"type": "json_schema", "json_schema": {
                      "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}]:
         with pytest.raises(ApiError) as e:
             parse_request("chat", body)
-        assert e.value.status == 400 and e.value.param in ("tool_choice", "response_format"), body
-        assert e.value.param == ("response_format" if "response_format" in body else "tool_choice")
+        assert e.value.status == 400, body
+        assert e.value.param == next(k for k in ("response_format", "parallel_tool_calls", "tool_choice") if k in body)
     t = parse_request("text", {"prompt": ["only one"], "max_tokens": 3})
     assert t.completion.prompt == "only one" and t.completion.messages is None
 

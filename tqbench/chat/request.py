@@ -185,6 +185,7 @@ class CompletionRequest:
     prompt: str | None = None
     tools: tuple[dict, ...] | None = None
     tool_choice: str = "auto"  # TOOL_CHOICE or a tool's name; other than auto, decoding is constrained to it
+    parallel_tool_calls: bool = True  # False: at most one call (constrained decoding)
     response_schema: dict | None = None  # the reply is one JSON value under this schema (OpenAI's response_format)
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
     stop: tuple[str, ...] = ()

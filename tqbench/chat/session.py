@@ -267,7 +267,7 @@ class ChatSession:
         sampling = replace(state.loaded.sampling, **given)
         tools = [dict(t) for t in request.tools] if request.tools else None
         grammar = reply_grammar(tools=tools, tool_choice=request.tool_choice, tool_syntax=sampling.tool_syntax,
-                                response_schema=request.response_schema)
+                                response_schema=request.response_schema, parallel=request.parallel_tool_calls)
         if grammar is not None:
             sampling = replace(sampling, grammar=grammar)
         split = Segmenter(loaded.tokenizer, tools, loaded.tokenizer.decode(tokens[-8:]))

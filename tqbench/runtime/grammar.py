@@ -115,10 +115,12 @@ def _call_rules(i: int, tool: dict[str, Any]) -> list[str]:
     return rules
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], required: bool = False, only: str | None = None) -> str:
+def tool_call_grammar(tools: list[dict[str, Any]], required: bool = False, only: str | None = None,
+                      parallel: bool = True) -> str:
     """The Lark grammar of a reply to a request offering `tools` (OpenAI's shape: {"type": "function",
     "function": {"name", "parameters"}}): free text, then at most one tool-call block whose calls follow the tools'
-    schemas. `required`: the block must come, with no text before it; `only`: calls to this tool alone."""
+    schemas. `required`: the block must come, with no text before it; `only`: calls to this tool alone; `parallel`
+    False: one call in the block."""
     chosen = [(i, t) for i, t in enumerate(tools) if only is None or t.get("function", t).get("name") == only]
     if not chosen:
         raise TqbenchError(f"tool_choice names {only!r}, which the request's tools do not offer")
@@ -130,7 +132,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], required: bool = False, only:
     return "\n".join([
         "%llguidance {}",
         f"start: {start}",
-        f"block: {OPEN} \"tools\" {SEP} call+ {CLOSE} \"tools\" {SEP}",
+        f"block: {OPEN} \"tools\" {SEP} call{'+' if parallel else ''} {CLOSE} \"tools\" {SEP}",
         f"call: {calls}",
         *rules,
         "INDEX: /[1-9][0-9]*/",
@@ -150,10 +152,10 @@ def text_grammar() -> str:
 
 
 def reply_grammar(*, tools: list[dict[str, Any]] | None, tool_choice: str = "auto", tool_syntax: str = "sample",
-                  response_schema: dict[str, Any] | None = None) -> str | None:
+                  response_schema: dict[str, Any] | None = None, parallel: bool = True) -> str | None:
     """The grammar a reply is held to (None: none): one JSON value for `response_schema`; with tools, text alone for
     tool_choice "none", a call for "required" or a tool's name, else the calls' schemas when `tool_syntax` is
-    "schema"."""
+    "schema" or only one call may come (`parallel` False: OpenAI's parallel_tool_calls)."""
     if response_schema is not None:
         return json_grammar(response_schema)
     if not tools:
@@ -161,8 +163,9 @@ def reply_grammar(*, tools: list[dict[str, Any]] | None, tool_choice: str = "aut
     if tool_choice == "none":
         return text_grammar()
     if tool_choice != "auto":
-        return tool_call_grammar(tools, required=True, only=None if tool_choice == "required" else tool_choice)
-    return tool_call_grammar(tools) if tool_syntax == "schema" else None
+        return tool_call_grammar(tools, required=True, only=None if tool_choice == "required" else tool_choice,
+                                 parallel=parallel)
+    return tool_call_grammar(tools, parallel=parallel) if tool_syntax == "schema" or not parallel else None
 
 
 def check_grammar(grammar: str, tokenizer: Any = None, n_vocab: int = 0) -> None:

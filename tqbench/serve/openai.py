@@ -50,13 +50,14 @@ class ApiRequest:
 _DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
     "n": (1, None), "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None), "logit_bias": (None, {}), "echo": (False, None), "best_of": (1, None),
-    "suffix": (None, ""), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (True, False, None),
+    "suffix": (None, ""), "response_format": (None, {"type": "text"}),
     "tool_choice": (None, "auto", "none"), "modalities": (None, ["text"]),
 }
 _IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier",
             "verbosity", "stream_options")  # bookkeeping with no effect on the text; stream_options read apart
 _CHAT = ("model", "messages", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-         "seed", "stop", "tools", "logprobs", "top_logprobs", "tool_choice", "response_format")
+         "seed", "stop", "tools", "logprobs", "top_logprobs", "tool_choice", "response_format",
+         "parallel_tool_calls")
 _TEXT = ("model", "prompt", "stream", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
 MAX_TOP_LOGPROBS = {"chat": 20, "text": 5}  # OpenAI's own limits
 
@@ -112,8 +113,9 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
         if schema is not None and tools and choice != "none":
             raise ApiError(400, "response_format with tools: set tool_choice to \"none\" or leave one out",
                            "response_format")
+        parallel = _opt(body, "parallel_tool_calls", bool)
         completion = CompletionRequest(messages=messages, tools=tools, tool_choice=choice, response_schema=schema,
-                                       sampling=sampling, stop=stop)
+                                       parallel_tool_calls=parallel is not False, sampling=sampling, stop=stop)
     else:
         completion = CompletionRequest(prompt=_prompt(body.get("prompt")), sampling=sampling, stop=stop)
     return ApiRequest(kind=kind, model=model, completion=completion, stream=stream, include_usage=include_usage)
