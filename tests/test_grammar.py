@@ -12,7 +12,8 @@ import pytest
 
 from tqbench.errors import TqbenchError
 from tqbench.eval.tools import schema_problem
-from tqbench.runtime.grammar import Constrained, check_grammar, json_grammar, reply_grammar, tool_call_grammar
+from tqbench.runtime.grammar import (Constrained, check_grammar, check_tool_format, json_grammar, reply_grammar,
+                                     tool_call_grammar)
 from tqbench.tokenizer import CHAT_TEMPLATE
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
@@ -101,6 +102,13 @@ def test_tool_choice_none_allows_no_call_and_a_named_tool_only_itself(tool_token
     assert reply_grammar(tools=TOOLS, tool_syntax="schema") == tool_call_grammar(TOOLS)
     with pytest.raises(TqbenchError, match="get_time"):
         tool_call_grammar(TOOLS, required=True, only="get_time")
+    check_tool_format(tool_tokenizer)  # K3's format: the grammars apply
+
+    class Other:  # a tokenizer whose calls are text (Qwen's <tool_call>): refused with what it writes
+        tool_call_start = "<tool_call>"
+
+    with pytest.raises(TqbenchError, match="K3's tool-call format only.*'<tool_call>'"):
+        check_tool_format(Other())
 
 
 def test_json_grammar_holds_a_reply_to_its_schema(tool_tokenizer):

@@ -45,7 +45,7 @@ from tqbench.profile import export_learned
 from tqbench.recipe.fit import LAYER_MAJOR_TOKENS
 from tqbench.runtime.complete import Completions, chat_prompt, text_prompt
 from tqbench.runtime.conversation import Conversation, Sampling, generate
-from tqbench.runtime.grammar import reply_grammar
+from tqbench.runtime.grammar import check_tool_format, reply_grammar
 from tqbench.runtime.load import load, preflight
 from tqbench.runtime.prompt_store import PromptStore, model_key
 from tqbench.runtime.routing import set_active_experts
@@ -269,6 +269,8 @@ class ChatSession:
         grammar = reply_grammar(tools=tools, tool_choice=request.tool_choice, tool_syntax=sampling.tool_syntax,
                                 response_schema=request.response_schema, parallel=request.parallel_tool_calls)
         if grammar is not None:
+            if tools and request.response_schema is None:
+                check_tool_format(loaded.tokenizer)
             sampling = replace(sampling, grammar=grammar)
         split = Segmenter(loaded.tokenizer, tools, loaded.tokenizer.decode(tokens[-8:]))
         answer = _Answer()

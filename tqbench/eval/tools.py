@@ -256,13 +256,16 @@ def _reply(loaded, messages: tuple[dict[str, Any], ...], tools: tuple[dict[str, 
     from tqbench.events import ReplyDone, TokenOut
     from tqbench.runtime.complete import chat_prompt
     from tqbench.runtime.conversation import Sampling, generate
-    from tqbench.runtime.grammar import reply_grammar
+    from tqbench.runtime.grammar import check_tool_format, reply_grammar
 
     tokens = chat_prompt(loaded, [dict(m) for m in messages], [dict(t) for t in tools])
     end = getattr(loaded.tokenizer, "tool_call_end", None)
     text: list[str] = []
+    grammar = reply_grammar(tools=[dict(t) for t in tools], tool_syntax=tool_syntax)
+    if grammar is not None:
+        check_tool_format(loaded.tokenizer)
     sampling = Sampling(max_tokens=max_tokens, temp=temp, tool_syntax=tool_syntax, seed=seed if temp else None,
-                        grammar=reply_grammar(tools=[dict(t) for t in tools], tool_syntax=tool_syntax))
+                        grammar=grammar)
     steps = generate(loaded, tokens, make_prompt_cache(loaded.model), sampling, cached=0, held=[])
     try:
         for ev in steps:

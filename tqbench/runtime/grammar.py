@@ -168,6 +168,15 @@ def reply_grammar(*, tools: list[dict[str, Any]] | None, tool_choice: str = "aut
     return tool_call_grammar(tools, parallel=parallel) if tool_syntax == "schema" or not parallel else None
 
 
+def check_tool_format(tokenizer: Any) -> None:
+    """Raise TqbenchError unless the tokenizer writes tool calls in K3's format, the only one the tool grammars know
+    (another model's calls could be plain text, which no grammar here would hold)."""
+    start = getattr(tokenizer, "tool_call_start", None)
+    if start != K3_TOOL_CALL_START:
+        raise TqbenchError(f"constrained tool calls (tool_choice, parallel_tool_calls, --tool-syntax schema) know Kimi "
+                           f"K3's tool-call format only; this model's tokenizer starts its calls with {start!r}")
+
+
 def check_grammar(grammar: str, tokenizer: Any = None, n_vocab: int = 0) -> None:
     """Raise TqbenchError (one line) when llguidance refuses `grammar` (a schema it cannot compile). A grammar with
     special tokens (tool calls) needs the tokenizer."""
