@@ -164,7 +164,8 @@ def k3_part(work: Path, vocab: int, masks: int) -> dict:
             '<|close|>call<|sep|><|close|>tools<|sep|><|end_of_msg|>')
     text = "Sure, let me look that up for you. " * 4
     doc = json.dumps({"title": "The standard library's text modules",
-                      "items": [{"name": m, "n": i} for i, m in enumerate(["textwrap", "string", "re", "difflib"] * 4)]})
+                      "items": [{"name": m, "n": i}
+                                for i, m in enumerate(["textwrap", "string", "re", "difflib"] * 4)]})
     feeds = {"schema: text then calls": (grammar.reply_grammar(tools=TOOLS, tool_syntax="schema"), text + call),
              "json": (grammar.json_grammar(DOC_SCHEMA), doc + "<|end_of_msg|>")}
     logits = mx.random.normal((1, n))

@@ -17,7 +17,8 @@ from tqbench.runtime.grammar import (Constrained, check_grammar, check_tool_form
 from tqbench.tokenizer import CHAT_TEMPLATE
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}, "days": {"type": "integer", "minimum": 1},
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                     "days": {"type": "integer", "minimum": 1},
                                      "unit": {"type": "string", "enum": ["c", "f"]},
                                      "tags": {"type": "array", "items": {"type": "string"}}},
     "required": ["city"]}}}
@@ -63,8 +64,8 @@ def test_the_templates_own_calls_are_accepted_to_the_end(tool_tokenizer):
     assert accepted == len(ids) and c.matcher.is_stopped()  # the end-of-message token ends the grammar too
     # one call at most when parallel calls are off: the second call's opening is refused
     n, ids, _ = _feed(tool_tokenizer, tool_call_grammar(TOOLS, parallel=False), text)
-    assert tool_tokenizer.decode(ids[:n]).endswith('<|close|>call<|sep|>') and tool_tokenizer.decode(ids[n:]).startswith(
-        '<|open|>call tool="say')
+    assert tool_tokenizer.decode(ids[:n]).endswith('<|close|>call<|sep|>')
+    assert tool_tokenizer.decode(ids[n:]).startswith('<|open|>call tool="say')
     assert reply_grammar(tools=TOOLS, parallel=False) == tool_call_grammar(TOOLS, parallel=False)
     # text alone is a reply too, unless a call is required
     n, ids, c = _feed(tool_tokenizer, tool_call_grammar(TOOLS), "No call.<|end_of_msg|>")
@@ -177,6 +178,7 @@ def test_a_real_model_held_to_a_json_schema_writes_json_that_follows_it(tool_mod
                                                "size": {"type": "integer"}}, "required": ["name", "size"],
               "additionalProperties": False}
     messages = [{"role": "user", "content": "Describe a list as JSON."}]
-    text = _generate(tool_model, messages, None, Sampling(max_tokens=80, temp=0.7, seed=3, grammar=json_grammar(schema)))
+    sampling = Sampling(max_tokens=80, temp=0.7, seed=3, grammar=json_grammar(schema))
+    text = _generate(tool_model, messages, None, sampling)
     value = json.loads(text)
     assert set(value) == {"name", "size"} and isinstance(value["size"], int) and len(value["name"]) <= 12

@@ -459,7 +459,8 @@ def test_tool_choice_and_response_format_hold_a_real_reply_to_the_schema(demo, t
     value = json.loads(r.choices[0].message.content)
     assert set(value) == {"city", "ok"} and isinstance(value["ok"], bool) and r.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError) as e:  # refused before it runs: not one of the 4 requests
-        s.client.chat.completions.create(model="tools", messages=user, tools=tools, response_format={"type": "json_object"})
+        s.client.chat.completions.create(model="tools", messages=user, tools=tools,
+                                         response_format={"type": "json_object"})
     assert e.value.status_code == 400 and e.value.body["param"] == "response_format"
     assert s.proc.wait(120) == 0
 

@@ -49,7 +49,8 @@ def _value_rules(rule: str, schema: dict[str, Any]) -> list[str]:
     kinds = schema.get("type")
     if not kinds and "enum" in schema:
         kinds = [_kind(v) for v in schema["enum"]]
-    kinds = [kinds] if isinstance(kinds, str) else list(dict.fromkeys(kinds or (k for k in ATTR_TYPE if k != "integer")))
+    every = (k for k in ATTR_TYPE if k != "integer")  # a number covers an integer
+    kinds = [kinds] if isinstance(kinds, str) else list(dict.fromkeys(kinds or every))
     alts, rules = [], []
     for i, kind in enumerate(kinds):
         if kind not in ATTR_TYPE:
@@ -239,7 +240,8 @@ class Constrained:
     def around(cls, sampler: Callable, tokenizer: Any, grammar: str, n_vocab: int) -> Constrained:
         import llguidance
 
-        matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, n_vocab), llguidance.LLMatcher.grammar_from_lark(grammar))
+        compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+        matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, n_vocab), compiled)
         if matcher.is_error():
             raise TqbenchError(f"cannot constrain to this grammar: {' '.join(matcher.get_error().split())[:300]}")
         eos = list(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
