@@ -7,8 +7,10 @@
 
 `logits`: tests/test_host_tier.py's prompt on the demo's tq3a-tqTe-down4-g32 conversion, resident and streamed
 (12 slots, no host tier): the prompt's logits and 10 greedy tokens each, saved as .npz
-(results/gpu-cuda-checks-h100.json compares them with the CPU's). `launch`: the ELF sections of every cubin in tqbench's cache, and the launch cost of one
-512x512 matvec with its cubin padded by trailing zeros (a cost that grows with the bytes handed to MLX, not the code).
+(results/gpu-cuda-checks-h100.json compares them with the CPU's). `noise`: the CPU's own logits of that prompt with
+every layer's output scaled by (1 + eps x noise). `launch`: the ELF sections of every cubin in tqbench's cache, and the
+launch cost of one 512x512 matvec with its cubin padded by trailing zeros (a cost that grows with the bytes handed to
+MLX, not the code).
 Run from the repository root with tests/ and benchmarks/ importable (PYTHONPATH=.)."""
 
 import argparse
