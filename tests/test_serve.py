@@ -433,36 +433,42 @@ def test_tool_choice_and_response_format_hold_a_real_reply_to_the_schema(demo, t
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": params}},
              {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
     s = Served(model, tmp_path / "cache", "--max-requests", "4", key=None)
-    user = [{"role": "user", "content": "Weather in Oslo for three days?"}]
-    choice = {"type": "function", "function": {"name": "get_weather"}}
-    r = s.client.chat.completions.create(model="tools", messages=user, tools=tools, tool_choice=choice, max_tokens=80,
-                                         temperature=0.8, seed=5)
-    calls = r.choices[0].message.tool_calls
-    assert r.choices[0].finish_reason == "tool_calls" and len(calls) >= 1
-    for call in calls:
-        assert call.function.name == "get_weather"
-        assert schema_problem(json.loads(call.function.arguments), params) == "", call.function.arguments
-    chunks = list(s.client.chat.completions.create(model="tools", messages=user, tools=tools, tool_choice=choice,
-                                                   max_tokens=80, temperature=0.8, seed=5, stream=True))
-    streamed: dict[int, list[str]] = {}
-    for c in chunks:
-        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
-            streamed.setdefault(d.index, []).append(d.function.arguments or "")
-    assert ["".join(streamed[i]) for i in sorted(streamed)] == [c.function.arguments for c in calls]
-    r = s.client.chat.completions.create(model="tools", messages=user, tools=tools, tool_choice="none", max_tokens=12)
-    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason in ("stop", "length")
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},
-              "required": ["city", "ok"], "additionalProperties": False}
-    r = s.client.chat.completions.create(model="tools", messages=user, max_tokens=60, temperature=0.7, seed=2,
-                                         response_format={"type": "json_schema",
-                                                          "json_schema": {"name": "w", "schema": schema}})
-    value = json.loads(r.choices[0].message.content)
-    assert set(value) == {"city", "ok"} and isinstance(value["ok"], bool) and r.choices[0].finish_reason == "stop"
-    with pytest.raises(openai.BadRequestError) as e:  # refused before it runs: not one of the 4 requests
-        s.client.chat.completions.create(model="tools", messages=user, tools=tools,
-                                         response_format={"type": "json_object"})
-    assert e.value.status_code == 400 and e.value.body["param"] == "response_format"
-    assert s.proc.wait(120) == 0
+    try:
+        user = [{"role": "user", "content": "Weather in Oslo for three days?"}]
+        choice = {"type": "function", "function": {"name": "get_weather"}}
+        r = s.client.chat.completions.create(model="tools", messages=user, tools=tools, tool_choice=choice,
+                                             max_tokens=80, temperature=0.8, seed=5)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and len(calls) >= 1
+        for call in calls:
+            assert call.function.name == "get_weather"
+            assert schema_problem(json.loads(call.function.arguments), params) == "", call.function.arguments
+        chunks = list(s.client.chat.completions.create(model="tools", messages=user, tools=tools, tool_choice=choice,
+                                                       max_tokens=80, temperature=0.8, seed=5, stream=True))
+        streamed: dict[int, list[str]] = {}
+        for c in chunks:
+            for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                streamed.setdefault(d.index, []).append(d.function.arguments or "")
+        assert ["".join(streamed[i]) for i in sorted(streamed)] == [c.function.arguments for c in calls]
+        r = s.client.chat.completions.create(model="tools", messages=user, tools=tools, tool_choice="none",
+                                             max_tokens=12)
+        assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason in ("stop", "length")
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                   "ok": {"type": "boolean"}},
+                  "required": ["city", "ok"], "additionalProperties": False}
+        r = s.client.chat.completions.create(model="tools", messages=user, max_tokens=60, temperature=0.7, seed=2,
+                                             response_format={"type": "json_schema",
+                                                              "json_schema": {"name": "w", "schema": schema}})
+        value = json.loads(r.choices[0].message.content)
+        assert set(value) == {"city", "ok"} and isinstance(value["ok"], bool) and r.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError) as e:  # refused before it runs: not one of the 4 requests
+            s.client.chat.completions.create(model="tools", messages=user, tools=tools,
+                                             response_format={"type": "json_object"})
+        assert e.value.status_code == 400 and e.value.body["param"] == "response_format"
+        assert s.proc.wait(120) == 0
+    finally:
+        if s.proc.poll() is None:  # a failed check above: the server still waits for its requests
+            s.proc.kill()
 
 
 # ---- the parts ------------------------------------------------------------------------------------------------------
