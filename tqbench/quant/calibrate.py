@@ -31,6 +31,8 @@ from tqbench.quant import turboquant as tq
 DAMP = 0.01  # of the mean diagonal of H, added to its diagonal (GPTQ's default)
 BLOCK = 128  # columns updated at once; a multiple of every group size (32, 64, 128)
 SCALES_FROM = ("current", "original")
+REFITS = 1  # rounds of: scales refitted to the codes (refit_scales), then POLISH sweeps of the codes (polish_codes)
+POLISH = 1
 
 
 def rotated_hessian(h: np.ndarray, signs: np.ndarray | None) -> np.ndarray:
@@ -44,36 +46,42 @@ def rotated_hessian(h: np.ndarray, signs: np.ndarray | None) -> np.ndarray:
     return (out + out.T) / 2
 
 
-def inverse_factor(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
-    """U upper triangular with (H + damp * mean(diag H) I)^-1 = U^T U, float64. Columns no input ever reached
-    (a zero diagonal) get 1 there, so they factor and take no feedback."""
+def damped(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
+    """H + damp * mean(diag H) I, float64: the objective every step minimises, tr(D H D^T) + damp * mean(diag H)
+    ||D||^2 for the error D = W - Q (the output error, plus a little of the weights' own). Columns no input ever
+    reached (a zero diagonal) get 1 there: they factor, and take no feedback."""
     h = np.array(h, dtype=np.float64)
     n = h.shape[0]
     d = np.diag(h).copy()
     d[d <= 0] = 1.0
     h[np.diag_indices(n)] = d + damp * float(np.mean(d))
+    return h
+
+
+def inverse_factor(h: np.ndarray) -> np.ndarray:
+    """U upper triangular with H^-1 = U^T U, float64, for a damped H (positive definite)."""
     inv = np.linalg.inv(np.linalg.cholesky(h))  # L^-1, H = L L^T
     h_inv = inv.T @ inv
     return np.linalg.cholesky(h_inv).T
 
 
-def gptq_codes(w_rot: np.ndarray, h_rot: np.ndarray, kind: str, group: int, rule: str = "search",
-               scales_from: str = "current", damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
+def gptq_codes(w_rot: np.ndarray, h_rot: np.ndarray, kind: str, group: int, *, rule: str = "search",
+               scales_from: str = "current", damp: float = DAMP, given: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Codes (out, in) uint32 and float16 scales (out, in / group) of rotated rows `w_rot` (out, in) for the
-    rotated Hessian `h_rot` (in, in)."""
+    rotated Hessian `h_rot` (in, in); with `given` scales (out, in / group) those are used as they are."""
     if scales_from not in SCALES_FROM:
         raise ValueError(f"scales_from must be one of {', '.join(SCALES_FROM)}, not {scales_from!r}")
     w = np.array(w_rot, dtype=np.float32)
     rows, n = w.shape
     if n % group or BLOCK % group:
         raise ValueError(f"in dimension {n} is not a multiple of the group size {group}")
-    u = inverse_factor(h_rot, damp).astype(np.float32)
+    u = inverse_factor(damped(h_rot, damp)).astype(np.float32)
     book = tq.codebook(kind).astype(np.float32)
     bounds = tq.boundaries(kind)
     codes = np.zeros((rows, n), dtype=np.uint32)
     scales = np.zeros((rows, n // group), dtype=np.float16)
-    fixed = None
-    if scales_from == "original":
+    fixed = given
+    if fixed is None and scales_from == "original":
         fixed = np.array(tq.group_scales(mx.array(w), kind, group, rule))
     for b0 in range(0, n, BLOCK):
         b1 = min(b0 + BLOCK, n)
@@ -97,8 +105,66 @@ def gptq_codes(w_rot: np.ndarray, h_rot: np.ndarray, kind: str, group: int, rule
     return codes, scales
 
 
-def quantize_calibrated(w: mx.array, kind: str, group: int, signs: mx.array | None, hessian: np.ndarray,
-                        rule: str = "search", scales_from: str = "current") -> tq.Quantized:
+def refit_scales(w_rot: np.ndarray, h_rot: np.ndarray, codes: np.ndarray, scales: np.ndarray, *, kind: str,
+                 group: int) -> np.ndarray:
+    """For fixed codes, each row's group scales that minimise its output error (w - q) H (w - q)^T exactly: q is
+    linear in the row's scales s, q = C s, so s = (C^T H C)^-1 C^T H w (a groups x groups system per row), rounded
+    to float16. A row keeps `scales` where the rounded solution is not better."""
+    rows, n = w_rot.shape
+    groups = n // group
+    levels = tq.codebook(kind).astype(np.float64)[codes].reshape(rows, groups, group)
+    h = np.asarray(h_rot, dtype=np.float64)
+    w = np.asarray(w_rot, dtype=np.float64)
+    out = scales.copy()
+    step = max(1, (1 << 25) // (groups * n))  # rows at once: (rows, groups, n) float64 of at most 256 MB
+    for r0 in range(0, rows, step):
+        lv, wr = levels[r0:r0 + step], w[r0:r0 + step]
+        p = np.einsum("rai,aij->raj", lv, h.reshape(groups, group, n))  # (rows, groups, n): L_a^T H_a,:
+        a = np.einsum("rabj,rbj->rab", p.reshape(len(lv), groups, groups, group), lv)
+        b = np.einsum("raj,rj->ra", p, wr)
+        a += 1e-9 * np.trace(a, axis1=1, axis2=2)[:, None, None] / groups * np.eye(groups)
+        new = np.maximum(np.linalg.solve(a, b[..., None])[..., 0], tq.MIN_SCALE).astype(np.float16)
+
+        def err(sc: np.ndarray) -> np.ndarray:
+            d = wr - (lv * sc.astype(np.float64)[..., None]).reshape(len(lv), n)
+            return np.einsum("ri,ij,rj->r", d, h, d)
+
+        better = err(new) < err(out[r0:r0 + step])
+        out[r0:r0 + step][better] = new[better]
+    return out
+
+
+def polish_codes(w_rot: np.ndarray, h_rot: np.ndarray, codes: np.ndarray, scales: np.ndarray, *, kind: str,
+                 group: int) -> np.ndarray:
+    """One sweep of coordinate descent on the codes, scales fixed: column by column, each weight's code becomes the
+    level nearest to its best value given every other code, q_j + r_j / H_jj with r = (w - q) H the row's residual
+    gradient. Each step minimises the row's output error (w - q) H (w - q)^T along that weight exactly, so the sweep
+    never raises it."""
+    rows, n = w_rot.shape
+    h = np.asarray(h_rot, dtype=np.float64)
+    book = tq.codebook(kind).astype(np.float64)
+    bounds = tq.boundaries(kind)
+    s = np.repeat(scales.astype(np.float64), group, axis=1)  # (rows, n)
+    codes = codes.copy()
+    q = book[codes] * s
+    r = (np.asarray(w_rot, dtype=np.float64) - q) @ h
+    for j in range(n):
+        if h[j, j] <= 0:
+            continue
+        target = q[:, j] + r[:, j] / h[j, j]
+        c = np.searchsorted(bounds, (target / s[:, j]).astype(np.float32), side="right")
+        new = book[c] * s[:, j]
+        moved = new != q[:, j]
+        if moved.any():
+            r[moved] -= np.outer(new[moved] - q[moved, j], h[j])
+            q[moved, j] = new[moved]
+            codes[moved, j] = c[moved]
+    return codes
+
+
+def quantize_calibrated(w: mx.array, kind: str, group: int, signs: mx.array | None, hessian: np.ndarray, *,
+                        rule: str = "search", scales_from: str = "current", damp: float = DAMP, refits: int = REFITS,
+                        polish: int = POLISH) -> tq.Quantized:
     """turboquant.quantize's result for one Linear w (out, in), its codes chosen by gptq_codes for the input
     second moments `hessian` (in, in) of the *unrotated* inputs (X^T X summed over calibration tokens).
     `rel_error` is the weight error ||W - W_hat|| / ||W||, as quantize reports it (here larger: the codes trade
@@ -109,7 +175,12 @@ def quantize_calibrated(w: mx.array, kind: str, group: int, signs: mx.array | No
     x = tq.rotate(w, signs) if signs is not None else w.astype(mx.float32)
     w_rot = np.array(x, dtype=np.float32)
     h_rot = rotated_hessian(hessian, None if signs is None else np.array(signs))
-    codes, scales = gptq_codes(w_rot, h_rot, kind, group, rule, scales_from)
+    codes, scales = gptq_codes(w_rot, h_rot, kind, group, rule=rule, scales_from=scales_from, damp=damp)
+    h_obj = damped(h_rot, damp)
+    for _ in range(refits):
+        scales = refit_scales(w_rot, h_obj, codes, scales, kind=kind, group=group)
+        for _ in range(polish):
+            codes = polish_codes(w_rot, h_obj, codes, scales, kind=kind, group=group)
     book = tq.codebook(kind).astype(np.float32)
     recon = book[codes].reshape(-1, n // group, group) * scales.astype(np.float32)[..., None]
     diff = recon.reshape(w_rot.shape) - w_rot
