@@ -81,6 +81,14 @@ def pair(demo_src, tmp_path_factory) -> tuple[Path, Path]:
     return base / "plain", base / "cal"
 
 
+@pytest.fixture(scope="module")
+def one_pass(demo_src, tmp_path_factory) -> Path:
+    """The K3 recipe calibrated on the source model's inputs alone (--calibrate-one-pass)."""
+    dst = tmp_path_factory.mktemp("cal1") / "cal"
+    run(demo_src, dst, K3 + "-cal", calibration=CalibrationRequest(tokens=TOKENS, sequential=False))
+    return dst
+
+
 def test_same_plan_same_tensors_same_bytes(demo_src, pair):
     plain, cal = pair
     ckpt = open_checkpoint(demo_src)
@@ -123,11 +131,12 @@ def _output_error(dst: Path, module: str, h: np.ndarray, source: Path, expert: i
     return float(np.trace(d @ h @ d.T) / np.trace(w @ h @ w.T))
 
 
-def test_output_error_on_the_calibration_inputs_is_lower(demo_src, pair):
-    """For every calibrated dense module: its stored codes give a lower output error on the inputs it was
+def test_output_error_on_the_calibration_inputs_is_lower(demo_src, pair, one_pass):
+    """One pass: for every calibrated dense module, its stored codes give a lower output error on the inputs it was
     calibrated for than nearest rounding's, by at least 20% (measured: 0.5-0.8x)."""
-    plain, cal = pair
+    plain, cal = pair[0], one_pass
     stats = Statistics.load(cal / STATS)
+    assert not any(k.endswith("|a") for k in stats.arrays)
     dense = [m for m in stats.taps if ".experts" not in m and "switch_mlp" not in m]
     assert len(dense) > 10
     ratios = []
@@ -135,6 +144,23 @@ def test_output_error_on_the_calibration_inputs_is_lower(demo_src, pair):
         h = stats.hessian(m, None)
         ratios.append(_output_error(cal, m, h, demo_src) / _output_error(plain, m, h, demo_src))
     assert max(ratios) < 0.95 and float(np.median(ratios)) < 0.8
+
+
+def test_sequential_statistics_correct_for_the_calibrated_layers_before(pair, one_pass):
+    """Layer by layer, each dense input gets A = I + (X - X~)^T X~ (H~ + damp)^-1: exactly I in the first layer,
+    whose inputs no calibrated layer has changed yet, and not I after it; the codes differ from one pass's."""
+    stats = Statistics.load(pair[1] / STATS)
+    dense = {t for m, t in stats.taps.items() if "switch_mlp" not in m}
+    assert dense and all(f"{t}|a" in stats.arrays for t in dense)
+    first = [t for t in dense if ".layers.0." in t]
+    later = [t for t in dense if ".layers.0." not in t]
+    assert first and later
+    for t in first:
+        np.testing.assert_allclose(stats.arrays[f"{t}|a"], np.eye(len(stats.arrays[f"{t}|a"])), atol=1e-5)
+    assert all(np.abs(stats.arrays[f"{t}|a"] - np.eye(len(stats.arrays[f"{t}|a"]))).max() > 1e-3 for t in later)
+    weights = [n for n in tensors(one_pass) if n.endswith(".weight") and read(one_pass, n).dtype == np.uint32
+               and ".experts." not in n and ".layers.0." not in n]  # routed experts: the source's inputs in both
+    assert weights and all(not np.array_equal(read(pair[1], n), read(one_pass, n)) for n in weights)
 
 
 def test_experts_are_calibrated_per_expert_with_the_layer_as_prior(pair):

@@ -49,6 +49,10 @@ def convert(
     calibrate_tokens: Annotated[int, typer.Option(
         "--calibrate-tokens", metavar="N", min=256, max=2**24,
         help="With cal / --calibrate: about N tokens of calibration text.")] = DEFAULT_TOKENS,
+    calibrate_one_pass: Annotated[bool, typer.Option(
+        "--calibrate-one-pass", help="With cal / --calibrate: measure every layer's inputs in one pass of the source "
+                                     "model, instead of layer by layer on the calibrated layers' outputs (faster, "
+                                     "a smaller gain).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print engine events as JSON lines on stdout.")] = False,
 ) -> None:
     """Convert a checkpoint with a recipe: flat memory, progress with ETA, resumable.
@@ -65,9 +69,11 @@ def convert(
         if len(recipes) != 1:
             raise TqbenchError("give either --recipe NAME or recipe flags, not both")
         size = parse_size(shard_size)
-        calibration = CalibrationRequest(texts=tuple(str(t) for t in calibrate_text or ()), tokens=calibrate_tokens)
-        if calibrate_text and not recipes[0].calibrate:
-            raise TqbenchError(f"--calibrate-text given, but recipe {recipes[0].name} is not calibrated (add cal or "
+        calibration = CalibrationRequest(texts=tuple(str(t) for t in calibrate_text or ()), tokens=calibrate_tokens,
+                                         sequential=not calibrate_one_pass)
+        if (calibrate_text or calibrate_one_pass) and not recipes[0].calibrate:
+            given = "--calibrate-text" if calibrate_text else "--calibrate-one-pass"
+            raise TqbenchError(f"{given} given, but recipe {recipes[0].name} is not calibrated (add cal or "
                                "--calibrate)")
         calibration.read()  # a bad file: one line naming it, before the engine starts
         if recipes[0].calibrate:

@@ -115,6 +115,7 @@ class Producer:
                 rot = mx.array(signs) if signs.min() < 0 else None
                 h = self.calibration.hessian(m.name, expert) if self.calibration is not None else None
                 if h is not None:
+                    w = self.calibration.weights(m.name, w)
                     q = quantize_calibrated(w, kind, c.group_size, rot, h, rule=self.recipe.scales)
                 else:
                     q = tq.quantize(w, kind, c.group_size, rot, rule=self.recipe.scales)

@@ -116,18 +116,22 @@ def refit_scales(w_rot: np.ndarray, h_rot: np.ndarray, codes: np.ndarray, scales
     h = np.asarray(h_rot, dtype=np.float64)
     w = np.asarray(w_rot, dtype=np.float64)
     out = scales.copy()
-    step = max(1, (1 << 25) // (groups * n))  # rows at once: (rows, groups, n) float64 of at most 256 MB
+    step = max(1, (1 << 24) // (groups * n))  # rows at once: (rows, groups, n) float64 of at most 128 MB
     for r0 in range(0, rows, step):
         lv, wr = levels[r0:r0 + step], w[r0:r0 + step]
-        p = np.einsum("rai,aij->raj", lv, h.reshape(groups, group, n))  # (rows, groups, n): L_a^T H_a,:
-        a = np.einsum("rabj,rbj->rab", p.reshape(len(lv), groups, groups, group), lv)
-        b = np.einsum("raj,rj->ra", p, wr)
+        p = np.empty((len(lv), groups, n))
+        for g in range(groups):  # p[r, g] = L_g^T H_g,: (the row's levels on group g times H's rows of it)
+            p[:, g] = lv[:, g] @ h[g * group:(g + 1) * group]
+        # a[r, g, k] = p[r, g, group k] . L_k
+        a = np.matmul(p.reshape(len(lv), groups, groups, group).transpose(0, 2, 1, 3), lv[..., None])[..., 0]
+        a = a.transpose(0, 2, 1)
+        b = np.matmul(p, wr[..., None])[..., 0]
         a += 1e-9 * np.trace(a, axis1=1, axis2=2)[:, None, None] / groups * np.eye(groups)
         new = np.maximum(np.linalg.solve(a, b[..., None])[..., 0], tq.MIN_SCALE).astype(np.float16)
 
         def err(sc: np.ndarray) -> np.ndarray:
             d = wr - (lv * sc.astype(np.float64)[..., None]).reshape(len(lv), n)
-            return np.einsum("ri,ij,rj->r", d, h, d)
+            return np.einsum("ri,ri->r", d @ h, d)
 
         better = err(new) < err(out[r0:r0 + step])
         out[r0:r0 + step][better] = new[better]
@@ -139,7 +143,7 @@ def polish_codes(w_rot: np.ndarray, h_rot: np.ndarray, codes: np.ndarray, scales
     """One sweep of coordinate descent on the codes, scales fixed: column by column, each weight's code becomes the
     level nearest to its best value given every other code, q_j + r_j / H_jj with r = (w - q) H the row's residual
     gradient. Each step minimises the row's output error (w - q) H (w - q)^T along that weight exactly, so the sweep
-    never raises it."""
+    never raises it. r is kept current inside a block of BLOCK columns, and beyond it once per block."""
     rows, n = w_rot.shape
     h = np.asarray(h_rot, dtype=np.float64)
     book = tq.codebook(kind).astype(np.float64)
@@ -148,17 +152,23 @@ def polish_codes(w_rot: np.ndarray, h_rot: np.ndarray, codes: np.ndarray, scales
     codes = codes.copy()
     q = book[codes] * s
     r = (np.asarray(w_rot, dtype=np.float64) - q) @ h
-    for j in range(n):
-        if h[j, j] <= 0:
-            continue
-        target = q[:, j] + r[:, j] / h[j, j]
-        c = np.searchsorted(bounds, (target / s[:, j]).astype(np.float32), side="right")
-        new = book[c] * s[:, j]
-        moved = new != q[:, j]
-        if moved.any():
-            r[moved] -= np.outer(new[moved] - q[moved, j], h[j])
-            q[moved, j] = new[moved]
-            codes[moved, j] = c[moved]
+    for b0 in range(0, n, BLOCK):
+        b1 = min(b0 + BLOCK, n)
+        delta = np.zeros((rows, b1 - b0))
+        for j in range(b0, b1):
+            if h[j, j] <= 0:
+                continue
+            target = q[:, j] + r[:, j] / h[j, j]
+            c = np.searchsorted(bounds, (target / s[:, j]).astype(np.float32), side="right")
+            d = book[c] * s[:, j] - q[:, j]
+            moved = np.flatnonzero(d)
+            if len(moved):
+                r[np.ix_(moved, np.arange(j, b1))] -= np.outer(d[moved], h[j, j:b1])
+                q[moved, j] += d[moved]
+                codes[moved, j] = c[moved]
+                delta[moved, j - b0] = d[moved]
+        if b1 < n:
+            r[:, b1:] -= delta @ h[b0:b1, b1:]
     return codes
 
 
