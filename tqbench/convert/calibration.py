@@ -162,7 +162,7 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Statist
     rows = np.concatenate([w.x for w in windows])
     arrays: dict[str, np.ndarray] = {}
     if not request.sequential:
-        _run(model, None, rows, sums, None, set(sums))
+        _run(model, None, rows, sums, copy_sums=None, active=set(sums))
         _keep(arrays, sums, None, set(sums))
     else:
         copy = load(ckpt_path, tokenizer=False).model
@@ -174,7 +174,7 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Statist
                 stages.setdefault(m.layer, []).append(m)
         for layer in sorted(stages, key=lambda k: (k is None, k or 0)):
             active = {taps[m.name] for m in stages[layer]}
-            _run(model, copy, rows, sums, copy_sums, active, stop_after=layer)
+            _run(model, copy, rows, sums, copy_sums=copy_sums, active=active, stop_after=layer)
             _keep(arrays, sums, copy_sums, active)
             _calibrated_into(copy, copy_modules, stages[layer], Statistics(arrays, taps, {}), plan)
     if not taps and calibrated_modules(plan):
@@ -190,7 +190,7 @@ def _tapped(model: nn.Module, modules: dict[str, nn.Module], taps: dict[str, str
     return sums
 
 
-def _run(model: nn.Module, copy: nn.Module | None, rows: np.ndarray, sums: dict[str, _Sum],
+def _run(model: nn.Module, copy: nn.Module | None, rows: np.ndarray, sums: dict[str, _Sum], *,
          copy_sums: dict[str, _Sum] | None, active: set[str], stop_after: int | None = None) -> None:
     """The windows through `model` (and in step through `copy`), batch by batch; only `active` taps count. With a
     copy, the source model's dense taps hand each batch's inputs to the copy's, and routed taps count in the source
