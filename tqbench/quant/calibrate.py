@@ -15,6 +15,11 @@ rounding minimises each weight's error alone; this minimises that trace, column 
   W[:, k] -= e U[j, k] for k > j (inside the block at once, beyond it once per block).
 - With H a multiple of the identity U is diagonal, nothing is fed back, and the codes and scales are exactly
   `quantize`'s (tests/test_calibrate.py checks it, and the codes against a plain least-squares formulation).
+- Then REFITS rounds of two exact steps on the same (damped) objective, neither of which can raise it: each row's
+  group scales solved for the codes (`refit_scales`: a groups x groups least-squares system, rounded to float16,
+  kept only where better), and POLISH sweeps of coordinate descent on the codes (`polish_codes`: each weight moved
+  to the level nearest its best value given all the others). On the demo at tq3-g64 they took KL from 0.270 (GPTQ
+  alone) to 0.257; more rounds bought nothing measurable (docs/turboquant.md).
 
 Everything is numpy (float32 weights, float64 for H's factorisation) except the scale rule, which is turboquant's.
 """
