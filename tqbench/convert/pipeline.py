@@ -240,7 +240,9 @@ def _layout_for(source: str | Path | Checkpoint | Layout, recipe: Recipe, shard_
                 calibration: str) -> Layout:
     if not isinstance(source, Layout):
         return layout(source, recipe, shard_size, calibration)
-    if source.plan.recipe != recipe or source.plan.shard_size != shard_size or source.calibration != calibration:
+    if source.calibration != calibration:  # a face's layout, computed without the calibration texts' digest
+        return layout(source.ckpt, recipe, shard_size, calibration)
+    if source.plan.recipe != recipe or source.plan.shard_size != shard_size:
         raise ValueError("the layout was computed for another recipe or shard size")
     return source
 
