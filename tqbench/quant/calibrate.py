@@ -113,33 +113,30 @@ def gptq_codes(w_rot: np.ndarray, h_rot: np.ndarray, kind: str, group: int, *, r
 def refit_scales(w_rot: np.ndarray, h_rot: np.ndarray, codes: np.ndarray, scales: np.ndarray, *, kind: str,
                  group: int) -> np.ndarray:
     """For fixed codes, each row's group scales that minimise its output error (w - q) H (w - q)^T exactly: q is
-    linear in the row's scales s, q = C s, so s = (C^T H C)^-1 C^T H w (a groups x groups system per row), rounded
-    to float16. A row keeps `scales` where the rounded solution is not better."""
+    linear in the row's scales s, q = C s, so with A = C^T H C and b = C^T H w the error is w H w^T - 2 b.s + s A s,
+    least at s = A^-1 b (a groups x groups system per row), rounded to float16. A row keeps `scales` where the
+    rounded solution is not better."""
     rows, n = w_rot.shape
     groups = n // group
     levels = tq.codebook(kind).astype(np.float64)[codes].reshape(rows, groups, group)
     h = np.asarray(h_rot, dtype=np.float64)
     w = np.asarray(w_rot, dtype=np.float64)
+    a = np.empty((rows, groups, groups))
+    b = np.empty((rows, groups))
+    for g in range(groups):  # t = L_g H_g,: for every row at once: one matrix product per group
+        t = levels[:, g] @ h[g * group:(g + 1) * group]
+        a[:, g] = np.einsum("rkj,rkj->rk", t.reshape(rows, groups, group), levels)
+        b[:, g] = np.einsum("rj,rj->r", t, w)
+    a += 1e-9 * np.trace(a, axis1=1, axis2=2)[:, None, None] / groups * np.eye(groups)
+    new = np.maximum(np.linalg.solve(a, b[..., None])[..., 0], tq.MIN_SCALE).astype(np.float16)
+
+    def err(sc: np.ndarray) -> np.ndarray:  # the error less w H w^T, which both share
+        s64 = sc.astype(np.float64)
+        return np.einsum("rg,rgk,rk->r", s64, a, s64) - 2 * np.einsum("rg,rg->r", b, s64)
+
     out = scales.copy()
-    step = max(1, (1 << 24) // (groups * n))  # rows at once: (rows, groups, n) float64 of at most 128 MB
-    for r0 in range(0, rows, step):
-        lv, wr = levels[r0:r0 + step], w[r0:r0 + step]
-        p = np.empty((len(lv), groups, n))
-        for g in range(groups):  # p[r, g] = L_g^T H_g,: (the row's levels on group g times H's rows of it)
-            p[:, g] = lv[:, g] @ h[g * group:(g + 1) * group]
-        # a[r, g, k] = p[r, g, group k] . L_k
-        a = np.matmul(p.reshape(len(lv), groups, groups, group).transpose(0, 2, 1, 3), lv[..., None])[..., 0]
-        a = a.transpose(0, 2, 1)
-        b = np.matmul(p, wr[..., None])[..., 0]
-        a += 1e-9 * np.trace(a, axis1=1, axis2=2)[:, None, None] / groups * np.eye(groups)
-        new = np.maximum(np.linalg.solve(a, b[..., None])[..., 0], tq.MIN_SCALE).astype(np.float16)
-
-        def err(sc: np.ndarray) -> np.ndarray:
-            d = wr - (lv * sc.astype(np.float64)[..., None]).reshape(len(lv), n)
-            return np.einsum("ri,ri->r", d @ h, d)
-
-        better = err(new) < err(out[r0:r0 + step])
-        out[r0:r0 + step][better] = new[better]
+    better = err(new) < err(scales)
+    out[better] = new[better]
     return out
 
 
