@@ -35,8 +35,9 @@ from benchmarks.harness import (add_size_options, dump_json, log, machine_info, 
 # affine4-g128 both cost 4.25 bits, tq4-g32 and affine4-g64 4.5; tq3-g64 3.45 against affine3-g64's 3.5. The -rms
 # rows are TurboQuant-MLX's scale rule.
 RECIPES = ["src", "srca-mxfp4e", "tq4", "tq4-rms", "tq4-g32", "affine4", "affine4-g128", "tq3", "tq3-rms", "tq3-g128",
-           "affine3", "affine3-g128", "tq2", "affine2", "tq4a-tqTe", "tq3a-tqTe-down4-g64", "tq4-g64-cal", "tq3-g64-cal",
-           "tq3a-tqTe-down4-g64-cal", "tq4-g64-cal@training", "tq3-g64-cal@training", "tq3a-tqTe-down4-g64-cal@training"]
+           "affine3", "affine3-g128", "tq2", "affine2", "tq4a-tqTe", "tq3a-tqTe-down4-g64", "tq4-g64-cal",
+           "tq3-g64-cal", "tq3a-tqTe-down4-g64-cal", "tq4-g64-cal@training", "tq3-g64-cal@training",
+           "tq3a-tqTe-down4-g64-cal@training"]
 TRAINING = "@training"  # a cal recipe calibrated on training-split text (training_text)
 LINEARS = ("attention", "dense_mlp", "shared_expert", "routed_expert", "latent_proj", "lm_head")
 DEFAULTS = dict(tokens=4096, window=256, prompts=4, generate=32)

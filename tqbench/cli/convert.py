@@ -20,7 +20,8 @@ from tqbench.cli.render import show
 from tqbench.convert.calibration import DEFAULT_TOKENS, CalibrationRequest
 from tqbench.engine import submit
 from tqbench.errors import TqbenchError
-from tqbench.events import Calibrated, ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved, UnitConverted
+from tqbench.events import (Calibrated, ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved,
+                            UnitConverted)
 from tqbench.recipe.fit import parse_size
 from tqbench.recipe.recipe import RecipeFlags
 from tqbench.state import remember_model

@@ -71,7 +71,8 @@ def inverse_factor(h: np.ndarray) -> np.ndarray:
 
 
 def gptq_codes(w_rot: np.ndarray, h_rot: np.ndarray, kind: str, group: int, *, rule: str = "search",
-               scales_from: str = "current", damp: float = DAMP, given: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+               scales_from: str = "current", damp: float = DAMP,
+               given: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Codes (out, in) uint32 and float16 scales (out, in / group) of rotated rows `w_rot` (out, in) for the
     rotated Hessian `h_rot` (in, in); with `given` scales (out, in / group) those are used as they are."""
     if scales_from not in SCALES_FROM:

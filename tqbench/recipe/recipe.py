@@ -310,8 +310,8 @@ _PART = re.compile(
     r"(?P<fmt>tq|affine)(?P<bits>\d+)(?P<tier>[ae]?)|(?P<src>src)(?P<srctier>[ae]?)|(?P<tqte>tqte)|(?P<mxfp4e>mxfp4e)"
     r"|down(?P<down>\d+)|mlpg(?P<mlpg>\d+)|g(?P<g>\d+)|(?P<norot>norot)|seed(?P<seed>\d+)|(?P<rms>rms)|(?P<cal>cal)"
 )
-_KNOWN = ("tqN, tqNa, tqNe, tqTe, affineN, affineNa, affineNe, src, srca, srce, mxfp4e, downN, gN, mlpgN, norot, seedN, "
-          "rms, cal")
+_KNOWN = ("tqN, tqNa, tqNe, tqTe, affineN, affineNa, affineNe, src, srca, srce, mxfp4e, downN, gN, mlpgN, norot, "
+          "seedN, rms, cal")
 
 
 def _parse(name: str) -> Recipe:
