@@ -97,7 +97,7 @@ def decode_speed(model: Path, budget: int, margins: list[float], block: int, rou
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from tqbench.eval.texts import default_texts, token_stream
+    from tqbench.texts import default_texts, token_stream
     from tqbench.runtime.load import load
     from tqbench.stream.streamer import StreamConfig
 

@@ -5,6 +5,12 @@ native routing. Quality is deterministic on one machine (the timings are not: th
 
     python benchmarks/quality.py --out bench-results/quality.json            # ~25 min on 2 CPU cores
     python benchmarks/quality.py --quick --out bench-results/quality.json    # 3 recipes, 512 tokens
+    python benchmarks/quality.py --recipe tq3-g64 --recipe tq3-g64-cal --recipe tq3-g64-cal@training ...
+
+A `cal` recipe (calibrated rounding) is calibrated on the demo's held-out texts, the texts eval scores (4 of its 16
+windows are among the calibration's); `NAME@training` calibrates it on text of the demo's training split instead
+(standard-library files and conversations the held-out texts exclude, as much of each kind as the held-out texts
+hold), which shows whether the gain is the codes or the overlap.
 
 Per row: the recipe, its bits per weight as `tqbench plan` counts them (every stored byte: codes, scales, biases,
 codebooks, signs) over the Linear layers a recipe quantizes (the table's column) and over the whole model, tensor MB, perplexity of the model and of
@@ -29,14 +35,20 @@ from benchmarks.harness import (add_size_options, dump_json, log, machine_info, 
 # affine4-g128 both cost 4.25 bits, tq4-g32 and affine4-g64 4.5; tq3-g64 3.45 against affine3-g64's 3.5. The -rms
 # rows are TurboQuant-MLX's scale rule.
 RECIPES = ["src", "srca-mxfp4e", "tq4", "tq4-rms", "tq4-g32", "affine4", "affine4-g128", "tq3", "tq3-rms", "tq3-g128",
-           "affine3", "affine3-g128", "tq2", "affine2", "tq4a-tqTe", "tq3a-tqTe-down4-g64"]
+           "affine3", "affine3-g128", "tq2", "affine2", "tq4a-tqTe", "tq3a-tqTe-down4-g64", "tq4-g64-cal",
+           "tq3-g64-cal", "tq3a-tqTe-down4-g64-cal", "tq4-g64-cal@training", "tq3-g64-cal@training",
+           "tq3a-tqTe-down4-g64-cal@training"]
+TRAINING = "@training"  # a cal recipe calibrated on training-split text (training_text)
 LINEARS = ("attention", "dense_mlp", "shared_expert", "routed_expert", "latent_proj", "lm_head")
 DEFAULTS = dict(tokens=4096, window=256, prompts=4, generate=32)
 QUICK = dict(tokens=512, window=256, prompts=1, generate=8)
 QUICK_RECIPES = ["srca-mxfp4e", "tq4", "affine4"]
 # (a, b) compared per window: the KL difference a - b with its spread over the windows both scored
 PAIRS = [("tq4-g64", "affine4-g128"), ("tq4-g32", "affine4-g64"), ("tq3-g64", "affine3-g64"),
-         ("tq3-g128", "affine3-g128"), ("tq4-g64", "tq4-g64-rms"), ("tq3-g64", "tq3-g64-rms")]
+         ("tq3-g128", "affine3-g128"), ("tq4-g64", "tq4-g64-rms"), ("tq3-g64", "tq3-g64-rms"),
+         ("tq4-g64-cal", "tq4-g64"), ("tq3-g64-cal", "tq3-g64"), ("tq3a-tqTe-down4-g64-cal", "tq3a-tqTe-down4-g64"),
+         ("tq4-g64-cal@training", "tq4-g64"), ("tq3-g64-cal@training", "tq3-g64"),
+         ("tq3a-tqTe-down4-g64-cal@training", "tq3a-tqTe-down4-g64"), ("tq3-g64-cal", "affine3-g64")]
 
 
 def plan_figures(source: Path, recipe: str) -> dict:
@@ -50,6 +62,61 @@ def plan_figures(source: Path, recipe: str) -> dict:
                 linear_bits_per_weight=8 * sum(r.bytes for r in linears) / sum(r.params for r in linears),
                 kept_modules=sum(k.modules for k in p.kept), kept_bytes=sum(k.bytes for k in p.kept),
                 by_role={r.role: r.bits_per_weight for r in p.by_role})
+
+
+def training_text(path: Path) -> Path:
+    """Calibration text from the demo's training split (written once to `path`): standard-library files and
+    conversations that scripts/make_eval_texts.py's held-out texts exclude, about as many characters of each kind
+    (96,000 of code, 48,000 of chat), taken the way it takes its own."""
+    if path.is_file():
+        return path
+    import json as _json
+
+    from tqbench.demo import SHIPPED_DEMO
+    from training.conversations import build_conversations, mine_stdlib, render, split_items
+    from training.corpus import corpus_files, is_heldout, stdlib_root
+
+    root = stdlib_root()
+    files = corpus_files(root)
+    code, total = [], 0
+    for f in [f for f in files if not is_heldout(f)][::7]:
+        text = (root / f).read_text(encoding="utf-8")
+        if total >= 96_000:
+            break
+        if len(text) <= 32_000:
+            code.append(text)
+            total += len(text)
+    template = _json.loads((SHIPPED_DEMO / "tokenizer_config.json").read_text())["chat_template"]
+    train_items, _ = split_items(mine_stdlib(root, files))
+    chat, total = [], 0
+    for c in build_conversations(train_items, 1, passes=1):
+        if total >= 48_000:
+            break
+        chat.append(render(c.messages, template))
+        total += len(chat[-1])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(code + chat), encoding="utf-8")
+    return path
+
+
+def convert_row(source: Path, name: str, work: Path) -> tuple[Path, float | None]:
+    """The recipe `name` (a recipe name, or a cal recipe's NAME@training) converted into `work`, once: its output and
+    the seconds the conversion took (None: converted by an earlier run)."""
+    from tqbench.convert import convert
+    from tqbench.convert.calibration import CalibrationRequest
+    from tqbench.layout.names import INDEX_FILE
+    from tqbench.recipe import Recipe
+
+    recipe_name, _, on = name.partition("@")
+    recipe = Recipe.parse(recipe_name)
+    dest = work / (recipe.name + (f"@{on}" if on else ""))
+    if (dest / INDEX_FILE).is_file():
+        return dest, None
+    texts = (str(training_text(work / "training-text.txt")),) if on == "training" else ()
+    log(f"converting the demo with {name}")
+    t0 = time.perf_counter()
+    list(convert(source, dest, recipe, calibration=CalibrationRequest(texts=texts) if recipe.calibrate else None))
+    return dest, time.perf_counter() - t0
 
 
 def evaluate(model: Path, against: Path, size: dict, active: int = 0) -> dict:
@@ -111,7 +178,9 @@ def print_tables(rows: list[dict], pairs: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_options(p, DEFAULTS, QUICK)
-    p.add_argument("--recipe", action="append", help="only these recipes (repeat); default: every kind")
+    p.add_argument("--recipe", action="append", help="only these recipes (repeat; a cal recipe as NAME@training: "
+                                                     "calibrated on training-split text); default: every kind and "
+                                                     "the source at fewer experts")
     p.add_argument("--work", type=Path, default=Path("build/quality"), help="conversions go here (kept: reruns "
                                                                              "reuse them)")
     p.add_argument("--out", type=Path, default=Path("bench-results/quality.json"))
@@ -123,9 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print_tables(doc["rows"], doc.get("pairs", []))
         return 0
     with_openblas()
-    from tqbench.convert import convert
     from tqbench.demo import SHIPPED_SPEC, ensure_demo
-    from tqbench.layout.names import INDEX_FILE
     from tqbench.recipe import Recipe
 
     size = sizes(a, DEFAULTS, QUICK)
@@ -134,16 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = []
     for name in recipes:
-        recipe = Recipe.parse(name)
-        dest = a.work / recipe.name
-        if not (dest / INDEX_FILE).is_file():
-            log(f"converting the demo with {recipe.name}")
-            list(convert(source, dest, recipe))
-        log(f"evaluating {recipe.name}")
-        rows.append(dict(name=recipe.name, plan=plan_figures(source, name), eval=evaluate(dest, source, size)))
+        recipe_name, at, on = name.partition("@")
+        label = Recipe.parse(recipe_name).name + at + on
+        dest, seconds = convert_row(source, name, a.work)
+        log(f"evaluating {label}")
+        rows.append(dict(name=label, plan=plan_figures(source, recipe_name), eval=evaluate(dest, source, size),
+                         convert_seconds=seconds))
         log(row_line(rows[-1]))
     native = SHIPPED_SPEC.num_experts_per_token
-    for k in ([native // 2, native // 4] if not a.quick else [native // 2]):
+    for k in ([] if a.recipe else [native // 2, native // 4] if not a.quick else [native // 2]):  # full runs only
         log(f"evaluating the source at {k} of {native} experts")
         rows.append(dict(name=f"source, {k} of {native} experts", plan=None, eval=evaluate(source, source, size, k)))
         log(row_line(rows[-1]))

@@ -176,7 +176,7 @@ def pairs(model: Path, work: Path, z: dict) -> tuple[list[dict], dict]:
 
 def context_text(tokens: int) -> str:
     """About `tokens` tokens of the demo's held-out code (3.7 bytes a token)."""
-    from tqbench.eval.texts import default_texts
+    from tqbench.texts import default_texts
 
     code = "\n".join(doc for t in default_texts() if t.name == "code" for doc in t.documents)
     return code[: int(tokens * 3.7)]

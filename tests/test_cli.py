@@ -162,6 +162,8 @@ RANGES = [
         ("--seed", "-1", "greater than or equal to 0"),
     ]],
     ("convert", "--seed", str(2**31), "less than or equal to 2147483647"),
+    ("convert", "--calibrate-tokens", "255", "greater than or equal to 256"),
+    ("convert", "--calibrate-tokens", str(2**24 + 1), "less than or equal to 16777216"),
     ("plan", "--disk-gbps", "0", "greater than 0"),
     ("plan", "--disk-gbps", "-2.5", "greater than 0"),
     ("plan", "--hit-rate", "-0.1", "greater than or equal to 0"),

@@ -16,7 +16,7 @@ from conftest import converted, demo_source
 from tqbench.demo import DemoSpec
 from tqbench.eval import EvalReport, EvalRequest, evaluate
 from tqbench.eval.metrics import window_sums
-from tqbench.eval.texts import Text, cut, default_texts, plan_windows, token_stream
+from tqbench.texts import Text, cut, default_texts, plan_windows, token_stream
 
 TOKENS = 128  # small runs: the random model's figures do not depend on the count
 WINDOW = 32

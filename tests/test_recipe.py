@@ -17,6 +17,7 @@ CANONICAL = [
     "tq3a-mxfp4e-g64", "tq4a-srce-g64", "affine4-g64", "affine8a-tq4e-g64", "affine4a-tqTe-down4-g32",
     "affine6-affine4a-g128", "tq3a-affine2e-down8-g64", "src", "srca-tqTe-g64", "srca-tq4e-g64", "srca-mxfp4e",
     "tq3-g64-norot", "tq3-g64-seed7", "tq2a-tqTe-down4-g32-mlpg64-norot-seed1234", "tq3-g64-mlpg128",
+    "tq3-g64-cal", "tq3a-tqTe-down4-g64-cal", "tq4-g64-rms-cal", "affine4a-tqTe-down4-g32-cal",
 ]
 
 
@@ -84,6 +85,17 @@ def test_equal_meaning_is_equal_value() -> None:
     assert (src.bits, src.expert_bits) == (3, 4) and src.name == "srca-tq4e-g64"
 
 
+def test_calibration_is_a_part_and_a_flag() -> None:
+    """`cal` (`--calibrate`) changes the codes only: the same tiers, and the name records it in any order."""
+    r = Recipe.parse("cal-tq3a-g64-tqTe-down4")
+    assert r.calibrate and r.name == "tq3a-tqTe-down4-g64-cal" and r.to_dict()["calibrate"] is True
+    assert r == Recipe.from_flags(bits=3, group_size=64, ternary_experts=True, expert_down_bits=4, calibrate=True)
+    plain = Recipe.parse("tq3a-tqTe-down4-g64")
+    assert not plain.calibrate and plain.to_dict()["calibrate"] is False
+    assert {k: v for k, v in r.to_dict().items() if k not in ("name", "calibrate")} == \
+        {k: v for k, v in plain.to_dict().items() if k not in ("name", "calibrate")}
+
+
 def test_effective_values() -> None:
     r = Recipe.parse("tq4-tq2a-tq3e-down4-g32-mlpg128")
     assert (r.bits, r.attention_bits, r.expert_bits, r.expert_down_bits) == (4, 2, 3, 4)
@@ -122,6 +134,8 @@ def test_effective_values() -> None:
     ("tq3a-affine4e-down3", None),
     ("tq3a-tqTe-down5", "expert down bits 5 is out of range for turboquant"),
     ("affine4-tqTe-seed99999999999", "seed must be in"),
+    ("affine4-cal", "calibrated rounding (cal) given, but no tier uses TurboQuant"),
+    ("tq3-cal-cal", "both set the calibration"),
 ])
 def test_invalid_names_give_one_line_errors(name: str, message: str | None) -> None:
     if message is None:

@@ -134,7 +134,21 @@ class ConvertFinished:
     max_rel_error: float | None
 
 
-ConvertEvent = ConvertStarted | UnitConverted | SourceProgress | SourceRemoved | ShardWritten | ConvertFinished
+@dataclass(frozen=True, kw_only=True)
+class Calibrated:
+    """A calibrated conversion (recipe part `cal`) has its input statistics: measured now by running the source model
+    over `tokens` calibration tokens, or read back from `file` (`reused`: a resumed conversion)."""
+
+    tokens: int
+    inputs: int  # distinct module inputs tapped
+    modules: int  # quantized modules calibrated with them
+    seconds: float
+    reused: bool
+    file: str
+
+
+ConvertEvent = (Calibrated | ConvertStarted | UnitConverted | SourceProgress | SourceRemoved | ShardWritten
+                | ConvertFinished)
 
 
 # ---- a chat's events made below the chat ---------------------------------------------------------------------------

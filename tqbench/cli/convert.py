@@ -17,9 +17,11 @@ from tqbench import units
 from tqbench.cli import options
 from tqbench.cli.plan import recipes_from
 from tqbench.cli.render import show
+from tqbench.convert.calibration import DEFAULT_TOKENS, CalibrationRequest
 from tqbench.engine import submit
 from tqbench.errors import TqbenchError
-from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved, UnitConverted
+from tqbench.events import (Calibrated, ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved,
+                            UnitConverted)
 from tqbench.recipe.fit import parse_size
 from tqbench.recipe.recipe import RecipeFlags
 from tqbench.state import remember_model
@@ -42,6 +44,16 @@ def convert(
     keep_source: Annotated[bool, typer.Option(
         "--keep-source", help="From the hub: keep the downloaded source shards (in the Hugging Face cache) instead "
                               "of removing each once converted.")] = False,
+    calibrate_text: Annotated[Optional[list[Path]], typer.Option(
+        "--calibrate-text", metavar="FILE", help="With cal / --calibrate: UTF-8 text to calibrate on (repeat for "
+                                                 "several; default: the demo's held-out code and chat).")] = None,
+    calibrate_tokens: Annotated[int, typer.Option(
+        "--calibrate-tokens", metavar="N", min=256, max=2**24,
+        help="With cal / --calibrate: about N tokens of calibration text.")] = DEFAULT_TOKENS,
+    calibrate_one_pass: Annotated[bool, typer.Option(
+        "--calibrate-one-pass", help="With cal / --calibrate: measure every layer's inputs in one pass of the source "
+                                     "model, instead of layer by layer on the calibrated layers' outputs (faster, "
+                                     "a smaller gain).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print engine events as JSON lines on stdout.")] = False,
 ) -> None:
     """Convert a checkpoint with a recipe: flat memory, progress with ETA, resumable.
@@ -58,9 +70,20 @@ def convert(
         if len(recipes) != 1:
             raise TqbenchError("give either --recipe NAME or recipe flags, not both")
         size = parse_size(shard_size)
+        calibration = CalibrationRequest(texts=tuple(str(t) for t in calibrate_text or ()), tokens=calibrate_tokens,
+                                         sequential=not calibrate_one_pass)
+        if (calibrate_text or calibrate_one_pass) and not recipes[0].calibrate:
+            given = "--calibrate-text" if calibrate_text else "--calibrate-one-pass"
+            raise TqbenchError(f"{given} given, but recipe {recipes[0].name} is not calibrated (add cal or "
+                               "--calibrate)")
+        calibration.read()  # a bad file: one line naming it, before the engine starts
+        if recipes[0].calibrate:
+            err.print(f"calibrating: running the source over about {calibrate_tokens} tokens", highlight=False,
+                      markup=False)
         # On the engine thread; leaving the block (Ctrl-C included) closes the conversion there first, so only
         # whole shards stay and the same command resumes.
-        with submit(lambda: run_convert(hf_path, mlx_path, recipes[0], size, force, keep_source=keep_source)) as events:
+        with submit(lambda: run_convert(hf_path, mlx_path, recipes[0], size, force, keep_source=keep_source,
+                                        calibration=calibration)) as events:
             if as_json:
                 for ev in events:
                     print(json.dumps({"event": type(ev).__name__, **asdict(ev)}), flush=True)
@@ -80,6 +103,12 @@ def _started_line(ev: ConvertStarted) -> str:
     return (f"converting {ev.source} -> {ev.dest} with {ev.recipe}: {ev.shards} shard{'s' if ev.shards != 1 else ''}, "
             f"{units.gb(ev.bytes_in)} in, {units.gb(ev.bytes_out)} out "
             f"({units.gb(ev.tensor_bytes)} of tensors as tqbench plan counts, + shard headers){resumed}")
+
+
+def _calibrated_line(ev: Calibrated) -> str:
+    how = "read back from" if ev.reused else f"measured in {ev.seconds:.0f} s, kept in"
+    return (f"calibration: {ev.tokens} tokens through {ev.inputs} module inputs for {ev.modules} modules, "
+            f"{how} {ev.file}")
 
 
 def _where(ev: UnitConverted) -> str:
@@ -103,7 +132,9 @@ def render_progress(events, err: Console) -> ConvertFinished:
     task = download = None
     with progress:
         for ev in events:
-            if isinstance(ev, ConvertStarted):
+            if isinstance(ev, Calibrated):
+                err.print(_calibrated_line(ev), highlight=False, markup=False)
+            elif isinstance(ev, ConvertStarted):
                 err.print(_started_line(ev), highlight=False, markup=False)
                 task = progress.add_task("convert", total=ev.bytes_in, completed=ev.resumed_bytes_in,
                                          rate="", eta="", what="")
@@ -135,7 +166,9 @@ def _render_plain(events, err: Console) -> ConvertFinished:
     next_step = PLAIN_STEP
     fetching = ""
     for ev in events:
-        if isinstance(ev, ConvertStarted):
+        if isinstance(ev, Calibrated):
+            say(_calibrated_line(ev))
+        elif isinstance(ev, ConvertStarted):
             say(_started_line(ev))
             next_step = (int(ev.resumed_bytes_in / ev.bytes_in / PLAIN_STEP) + 1) * PLAIN_STEP if ev.bytes_in else 1
         elif isinstance(ev, UnitConverted):

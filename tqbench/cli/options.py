@@ -73,6 +73,9 @@ Scales = Annotated[Optional[str], typer.Option(
     "--scales", metavar="search|rms",
     help="TurboQuant group scales: searched per group for the least error (default), or the RMS alone "
          "(TurboQuant-MLX's rule).")]
+Calibrate = Annotated[bool, typer.Option(
+    "--calibrate", help="Calibrated rounding (recipe part cal): TurboQuant codes fitted to the source model's own "
+                        "activations on calibration text. Same format and bytes.")]
 ShardSize = Annotated[str, typer.Option(metavar="SIZE", help="Output shard size.")]
 
 
@@ -208,7 +211,8 @@ RECIPE_FLAGS = OptionGroup(
     options=(("bits", Bits, None), ("group_size", GroupSize, None), ("attn_bits", AttnBits, None),
      ("mlp_bits", MlpBits, None), ("ternary_experts", TernaryExperts, False), ("expert_down_bits", ExpertDownBits, None),
      ("mlp_group_size", MlpGroupSize, None), ("no_rotation", NoRotation, False), ("seed", Seed, None),
-     ("fmt", BaseFormat, None), ("expert_format", ExpertFormat, None), ("scales", Scales, None)),
+     ("fmt", BaseFormat, None), ("expert_format", ExpertFormat, None), ("scales", Scales, None),
+     ("calibrate", Calibrate, False)),
     build=lambda no_rotation, fmt, **flags: RecipeFlags(rotation=not no_rotation, format=fmt, **flags))
 
 STREAMING = OptionGroup(

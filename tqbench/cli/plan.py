@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -25,7 +25,7 @@ from tqbench.errors import ExitCode, TqbenchError
 from tqbench.machine import GB, Machine, cached_disk_speed, disk_speed, machine
 from tqbench.recipe.fit import Fit, PrefillBound, assess, parse_size, prefill_bound
 from tqbench.recipe.plan import SCHEMA, Plan, group_sources, make_plan
-from tqbench.recipe.recipe import Recipe, RecipeFlags
+from tqbench.recipe.recipe import Recipe, RecipeError, RecipeFlags
 from tqbench.recipe.report import PlanReport, plan_report
 from tqbench.source.checkpoint import HubOrigin
 from tqbench.source.hub.disk import HubDisk, hub_disk
@@ -129,10 +129,16 @@ def prefill_line(b: PrefillBound) -> str:
 
 
 def recipes_from(names: list[str] | None, flags: RecipeFlags) -> list[Recipe]:
-    """The named recipes, then one from the flags when any flag was given (or nothing was named)."""
+    """The named recipes, then one from the flags when any flag was given (or nothing was named). `--calibrate`
+    alone also applies to the named recipes (`-r tq3-g64 --calibrate` is tq3-g64-cal)."""
     recipes = [Recipe.parse(n) for n in names or []]
-    if flags.given or not recipes:
+    if replace(flags, calibrate=False).given or not recipes:
         recipes.append(flags.recipe())
+    if flags.calibrate:
+        try:
+            recipes = [replace(r, calibrate=True) for r in recipes]
+        except RecipeError as e:
+            raise RecipeError(f"--calibrate: {e.message}") from None
     return recipes
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 import mlx.core as mx
 
 from tqbench.atomic import temp_target, write_bytes, write_json
+from tqbench.convert.calibration import STATS, CalibrationRequest, prepare as calibrate
 from tqbench.convert.journal import JOURNAL, Journal
 from tqbench.convert.produce import Producer, rotated, shared_expert_piece
 from tqbench.convert.shard import Partial, Progress, ShardRun, raise_if_no_room, read_partial, shard_metadata
@@ -76,6 +77,7 @@ class Layout:
     source_fp: str
     plan_fp: str
     file_bytes: int  # what the shard files hold: plan.total_bytes of tensors + their headers
+    calibration: str = ""  # a calibrated recipe's text digest (in plan_fp)
 
     @property
     def units(self) -> int:
@@ -90,7 +92,10 @@ class Layout:
         return chunks(iter_units(self.plan.modules, "streaming"), self.counts)
 
 
-def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SHARD_SIZE) -> Layout:
+def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SHARD_SIZE,
+           calibration: str = "") -> Layout:
+    """`calibration`: the digest of a calibrated recipe's texts (CalibrationRequest.digest), part of the plan
+    fingerprint: the same recipe calibrated on other texts writes other bytes."""
     ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
     if ckpt.missing:
         raise CheckpointError(f"incomplete checkpoint: {len(ckpt.missing)} shard(s) missing "
@@ -100,6 +105,7 @@ def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SH
     files = tuple(shard_file(i, len(counts)) for i in range(len(counts)))
     # searched TurboQuant scales write other bytes under the same name as the RMS rule's before them
     rule = "|scales=search" if plan.recipe.uses_turboquant and plan.recipe.scales == "search" else ""
+    rule += f"|cal={calibration}" if plan.recipe.calibrate else ""
     h = hashlib.sha256(f"{plan.recipe.name}{rule}|{plan.shard_size}|{plan.layout}\n".encode())
     heads, shard_in, layer_units = [], [], []
     units = with_source_bytes(iter_units(plan.modules, "streaming"))
@@ -120,7 +126,7 @@ def layout(source: str | Path | Checkpoint, recipe: Recipe, shard_size: int = SH
         layer_units.append(tuple(layers.items()))
     return Layout(ckpt=ckpt, plan=plan, counts=tuple(counts), files=files, shard_in=tuple(shard_in),
                   layer_units=tuple(layer_units), header_lengths=tuple(heads), source_fp=source_fingerprint(ckpt),
-                  plan_fp=h.hexdigest(), file_bytes=plan.total_bytes + sum(heads))
+                  plan_fp=h.hexdigest(), file_bytes=plan.total_bytes + sum(heads), calibration=calibration)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,7 +173,7 @@ def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
 def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: Recipe,
             shard_size: int = SHARD_SIZE, force: bool = False,
             producer_class: type[Producer] = Producer, read_ahead: int | None = None,
-            keep_source: bool = False) -> Iterator[Any]:
+            keep_source: bool = False, calibration: CalibrationRequest | None = None) -> Iterator[Any]:
     """Convert, yielding ConvertStarted, UnitConverted per unit, ShardWritten per shard, ConvertFinished.
     `source` may be an opened Checkpoint or a Layout computed for this recipe and shard size (faces that checked
     the destination have one). `producer_class` computes each unit's tensors (a benchmark may substitute one that
@@ -177,11 +183,13 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
 
     A source on the hub (`Checkpoint.origin`) is streamed: its shards download as the units reading them come up
     (SourceProgress events), and each downloaded shard is removed once converted unless `keep_source`
-    (SourceRemoved events; tqbench.convert.streamed)."""
+    (SourceRemoved events; tqbench.convert.streamed). A calibrated recipe (`cal`) first measures its statistics over
+    `calibration`'s texts (default: the demo's held-out texts; tqbench.convert.calibration), or reads them back."""
     check_output_dir(Path(dest))  # before planning or reading a byte
     t0 = time.monotonic()
     keep_mlx_kernels()
-    lay = _layout_for(source, recipe, shard_size)
+    request = (calibration or CalibrationRequest()) if recipe.calibrate else None
+    lay = _layout_for(source, recipe, shard_size, request.digest() if request else "")  # a bad text fails here
     ckpt, plan, files = lay.ckpt, lay.plan, lay.files
     dst = Path(dest)
     if any(m.choice.format is Format.TURBOQUANT for m in plan.modules):
@@ -194,6 +202,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     if ckpt.origin is not None:
         written = sum(journal.shards[f]["bytes"] for f, r in zip(files, resumed) if r)
         prepare(ckpt, dst, journal, lay.file_bytes - written, keep_source)
+    stats = (yield from calibrate(ckpt.path, plan, dst, request)) if request else None
     partial = read_partial(journal, dst, files, resumed)
     done_in = sum(b for b, r in zip(lay.shard_in, resumed) if r) + (partial.bytes_in if partial else 0)
     yield ConvertStarted(source=ckpt.name, dest=str(dst), recipe=recipe.name, shards=len(files), units=lay.units,
@@ -208,7 +217,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     progress = Progress(total_in, done_in, time.monotonic)
     try:
         yield from _write_shards(lay, dst, recipe, journal=journal, resumed=resumed, partial=partial, feed=feed,
-                                 progress=progress, producer_class=producer_class,
+                                 progress=progress, producer_class=producer_class, calibration=stats,
                                  read_ahead=default_read_ahead() if read_ahead is None else read_ahead)
     finally:
         if feed is not None:
@@ -227,9 +236,12 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
                           max_rel_error=max((a[2] for a in errors.values()), default=None))
 
 
-def _layout_for(source: str | Path | Checkpoint | Layout, recipe: Recipe, shard_size: int) -> Layout:
+def _layout_for(source: str | Path | Checkpoint | Layout, recipe: Recipe, shard_size: int,
+                calibration: str) -> Layout:
     if not isinstance(source, Layout):
-        return layout(source, recipe, shard_size)
+        return layout(source, recipe, shard_size, calibration)
+    if source.calibration != calibration:  # a face's layout, computed without the calibration texts' digest
+        return layout(source.ckpt, recipe, shard_size, calibration)
     if source.plan.recipe != recipe or source.plan.shard_size != shard_size:
         raise ValueError("the layout was computed for another recipe or shard size")
     return source
@@ -237,7 +249,7 @@ def _layout_for(source: str | Path | Checkpoint | Layout, recipe: Recipe, shard_
 
 def _write_shards(lay: Layout, dst: Path, recipe: Recipe, journal: Journal, resumed: list[bool],
                   partial: Partial | None, feed: HubFeed | None, progress: Progress,
-                  producer_class: type[Producer], read_ahead: int) -> Iterator[Any]:
+                  producer_class: type[Producer], read_ahead: int, calibration: Any = None) -> Iterator[Any]:
     """This run's shards, in order. Two passes over the units, neither holding a shard's: one gives each shard's
     header, the other the units to convert, each with its source bytes, their reads started ahead while MLX works."""
     plan = lay.plan
@@ -247,6 +259,7 @@ def _write_shards(lay: Layout, dst: Path, recipe: Recipe, journal: Journal, resu
     stage = min(read_ahead, decoded, progress.total_in - progress.done_in)  # the arena holds only what is decoded
     with ShardReader(lay.ckpt.path, workers=PREFETCH_WORKERS, stage_bytes=stage) as reader:
         producer = producer_class(lay.ckpt, recipe, reader)
+        producer.calibration = calibration
         items = _remaining(shards, resumed, partial)
         if feed is not None:
             yield from feed.remove(feed.leftover)  # fully converted by a run that stopped before removing them
@@ -312,7 +325,7 @@ def remove_conversion(dst: Path) -> None:
     """Delete what a tqbench conversion wrote into `dst` and nothing else: its shards (named by the journal or the
     index, or by tqbench's shard naming), unfinished `.partial` files, the files of the final step and the files
     copied from the source (listed in the journal). Files a user put there stay."""
-    names = {JOURNAL, INDEX_FILE, EXPERT_MAP, REPORT, "config.json"}
+    names = {JOURNAL, INDEX_FILE, EXPERT_MAP, REPORT, STATS, "config.json"}
     journal = Journal.load(dst)
     if journal is not None:
         names |= set(journal.shards) | set(journal.copied)
@@ -468,7 +481,7 @@ def converted_config(ckpt: Checkpoint, plan: Plan) -> dict[str, Any]:
             modules[m.name] = ModuleQuant(format="turboquant", bits=None if c.ternary else c.bits, ternary=c.ternary,
                                           group_size=c.group_size,
                                           rotation=tq.rotation_record(n, rotated(plan.recipe, n)),
-                                          scales=plan.recipe.scales)
+                                          scales=plan.recipe.scales, calibrated=plan.recipe.calibrate)
         elif c.format is Format.AFFINE:
             modules[m.name] = ModuleQuant(format="affine", bits=c.bits, ternary=False, group_size=c.group_size)
         elif c.format is Format.MXFP4:

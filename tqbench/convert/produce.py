@@ -13,6 +13,7 @@ import numpy as np
 
 from tqbench.managed import default_prefetch
 from tqbench.quant import turboquant as tq
+from tqbench.quant.calibrate import quantize_calibrated
 from tqbench.layout.shard_units import Piece, Unit
 from tqbench.recipe.plan import ModulePlan
 from tqbench.recipe.recipe import Format, Recipe
@@ -53,6 +54,8 @@ class Producer:
         self.fp8_block = (int(block[0]), int(block[1]))
         self._last_key: tuple[int, int | None] | None = None
         self._last: tuple[dict[str, np.ndarray], int, float | None] | None = None
+        # tqbench.convert.calibration.Statistics for a calibrated recipe (`cal`), set by the pipeline
+        self.calibration = None
 
     # --- source access -------------------------------------------------------------------------------------------
 
@@ -109,8 +112,13 @@ class Producer:
             if c.format is Format.TURBOQUANT:
                 kind = "T" if c.ternary else str(c.bits)
                 signs = self.signs(m, w.shape[-1])
-                q = tq.quantize(w, kind, c.group_size, mx.array(signs) if signs.min() < 0 else None,
-                                rule=self.recipe.scales)
+                rot = mx.array(signs) if signs.min() < 0 else None
+                h = self.calibration.hessian(m.name, expert) if self.calibration is not None else None
+                if h is not None:
+                    w = self.calibration.weights(m.name, w)
+                    q = quantize_calibrated(w, kind, c.group_size, rot, h, rule=self.recipe.scales)
+                else:
+                    q = tq.quantize(w, kind, c.group_size, rot, rule=self.recipe.scales)
                 out = {"weight": to_numpy(q.weight), "scales": to_numpy(q.scales), "codebook": tq.codebook(kind),
                        "signs": signs}
                 err = q.rel_error

@@ -25,7 +25,7 @@ from tqbench.eval.layers import describe, layer_errors, layer_list
 from tqbench.eval.metrics import window_sums
 from tqbench.eval.records import (EvalProgress, EvalReport, EvalRequest, EvalStarted, GreedyAgreement, LayerError,
                                   TextScore, TierShares)
-from tqbench.eval.texts import Windows, default_texts, digest, file_text, plan_windows, token_stream
+from tqbench.texts import Windows, default_texts, digest, file_text, plan_windows, token_stream
 
 BATCH_TOKENS = 2048  # tokens per forward pass (whole windows)
 

@@ -34,6 +34,7 @@ class ModuleQuant:
     group_size: int
     rotation: dict[str, Any] | None = None  # TurboQuant: {"kind", "block"}
     scales: str | None = None  # TurboQuant: how group scales were chosen ("search" or "rms"; decoding is the same)
+    calibrated: bool = False  # TurboQuant: codes by calibrated rounding (recipe part `cal`; decoding is the same)
 
     @property
     def mlx_mode(self) -> str:
@@ -41,8 +42,8 @@ class ModuleQuant:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("rotation", "scales"):
-            if d[key] is None:
+        for key in ("rotation", "scales", "calibrated"):
+            if d[key] in (None, False):
                 del d[key]
         return d
 
@@ -135,7 +136,8 @@ def _module_quant(name: str, e: Any, source: str | Path | None) -> ModuleQuant:
     if scales is not None and scales not in SCALE_RULES:
         raise wrong(f"scales {scales!r} is none of {', '.join(SCALE_RULES)}")
     return ModuleQuant(format=fmt, bits=bits, ternary=bool(e.get("ternary")), group_size=group,
-                       rotation=dict(rotation) if rotation is not None else None, scales=scales)
+                       rotation=dict(rotation) if rotation is not None else None, scales=scales,
+                       calibrated=e.get("calibrated") is True)
 
 
 def _whole(x: Any) -> bool:

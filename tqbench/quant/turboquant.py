@@ -325,6 +325,23 @@ def _scale_search(book: list[float], bounds: list[float], group: int, kernel: st
     return searched
 
 
+@lru_cache(maxsize=32)
+def _searcher(kind: str, group: int, kernel: str) -> Callable[[mx.array], mx.array]:
+    book = [float(v) for v in codebook(kind).astype(np.float32)]
+    return _scale_search(book, [float(v) for v in boundaries(kind)], group, kernel)
+
+
+def group_scales(x: mx.array, kind: str, group: int, rule: str = "search", kernel: str | None = None) -> mx.array:
+    """The float16 scales (..., in / group) that `rule` gives rotated rows x: exactly what quantize stores for them.
+    (tqbench.quant.calibrate chooses a group's scale with it before choosing the group's codes.)"""
+    if rule not in SCALE_RULES:
+        raise ValueError(f"unknown scale rule {rule!r} (one of {', '.join(SCALE_RULES)})")
+    x = x.astype(mx.float32)
+    if rule == "rms":
+        return _grouped(x, group)[1].squeeze(-1).astype(mx.float16)
+    return _searcher(kind, group, kernel or quantizer_kernel())(x).squeeze(-1)
+
+
 def _coder(book: list[float], bounds: list[float], group: int, kernel: str) -> Callable[..., tuple]:
     """Rotated rows (and float16 scales, or None for their RMS, computed in the same graph) -> codes (for `cuda`
     packed words), float16 scales, squared error and squared norm, by `kernel`."""

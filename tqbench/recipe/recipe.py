@@ -22,6 +22,8 @@ Name parts, joined by `-` in any order (case-insensitive); `Recipe.name` writes 
     norot                 no Hadamard rotation (TurboQuant tiers only)
     rms                   TurboQuant group scales by the RMS alone (TurboQuant-MLX's rule; default: searched per group,
                           tqbench.quant.turboquant.SCALE_RULES)
+    cal                   calibrated rounding: TurboQuant codes fitted to the source model's own activations
+                          (tqbench.quant.calibrate); same format and bytes, other codes
     seedN                 rotation seed (default 42; per layer: seed + crc32(path))
 Without a base part the base is `tq3`. Examples: `tq3a-tqTe-down4-g64` = bits 3, group 64, ternary experts,
 expert down bits 4 (the published Kimi K3 build); `tqTe-mlpg128-g64` reads as `tq3a-tqTe-g64-mlpg128`.
@@ -80,6 +82,7 @@ class Recipe:
     format: Format = Format.TURBOQUANT  # base tier
     expert_format: Format | None = None  # None: format
     scales: str = DEFAULT_SCALES  # how TurboQuant tiers choose group scales (SCALE_RULES)
+    calibrate: bool = False  # TurboQuant codes by calibrated rounding (tqbench.quant.calibrate)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -134,6 +137,7 @@ class Recipe:
         format: str | Format | None = Format.TURBOQUANT,
         expert_format: str | Format | None = None,
         scales: str | None = None,
+        calibrate: bool = False,
     ) -> Recipe:
         """The CLI flags (`--bits 3 -g 64 --ternary-experts --expert-down-bits 4`) as a recipe."""
         return cls(
@@ -149,6 +153,7 @@ class Recipe:
             format=Format.TURBOQUANT if format is None else _format(format, "format"),
             expert_format=None if expert_format is None else _format(expert_format, "expert format"),
             scales=DEFAULT_SCALES if scales is None else str(scales).lower(),
+            calibrate=calibrate,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,6 +228,8 @@ def _validate(r: Recipe) -> None:
             raise RecipeError(f"rotation seed {r.seed} given, but no tier uses TurboQuant")
         if r.scales != DEFAULT_SCALES:
             raise RecipeError(f"scale rule {r.scales} given, but no tier uses TurboQuant")
+        if r.calibrate:
+            raise RecipeError("calibrated rounding (cal) given, but no tier uses TurboQuant")
     if r.scales not in SCALE_RULES:
         raise RecipeError(f"scale rule {r.scales!r} is not one of {', '.join(SCALE_RULES)}")
     if not 0 <= r.seed < 2**31:
@@ -294,14 +301,17 @@ def _name(r: Recipe) -> str:
         parts.append(f"seed{r.seed}")
     if r.scales != DEFAULT_SCALES:
         parts.append(r.scales)
+    if r.calibrate:
+        parts.append("cal")
     return "-".join(parts)
 
 
 _PART = re.compile(
     r"(?P<fmt>tq|affine)(?P<bits>\d+)(?P<tier>[ae]?)|(?P<src>src)(?P<srctier>[ae]?)|(?P<tqte>tqte)|(?P<mxfp4e>mxfp4e)"
-    r"|down(?P<down>\d+)|mlpg(?P<mlpg>\d+)|g(?P<g>\d+)|(?P<norot>norot)|seed(?P<seed>\d+)|(?P<rms>rms)"
+    r"|down(?P<down>\d+)|mlpg(?P<mlpg>\d+)|g(?P<g>\d+)|(?P<norot>norot)|seed(?P<seed>\d+)|(?P<rms>rms)|(?P<cal>cal)"
 )
-_KNOWN = "tqN, tqNa, tqNe, tqTe, affineN, affineNa, affineNe, src, srca, srce, mxfp4e, downN, gN, mlpgN, norot, seedN, rms"
+_KNOWN = ("tqN, tqNa, tqNe, tqTe, affineN, affineNa, affineNe, src, srca, srce, mxfp4e, downN, gN, mlpgN, norot, "
+          "seedN, rms, cal")
 
 
 def _parse(name: str) -> Recipe:
@@ -361,6 +371,9 @@ def _parse(name: str) -> Recipe:
         elif g["rms"]:
             once("scale rule", part)
             kw["scales"] = "rms"
+        elif g["cal"]:
+            once("calibration", part)
+            kw["calibrate"] = True
         else:
             once("seed", part)
             kw["seed"] = int(g["seed"])
@@ -401,6 +414,7 @@ class RecipeFlags:
     format: str | None = None
     expert_format: str | None = None
     scales: str | None = None
+    calibrate: bool = False
 
     @property
     def given(self) -> bool:

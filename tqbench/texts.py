@@ -1,6 +1,7 @@
-"""The texts `tqbench eval` scores: the demo's held-out code and chat (shipped with tqbench, `heldout.jsonl`; see
-docs/eval.md), or files the user names. A text becomes one token stream (documents joined by the end-of-text token)
-cut into non-overlapping windows, each scored from an empty context."""
+"""The texts `tqbench eval` scores and a calibrated conversion (recipe part `cal`) runs the source model over: the
+demo's held-out code and chat (shipped with tqbench, `eval/heldout.jsonl`; see docs/eval.md), or files the user names.
+A text becomes one token stream (documents joined by the end-of-text token) cut into non-overlapping windows, each
+scored from an empty context."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from tqbench.errors import TqbenchError
 
-HELDOUT = Path(__file__).with_name("heldout.jsonl")
+HELDOUT = Path(__file__).parent / "eval" / "heldout.jsonl"
 
 
 @dataclass(frozen=True, kw_only=True)

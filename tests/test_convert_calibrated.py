@@ -1,0 +1,241 @@
+"""A calibrated conversion (recipe part `cal`, `--calibrate`) of a real small K3-layout source: the same planned bytes
+and tensors as without it, other codes that lower each layer's output error on the calibration inputs, statistics
+kept in the output so a killed conversion resumes to the same bytes, and the calibration text in the fingerprint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cli_helpers import tqbench
+from conftest import demo_source
+from tqbench.convert import convert
+from tqbench.convert.calibration import STATS, CalibrationRequest, Statistics
+from tqbench.demo import DemoSpec
+from tqbench.events import Calibrated
+from tqbench.quant import turboquant as tq
+from tqbench.recipe import Recipe, group_sources, make_plan
+from tqbench.source import open_checkpoint
+from tqbench.source.reader import ShardReader
+from tqbench.shards.header import read_header
+
+SPEC = DemoSpec(routed_expert_hidden_size=64, moe_intermediate_size=128)  # experts wide enough for group 64
+SHARD = 150_000
+TOKENS = 512
+K3 = "tq3a-tqTe-down4-g64"
+
+
+@pytest.fixture(scope="module")
+def demo_src() -> Path:
+    return demo_source(SPEC)
+
+
+def run(src: Path, dst: Path, name: str, **kw) -> list:
+    kw.setdefault("calibration", CalibrationRequest(tokens=TOKENS))
+    return list(convert(src, dst, Recipe.parse(name), SHARD, **kw))
+
+
+def tensors(dst: Path) -> dict[str, tuple]:
+    out = {}
+    for f in sorted(dst.glob("*.safetensors")):
+        for t in read_header(f).tensors:
+            out[t.name] = (t.dtype, t.shape, t.nbytes, f.name)
+    return out
+
+
+def read(dst: Path, name: str) -> np.ndarray:
+    for f in sorted(dst.glob("*.safetensors")):
+        for t in read_header(f).tensors:
+            if t.name == name:
+                with ShardReader(dst) as r:
+                    return r.read_numpy(t)
+    raise KeyError(name)
+
+
+def file_bytes(dst: Path) -> dict[str, bytes]:
+    out = {}
+    for p in sorted(dst.iterdir()):
+        data = p.read_bytes()
+        if p.name == "convert-report.json":
+            doc = json.loads(data)
+            doc.pop("timings")
+            data = json.dumps(doc).encode()
+        out[p.name] = data
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(demo_src, tmp_path_factory) -> tuple[Path, Path]:
+    """The K3 recipe converted plainly and calibrated."""
+    base = tmp_path_factory.mktemp("cal")
+    run(demo_src, base / "plain", K3)
+    events = run(demo_src, base / "cal", K3 + "-cal")
+    assert [type(e) for e in events[:2]][0] is Calibrated
+    return base / "plain", base / "cal"
+
+
+@pytest.fixture(scope="module")
+def one_pass(demo_src, tmp_path_factory) -> Path:
+    """The K3 recipe calibrated on the source model's inputs alone (--calibrate-one-pass)."""
+    dst = tmp_path_factory.mktemp("cal1") / "cal"
+    run(demo_src, dst, K3 + "-cal", calibration=CalibrationRequest(tokens=TOKENS, sequential=False))
+    return dst
+
+
+def test_same_plan_same_tensors_same_bytes(demo_src, pair):
+    plain, cal = pair
+    ckpt = open_checkpoint(demo_src)
+    a, b = (make_plan(group_sources(ckpt), Recipe.parse(n)) for n in (K3, K3 + "-cal"))
+    assert (a.total_bytes, a.resident_bytes, a.streamed_bytes) == (b.total_bytes, b.resident_bytes, b.streamed_bytes)
+    assert [(t.name, t.dtype, t.shape) for m in a.modules for t in m.outputs] == \
+        [(t.name, t.dtype, t.shape) for m in b.modules for t in m.outputs]
+    assert tensors(plain) == tensors(cal)  # every tensor's dtype, shape, bytes and shard (headers name the recipe)
+
+
+def test_recorded_per_module_and_in_the_recipe(pair):
+    plain, cal = pair
+    q = json.loads((cal / "config.json").read_text())["quantization"]
+    assert q["recipe"]["name"] == K3 + "-cal" and q["recipe"]["calibrate"] is True
+    tq_modules = {k: v for k, v in q["modules"].items() if v["format"] == "turboquant"}
+    assert tq_modules and all(v.get("calibrated") is True for v in tq_modules.values())
+    assert not any("calibrated" in v for v in json.loads((plain / "config.json").read_text())
+                   ["quantization"]["modules"].values())
+
+
+def test_codes_change_codebooks_and_signs_do_not(pair):
+    plain, cal = pair
+    names = [n for n in tensors(plain) if n.endswith((".codebook", ".signs"))]
+    assert names and all(np.array_equal(read(plain, n), read(cal, n)) for n in names)
+    weights = [n for n in tensors(plain) if n.endswith(".weight") and read(plain, n).dtype == np.uint32]
+    changed = sum(not np.array_equal(read(plain, n), read(cal, n)) for n in weights)
+    assert changed > 0.9 * len(weights)
+
+
+def _output_error(dst: Path, module: str, h: np.ndarray, source: Path, expert: int | None = None) -> float:
+    """tr((W - W_hat) H (W - W_hat)^T) / tr(W H W^T): the layer's relative output error on the calibration inputs."""
+    ckpt = open_checkpoint(source)
+    entry = next(t.entry for t in ckpt.tensors if t.entry.name == f"{module}.weight")
+    with ShardReader(source) as r:
+        w = np.array(r.read_mlx(entry).astype(mx.float32))
+    n = w.shape[-1]
+    hat = np.array(tq.dequantize(mx.array(read(dst, f"{module}.weight")), mx.array(read(dst, f"{module}.scales")),
+                                 mx.array(read(dst, f"{module}.codebook")), mx.array(read(dst, f"{module}.signs")), n))
+    d = w - hat
+    return float(np.trace(d @ h @ d.T) / np.trace(w @ h @ w.T))
+
+
+def test_output_error_on_the_calibration_inputs_is_lower(demo_src, pair, one_pass):
+    """One pass: for every calibrated dense module, its stored codes give a lower output error on the inputs it was
+    calibrated for than nearest rounding's, by at least 20% (measured: 0.5-0.8x)."""
+    plain, cal = pair[0], one_pass
+    stats = Statistics.load(cal / STATS)
+    assert not any(k.endswith("|a") for k in stats.arrays)
+    dense = [m for m in stats.taps if ".experts" not in m and "switch_mlp" not in m]
+    assert len(dense) > 10
+    ratios = []
+    for m in dense:
+        h = stats.hessian(m, None)
+        ratios.append(_output_error(cal, m, h, demo_src) / _output_error(plain, m, h, demo_src))
+    assert max(ratios) < 0.95 and float(np.median(ratios)) < 0.8
+
+
+def test_sequential_statistics_correct_for_the_calibrated_layers_before(pair, one_pass):
+    """Layer by layer, each dense input gets A = I + (X - X~)^T X~ (H~ + damp)^-1: exactly I in the first layer,
+    whose inputs no calibrated layer has changed yet, and not I after it; the codes differ from one pass's."""
+    stats = Statistics.load(pair[1] / STATS)
+    dense = {t for m, t in stats.taps.items() if "switch_mlp" not in m}
+    assert dense and all(f"{t}|a" in stats.arrays for t in dense)
+    first = [t for t in dense if ".layers.0." in t]
+    later = [t for t in dense if ".layers.0." not in t]
+    assert first and later
+    for t in first:
+        np.testing.assert_allclose(stats.arrays[f"{t}|a"], np.eye(len(stats.arrays[f"{t}|a"])), atol=1e-5)
+    assert all(np.abs(stats.arrays[f"{t}|a"] - np.eye(len(stats.arrays[f"{t}|a"]))).max() > 1e-3 for t in later)
+    weights = [n for n in tensors(one_pass) if n.endswith(".weight") and read(one_pass, n).dtype == np.uint32
+               and ".experts." not in n and ".layers.0." not in n]  # routed experts: the source's inputs in both
+    assert weights and all(not np.array_equal(read(pair[1], n), read(one_pass, n)) for n in weights)
+
+
+def test_experts_are_calibrated_per_expert_with_the_layer_as_prior(pair):
+    _, cal = pair
+    stats = Statistics.load(cal / STATS)
+    routed = [m for m in stats.taps if "switch_mlp" in m]
+    assert routed and stats.taps[routed[0].replace("up_proj", "gate_proj")] == stats.taps[routed[0]]
+    tap = stats.taps[routed[0]]
+    h, n = stats.arrays[f"{tap}|h"], stats.arrays[f"{tap}|n"]
+    assert h.shape[0] == SPEC.num_experts and n.sum() == TOKENS * SPEC.num_experts_per_token
+    e = int(np.argmin(n))
+    pooled = h.sum(0) / n.sum()
+    np.testing.assert_allclose(stats.hessian(routed[0], e), h[e] + h.shape[-1] * pooled, rtol=1e-5, atol=1e-4)
+
+
+def _cli(src: Path, dst: Path, env: dict | None = None, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tqbench", "convert", "--hf-path", str(src), "--mlx-path", str(dst), "--recipe",
+           K3, "--calibrate", "--calibrate-tokens", str(TOKENS), "--shard-size", str(SHARD), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", ["unit:1", "unit:130"])
+def test_kill_and_resume_is_byte_identical(demo_src, pair, tmp_path, kill):
+    dst = tmp_path / "out"
+    killed = _cli(demo_src, dst, {"TQBENCH_TEST_KILL": kill})
+    assert killed.returncode == -9 and (dst / STATS).is_file()
+    resumed = _cli(demo_src, dst)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "calibration: " in resumed.stderr and "read back from" in resumed.stderr
+    assert file_bytes(dst) == file_bytes(pair[1])
+
+
+def test_other_calibration_text_is_another_conversion(demo_src, pair, tmp_path, capsys, monkeypatch):
+    text = tmp_path / "mine.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    dst = tmp_path / "out"
+    import shutil
+
+    shutil.copytree(pair[1], dst)
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", dst, "--recipe", K3 + "-cal",
+                "--calibrate-text", text, "--calibrate-tokens", TOKENS, "--shard-size", SHARD)
+    assert r.code != 0 and "--force" in r.err
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", dst, "--recipe", K3 + "-cal",
+                "--calibrate-text", text, "--calibrate-tokens", TOKENS, "--shard-size", SHARD, "--force")
+    assert r.code == 0, r.err
+    assert file_bytes(dst) != file_bytes(pair[1])
+    assert tensors(dst) == tensors(pair[1])
+
+
+@pytest.mark.parametrize("bad,why", [("missing.txt", "no such file"), ("dir", "a directory"),
+                                      ("latin1.txt", "not UTF-8")])
+def test_a_bad_calibration_text_is_one_line_naming_it(demo_src, tmp_path, capsys, monkeypatch, bad, why):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    dst = tmp_path / "out"
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", dst, "--calibrate",
+                "--calibrate-text", tmp_path / bad)
+    lines = [ln for ln in r.err.splitlines() if ln.startswith("tqbench: error")]
+    assert r.code != 0 and len(lines) == 1 and why in lines[0] and bad in lines[0]
+    assert "Traceback" not in r.err and not dst.exists()
+
+
+def test_calibrate_text_without_cal_is_refused(demo_src, tmp_path, capsys, monkeypatch):
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", tmp_path / "out", "--recipe", K3,
+                "--calibrate-text", text)
+    assert r.code != 0 and "not calibrated" in r.err and not (tmp_path / "out").exists()
+
+
+def test_plan_with_calibrate_shows_the_same_bytes(demo_src, capsys, monkeypatch):
+    a = tqbench(capsys, monkeypatch, "plan", demo_src, "--recipe", K3, "--json")
+    b = tqbench(capsys, monkeypatch, "plan", demo_src, "--recipe", K3, "--calibrate", "--json")
+    assert a.code == b.code == 0, (a.err, b.err)
+    (pa,), (pb,) = json.loads(a.out)["plans"], json.loads(b.out)["plans"]
+    assert pb["recipe"]["name"] == K3 + "-cal" and pb["recipe"]["calibrate"] is True
+    assert {k: v for k, v in pa.items() if k != "recipe"} == {k: v for k, v in pb.items() if k != "recipe"}

@@ -1,0 +1,402 @@
+"""The inputs a calibrated conversion (recipe part `cal`) fits its codes to: each quantized Linear's input second
+moments H = X^T X (and, layer by layer, a correction of its weights), measured by running the source model itself
+over calibration text.
+
+- **Text.** The demo's held-out code and chat by default (tqbench.texts; the texts `tqbench eval` scores, so a demo
+  evaluation of a `cal` recipe scores text its codes were fitted on: benchmarks/quality.py also measures it
+  calibrated on other text), or the user's files (`--calibrate-text`). About `tokens` tokens in windows of WINDOW,
+  spread over each text as eval spreads its windows, run in batches of BATCH_WINDOWS.
+- **Where.** Every quantized Linear's input is tapped once per distinct input: KDA's q/k/v (fused `qkv_proj` in
+  mlx-lm) share one, and so do a gate_proj and its up_proj. H is accumulated in float32 as batches run, never the
+  activations themselves: memory is the H matrices (the model's quantized widths squared).
+- **Routed experts** see only the tokens routed to them: H per expert, counted. An expert routed few tokens (fewer
+  than its input width, H of low rank) would be fitted to a handful of inputs, so every expert's H is shrunk toward
+  its layer's: H_e + EXPERT_PRIOR x width x (the mean H over all routed inputs of that projection)
+  (tqbench.quant.calibrate.expert_hessian); an expert never routed is fitted to the layer's mean alone.
+- **Layer by layer** (`sequential`, the default). Fitting every layer to the source model's own inputs ignores that
+  the converted model feeds each layer the *calibrated* layers' outputs. So the layers are calibrated in order:
+  the source model and a copy of it run the same windows in step, the copy's layers before the current one holding
+  their calibrated values (dequantized; routed experts too), and each dense Linear of the current layer gets the
+  copy's inputs X~ (H = X~^T X~) and the correction A = I + (X - X~)^T X~ (H~ + damp)^-1 (least squares of the
+  source's outputs X W^T on X~; I exactly in the first layer): its codes are fitted to W A. Routed experts keep the
+  source model's inputs (the two models may route a token differently). A forward pass stops at the first tap past
+  the current layer. On the demo this took tq3-g64's KL gain from 18% (one pass) to 23% and the calibration from
+  about 30 s to about 4 minutes on 2 CPU cores (each stage runs the model's prefix twice); `--calibrate-one-pass`
+  keeps the single pass.
+- **Stored** in the output directory (STATS, replaced atomically) with the digest of the texts, before the first
+  shard: a resumed conversion reads it back instead of running the model again, so it writes the same bytes. The
+  digest is part of the plan fingerprint (tqbench.convert.pipeline.layout): other texts are another conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+
+from tqbench.atomic import write_bytes
+from tqbench.errors import ConvertError
+from tqbench.events import Calibrated
+from tqbench.layout.names import mlx_module_path
+from tqbench.convert.produce import rotated
+from tqbench.quant import turboquant as tq
+from tqbench.quant.calibrate import damped, expert_hessian, quantize_calibrated
+from tqbench.recipe.plan import ModulePlan, Plan
+from tqbench.recipe.recipe import Format
+from tqbench.source.naming import classify
+from tqbench.texts import Text, default_texts, file_text, plan_windows, token_stream
+
+STATS = ".tqbench-calibration.npz"
+DEFAULT_TOKENS = 8192
+WINDOW = 256
+BATCH_WINDOWS = 8
+EXPERT_PRIOR = 1.0  # times the input width: how many tokens of its layer's mean H each expert's H gets
+_ROWS_AT_ONCE = 1 << 24  # routed rows x width^2 per scatter of outer products (64 MB of float32)
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}  # as tqbench.runtime.load.FUSED
+_FUSED_PARTS = ("q_proj", "k_proj", "v_proj")  # their rows' order in qkv_proj
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationRequest:
+    """What a calibrated conversion runs the source over: `texts` (files; empty: the demo's held-out texts) and
+    about `tokens` tokens of them."""
+
+    texts: tuple[str, ...] = ()
+    tokens: int = DEFAULT_TOKENS
+    sequential: bool = True  # each layer's inputs from the model with the layers before it calibrated (measure)
+
+    def read(self) -> tuple[Text, ...]:
+        """The texts, read (a bad file raises TqbenchError naming it, before anything is converted)."""
+        return tuple(file_text(t) for t in self.texts) or default_texts()
+
+    def digest(self) -> str:
+        """sha256 of the texts and the token count: what the statistics depend on besides the source."""
+        h = hashlib.sha256(f"{self.tokens}|{WINDOW}|{'sequential' if self.sequential else 'source'}\n".encode())
+        for t in self.read():
+            h.update(t.name.encode() + b"\0")
+            for d in t.documents:
+                h.update(hashlib.sha256(d.encode()).digest())
+        return h.hexdigest()
+
+
+class Statistics:
+    """Per tapped input: H (in, in), or (E, in, in) for routed experts, and how many rows made it."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], taps: dict[str, str], meta: dict):
+        self.arrays, self.taps, self.meta = arrays, taps, meta
+        self._pooled: dict[str, tuple[np.ndarray, float]] = {}
+
+    def hessian(self, module: str, expert: int | None) -> np.ndarray | None:
+        """The H a module (one expert of it) is calibrated with; None when no calibration input reached it (its codes
+        are then the nearest levels)."""
+        tap = self.taps.get(module)
+        if tap is None or f"{tap}|h" not in self.arrays:
+            return None
+        h, count = self.arrays[f"{tap}|h"], self.arrays[f"{tap}|n"]
+        if expert is None:
+            return h.astype(np.float64) if float(count) > 0 else None
+        if tap not in self._pooled:
+            self._pooled[tap] = (h.sum(axis=0, dtype=np.float64), float(count.sum()))
+        pooled, total = self._pooled[tap]
+        if total <= 0:
+            return None
+        return expert_hessian(h[expert], float(count[expert]), pooled, total, EXPERT_PRIOR * h.shape[-1])
+
+    def weights(self, module: str, w: mx.array) -> mx.array:
+        """The weights a module's codes are fitted to: w itself, or w A where sequential calibration measured the
+        correction A (its output on the source model's inputs, from the calibrated model's)."""
+        tap = self.taps.get(module)
+        a = self.arrays.get(f"{tap}|a") if tap is not None else None
+        return w if a is None else w.astype(mx.float32) @ mx.array(a)
+
+    def save(self, path: Path) -> None:
+        """An .npz (np.load reads it) with fixed entry dates: the same statistics are the same bytes."""
+        buf = io.BytesIO()
+        head = np.array(json.dumps({"meta": self.meta, "taps": self.taps}))
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+            for name, array in [("__meta__", head), *sorted(self.arrays.items())]:
+                one = io.BytesIO()
+                np.save(one, array, allow_pickle=False)
+                z.writestr(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), one.getvalue())
+        write_bytes(path, buf.getvalue())
+
+    @classmethod
+    def load(cls, path: Path) -> Statistics | None:
+        try:
+            with np.load(path) as z:
+                head = json.loads(str(z["__meta__"]))
+                arrays = {k: z[k] for k in z.files if k != "__meta__"}
+        except (OSError, ValueError, KeyError):
+            return None  # unreadable: measured again
+        return cls(arrays, head["taps"], head["meta"])
+
+
+def calibrated_modules(plan: Plan) -> list[ModulePlan]:
+    return [m for m in plan.modules if m.choice.format is Format.TURBOQUANT]
+
+
+def prepare(ckpt_path: Path, plan: Plan, dest: Path, request: CalibrationRequest) -> Iterator[Calibrated]:
+    """The statistics for a calibrated conversion into `dest`: read back (a resumed conversion), or measured now and
+    stored there. Yields one Calibrated event; returns the Statistics."""
+    t0 = time.monotonic()
+    digest = request.digest()
+    path = dest / STATS
+    stats = Statistics.load(path) if path.is_file() else None
+    reused = stats is not None and stats.meta.get("digest") == digest
+    if not reused:
+        stats = measure(ckpt_path, plan, request)
+        stats.meta["digest"] = digest
+        stats.save(path)
+    yield Calibrated(tokens=int(stats.meta["tokens"]), inputs=len(set(stats.taps.values())), modules=len(stats.taps),
+                     seconds=time.monotonic() - t0, reused=reused, file=str(path))
+    return stats
+
+
+def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Statistics:
+    """Run the source model over the calibration windows, tapping each calibrated module's input. Sequential: layer
+    by layer, the source model and a second copy whose earlier layers hold their calibrated values run the same
+    windows in step; each Linear gets H of its inputs in the copy (X~) and the correction A that makes its target
+    the source model's output: W' = W A, A = I + (X - X~)^T X~ (H~ + damp)^-1 (least squares of X W^T on X~)."""
+    from tqbench.runtime.load import load
+
+    texts = request.read()
+    loaded = load(ckpt_path)
+    model = loaded.model
+    modules = dict(model.named_modules())
+    taps = {m.name: tap for m in calibrated_modules(plan) if (tap := _tap_path(m.name, modules)) is not None}
+    sums = _tapped(model, modules, taps)
+    streams = {t.name: token_stream(t, loaded.tokenizer) for t in texts}
+    windows = plan_windows(streams, WINDOW, request.tokens)
+    rows = np.concatenate([w.x for w in windows])
+    arrays: dict[str, np.ndarray] = {}
+    if not request.sequential:
+        _run(model, None, rows, sums, copy_sums=None, active=set(sums))
+        _keep(arrays, sums, None, set(sums))
+    else:
+        copy = load(ckpt_path, tokenizer=False).model
+        copy_modules = dict(copy.named_modules())
+        copy_sums = _tapped(copy, copy_modules, taps)
+        stages: dict[int | None, list[ModulePlan]] = {}
+        for m in calibrated_modules(plan):
+            if m.name in taps:
+                stages.setdefault(m.layer, []).append(m)
+        for layer in sorted(stages, key=lambda k: (k is None, k or 0)):
+            active = {taps[m.name] for m in stages[layer]}
+            _run(model, copy, rows, sums, copy_sums=copy_sums, active=active, stop_after=layer)
+            _keep(arrays, sums, copy_sums, active)
+            _calibrated_into(copy, copy_modules, stages[layer], Statistics(arrays, taps, {}), plan)
+    if not taps and calibrated_modules(plan):
+        raise ConvertError("calibration found none of the quantized modules in the source model", ckpt_path)
+    return Statistics(arrays, taps, {"tokens": int(rows.size), "windows": len(rows)})
+
+
+def _tapped(model: nn.Module, modules: dict[str, nn.Module], taps: dict[str, str]) -> dict[str, _Sum]:
+    sums = {tap: _Sum(modules[tap]) for tap in sorted(set(taps.values()))}
+    for tap, s in sums.items():
+        s.layer = classify(tap).layer
+    model.update_modules(tree_unflatten([(tap, _Tap(modules[tap], s)) for tap, s in sums.items()]))
+    return sums
+
+
+def _run(model: nn.Module, copy: nn.Module | None, rows: np.ndarray, sums: dict[str, _Sum], *,
+         copy_sums: dict[str, _Sum] | None, active: set[str], stop_after: int | None = None) -> None:
+    """The windows through `model` (and in step through `copy`), batch by batch; only `active` taps count. With a
+    copy, the source model's dense taps hand each batch's inputs to the copy's, and routed taps count in the source
+    model only (the copy's experts are the source's)."""
+    for tap, s in sums.items():
+        s.active, s.stop_after = tap in active, stop_after
+        s.capture = [] if copy is not None and s.experts is None else None
+        if copy_sums is not None:
+            copy_sums[tap].active = tap in active and s.experts is None
+            copy_sums[tap].partner, copy_sums[tap].stop_after = s, stop_after
+    for b in range(0, len(rows), BATCH_WINDOWS):
+        batch = mx.array(rows[b:b + BATCH_WINDOWS])
+        mx.eval(_forward(model, batch), [r for s in sums.values() if s.capture for r in s.capture])
+        if copy is not None:
+            mx.eval(_forward(copy, batch))
+        mx.eval([a for group in (sums, copy_sums or {}) for s in group.values() if s.h is not None
+                 for a in (s.h, s.n) + ((s.c,) if s.c is not None else ())])
+
+
+def _forward(model: nn.Module, batch: mx.array) -> list[mx.array]:
+    """The model's logits, or nothing when a tap stopped the pass (what the taps took is evaluated by the caller)."""
+    try:
+        return [model(batch)]
+    except _Stop:
+        return []
+
+
+def _keep(arrays: dict[str, np.ndarray], sums: dict[str, _Sum], copy_sums: dict[str, _Sum] | None,
+          active: set[str]) -> None:
+    """The statistics of the `active` taps, as arrays. A tap never called keeps none: its modules get nearest
+    rounding."""
+    for tap in active:
+        s = sums[tap] if copy_sums is None or sums[tap].experts is not None else copy_sums[tap]
+        if s.h is None:
+            continue
+        arrays[f"{tap}|h"], arrays[f"{tap}|n"] = np.array(s.h), np.array(s.n)
+        if s.c is not None:  # A = I + (C^T - H~) (H~ + damp I)^-1, C = X~^T X
+            h = np.array(s.h, dtype=np.float64)
+            c = np.array(s.c, dtype=np.float64)
+            arrays[f"{tap}|a"] = (np.eye(len(h)) + np.linalg.solve(damped(h), (c.T - h).T).T).astype(np.float32)
+
+
+def _tap_path(name: str, modules: dict[str, nn.Module]) -> str | None:
+    """Where a planned module's input can be seen in the mlx-lm model: its own module, the fused module it is part
+    of, or its gate_proj sibling for an up_proj (the same input)."""
+    for path in (mlx_module_path(name), name):
+        parent, _, leaf = path.rpartition(".")
+        if leaf == "up_proj" and f"{parent}.gate_proj" in modules:
+            return f"{parent}.gate_proj"
+        if path in modules:
+            return path
+        if leaf in _FUSED and f"{parent}.{_FUSED[leaf]}" in modules:
+            return f"{parent}.{_FUSED[leaf]}"
+    return None
+
+
+def _calibrated_into(model: nn.Module, modules: dict[str, nn.Module], group: list[ModulePlan], stats: Statistics,
+                     plan: Plan) -> None:
+    """Replace the weights of `group`'s Linears in the running model by their calibrated codes' values, so the next
+    layers are measured on the inputs the converted model will give them. Modules that are not a plain Linear or a
+    (mxfp4 / float) SwitchLinear in the model stay as they are."""
+    for m in group:
+        if m.experts:
+            _experts_into(model, modules, m, stats, plan)
+            continue
+        h = stats.hessian(m.name, None)
+        if h is None:
+            continue
+        path = next((p for p in (mlx_module_path(m.name), m.name) if p in modules), None)
+        parent, _, leaf = (path or mlx_module_path(m.name)).rpartition(".")
+        out, n = m.source.shape
+        rows = slice(0, out)
+        if path is None and leaf in _FUSED and f"{parent}.{_FUSED[leaf]}" in modules:
+            part = _FUSED_PARTS.index(leaf)
+            path, rows = f"{parent}.{_FUSED[leaf]}", slice(part * out, (part + 1) * out)
+        target = modules.get(path) if path else None
+        if not isinstance(target, nn.Linear) or "scales" in target or target.weight.shape[-1] != n:
+            continue
+        c = m.choice
+        kind = "T" if c.ternary else str(c.bits)
+        signs = mx.array(tq.rotation_signs(m.name, n, plan.recipe.seed)) if rotated(plan.recipe, n) else None
+        w = target.weight
+        target_w = stats.weights(m.name, w[rows].astype(mx.float32))
+        q = quantize_calibrated(target_w, kind, c.group_size, signs, h, rule=plan.recipe.scales)
+        hat = tq.dequantize(q.weight, q.scales, mx.array(tq.codebook(kind)), signs, n).astype(w.dtype)
+        target.weight = mx.concatenate([w[:rows.start], hat, w[rows.stop:]]) if rows != slice(0, w.shape[0]) else hat
+
+
+def _experts_into(model: nn.Module, modules: dict[str, nn.Module], m: ModulePlan, stats: Statistics,
+                  plan: Plan) -> None:
+    """A routed-expert module's calibrated values (nearest rounding for an expert without statistics) as a float
+    SwitchLinear in place of the source's."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    path = mlx_module_path(m.name)
+    source = modules.get(path)
+    if source is None or "bias" in source:
+        return
+    if "scales" in source:
+        try:
+            w = mx.dequantize(source.weight, source.scales, source.get("biases"), group_size=source.group_size,
+                              bits=source.bits, mode=source.mode)
+        except (ValueError, AttributeError):
+            return
+    else:
+        w = source.weight
+    experts, out, n = w.shape
+    c = m.choice
+    kind = "T" if c.ternary else str(c.bits)
+    signs = mx.array(tq.rotation_signs(m.name, n, plan.recipe.seed)) if rotated(plan.recipe, n) else None
+    book = mx.array(tq.codebook(kind))
+    hats = []
+    for e in range(experts):
+        h, we = stats.hessian(m.name, e), w[e].astype(mx.float32)
+        q = (quantize_calibrated(we, kind, c.group_size, signs, h, rule=plan.recipe.scales) if h is not None
+             else tq.quantize(we, kind, c.group_size, signs, rule=plan.recipe.scales))
+        hats.append(tq.dequantize(q.weight, q.scales, book, signs, n))
+    new = SwitchLinear(n, out, experts, bias=False)
+    new.weight = mx.stack(hats)  # float32: gather_mm on the CPU takes float32 only
+    mx.eval(new.weight)
+    current = dict(model.named_modules())[path]
+    if isinstance(current, _Tap):
+        current.inner = new
+    else:
+        model.update_modules(tree_unflatten([(path, new)]))
+
+
+class _Sum:
+    """X^T X and the row count of one input (allocated at its first call, from the input's width), per expert for
+    a (Quantized)SwitchLinear (weight (E, out, ...), called with (x, indices, ...))."""
+
+    def __init__(self, module: nn.Module):
+        w = module["weight"]
+        self.experts = w.shape[0] if w.ndim == 3 else None
+        self.h: mx.array | None = None
+        self.n: mx.array | None = None
+        self.c: mx.array | None = None  # X~^T X: this copy's inputs against the source model's (partner's)
+        self.active = True
+        self.capture: list[mx.array] | None = None  # the source model's side: inputs handed to the copy
+        self.partner: _Sum | None = None  # the copy's side: the source model's _Sum of the same tap
+        self.layer: int | None = None  # the decoder layer of the tapped module (None: outside the layers)
+        self.stop_after: int | None = None  # set: a forward pass stops at the first tap past this layer
+
+    def add(self, x: mx.array, args: tuple) -> None:
+        if not self.active:
+            return
+        d = x.shape[-1]
+        if self.experts is None:
+            rows = x.reshape(-1, d).astype(mx.float32)
+            if self.capture is not None:
+                self.capture.append(rows)
+                return
+            if self.h is None:
+                self.h, self.n = mx.zeros((d, d), dtype=mx.float32), mx.zeros((), dtype=mx.float32)
+            self.h = self.h + rows.T @ rows
+            self.n = self.n + rows.shape[0]
+            if self.partner is not None:
+                cross = rows.T @ self.partner.capture.pop(0)
+                self.c = cross if self.c is None else self.c + cross
+            return
+        if self.h is None:
+            self.h = mx.zeros((self.experts, d, d), dtype=mx.float32)
+            self.n = mx.zeros((self.experts,), dtype=mx.float32)
+        idx = args[0]  # x (..., 1, 1, d) for every expert of a token, or (..., k, 1, d) / (N, 1, d) one per index
+        rows = mx.broadcast_to(x, (*idx.shape, *x.shape[-2:])).reshape(-1, d).astype(mx.float32)
+        ids = mx.broadcast_to(idx[..., None], (*idx.shape, x.shape[-2])).reshape(-1)
+        step = max(1, _ROWS_AT_ONCE // (d * d))
+        for r in range(0, rows.shape[0], step):
+            part, who = rows[r:r + step], ids[r:r + step]
+            self.h = self.h.at[who].add(part[:, :, None] * part[:, None, :])
+            self.n = self.n.at[who].add(1.0)
+
+
+class _Tap(nn.Module):
+    """A module that adds its input to a _Sum, then calls the module it stands for."""
+
+    def __init__(self, inner: nn.Module, sums: _Sum):
+        super().__init__()
+        self.inner = inner
+        self._sums = sums
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        last = self._sums.stop_after
+        if last is not None and (self._sums.layer is None or self._sums.layer > last):
+            raise _Stop  # past the layers measured now: the rest of the forward pass is never built
+        self._sums.add(x, args)
+        return self.inner(x, *args, **kwargs)
+
+
+class _Stop(Exception):
+    """Raised by a tap past the layer being measured (sequential calibration)."""
