@@ -166,6 +166,8 @@ class Recipe:
                  group_size=self.group_size if self.quantizes else None,
                  format=self.format.value, expert_format=self.experts_format.value,
                  scales=self.scales if self.uses_turboquant else None)
+        if not self.calibrate:  # only a calibrated recipe says so: every other one's record (config.json, the plan
+            del d["calibrate"]  # fingerprint, what was learned about it) stays as it was before `cal` existed
         return {"name": d.pop("name"), **d}
 
 
