@@ -45,7 +45,7 @@ def _attr(s: str) -> str:
 
 def _value_rules(rule: str, schema: dict[str, Any]) -> list[str]:
     """Lark rules for an argument's ` type="T"<|sep|>VALUE`: one alternative per type the schema allows (those of its
-    `enum` values, or all seven, when it names none)."""
+    `enum` values, or every kind of JSON value, when it names none)."""
     kinds = schema.get("type")
     if not kinds and "enum" in schema:
         kinds = [_kind(v) for v in schema["enum"]]
