@@ -1,5 +1,5 @@
-"""Helpers the tests share: running a loaded model, the bytes of a converted model's experts, rewriting a shard's
-header, what the file system allows, free loopback ports."""
+"""Helpers the tests share: running a loaded model, the bytes of a converted model's experts, a conversion's tensors
+and files, rewriting a shard's header, what the file system allows, free loopback ports."""
 
 from __future__ import annotations
 
@@ -10,6 +10,45 @@ import struct
 from pathlib import Path
 
 import numpy as np
+
+
+def output_tensors(dst: Path) -> dict[str, tuple[str, tuple[int, ...], int, str]]:
+    """Every tensor a conversion wrote: name -> (dtype, shape, bytes, shard file)."""
+    from tqbench.shards.header import read_header
+
+    out = {}
+    for f in sorted(dst.glob("*.safetensors")):
+        for t in read_header(f).tensors:
+            out[t.name] = (t.dtype, t.shape, t.nbytes, f.name)
+    return out
+
+
+def read_tensor(dst: Path, name: str) -> np.ndarray:
+    """One tensor of a conversion, as numpy."""
+    from tqbench.shards.header import read_header
+    from tqbench.source.reader import ShardReader
+
+    for f in sorted(dst.glob("*.safetensors")):
+        for t in read_header(f).tensors:
+            if t.name == name:
+                with ShardReader(dst) as r:
+                    return r.read_numpy(t)
+    raise KeyError(name)
+
+
+def file_bytes(dst: Path) -> dict[str, bytes]:
+    """Every output file; the report without its timings (the one part that may differ between runs)."""
+    from tqbench.layout.names import REPORT
+
+    out = {}
+    for p in sorted(dst.iterdir()):
+        data = p.read_bytes()
+        if p.name == REPORT:
+            doc = json.loads(data)
+            doc.pop("timings")
+            data = json.dumps(doc).encode()
+        out[p.name] = data
+    return out
 
 
 def logits(model, tokens: list[int]) -> np.ndarray:

@@ -14,6 +14,8 @@ import pytest
 
 from cli_helpers import tqbench
 from conftest import demo_source
+from model_helpers import file_bytes, output_tensors
+from model_helpers import read_tensor as read
 from tqbench.convert import convert
 from tqbench.layout.names import EXPERT_MAP, REPORT
 from tqbench.demo import DemoSpec
@@ -40,37 +42,6 @@ def demo_src() -> Path:
 
 def run(src: Path, dst: Path, name: str, **kw) -> list:
     return list(convert(src, dst, Recipe.parse(name), kw.pop("shard_size", SHARD), **kw))
-
-
-def output_tensors(dst: Path) -> dict[str, tuple[str, tuple[int, ...], int, str]]:
-    out = {}
-    for f in sorted(dst.glob("*.safetensors")):
-        for t in read_header(f).tensors:
-            out[t.name] = (t.dtype, t.shape, t.nbytes, f.name)
-    return out
-
-
-def read(dst: Path, name: str) -> np.ndarray:
-    for f in sorted(dst.glob("*.safetensors")):
-        h = read_header(f)
-        for t in h.tensors:
-            if t.name == name:
-                with ShardReader(dst) as r:
-                    return r.read_numpy(t)
-    raise KeyError(name)
-
-
-def file_bytes(dst: Path) -> dict[str, bytes]:
-    """Every output file; the report without its timings (the one part that may differ between runs)."""
-    out = {}
-    for p in sorted(dst.iterdir()):
-        data = p.read_bytes()
-        if p.name == REPORT:
-            doc = json.loads(data)
-            doc.pop("timings")
-            data = json.dumps(doc).encode()
-        out[p.name] = data
-    return out
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -16,6 +16,8 @@ import pytest
 
 from cli_helpers import tqbench
 from conftest import demo_source
+from model_helpers import file_bytes, output_tensors
+from model_helpers import read_tensor as read
 from tqbench.convert import convert
 from tqbench.convert.calibration import STATS, CalibrationRequest, Statistics
 from tqbench.demo import DemoSpec
@@ -24,7 +26,6 @@ from tqbench.quant import turboquant as tq
 from tqbench.recipe import Recipe, group_sources, make_plan
 from tqbench.source import open_checkpoint
 from tqbench.source.reader import ShardReader
-from tqbench.shards.header import read_header
 
 SPEC = DemoSpec(routed_expert_hidden_size=64, moe_intermediate_size=128)  # experts wide enough for group 64
 SHARD = 150_000
@@ -40,35 +41,6 @@ def demo_src() -> Path:
 def run(src: Path, dst: Path, name: str, **kw) -> list:
     kw.setdefault("calibration", CalibrationRequest(tokens=TOKENS))
     return list(convert(src, dst, Recipe.parse(name), SHARD, **kw))
-
-
-def tensors(dst: Path) -> dict[str, tuple]:
-    out = {}
-    for f in sorted(dst.glob("*.safetensors")):
-        for t in read_header(f).tensors:
-            out[t.name] = (t.dtype, t.shape, t.nbytes, f.name)
-    return out
-
-
-def read(dst: Path, name: str) -> np.ndarray:
-    for f in sorted(dst.glob("*.safetensors")):
-        for t in read_header(f).tensors:
-            if t.name == name:
-                with ShardReader(dst) as r:
-                    return r.read_numpy(t)
-    raise KeyError(name)
-
-
-def file_bytes(dst: Path) -> dict[str, bytes]:
-    out = {}
-    for p in sorted(dst.iterdir()):
-        data = p.read_bytes()
-        if p.name == "convert-report.json":
-            doc = json.loads(data)
-            doc.pop("timings")
-            data = json.dumps(doc).encode()
-        out[p.name] = data
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +68,8 @@ def test_same_plan_same_tensors_same_bytes(demo_src, pair):
     assert (a.total_bytes, a.resident_bytes, a.streamed_bytes) == (b.total_bytes, b.resident_bytes, b.streamed_bytes)
     assert [(t.name, t.dtype, t.shape) for m in a.modules for t in m.outputs] == \
         [(t.name, t.dtype, t.shape) for m in b.modules for t in m.outputs]
-    assert tensors(plain) == tensors(cal)  # every tensor's dtype, shape, bytes and shard (headers name the recipe)
+    # every tensor's dtype, shape, bytes and shard (the headers name the recipe)
+    assert output_tensors(plain) == output_tensors(cal)
 
 
 def test_recorded_per_module_and_in_the_recipe(pair):
@@ -111,9 +84,9 @@ def test_recorded_per_module_and_in_the_recipe(pair):
 
 def test_codes_change_codebooks_and_signs_do_not(pair):
     plain, cal = pair
-    names = [n for n in tensors(plain) if n.endswith((".codebook", ".signs"))]
+    names = [n for n in output_tensors(plain) if n.endswith((".codebook", ".signs"))]
     assert names and all(np.array_equal(read(plain, n), read(cal, n)) for n in names)
-    weights = [n for n in tensors(plain) if n.endswith(".weight") and read(plain, n).dtype == np.uint32]
+    weights = [n for n in output_tensors(plain) if n.endswith(".weight") and read(plain, n).dtype == np.uint32]
     changed = sum(not np.array_equal(read(plain, n), read(cal, n)) for n in weights)
     assert changed > 0.9 * len(weights)
 
@@ -158,7 +131,7 @@ def test_sequential_statistics_correct_for_the_calibrated_layers_before(pair, on
     for t in first:
         np.testing.assert_allclose(stats.arrays[f"{t}|a"], np.eye(len(stats.arrays[f"{t}|a"])), atol=1e-5)
     assert all(np.abs(stats.arrays[f"{t}|a"] - np.eye(len(stats.arrays[f"{t}|a"]))).max() > 1e-3 for t in later)
-    weights = [n for n in tensors(one_pass) if n.endswith(".weight") and read(one_pass, n).dtype == np.uint32
+    weights = [n for n in output_tensors(one_pass) if n.endswith(".weight") and read(one_pass, n).dtype == np.uint32
                and ".experts." not in n and ".layers.0." not in n]  # routed experts: the source's inputs in both
     assert weights and all(not np.array_equal(read(pair[1], n), read(one_pass, n)) for n in weights)
 
@@ -208,7 +181,7 @@ def test_other_calibration_text_is_another_conversion(demo_src, pair, tmp_path, 
                 "--calibrate-text", text, "--calibrate-tokens", TOKENS, "--shard-size", SHARD, "--force")
     assert r.code == 0, r.err
     assert file_bytes(dst) != file_bytes(pair[1])
-    assert tensors(dst) == tensors(pair[1])
+    assert output_tensors(dst) == output_tensors(pair[1])
 
 
 @pytest.mark.parametrize("bad,why", [("missing.txt", "no such file"), ("dir", "a directory"),
