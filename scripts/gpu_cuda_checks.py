@@ -4,13 +4,18 @@
     python3 scripts/gpu_cuda_checks.py logits --out logits-cuda.npz   # then the same here on the CPU, and compare
     python3 scripts/gpu_cuda_checks.py noise                            # the CPU's own logits under bf16-sized noise
     python3 scripts/gpu_cuda_checks.py launch                           # launch cost against the cubin's bytes
+    python3 scripts/gpu_cuda_checks.py launch-detail --out launch.json  # where a launch's time goes, and two cures
 
 `logits`: tests/test_host_tier.py's prompt on the demo's tq3a-tqTe-down4-g32 conversion, resident and streamed
 (12 slots, no host tier): the prompt's logits and 10 greedy tokens each, saved as .npz
 (results/gpu-cuda-checks-h100.json compares them with the CPU's). `noise`: the CPU's own logits of that prompt with
 every layer's output scaled by (1 + eps x noise). `launch`: the ELF sections of every cubin in tqbench's cache, and the
 launch cost of one 512x512 matvec with its cubin padded by trailing zeros (a cost that grows with the bytes handed to
-MLX, not the code).
+MLX, not the code). `launch-detail`: for a K3 expert gather (ternary, 3-bit) and a small 4-bit matvec, the time a
+launch takes to build (no evaluation) and to build and run, with the cubin as it is and padded by 1 MB, against MLX's
+own build of the same source; the ternary kernel again with its symmetric/general codebook branch taken at run time
+(one copy of the code instead of two: size, launch and kernel time); then all of it again in a child process whose
+glibc malloc keeps large blocks on its heap (MALLOC_MMAP_THRESHOLD_), to tell copying from page faults.
 Run from the repository root with tests/ and benchmarks/ importable (PYTHONPATH=.)."""
 
 import argparse
@@ -121,11 +126,110 @@ def launch_check() -> None:
                 print(f"  {label}: {type(e).__name__}: {str(e)[:160]}")
 
 
+def _median_us(fn, reps: int = 7) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        n = fn()
+        times.append((time.perf_counter() - t0) / n)
+    return round(statistics.median(times) * 1e6, 2)
+
+
+def launch_detail(child: bool) -> dict:
+    import mlx.core as mx
+
+    from kernels import tq_weights
+    from tqbench.cubin import architecture, cached_cubin, compile_cubin
+    from tqbench.runtime import kernels as K
+
+    rows = []
+    # (levels, out, n, experts, pairs): K3's expert gate/up (3072 x 7168) and down (7168 x 3072); a small matvec
+    for levels, out, n, experts, pairs in ((3, 3072, 7168, 24, 16), (8, 7168, 3072, 24, 16), (16, 512, 512, 1, 0)):
+        w, s, cb = tq_weights(levels, out, n, (experts,) if pairs else (), key=500)
+        x = mx.random.normal((1, 1, n), key=mx.random.key(3))
+        idx = mx.array([(7 * i) % experts for i in range(pairs)], dtype=mx.uint32)
+        names = K.dtype_name(s.dtype), K.dtype_name(cb.dtype)
+        if pairs:
+            spec = K.gather_specs(1, (1,), (pairs,), levels=levels, group=64, n=n, out=out, experts=experts,
+                                  scale_dtype=names[0], book_dtype=names[1])[0]
+            inputs, oshape = [x.reshape(1, 1, n), w, s, cb, idx], [(pairs, 1, out)]
+        else:
+            spec = K.make_spec(levels, 64, n, out, 1, 1, False, *names)
+            inputs, oshape = [x.reshape(1, n), w, s, cb], [(1, 1, out)]
+        grid, tg = spec.grid(max(pairs, 1))
+        kname, cubin = cached_cubin(K.kernel_name(spec, "cuda"), lambda nm: K.cuda_program(spec, nm))
+        variants = [("cubin", kname, cubin), ("cubin + 1 MB of zeros", kname, cubin + b"\0" * 1_000_000)]
+        if levels == 3:  # one copy of the ternary block: the codebook's symmetry tested inside it, at run time
+            src = K.cuda_program(spec, kname + "_rt")
+            old = "#define TQ_BLOCK(J) if (general) TQ_BLOCK_TER(J, true) else TQ_BLOCK_TER(J, false)"
+            assert old in src
+            src = src.replace(old, "#define TQ_BLOCK(J) TQ_BLOCK_TER(J, general)")
+            blob = compile_cubin(src, architecture())
+            variants.append(("one ternary block, branch at run time", kname + "_rt", blob))
+        ref = None
+        for label, name, blob in variants:
+            def launch(name=name, blob=blob):
+                return mx.fast.precompiled_cuda_kernel(name=name, compiled_source=blob, inputs=inputs, grid=grid,
+                                                       threadgroup=tg, output_shapes=oshape,
+                                                       output_dtypes=[mx.float32], scalars=[],
+                                                       ensure_row_contiguous=True)[0]
+            y = launch()
+            mx.eval(y)
+            ref = y if ref is None else ref
+            held = []
+
+            def build(held=held, launch=launch):
+                held[:] = [launch() for _ in range(200)]
+                return 200
+
+            def run(launch=launch):
+                mx.eval([launch() for _ in range(200)])
+                return 200
+            b = _median_us(build)
+            mx.eval(held)
+            rows.append(dict(levels=levels, out=out, n=n, pairs=pairs, variant=label, cubin_bytes=len(blob),
+                             text_bytes=sum(sz for nm, sz in sections(blob) if nm.startswith(".text")),
+                             build_us=b, build_and_run_us=_median_us(run),
+                             max_abs_diff_vs_first=float(mx.max(mx.abs(y - ref)).item())))
+            print(rows[-1], flush=True)
+        own = K._compiled(spec, "cuda", "mlx")
+
+        def run_own():
+            mx.eval([own(inputs=inputs, grid=grid, threadgroup=tg, output_shapes=oshape,
+                         output_dtypes=[mx.float32])[0] for _ in range(200)])
+            return 200
+        run_own()
+        rows.append(dict(levels=levels, out=out, n=n, pairs=pairs, variant="MLX's own build (mx.fast.cuda_kernel)",
+                         source_bytes=sum(map(len, K.kernel_source(spec, "cuda"))),
+                         build_and_run_us=_median_us(run_own)))
+        print(rows[-1], flush=True)
+    doc = dict(malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"), rows=rows)
+    if not child:
+        import json
+        import subprocess
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 26), MALLOC_TRIM_THRESHOLD_=str(1 << 27))
+        out = subprocess.run([sys.executable, __file__, "launch-detail", "--child"], env=env, capture_output=True,
+                             text=True)
+        print(out.stderr[-2000:])
+        doc = dict(default_malloc=doc, heap_malloc=json.loads(out.stdout.strip().splitlines()[-1]))
+    return doc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=["logits", "noise", "launch"])
+    ap.add_argument("check", choices=["logits", "noise", "launch", "launch-detail"])
     ap.add_argument("--out", default="logits-cuda.npz")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.check == "launch-detail":
+        import json
+        doc = launch_detail(a.child)
+        if a.child:
+            print(json.dumps(doc))
+        else:
+            with open(a.out, "w") as f:
+                json.dump(doc, f, indent=1)
+        return
     {"logits": lambda: logits_check(a.out), "noise": noise_check, "launch": launch_check}[a.check]()
 
 
