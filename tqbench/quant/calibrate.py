@@ -64,10 +64,11 @@ def damped(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
 
 
 def inverse_factor(h: np.ndarray) -> np.ndarray:
-    """U upper triangular with H^-1 = U^T U, float64, for a damped H (positive definite)."""
-    inv = np.linalg.inv(np.linalg.cholesky(h))  # L^-1, H = L L^T
-    h_inv = inv.T @ inv
-    return np.linalg.cholesky(h_inv).T
+    """U upper triangular with H^-1 = U^T U, float64, for a damped H (positive definite). With P the reversal, the
+    Cholesky factor of P H P gives H = V V^T for the upper triangular V = P L P, so U = V^-1: one factorisation and
+    one inverse (instead of inverting H and factoring the inverse)."""
+    lower = np.linalg.cholesky(np.ascontiguousarray(h[::-1, ::-1]))
+    return np.linalg.inv(np.ascontiguousarray(lower[::-1, ::-1]))
 
 
 def gptq_codes(w_rot: np.ndarray, h_rot: np.ndarray, kind: str, group: int, *, rule: str = "search",
