@@ -5,6 +5,7 @@ source, on each recipe's conversion, and on the K3 recipe's conversion with fewe
 
     python benchmarks/tool_calls.py --out results/bench-tool-calls-cpu.json     # about 30 minutes on 2 cores
     python benchmarks/tool_calls.py --quick                                      # a smoke run: 3 cases, 2 rows
+    python benchmarks/tool_calls.py --model build/v9a/checkpoint --tool-syntax schema    # another source, guarded
 
 The source runs once: its calls are what every other row is compared with ("same call as the source's"), besides
 the reference calls ("exact"). Each row is one model loaded as a chat loads it (tqbench.runtime.load; streamed with
@@ -54,7 +55,7 @@ def row(name: str, score, source=None, seconds: float = 0.0, **extra) -> dict:
     return out
 
 
-def score(path: Path, cases, *, k: int = 0, budget: int = 0, margin: float = 0.0):
+def score(path: Path, cases, *, k: int = 0, budget: int = 0, margin: float = 0.0, tool_syntax: str = "sample"):
     from tqbench.eval.tools import score_tools
     from tqbench.runtime.load import load
     from tqbench.runtime.routing import set_active_experts
@@ -65,7 +66,7 @@ def score(path: Path, cases, *, k: int = 0, budget: int = 0, margin: float = 0.0
     try:
         if k:
             set_active_experts(loaded.model, k)
-        steps = score_tools(loaded, None, cases)
+        steps = score_tools(loaded, None, cases, tool_syntax=tool_syntax)
         while True:
             try:
                 next(steps)
@@ -77,12 +78,17 @@ def score(path: Path, cases, *, k: int = 0, budget: int = 0, margin: float = 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tqbench.chat.request import TOOL_SYNTAX
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_options(p, DEFAULTS, QUICK, "a smoke run")
     p.add_argument("--model", type=Path, help="the source (default: the shipped demo)")
     p.add_argument("--work", type=Path, default=Path("bench-results/tool-calls"), help="conversions go here (kept)")
     p.add_argument("--out", type=Path, default=Path("bench-results/tool_calls.json"))
+    p.add_argument("--tool-syntax", choices=TOOL_SYNTAX, default="sample",
+                   help="every row's tool calls decoded as `tqbench eval --tools --tool-syntax` does (schema: held to "
+                        "the offered tools' grammar)")
     a = p.parse_args(argv)
     cfg = sizes(a, DEFAULTS, QUICK)
 
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def add(name: str, path: Path, **kw) -> None:
         t = time.perf_counter()
-        s = score(path, cases, **kw)
+        s = score(path, cases, tool_syntax=a.tool_syntax, **kw)
         extra = {key: v for key, v in kw.items() if v}
         doc["rows"].append(row(name, s, None if name == "source" else src, time.perf_counter() - t, **extra))
         r = doc["rows"][-1]
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         a.out.write_text(dump_json(doc))
 
     t = time.perf_counter()
-    src = score(source, cases)
+    src = score(source, cases, tool_syntax=a.tool_syntax)
     doc["rows"].append(row("source", src, None, time.perf_counter() - t))
     log(f"{'source':>28}: valid {src.valid}/{src.cases}, exact {src.exact}, answers {src.answered}/{src.answers}")
     converted = {}
