@@ -20,6 +20,7 @@ from conftest import converted, demo_source, file_bytes
 from hubserver import HubServer
 from tqbench import units
 from tqbench.convert import convert
+from tqbench.convert.pipeline import READ_AHEAD
 from tqbench.demo import DemoSpec
 from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, SourceRemoved
 from tqbench.recipe import Recipe
@@ -177,8 +178,9 @@ def test_a_missing_repository_or_revision_is_one_line(hub, source, capsys, monke
 # --- converting while the source streams in ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("read_ahead", [0, READ_AHEAD])  # the CPU's default, and a GPU's (spans many test shards)
 def test_conversion_from_the_hub_holds_two_shards_and_equals_a_local_one(hub, source, reference, tmp_path,
-                                                                        monkeypatch):
+                                                                        monkeypatch, read_ahead):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "DOWNLOAD_CHUNK_SIZE", CHUNK)
@@ -186,7 +188,7 @@ def test_conversion_from_the_hub_holds_two_shards_and_equals_a_local_one(hub, so
     largest = sorted((p.stat().st_size for p in shards(source)), reverse=True)
     cache, dst = tmp_path / "hf-cache", tmp_path / "out"
     high, removed = 0, []
-    for ev in convert(REPO, dst, Recipe.parse(RECIPE), SHARD):
+    for ev in convert(REPO, dst, Recipe.parse(RECIPE), SHARD, read_ahead=read_ahead):
         high = max(high, source_on_disk(cache))  # the generator is paused here: the disk as it is at this point
         if isinstance(ev, SourceRemoved):
             removed.append(ev.file)

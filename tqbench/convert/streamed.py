@@ -108,6 +108,11 @@ class HubFeed:
         """The items, each once its shards are on disk; progress events while waiting for a download."""
         for item in items:
             need = self.shards_of(item[0])
+            if not self.fetcher.on_disk(need):
+                # Said before it is asked for: a reader running ahead (pipeline._read_ahead) first hands out the
+                # units it holds, so a shard is asked for out of turn (past the two on disk) only once the conversion
+                # has reached the unit that needs it, not when the reader looks ahead at it.
+                yield self.fetcher.progress()
             while (waiting := self.fetcher.wait(need)) is not None:
                 yield waiting
             yield item

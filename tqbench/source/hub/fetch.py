@@ -62,6 +62,11 @@ class ShardFetcher:
                 raise self.error
             return None if files <= self.ready else self._progress(True)
 
+    def on_disk(self, files: set[str]) -> bool:
+        """Whether every file is downloaded (or was there), without asking for any."""
+        with self.cond:
+            return files <= self.ready
+
     def progress(self) -> SourceProgress:
         with self.cond:
             return self._progress(False)
