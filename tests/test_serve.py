@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import openai
 import pytest
 
@@ -23,6 +24,9 @@ from tqbench.demo import ensure_demo
 KEY = "sk-tqbench-test"
 U1, U2 = "def fibonacci(n):", "class Stack:"
 N = 24  # tokens per reply in the comparisons
+# A CUDA server's first request compiles MLX's kernels (over a minute on a cold H100: test_serve's first request timed
+# out at 60 s there); on the CPU a minute is already generous.
+CLIENT_TIMEOUT = 60 if mx.default_device().type == mx.cpu else 600
 
 
 class Served:
@@ -50,7 +54,8 @@ class Served:
         serving = next(x for x in self.lines if x.startswith("serving "))
         self.url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", serving).group(1)
         self.port = int(self.url.rsplit(":", 1)[1])
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=60)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0,
+                                    timeout=CLIENT_TIMEOUT)
 
     def get(self, path: str, key: str | None = KEY) -> tuple[int, dict[str, str], bytes]:
         return raw(self.port, "GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
