@@ -135,3 +135,16 @@ def test_expert_hessian_shrinks_toward_the_layer():
     h, pooled = np.eye(4), 10 * np.ones((4, 4))
     np.testing.assert_allclose(cal.expert_hessian(h, 3, pooled, 20, prior=4), np.eye(4) + 2.0)
     np.testing.assert_allclose(cal.expert_hessian(h, 3, pooled, 0, prior=4), np.eye(4))
+
+
+def test_inverse_factor_is_the_upper_cholesky_factor_of_h_inverse():
+    """U is upper triangular with a positive diagonal and U^T U = H^-1 (against numpy's inverse): the factor GPTQ's
+    error feedback reads row by row."""
+    rng = np.random.default_rng(6)
+    x = correlated_inputs(rng, 300, 96)
+    h = cal.damped(x.T.astype(np.float64) @ x)
+    u = cal.inverse_factor(h)
+    assert np.array_equal(u, np.triu(u)) and (np.diag(u) > 0).all()
+    h_inv = np.linalg.inv(h)
+    np.testing.assert_allclose(u.T @ u, h_inv, rtol=0, atol=1e-10 * np.abs(h_inv).max())
+    np.testing.assert_allclose(u, np.linalg.cholesky(h_inv).T, rtol=0, atol=1e-8 * np.abs(u).max())
