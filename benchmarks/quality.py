@@ -99,23 +99,26 @@ def training_text(path: Path) -> Path:
     return path
 
 
-def convert_row(source: Path, name: str, work: Path) -> tuple[Path, float | None]:
+def convert_row(source: Path, name: str, work: Path, tokens: int | None = None) -> tuple[Path, float | None]:
     """The recipe `name` (a recipe name, or a cal recipe's NAME@training) converted into `work`, once: its output and
-    the seconds the conversion took (None: converted by an earlier run)."""
+    the seconds the conversion took (None: converted by an earlier run). `tokens`: a cal recipe's calibration tokens
+    (None: the default)."""
     from tqbench.convert import convert
-    from tqbench.convert.calibration import CalibrationRequest
+    from tqbench.convert.calibration import DEFAULT_TOKENS, CalibrationRequest
     from tqbench.layout.names import INDEX_FILE
     from tqbench.recipe import Recipe
 
     recipe_name, _, on = name.partition("@")
     recipe = Recipe.parse(recipe_name)
-    dest = work / (recipe.name + (f"@{on}" if on else ""))
+    tokens = tokens if recipe.calibrate and tokens not in (None, DEFAULT_TOKENS) else None
+    dest = work / (recipe.name + (f"@{on}" if on else "") + (f"-t{tokens}" if tokens else ""))
     if (dest / INDEX_FILE).is_file():
         return dest, None
     texts = (str(training_text(work / "training-text.txt")),) if on == "training" else ()
     log(f"converting the demo with {name}")
     t0 = time.perf_counter()
-    list(convert(source, dest, recipe, calibration=CalibrationRequest(texts=texts) if recipe.calibrate else None))
+    calibration = CalibrationRequest(texts=texts, tokens=tokens or DEFAULT_TOKENS) if recipe.calibrate else None
+    list(convert(source, dest, recipe, calibration=calibration))
     return dest, time.perf_counter() - t0
 
 
@@ -184,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("build/quality"), help="conversions go here (kept: reruns "
                                                                              "reuse them)")
     p.add_argument("--out", type=Path, default=Path("bench-results/quality.json"))
+    p.add_argument("--calibrate-tokens", type=int, metavar="N", help="cal recipes calibrate on about N tokens "
+                                                                      "(rows named NAME (N tokens), compared with "
+                                                                      "NAME's uncalibrated recipe)")
     p.add_argument("--no-openblas", action="store_true")
     p.add_argument("--tables", type=Path, metavar="JSON", help="print the tables of an earlier run's JSON and exit")
     a = p.parse_args(argv)
@@ -202,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in recipes:
         recipe_name, at, on = name.partition("@")
-        label = Recipe.parse(recipe_name).name + at + on
-        dest, seconds = convert_row(source, name, a.work)
+        recipe = Recipe.parse(recipe_name)
+        label = recipe.name + at + on + (f" ({a.calibrate_tokens} tokens)" if recipe.calibrate and a.calibrate_tokens
+                                         else "")
+        dest, seconds = convert_row(source, name, a.work, a.calibrate_tokens)
         log(f"evaluating {label}")
         rows.append(dict(name=label, plan=plan_figures(source, recipe_name), eval=evaluate(dest, source, size),
                          convert_seconds=seconds))
@@ -213,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"evaluating the source at {k} of {native} experts")
         rows.append(dict(name=f"source, {k} of {native} experts", plan=None, eval=evaluate(source, source, size, k)))
         log(row_line(rows[-1]))
-    pairs = [p for p in (paired(rows, x, y) for x, y in PAIRS) if p is not None]
+    extra = [(r["name"], r["name"].split("@")[0].split(" (")[0].replace("-cal", "")) for r in rows
+             if a.calibrate_tokens and " tokens)" in r["name"]]
+    pairs = [p for p in (paired(rows, x, y) for x, y in PAIRS + extra) if p is not None]
     doc = dict(schema="tqbench.bench.quality/1", command=" ".join(sys.argv), size=size,
                machine=machine_info(a.work, ("tqbench",)), rows=rows, pairs=pairs, seconds=time.perf_counter() - t0,
                peak_rss=peak_rss_bytes())
