@@ -36,8 +36,9 @@ def read_tensor(dst: Path, name: str) -> np.ndarray:
     raise KeyError(name)
 
 
-def file_bytes(dst: Path) -> dict[str, bytes]:
-    """Every output file; the report without its timings (the one part that may differ between runs)."""
+def file_bytes(dst: Path, drop: tuple[str, ...] = ("timings",)) -> dict[str, bytes]:
+    """Every output file; the report without its `drop` keys (by default its timings, the one part that may differ
+    between runs)."""
     from tqbench.layout.names import REPORT
 
     out = {}
@@ -45,7 +46,8 @@ def file_bytes(dst: Path) -> dict[str, bytes]:
         data = p.read_bytes()
         if p.name == REPORT:
             doc = json.loads(data)
-            doc.pop("timings")
+            for key in drop:
+                doc.pop(key)
             data = json.dumps(doc).encode()
         out[p.name] = data
     return out

@@ -5,7 +5,6 @@ conflicts, quitting mid-run and `r` pressed while the output is still being chec
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import types
@@ -19,10 +18,10 @@ import tqbench.convert
 from tqbench.engine import engine
 import tqbench.convert.pipeline as pipeline
 from conftest import demo_source
+from model_helpers import file_bytes
 from tui_helpers import burst, screen_lines, settle
 from tqbench import units
 from tqbench.convert import destination_status, layout
-from tqbench.layout.names import REPORT
 from tqbench.demo import DemoSpec
 from tqbench.destination import default_dest
 from tqbench.events import ConvertFinished, ShardWritten, UnitConverted
@@ -61,17 +60,8 @@ def direct(demo_dir, tmp_path_factory):
 
 
 def output_files(dst: Path) -> dict[str, bytes]:
-    """Every output file; the report without its timings (the one part that differs between runs)."""
-    out = {}
-    for p in sorted(dst.iterdir()):
-        data = p.read_bytes()
-        if p.name == REPORT:
-            doc = json.loads(data)
-            doc.pop("timings")
-            doc.pop("source")  # the source's path (each test converts its own copy)
-            data = json.dumps(doc).encode()
-        out[p.name] = data
-    return out
+    """Every output file; the report without its timings and the source's path (each test converts its own copy)."""
+    return file_bytes(dst, drop=("timings", "source"))
 
 
 async def open_convert(pilot, shard: int | None = SHARD) -> ConvertScreen:
