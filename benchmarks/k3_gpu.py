@@ -567,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stream runs: A cold, B cold, W warm, 8 top-8, L look-ahead, F fan-out, X 16 workers, 1 one "
                         "worker, 2 two, R one read in flight, H host tier (--host-gb), P page cache on, T both tiers "
                         "at the shares full K3 gets on the lent box (B cold), N B cold and M the host tier with slots "
-                        "written through host pages (no DMA copies: the way before), C cache-aware routing at each of "
+                        "written through host pages (no DMA copies: the way before), U as T warm from A's profile (needs A), "
+                        "V as T with cache routing at the first of --cache-margins, C cache-aware routing at each of "
                         "--cache-margins")
     p.add_argument("--work", type=Path, help="work directory on the disk to measure (kept)")
     p.add_argument("--out", type=Path, default=Path("bench-results/k3_gpu.json"))
@@ -655,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     if "stream" in parts:
         stream = dict(budget_bytes=int(cfg["budget_gb"] * 1e9), workers=cfg["workers"], page_cache="off")
         half = spec_kw["num_experts_per_token"] // 2  # K3: 16 -> 8
+        margins = [float(m) for m in str(cfg["cache_margins"]).split(",")]
+        box = dict(stream, budget_bytes=box_budget(model, K3_BOX_SHARES["gpu"], cfg["workers"]),
+                   host_budget_bytes=max(eb, int(K3_BOX_SHARES["host"] * model["expert_total_bytes"])))
         runs = [dict(label="A cold (learns the profile)", prompt="A", stream=stream, learn=True),
                 dict(label="B cold", prompt="B", stream=stream),
                 dict(label="B warm from A's profile", prompt="B", stream=stream, warm=True,
@@ -675,18 +679,21 @@ def main(argv: list[str] | None = None) -> int:
                 dict(label="B cold, host tier", prompt="B",
                      stream=dict(stream, host_budget_bytes=int(cfg["host_gb"] * 1e9))),
                 dict(label="B cold, page cache on", prompt="B", stream=dict(stream, page_cache="on")),
-                dict(label="B cold, K3 box tiers", prompt="B", stream=dict(
-                    stream, budget_bytes=box_budget(model, K3_BOX_SHARES["gpu"], cfg["workers"]),
-                    host_budget_bytes=max(eb, int(K3_BOX_SHARES["host"] * model["expert_total_bytes"])))),
+                dict(label="B cold, K3 box tiers", prompt="B", stream=box),
                 # issue 50: the slots written the way before DMA copies (through the host, their pages migrating)
                 dict(label="B cold, page migration", prompt="B", stream=dict(stream, dma_copies=False)),
                 dict(label="B cold, host tier, page migration", prompt="B",
                      stream=dict(stream, host_budget_bytes=int(cfg["host_gb"] * 1e9), dma_copies=False)),
+                # issue 50: at the box's shares the disk's misses bound the tiers; two ways to miss less
+                dict(label="B warm from A's profile, K3 box tiers", prompt="B", stream=box, warm=True,
+                     pin_share=cfg["pin_share"]),
+                dict(label=f"B cold, K3 box tiers, cache routing {margins[0]:g}", prompt="B",
+                     stream=dict(box, cache_routing=margins[0])),
             ] + [  # cache-aware routing: a cached expert within the margin of an uncached one is chosen instead
                 dict(label=f"B cold, cache routing {m:g}", prompt="B", stream=dict(stream, cache_routing=m))
-                for m in map(float, str(cfg["cache_margins"]).split(","))]
+                for m in margins]
         chosen = set(a.runs.split(","))
-        keys = "ABW8LFX12RHPTNM" + "C" * (len(runs) - 15)
+        keys = "ABW8LFX12RHPTNMUV" + "C" * (len(runs) - 17)
         runs = [r for r, key in zip(runs, keys) if key in chosen]
         drop_cache(files)
         res = run_child(SCRIPT, "decode", dict(path=model["path"], prompts=prompts, warmup=cfg["warmup"],
