@@ -1,5 +1,5 @@
 """The inputs a calibrated conversion (recipe part `cal`) fits its codes to: each quantized Linear's input second
-moments H = X^T X (and, layer by layer, a correction of its weights), measured by running the source model itself
+moments H = X^T X (and, in order, a correction of its weights), measured by running the source model itself
 over calibration text.
 
 - **Text.** The demo's held-out code and chat by default (tqbench.texts; the texts `tqbench eval` scores, so a demo
@@ -13,16 +13,17 @@ over calibration text.
   than its input width, H of low rank) would be fitted to a handful of inputs, so every expert's H is shrunk toward
   its layer's: H_e + EXPERT_PRIOR x width x (the mean H over all routed inputs of that projection)
   (tqbench.quant.calibrate.expert_hessian); an expert never routed is fitted to the layer's mean alone.
-- **Layer by layer** (`sequential`, the default). Fitting every layer to the source model's own inputs ignores that
-  the converted model feeds each layer the *calibrated* layers' outputs. So the layers are calibrated in order:
-  the source model and a copy of it run the same windows in step, the copy's layers before the current one holding
-  their calibrated values (dequantized; routed experts too), and each dense Linear of the current layer gets the
-  copy's inputs X~ (H = X~^T X~) and the correction A = I + (X - X~)^T X~ (H~ + damp)^-1 (least squares of the
-  source's outputs X W^T on X~; I exactly in the first layer): its codes are fitted to W A. Routed experts keep the
-  source model's inputs (the two models may route a token differently). A forward pass stops at the first tap past
-  the current layer. On the demo this took tq3-g64's KL gain from 18% (one pass) to 23% and the calibration from
-  about 30 s to about 4 minutes on 2 CPU cores (each stage runs the model's prefix twice); `--calibrate-one-pass`
-  keeps the single pass.
+- **In order, one pass** (`sequential`, the default). Fitting every layer to the source model's own inputs ignores
+  that the converted model feeds each module the *calibrated* modules' outputs. So the modules are calibrated in the
+  order a forward pass reaches them: every batch of windows runs through the source model and through a copy of it,
+  each in a greenlet of its own on the one thread, and each pauses at every tapped input. When all have reached the
+  same tap, the inputs are counted there, that tap's modules are calibrated and their values (dequantized; routed
+  experts too) put into the copy, and all go on to the next tap. Each dense Linear gets the copy's inputs X~
+  (H = X~^T X~) and the correction A = I + (X - X~)^T X~ (H~ + damp)^-1 (least squares of the source's outputs
+  X W^T on X~; I exactly at the first tap): its codes are fitted to W A. Routed experts keep the source model's
+  inputs (the two models may route a token differently). Each model runs the windows once: the cost is two passes,
+  whatever the depth (the layer-by-layer form this replaced reran the prefix for every layer: 18 passes on the demo).
+  `--calibrate-one-pass` measures the source model's inputs alone.
 - **Stored** in the output directory (STATS, replaced atomically) with the digest of the texts, before the first
   shard: a resumed conversion reads it back instead of running the model again, so it writes the same bytes. The
   digest is part of the plan fingerprint (tqbench.convert.pipeline.layout): other texts are another conversion.
@@ -37,7 +38,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,7 +54,6 @@ from tqbench.quant import turboquant as tq
 from tqbench.quant.calibrate import damped, expert_hessian, quantize_calibrated
 from tqbench.recipe.plan import ModulePlan, Plan
 from tqbench.recipe.recipe import Format
-from tqbench.source.naming import classify
 from tqbench.texts import Text, default_texts, file_text, plan_windows, token_stream
 
 STATS = ".tqbench-calibration.npz"
@@ -73,7 +73,7 @@ class CalibrationRequest:
 
     texts: tuple[str, ...] = ()
     tokens: int = DEFAULT_TOKENS
-    sequential: bool = True  # each layer's inputs from the model with the layers before it calibrated (measure)
+    sequential: bool = True  # each module's inputs from the copy with the modules before it calibrated (measure)
 
     def read(self) -> tuple[Text, ...]:
         """The texts, read (a bad file raises TqbenchError naming it, before anything is converted)."""
@@ -81,7 +81,7 @@ class CalibrationRequest:
 
     def digest(self) -> str:
         """sha256 of the texts and the token count: what the statistics depend on besides the source."""
-        h = hashlib.sha256(f"{self.tokens}|{WINDOW}|{'sequential' if self.sequential else 'source'}\n".encode())
+        h = hashlib.sha256(f"{self.tokens}|{WINDOW}|{'staged' if self.sequential else 'source'}\n".encode())
         for t in self.read():
             h.update(t.name.encode() + b"\0")
             for d in t.documents:
@@ -163,10 +163,10 @@ def prepare(ckpt_path: Path, plan: Plan, dest: Path, request: CalibrationRequest
 
 
 def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Statistics:
-    """Run the source model over the calibration windows, tapping each calibrated module's input. Sequential: layer
-    by layer, the source model and a second copy whose earlier layers hold their calibrated values run the same
-    windows in step; each Linear gets H of its inputs in the copy (X~) and the correction A that makes its target
-    the source model's output: W' = W A, A = I + (X - X~)^T X~ (H~ + damp)^-1 (least squares of X W^T on X~)."""
+    """Run the source model over the calibration windows, tapping each calibrated module's input. Sequential: the
+    source model and a copy run the windows in step, tap by tap (_staged); each Linear gets H of its inputs in the
+    copy (X~), whose modules before it hold their calibrated values, and the correction A that makes its target the
+    source model's output: W' = W A, A = I + (X - X~)^T X~ (H~ + damp)^-1 (least squares of X W^T on X~)."""
     from tqbench.runtime.load import load
 
     texts = request.read()
@@ -174,66 +174,94 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Statist
     model = loaded.model
     modules = dict(model.named_modules())
     taps = {m.name: tap for m in calibrated_modules(plan) if (tap := _tap_path(m.name, modules)) is not None}
+    if not taps and calibrated_modules(plan):
+        raise ConvertError("calibration found none of the quantized modules in the source model", ckpt_path)
     sums = _tapped(model, modules, taps)
     streams = {t.name: token_stream(t, loaded.tokenizer) for t in texts}
     windows = plan_windows(streams, WINDOW, request.tokens)
     rows = np.concatenate([w.x for w in windows])
     arrays: dict[str, np.ndarray] = {}
+    meta = {"tokens": int(rows.size), "windows": len(rows)}
     if not request.sequential:
-        _run(model, None, rows, sums, copy_sums=None, active=set(sums))
+        _one_pass(model, rows, sums)
         _keep(arrays, sums, None, set(sums))
-    else:
-        copy = load(ckpt_path, tokenizer=False).model
-        copy_modules = dict(copy.named_modules())
-        copy_sums = _tapped(copy, copy_modules, taps)
-        stages: dict[int | None, list[ModulePlan]] = {}
-        for m in calibrated_modules(plan):
-            if m.name in taps:
-                stages.setdefault(m.layer, []).append(m)
-        for layer in sorted(stages, key=lambda k: (k is None, k or 0)):
-            active = {taps[m.name] for m in stages[layer]}
-            _run(model, copy, rows, sums, copy_sums=copy_sums, active=active, stop_after=layer)
-            _keep(arrays, sums, copy_sums, active)
-            _calibrated_into(copy, copy_modules, stages[layer], Statistics(arrays, taps, {}), plan)
-    if not taps and calibrated_modules(plan):
-        raise ConvertError("calibration found none of the quantized modules in the source model", ckpt_path)
-    return Statistics(arrays, taps, {"tokens": int(rows.size), "windows": len(rows)})
+        return Statistics(arrays, taps, meta)
+    copy = load(ckpt_path, tokenizer=False).model
+    copy_modules = dict(copy.named_modules())
+    copy_sums = _tapped(copy, copy_modules, taps)
+    groups: dict[str, list[ModulePlan]] = {}
+    for m in calibrated_modules(plan):
+        if m.name in taps:
+            groups.setdefault(taps[m.name], []).append(m)
+
+    def calibrate(tap: str) -> None:
+        _keep(arrays, sums, copy_sums, {tap})
+        _calibrated_into(copy, copy_modules, groups[tap], Statistics(arrays, taps, {}), plan)
+
+    meta["order"] = _staged(model, copy, rows, sums, copy_sums, calibrate)
+    return Statistics(arrays, taps, meta)
+
+
+def _one_pass(model: nn.Module, rows: np.ndarray, sums: dict[str, _Sum]) -> None:
+    """The windows through the source model, batch by batch, every tap counting its inputs."""
+    for b in range(0, len(rows), BATCH_WINDOWS):
+        mx.eval(model(mx.array(rows[b:b + BATCH_WINDOWS])))
+        mx.eval([a for s in sums.values() if s.h is not None for a in (s.h, s.n)])
+
+
+def _staged(model: nn.Module, copy: nn.Module, rows: np.ndarray, sums: dict[str, _Sum], copy_sums: dict[str, _Sum],
+            calibrate: Callable[[str], None]) -> list[str]:
+    """Sequential calibration in one pass of each model. Every batch of windows runs through `model` and through
+    `copy` in greenlets of their own (MLX stays on this thread), and each pauses at every tap, handing over its
+    input. When all of them have reached the same tap: the source model's inputs are counted (routed experts: H per
+    expert; dense: kept for the cross term), then the copy's (H~, C = X~^T X), `calibrate(tap)` puts that tap's
+    calibrated modules into the copy, and all go on, each calling the module (calibrated, in the copy) with its input.
+    A tap reached again later in the same pass (a module called twice) counts nothing more. Returns the taps in the
+    order they were calibrated."""
+    from greenlet import getcurrent, greenlet
+
+    for tap, s in sums.items():
+        s.active, s.pause = True, True
+        s.capture = [] if s.experts is None else None
+        c = copy_sums[tap]
+        c.active, c.pause, c.partner = s.experts is None, True, s
+    here = getcurrent()
+    runs = []
+    for b in range(0, len(rows), BATCH_WINDOWS):
+        batch = mx.array(rows[b:b + BATCH_WINDOWS])
+        for m in (model, copy):  # the logits are never needed: the graph past the last tap is dropped unevaluated
+            runs.append(greenlet(lambda m=m, batch=batch: m(batch) is None, parent=here))
+    states = [g.switch() for g in runs]
+    order: list[str] = []
+    while any(isinstance(p, _Paused) for p in states):
+        tap = states[0].tap if isinstance(states[0], _Paused) else None
+        if tap is None or any(not isinstance(p, _Paused) or p.tap != tap for p in states):
+            raise ConvertError(f"calibration: the batches reached different modules ({tap} first); the model's forward "
+                               "pass must call the same modules in the same order for every batch")
+        for source, mine in zip(states[0::2], states[1::2]):
+            sums[tap].add(source.x, source.args)
+            copy_sums[tap].add(mine.x, mine.args)
+            mx.eval([a for s in (sums[tap], copy_sums[tap]) for a in (s.h, s.n, s.c) if a is not None])
+        calibrate(tap)
+        order.append(tap)
+        for s in (sums[tap], copy_sums[tap]):
+            s.active = s.pause = False  # counted and calibrated: a second call of it passes straight through
+        states = [g.switch() for g in runs]
+    return order
 
 
 def _tapped(model: nn.Module, modules: dict[str, nn.Module], taps: dict[str, str]) -> dict[str, _Sum]:
+    """A _Tap in front of every tapped input. A module that shares another's input (an up_proj its gate_proj's) gets
+    one too that counts nothing: mlx-lm may call it first (kimi_k3's MLP calls up_proj before gate_proj), and in
+    order it must wait there until both are calibrated."""
     sums = {tap: _Sum(modules[tap]) for tap in sorted(set(taps.values()))}
     for tap, s in sums.items():
-        s.layer = classify(tap).layer
-    model.update_modules(tree_unflatten([(tap, _Tap(modules[tap], s)) for tap, s in sums.items()]))
+        s.tap = tap
+    shared = {p: tap for name, tap in taps.items()
+              if (p := next((q for q in (mlx_module_path(name), name) if q in modules), tap)) != tap}
+    model.update_modules(tree_unflatten([(tap, _Tap(modules[tap], s)) for tap, s in sums.items()]
+                                        + [(p, _Tap(modules[p], sums[tap], counts=False)) for p, tap in shared.items()]))
     return sums
-
-
-def _run(model: nn.Module, copy: nn.Module | None, rows: np.ndarray, sums: dict[str, _Sum], *,
-         copy_sums: dict[str, _Sum] | None, active: set[str], stop_after: int | None = None) -> None:
-    """The windows through `model` (and in step through `copy`), batch by batch; only `active` taps count. With a
-    copy, the source model's dense taps hand each batch's inputs to the copy's, and routed taps count in the source
-    model only (the copy's experts are the source's)."""
-    for tap, s in sums.items():
-        s.active, s.stop_after = tap in active, stop_after
-        s.capture = [] if copy is not None and s.experts is None else None
-        if copy_sums is not None:
-            copy_sums[tap].active = tap in active and s.experts is None
-            copy_sums[tap].partner, copy_sums[tap].stop_after = s, stop_after
-    for b in range(0, len(rows), BATCH_WINDOWS):
-        batch = mx.array(rows[b:b + BATCH_WINDOWS])
-        mx.eval(_forward(model, batch), [r for s in sums.values() if s.capture for r in s.capture])
-        if copy is not None:
-            mx.eval(_forward(copy, batch))
-        mx.eval([a for group in (sums, copy_sums or {}) for s in group.values() if s.h is not None
-                 for a in (s.h, s.n) + ((s.c,) if s.c is not None else ())])
-
-
-def _forward(model: nn.Module, batch: mx.array) -> list[mx.array]:
-    """The model's logits, or nothing when a tap stopped the pass (what the taps took is evaluated by the caller)."""
-    try:
-        return [model(batch)]
-    except _Stop:
-        return []
 
 
 def _keep(arrays: dict[str, np.ndarray], sums: dict[str, _Sum], copy_sums: dict[str, _Sum] | None,
@@ -349,8 +377,8 @@ class _Sum:
         self.active = True
         self.capture: list[mx.array] | None = None  # the source model's side: inputs handed to the copy
         self.partner: _Sum | None = None  # the copy's side: the source model's _Sum of the same tap
-        self.layer: int | None = None  # the decoder layer of the tapped module (None: outside the layers)
-        self.stop_after: int | None = None  # set: a forward pass stops at the first tap past this layer
+        self.tap = ""  # the tapped module's path
+        self.pause = False  # staged: the tap hands its input to _staged and waits (a greenlet) instead of counting it
 
     def add(self, x: mx.array, args: tuple) -> None:
         if not self.active:
@@ -383,20 +411,29 @@ class _Sum:
 
 
 class _Tap(nn.Module):
-    """A module that adds its input to a _Sum, then calls the module it stands for."""
+    """A module that adds its input to a _Sum (or, in order, waits for its tap's turn), then calls the module it
+    stands for."""
 
-    def __init__(self, inner: nn.Module, sums: _Sum):
+    def __init__(self, inner: nn.Module, sums: _Sum, counts: bool = True):
         super().__init__()
         self.inner = inner
         self._sums = sums
+        self._counts = counts  # False: a module sharing the tap's input (it only waits there)
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
-        last = self._sums.stop_after
-        if last is not None and (self._sums.layer is None or self._sums.layer > last):
-            raise _Stop  # past the layers measured now: the rest of the forward pass is never built
-        self._sums.add(x, args)
+        if self._sums.pause:
+            from greenlet import getcurrent
+
+            getcurrent().parent.switch(_Paused(tap=self._sums.tap, x=x, args=args))  # back once calibrated
+        elif self._counts:
+            self._sums.add(x, args)
         return self.inner(x, *args, **kwargs)
 
 
-class _Stop(Exception):
-    """Raised by a tap past the layer being measured (sequential calibration)."""
+@dataclass(frozen=True, kw_only=True)
+class _Paused:
+    """A forward pass waiting at a tap (sequential calibration), with the input it will call the module with."""
+
+    tap: str
+    x: mx.array
+    args: tuple
