@@ -64,10 +64,13 @@ def plan_figures(source: Path, recipe: str) -> dict:
                 by_role={r.role: r.bits_per_weight for r in p.by_role})
 
 
-def training_text(path: Path) -> Path:
+TRAINING_CHARS = 144_000  # the training text's default size: two thirds code, one third chat
+
+
+def training_text(path: Path, chars: int = TRAINING_CHARS) -> Path:
     """Calibration text from the demo's training split (written once to `path`): standard-library files and
-    conversations that scripts/make_eval_texts.py's held-out texts exclude, about as many characters of each kind
-    (96,000 of code, 48,000 of chat), taken the way it takes its own."""
+    conversations that scripts/make_eval_texts.py's held-out texts exclude, about `chars` characters, two thirds of
+    code and one third of chat (96,000 and 48,000 by default), taken the way it takes its own."""
     if path.is_file():
         return path
     import json as _json
@@ -79,9 +82,10 @@ def training_text(path: Path) -> Path:
     root = stdlib_root()
     files = corpus_files(root)
     code, total = [], 0
-    for f in [f for f in files if not is_heldout(f)][::7]:
+    kept = [f for f in files if not is_heldout(f)]
+    for f in kept[::7] + [f for i, f in enumerate(kept) if i % 7]:  # every 7th file first, as before
         text = (root / f).read_text(encoding="utf-8")
-        if total >= 96_000:
+        if total >= chars * 2 // 3:
             break
         if len(text) <= 32_000:
             code.append(text)
@@ -90,7 +94,7 @@ def training_text(path: Path) -> Path:
     train_items, _ = split_items(mine_stdlib(root, files))
     chat, total = [], 0
     for c in build_conversations(train_items, 1, passes=1):
-        if total >= 48_000:
+        if total >= chars // 3:
             break
         chat.append(render(c.messages, template))
         total += len(chat[-1])
@@ -99,10 +103,11 @@ def training_text(path: Path) -> Path:
     return path
 
 
-def convert_row(source: Path, name: str, work: Path, tokens: int | None = None) -> tuple[Path, float | None]:
+def convert_row(source: Path, name: str, work: Path, tokens: int | None = None,
+                chars: int = TRAINING_CHARS) -> tuple[Path, float | None]:
     """The recipe `name` (a recipe name, or a cal recipe's NAME@training) converted into `work`, once: its output and
     the seconds the conversion took (None: converted by an earlier run). `tokens`: a cal recipe's calibration tokens
-    (None: the default)."""
+    (None: the default); `chars`: the training text's size."""
     from tqbench.convert import convert
     from tqbench.convert.calibration import DEFAULT_TOKENS, CalibrationRequest
     from tqbench.layout.names import INDEX_FILE
@@ -111,10 +116,13 @@ def convert_row(source: Path, name: str, work: Path, tokens: int | None = None) 
     recipe_name, _, on = name.partition("@")
     recipe = Recipe.parse(recipe_name)
     tokens = tokens if recipe.calibrate and tokens not in (None, DEFAULT_TOKENS) else None
-    dest = work / (recipe.name + (f"@{on}" if on else "") + (f"-t{tokens}" if tokens else ""))
+    more = on == "training" and chars != TRAINING_CHARS
+    dest = work / (recipe.name + (f"@{on}" if on else "") + (f"-t{tokens}" if tokens else "")
+                   + (f"-c{chars}" if more else ""))
     if (dest / INDEX_FILE).is_file():
         return dest, None
-    texts = (str(training_text(work / "training-text.txt")),) if on == "training" else ()
+    text = work / (f"training-text-{chars}.txt" if more else "training-text.txt")
+    texts = (str(training_text(text, chars)),) if on == "training" else ()
     log(f"converting the demo with {name}")
     t0 = time.perf_counter()
     calibration = CalibrationRequest(texts=texts, tokens=tokens or DEFAULT_TOKENS) if recipe.calibrate else None
@@ -190,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibrate-tokens", type=int, metavar="N", help="cal recipes calibrate on about N tokens "
                                                                       "(rows named NAME (N tokens), compared with "
                                                                       "NAME's uncalibrated recipe)")
+    p.add_argument("--training-chars", type=int, default=TRAINING_CHARS, metavar="N",
+                   help="NAME@training calibrates on about N characters of training-split text")
     p.add_argument("--no-openblas", action="store_true")
     p.add_argument("--tables", type=Path, metavar="JSON", help="print the tables of an earlier run's JSON and exit")
     a = p.parse_args(argv)
@@ -211,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         recipe = Recipe.parse(recipe_name)
         label = recipe.name + at + on + (f" ({a.calibrate_tokens} tokens)" if recipe.calibrate and a.calibrate_tokens
                                          else "")
-        dest, seconds = convert_row(source, name, a.work, a.calibrate_tokens)
+        if on == "training" and a.training_chars != TRAINING_CHARS:
+            label = label.replace(at + on, f"{at}{on} ({a.training_chars:,} characters)")
+        dest, seconds = convert_row(source, name, a.work, a.calibrate_tokens, a.training_chars)
         log(f"evaluating {label}")
         rows.append(dict(name=label, plan=plan_figures(source, recipe_name), eval=evaluate(dest, source, size),
                          convert_seconds=seconds))
@@ -222,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(dict(name=f"source, {k} of {native} experts", plan=None, eval=evaluate(source, source, size, k)))
         log(row_line(rows[-1]))
     extra = [(r["name"], r["name"].split("@")[0].split(" (")[0].replace("-cal", "")) for r in rows
-             if a.calibrate_tokens and " tokens)" in r["name"]]
+             if " tokens)" in r["name"] or " characters)" in r["name"]]
     pairs = [p for p in (paired(rows, x, y) for x, y in PAIRS + extra) if p is not None]
     doc = dict(schema="tqbench.bench.quality/1", command=" ".join(sys.argv), size=size,
                machine=machine_info(a.work, ("tqbench",)), rows=rows, pairs=pairs, seconds=time.perf_counter() - t0,

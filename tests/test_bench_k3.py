@@ -92,11 +92,12 @@ def test_finish_without_a_b_cold_run_keeps_the_rows_and_skips_the_ratios():
 
 def test_quick_tier_runs_count_host_copies_and_project_k3_on_two_tiers(tmp_path):
     """Issue 33's runs: the host tier under B cold's budget reads less and serves the rest by copies, the same greedy
-    tokens as resident; the K3-box run's budgets are the box's shares; the two-tier projection follows its formula."""
+    tokens as resident; the K3-box run's budgets are the box's shares, as are those of its warm (U) and cache-routed
+    (V) forms; the two-tier projection follows its formula."""
     out = tmp_path / "k3.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "k3_gpu.py"), "--quick", "--work",
-                        str(tmp_path / "work"), "--out", str(out), "--parts", "stream,resident", "--runs", "B,H,T",
+                        str(tmp_path / "work"), "--out", str(out), "--parts", "stream,resident", "--runs", "A,B,H,T,U,V",
                         "--budget-gb", "0.0009", "--host-gb", "0.004"],
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -110,6 +111,9 @@ def test_quick_tier_runs_count_host_copies_and_project_k3_on_two_tiers(tmp_path)
     from k3_gpu import K3_BOX_SHARES, K3_MOE_LAYERS, box_budget
 
     assert box["budget_bytes"] == box_budget(d["model"], K3_BOX_SHARES["gpu"], d["config"]["workers"])
+    warm, routed = rows["B warm from A's profile, K3 box tiers"], rows["B cold, K3 box tiers, cache routing 0.02"]
+    assert warm["budget_bytes"] == routed["budget_bytes"] == box["budget_bytes"]
+    assert warm["same_tokens_as_resident"] is True  # a warm cache changes where experts come from, not the tokens
     proj = d["projection_k3_tiers"]
     layer_s = d["resident"]["token_s_median"] / d["model"]["spec"]["num_hidden_layers"]
     for row in proj["rows"]:
