@@ -51,9 +51,9 @@ def convert(
         "--calibrate-tokens", metavar="N", min=256, max=2**24,
         help="With cal / --calibrate: about N tokens of calibration text.")] = DEFAULT_TOKENS,
     calibrate_one_pass: Annotated[bool, typer.Option(
-        "--calibrate-one-pass", help="With cal / --calibrate: measure every layer's inputs in one pass of the source "
-                                     "model, instead of layer by layer on the calibrated layers' outputs (faster, "
-                                     "a smaller gain).")] = False,
+        "--calibrate-one-pass", help="With cal / --calibrate: measure every module's inputs in the source model "
+                                     "alone, instead of in order on the calibrated modules' outputs (half the "
+                                     "passes, a smaller gain).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print engine events as JSON lines on stdout.")] = False,
 ) -> None:
     """Convert a checkpoint with a recipe: flat memory, progress with ETA, resumable.
