@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +21,12 @@ from conftest import demo_source
 from model_helpers import file_bytes, output_tensors
 from model_helpers import read_tensor as read
 from tqbench.convert import convert
+from tqbench.convert.journal import Journal
 from mlx.utils import tree_unflatten
 
-from tqbench.convert.calibration import STATS, WINDOW, CalibrationRequest, Statistics
+from tqbench.convert.calibration import STATS, WINDOW, CalibrationRequest, Statistics, calibrated_modules
 from tqbench.demo import DemoSpec
-from tqbench.events import Calibrated
+from tqbench.events import Calibrated, ShardWritten
 from tqbench.quant import turboquant as tq
 from tqbench.recipe import Recipe, group_sources, make_plan
 from tqbench.source import open_checkpoint
@@ -190,6 +192,29 @@ def test_each_module_is_calibrated_on_what_the_converted_model_feeds_it(demo_src
                                                                              rel(source, converted))
 
 
+def test_the_pass_codes_are_written_as_the_conversion_would_choose_them(demo_src, pair, tmp_path):
+    """The in-order pass keeps every calibrated module's codes (it chose them to put the module into the copy) and
+    the conversion writes those instead of choosing them again: converting with the codes taken out of the kept
+    statistics, so that every module is quantized from its H, gives the same bytes."""
+    cal = pair[1]
+    stats = Statistics.load(cal / STATS)
+    kept = {k.rpartition("|")[0] for k in stats.arrays if k.endswith("|codes")}
+    plan = make_plan(group_sources(open_checkpoint(demo_src)), Recipe.parse(K3 + "-cal"))
+    assert kept == {m.name for m in calibrated_modules(plan)} and any(m.experts for m in calibrated_modules(plan))
+    dst = tmp_path / "recomputed"
+    shutil.copytree(cal, dst)  # the same conversion, every shard to be written again, the statistics kept
+    done = Journal.load(dst)
+    Journal(path=done.path, source=done.source, plan=done.plan, recipe=done.recipe, copied=done.copied).save()
+    Statistics({k: v for k, v in stats.arrays.items() if not k.endswith(("|codes", "|scales", "|error"))},
+               stats.taps, stats.meta).save(dst / STATS)
+    events = run(demo_src, dst, K3 + "-cal")
+    assert next(e for e in events if isinstance(e, Calibrated)).reused
+    assert sum(isinstance(e, ShardWritten) for e in events) == len(list(dst.glob("model-*.safetensors")))
+    assert Statistics.load(dst / STATS).quantized(sorted(kept)[0], None) is None  # read back as written: no codes
+    mine, theirs = file_bytes(dst), file_bytes(cal)
+    assert mine.pop(STATS) != theirs.pop(STATS) and mine == theirs
+
+
 def _cli(src: Path, dst: Path, env: dict | None = None, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tqbench", "convert", "--hf-path", str(src), "--mlx-path", str(dst), "--recipe",
            K3, "--calibrate", "--calibrate-tokens", str(TOKENS), "--shard-size", str(SHARD), *extra]
@@ -212,7 +237,6 @@ def test_other_calibration_text_is_another_conversion(demo_src, pair, tmp_path, 
     text = tmp_path / "mine.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 200)
     dst = tmp_path / "out"
-    import shutil
 
     shutil.copytree(pair[1], dst)
     r = tqbench(capsys, monkeypatch, "convert", "--hf-path", demo_src, "--mlx-path", dst, "--recipe", K3 + "-cal",

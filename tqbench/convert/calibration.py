@@ -112,6 +112,25 @@ class Statistics:
             return None
         return expert_hessian(h[expert], float(count[expert]), pooled, total, EXPERT_PRIOR * h.shape[-1])
 
+    def quantized(self, module: str, expert: int | None) -> tq.Quantized | None:
+        """The codes the in-order pass chose for a module (one expert of it) when it put the module's calibrated
+        values into the copy: what the conversion writes, so it does not compute them a second time; None where the
+        pass kept none (one pass, or a module the copy could not take)."""
+        codes = self.arrays.get(f"{module}|codes")
+        if codes is None:
+            return None
+        scales, error = self.arrays[f"{module}|scales"], self.arrays[f"{module}|error"]
+        if expert is not None:
+            codes, scales, error = codes[expert], scales[expert], error[expert]
+        return tq.Quantized(weight=mx.array(codes), scales=mx.array(scales), rel_error=float(error))
+
+    def keep_quantized(self, module: str, qs: list[tq.Quantized], experts: bool) -> None:
+        """Keep a module's codes (`qs`: one, or one per expert) for `quantized`."""
+        stack = np.stack if experts else (lambda a: a[0])
+        self.arrays[f"{module}|codes"] = stack([np.array(q.weight) for q in qs])
+        self.arrays[f"{module}|scales"] = stack([np.array(q.scales) for q in qs])
+        self.arrays[f"{module}|error"] = stack([np.array(q.rel_error, dtype=np.float64) for q in qs])
+
     def weights(self, module: str, w: mx.array) -> mx.array:
         """The weights a module's codes are fitted to: w itself, or w A where sequential calibration measured the
         correction A (its output on the source model's inputs, from the calibrated model's)."""
@@ -321,6 +340,7 @@ def _calibrated_into(model: nn.Module, modules: dict[str, nn.Module], group: lis
         w = target.weight
         target_w = stats.weights(m.name, w[rows].astype(mx.float32))
         q = quantize_calibrated(target_w, kind, c.group_size, signs, h, rule=plan.recipe.scales)
+        stats.keep_quantized(m.name, [q], experts=False)
         hat = tq.dequantize(q.weight, q.scales, mx.array(tq.codebook(kind)), signs, n).astype(w.dtype)
         target.weight = mx.concatenate([w[:rows.start], hat, w[rows.stop:]]) if rows != slice(0, w.shape[0]) else hat
 
@@ -348,12 +368,14 @@ def _experts_into(model: nn.Module, modules: dict[str, nn.Module], m: ModulePlan
     kind = "T" if c.ternary else str(c.bits)
     signs = mx.array(tq.rotation_signs(m.name, n, plan.recipe.seed)) if rotated(plan.recipe, n) else None
     book = mx.array(tq.codebook(kind))
-    hats = []
+    hats, qs = [], []
     for e in range(experts):
         h, we = stats.hessian(m.name, e), w[e].astype(mx.float32)
         q = (quantize_calibrated(we, kind, c.group_size, signs, h, rule=plan.recipe.scales) if h is not None
              else tq.quantize(we, kind, c.group_size, signs, rule=plan.recipe.scales))
         hats.append(tq.dequantize(q.weight, q.scales, book, signs, n))
+        qs.append(q)
+    stats.keep_quantized(m.name, qs, experts=True)
     new = SwitchLinear(n, out, experts, bias=False)
     new.weight = mx.stack(hats)  # float32: gather_mm on the CPU takes float32 only
     mx.eval(new.weight)

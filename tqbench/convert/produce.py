@@ -114,7 +114,10 @@ class Producer:
                 signs = self.signs(m, w.shape[-1])
                 rot = mx.array(signs) if signs.min() < 0 else None
                 h = self.calibration.hessian(m.name, expert) if self.calibration is not None else None
-                if h is not None:
+                kept = self.calibration.quantized(m.name, expert) if h is not None else None
+                if kept is not None:  # chosen by the in-order pass already, from these weights and this H
+                    q = kept
+                elif h is not None:
                     w = self.calibration.weights(m.name, w)
                     q = quantize_calibrated(w, kind, c.group_size, rot, h, rule=self.recipe.scales)
                 else:
