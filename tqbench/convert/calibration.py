@@ -217,7 +217,7 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Statist
         _keep(arrays, sums, copy_sums, {tap})
         _calibrated_into(copy, copy_modules, groups[tap], Statistics(arrays, taps, {}), plan)
 
-    meta["order"] = _staged(model, copy, rows, sums, copy_sums, calibrate)
+    meta["order"] = _staged(model, copy, rows, sums, copy_sums, calibrate=calibrate)
     return Statistics(arrays, taps, meta)
 
 
@@ -228,7 +228,7 @@ def _one_pass(model: nn.Module, rows: np.ndarray, sums: dict[str, _Sum]) -> None
         mx.eval([a for s in sums.values() if s.h is not None for a in (s.h, s.n)])
 
 
-def _staged(model: nn.Module, copy: nn.Module, rows: np.ndarray, sums: dict[str, _Sum], copy_sums: dict[str, _Sum],
+def _staged(model: nn.Module, copy: nn.Module, rows: np.ndarray, sums: dict[str, _Sum], copy_sums: dict[str, _Sum], *,
             calibrate: Callable[[str], None]) -> list[str]:
     """Sequential calibration in one pass of each model. Every batch of windows runs through `model` and through
     `copy` in greenlets of their own (MLX stays on this thread), and each pauses at every tap, handing over its
