@@ -27,6 +27,8 @@ over calibration text.
 - **Stored** in the output directory (STATS, replaced atomically) with the digest of the texts, before the first
   shard: a resumed conversion reads it back instead of running the model again, so it writes the same bytes. The
   digest is part of the plan fingerprint (tqbench.convert.pipeline.layout): other texts are another conversion.
+  With the statistics go the codes the in-order pass chose for each module to put it into the copy
+  (Statistics.quantized): the conversion writes those rather than choose them again from the same weights and H.
 """
 
 from __future__ import annotations
