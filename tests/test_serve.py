@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+from dataclasses import replace
 import os
 import re
 import shutil
@@ -646,6 +647,11 @@ def test_each_pipeline_rank_shows_in_the_status_metrics_and_live_feed():
     assert 'tqbench_rank_expert_stall_seconds_total{rank="0"} 0.25\n' in text
     assert 'tqbench_rank_forward_passes_total{rank="1"} 11\n' in text
     assert wire.decode_status(json.loads(json.dumps(wire.status_dict(served)))).stream.ranks == ranks
+    # the guard on tool calls the server gives every request: a line of its status, and it travels to an attached face
+    assert not any(line.startswith("tool calls") for line in lines)
+    guarded = replace(served, tool_syntax="schema")
+    assert report.TOOL_GUARDS["schema"] in report.status_lines(guarded)
+    assert wire.decode_status(json.loads(json.dumps(wire.status_dict(guarded)))).tool_syntax == "schema"
 
 
 # ---- the server's edges ---------------------------------------------------------------------------------------------

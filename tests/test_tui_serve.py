@@ -13,7 +13,7 @@ import sys
 import threading
 
 import pytest
-from textual.widgets import Input, RichLog, Static
+from textual.widgets import Input, RichLog, Select, Static
 
 from tqbench.demo import ensure_demo
 from tqbench.serve import report
@@ -68,9 +68,11 @@ async def test_serve_the_demo_from_the_screen(tmp_path):
         set_field(screen, "serve-port", "0")
         set_field(screen, "serve-key", "sekrit")
         set_field(screen, "serve-budget", BUDGET)
+        screen.query_one("#serve-tools", Select).value = "schema"  # the guard `tqbench serve --tool-syntax` sets
         await pilot.press("r")
         await wait_for(pilot, lambda: screen.status is not None or screen.error is not None, "the server", 60)
         assert screen.error is None
+        assert screen.status.tool_syntax == "schema" and report.TOOL_GUARDS["schema"] in text(screen, "#serve-status")
         url = SERVING.match(text(screen, "#serve-line")).group(1)
         assert screen.server.url == url and screen.server.port != 0
         assert text(screen, "#serve-line") == report.serving_line(url, demo.name, True, "x stops")

@@ -8,6 +8,8 @@ from tqbench.chat.report import cache_routing_text, rank_line
 from tqbench.serve.service import RequestDone, ServeStatus
 
 ENDINGS = {"length": "max tokens", "tool_calls": "tool calls", "cancelled": "client left"}
+TOOL_GUARDS = {"greedy": "tool calls: their blocks decoded greedily, whatever the temperature (--tool-syntax greedy)",
+               "schema": "tool calls: held to an offered tool and its JSON schema (--tool-syntax schema)"}
 RESIDENT_LINE = "experts resident: no expert map (serve with a cache budget to watch experts page in)"
 
 
@@ -48,6 +50,8 @@ def status_lines(st: ServeStatus) -> list[str]:
              f"tokens {st.prompt_tokens:,} prompt (+{st.cached_tokens:,} from the prompt cache), "
              f"{st.completion_tokens:,} generated; {st.decode_tps:.1f} tok/s, first token "
              f"{st.ttft_s * 1000:.0f} ms (last request)"]
+    if st.tool_syntax in TOOL_GUARDS:
+        lines.append(TOOL_GUARDS[st.tool_syntax])
     if st.stream is not None:
         s = st.stream.stats
         lines.append(f"experts: hit rate {s.hit_rate():.1%} ({s.hits:,} hits, {s.misses:,} misses), "

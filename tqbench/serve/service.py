@@ -84,6 +84,7 @@ class ServeStatus:
     layers: tuple[tuple[int, int], ...] = ()  # (MoE layer, routed experts) of every streamed layer: the map's shape
     prefill_s: float = 0.0  # seconds spent processing prompts, all requests
     prefilling: PrefillProgress | None = None  # the running request's prompt, while it is processed
+    tool_syntax: str = "sample"  # the guard every request's tool calls get (`--tool-syntax`: sample, greedy, schema)
 
     @property
     def hit_rate(self) -> float | None:
@@ -243,7 +244,8 @@ class Service:
                                decode_tps=tokens / decode_s if decode_s > 0 else 0.0, ttft_s=c.ttft_s,
                                stream=self._stream,
                                layers=self.loaded.stream.layers if self.loaded.stream is not None else (),
-                               prefill_s=c.prefill_s, prefilling=self._prefill)
+                               prefill_s=c.prefill_s, prefilling=self._prefill,
+                               tool_syntax=self.loaded.sampling.tool_syntax)
 
     def watch(self) -> Watcher:
         """A live feed of this server's events (PageIn, RequestDone, ServeStatus); close it when done."""

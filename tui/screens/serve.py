@@ -1,9 +1,10 @@
 """The Serve screen: the OpenAI-compatible server (tqbench.serve) from the UI, with its expert map live. The second
 face of the engine objects `tqbench serve` drives; every line about a server comes from tqbench.serve.report.
 
-Start serving (r, or enter in the first row's fields): the model the Chat screen would open (the last converted
+Start serving (r, or enter in the serve row's fields): the model the Chat screen would open (the last converted
 model, else the demo, converted first if needed) on 127.0.0.1 and the port given (0: any free port), with an optional
-API key and the expert cache budget (`fit`, as chat by default; a size streams the experts, and the map shows them).
+API key and the expert cache budget (`fit`, as chat by default; a size streams the experts, and the map shows them),
+and the guard on tool calls (`--tool-syntax`: sampled as asked, decoded greedily, or held to the tool's schema).
 The screen keeps its own ChatSession and loads it with the Chat screen's load controller (tui.screens.chat_load,
 the same ChatRequest path and messages) rather than borrow the Chat screen's session: a server's requests would
 otherwise share the engine model with a conversation the user is having, stopping the server must drop the model
@@ -11,7 +12,7 @@ it loaded (the session's close) without taking the Chat screen's away, and servi
 ever being opened. Then a Service and its HTTP Server (listening at once in their own threads); x stops it (the
 server's close, then the session's, in a worker), and so does leaving the app (the screen's unmount).
 
-Attach (a, or enter in the second row's fields): a server another process runs, at its URL (with its API key),
+Attach (a, or enter in the attach row's fields): a server another process runs, at its URL (with its API key),
 through tqbench.serve.client.watch; unreachable or a refused key is the client's one line in place; x detaches.
 
 Either way a thread worker (tui.screens.serve_relay) reads the feed (PageIn, RequestDone, ServeStatus records) and
@@ -31,11 +32,11 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import Header, Input, Label, RichLog, Static
+from textual.widgets import Header, Input, Label, RichLog, Select, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from tqbench.chat.live import PageInMap
-from tqbench.chat.request import ChatRequest
+from tqbench.chat.request import TOOL_SYNTAX, ChatRequest
 from tqbench.errors import TqbenchError
 from tqbench.serve import report
 from tui.messages import (ChatConvertProgress, ChatLoadFailed, ChatLoadStep, ChatModelReady, ServeFeed, ServeFeedEnded,
@@ -58,6 +59,7 @@ STOP_GROUP = "serve-stop"
 IDLE_LINE = "not serving: r serves the Chat screen's model on the port given; a attaches to the URL given"
 STOPPING_LINE = "stopping: the running request ends after its current token..."
 PORT_ERROR = "port: give 0 (any free port) to 65535"
+TOOLS_HINT = "guards on agents' calls (--tool-syntax)"
 
 
 class ServeInput(OrderedInput):
@@ -81,6 +83,8 @@ class ServeScreen(Screen):
     ServeScreen #serve-port { width: 7; }
     ServeScreen #serve-key, ServeScreen #attach-key { width: 16; }
     ServeScreen #serve-budget { width: 10; }
+    ServeScreen #serve-tools { width: 12; margin: 0 2 0 0; }
+    ServeScreen .serve-hint { color: $text-muted; }
     ServeScreen #attach-url { width: 30; }
     ServeScreen #serve-error { display: none; height: auto; padding: 0 1; color: $text-error;
                                background: $error-muted; text-style: bold; }
@@ -123,6 +127,12 @@ class ServeScreen(Screen):
             yield ServeInput(placeholder="none", password=True, id="serve-key")
             yield Label("cache budget")
             yield ServeInput(self.request.stream.budget, id="serve-budget")
+        with Horizontal(classes="serve-row"):
+            yield Label("", classes="serve-row-title")
+            yield Label("tool calls")
+            yield Select([(s, s) for s in TOOL_SYNTAX], value="sample", allow_blank=False, compact=True,
+                         id="serve-tools")
+            yield Label(TOOLS_HINT, classes="serve-hint")
         with Horizontal(classes="serve-row"):
             yield Label("Attach", classes="serve-row-title")
             yield Label("URL")
@@ -178,7 +188,9 @@ class ServeScreen(Screen):
             self._set_error(one_line(e))
             return
         self.options = ServeOptions(host=HOST, port=self.server.port, api_key=self.field("serve-key") or None)
-        request = replace(self.request, stream=replace(self.request.stream, budget=self.field("serve-budget") or "fit"))
+        tools = str(self.query_one("#serve-tools", Select).value)
+        request = replace(self.request, stream=replace(self.request.stream, budget=self.field("serve-budget") or "fit"),
+                          sampling=replace(self.request.sampling, tool_syntax=None if tools == "sample" else tools))
         self.state = "loading"
         self._line(choosing_line())
         self.model.start(request)
