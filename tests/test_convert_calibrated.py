@@ -153,14 +153,13 @@ class _Seen(nn.Module):
         return self.inner(x, *args, **kwargs)
 
 
-def _inputs_h(model_dir: Path, tap: str, rows: np.ndarray) -> np.ndarray:
-    """X^T X of the input `tap` gets when `model_dir`, loaded as chat loads it, runs the calibration windows."""
-    model = load(model_dir, tokenizer=False).model
-    seen = _Seen(dict(model.named_modules())[tap])
-    model.update_modules(tree_unflatten([(tap, seen)]))
+def _inputs_h(model: nn.Module, taps: list[str], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """X^T X of the inputs `taps` get when `model` runs the calibration windows (one forward pass)."""
+    seen = {tap: _Seen(dict(model.named_modules())[tap]) for tap in taps}
+    model.update_modules(tree_unflatten(list(seen.items())))
     mx.eval(model(mx.array(rows)))
-    x = np.array(mx.concatenate(seen.seen), dtype=np.float64)
-    return x.T @ x
+    xs = {tap: np.array(mx.concatenate(s.seen), dtype=np.float64) for tap, s in seen.items()}
+    return {tap: x.T @ x for tap, x in xs.items()}
 
 
 def test_each_module_is_calibrated_on_what_the_converted_model_feeds_it(demo_src, pair):
@@ -168,12 +167,10 @@ def test_each_module_is_calibrated_on_what_the_converted_model_feeds_it(demo_src
     independently: in layer 0 to within bf16 arithmetic (kimi_k3's MLP calls up_proj before gate_proj, so the two
     wait at their shared tap together: measured 0.3-0.6%, against 10% when up_proj ran uncalibrated), and at the
     last input (the routings of the two runs part where scores nearly tie) far closer than the source model's."""
-    from tqbench.runtime.load import load as load_tokenizer_too
-
     stats = Statistics.load(pair[1] / STATS)
     dense = [t for t in stats.meta["order"] if stats.arrays[f"{t}|h"].ndim == 2]
-    tokenizer = load_tokenizer_too(demo_src).tokenizer
-    windows = plan_windows({t.name: token_stream(t, tokenizer) for t in default_texts()}, WINDOW, TOKENS)
+    source = load(demo_src)  # loaded as chat loads it, as is the converted model
+    windows = plan_windows({t.name: token_stream(t, source.tokenizer) for t in default_texts()}, WINDOW, TOKENS)
     rows = np.concatenate([w.x for w in windows])
     assert rows.size == stats.meta["tokens"]
 
@@ -182,14 +179,16 @@ def test_each_module_is_calibrated_on_what_the_converted_model_feeds_it(demo_src
 
     first = [t for t in dense if ".layers.0." in t]
     assert len(first) >= 3
-    for tap in first + dense[-1:]:
-        converted, source, measured = (_inputs_h(pair[1], tap, rows), _inputs_h(demo_src, tap, rows),
-                                       stats.arrays[f"{tap}|h"])
+    taps = first + dense[-1:]
+    converted = _inputs_h(load(pair[1], tokenizer=False).model, taps, rows)
+    original = _inputs_h(source.model, taps, rows)
+    for tap in taps:
+        measured = stats.arrays[f"{tap}|h"]
         if tap in first:
-            assert rel(measured, converted) < 0.01, tap
+            assert rel(measured, converted[tap]) < 0.01, tap
         else:
-            assert rel(measured, converted) < 0.4 * rel(source, converted), (rel(measured, converted),
-                                                                             rel(source, converted))
+            assert rel(measured, converted[tap]) < 0.4 * rel(original[tap], converted[tap]), (
+                rel(measured, converted[tap]), rel(original[tap], converted[tap]))
 
 
 def test_the_pass_codes_are_written_as_the_conversion_would_choose_them(demo_src, pair, tmp_path):
