@@ -125,7 +125,10 @@ class HubServer:
             thread.start()
             self._servers.append(server)
             self._threads.append(thread)
-        self.endpoint, self.cdn_endpoint = (f"http://127.0.0.1:{s.server_address[1]}" for s in self._servers)
+        # The CDN under another host name, as the Hub's is (huggingface_hub follows a redirect to the same host and
+        # would read the CDN's headers, which have no X-Repo-Commit); both listen on 127.0.0.1.
+        hub, cdn = (s.server_address[1] for s in self._servers)
+        self.endpoint, self.cdn_endpoint = f"http://127.0.0.1:{hub}", f"http://localhost:{cdn}"
         return self
 
     def __exit__(self, *exc: object) -> None:
