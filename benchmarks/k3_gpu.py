@@ -541,10 +541,14 @@ def finish(doc: dict) -> None:
         layers = doc["model"]["spec"]["num_hidden_layers"]
         doc["projection_k3"] = projection(cold["read_s_per_miss"], doc["resident"]["token_s_median"] / layers, hit,
                                           raw_gbps)
-        box = next((r for r in doc["stream"]["rows"] if r["label"] == "B cold, K3 box tiers"), None)
-        if box is not None:
-            doc["projection_k3_tiers"] = tier_projection(box, cold["read_s_per_miss"],
-                                                         doc["resident"]["token_s_median"] / layers, raw_gbps)
+        boxes = {r["label"]: r for r in doc["stream"]["rows"] if "K3 box tiers" in r["label"]}  # runs T, U, V
+        per_layer = doc["resident"]["token_s_median"] / layers
+        if "B cold, K3 box tiers" in boxes:
+            doc["projection_k3_tiers"] = tier_projection(boxes["B cold, K3 box tiers"], cold["read_s_per_miss"],
+                                                         per_layer, raw_gbps)
+        if boxes:
+            doc["projection_k3_tiers_by_run"] = {label: tier_projection(r, cold["read_s_per_miss"], per_layer, raw_gbps)
+                                                 for label, r in boxes.items()}
 
 
 def combine(docs: list[dict], names: list[str]) -> dict:

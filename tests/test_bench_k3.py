@@ -121,3 +121,12 @@ def test_quick_tier_runs_count_host_copies_and_project_k3_on_two_tiers(tmp_path)
         want = 1 / (K3_MOE_LAYERS * k * box["tiers"]["disk"] * cold["read_s_per_miss"]
                     + K3_MOE_LAYERS * k * box["tiers"]["host"] * proj["host_wait_s"] + 93 * layer_s)
         assert row["tps"] == pytest.approx(want)
+    by_run = d["projection_k3_tiers_by_run"]  # the same formula for each K3-box run, with its own tiers and stall
+    assert set(by_run) == {box["label"], warm["label"], routed["label"]} and by_run[box["label"]] == proj
+    for label, p in by_run.items():
+        r = rows[label]
+        stall_on_misses = r["misses_per_token"] * cold["read_s_per_miss"]
+        assert p["host_wait_s"] == pytest.approx(max(0.0, r["stall_s_per_token"] - stall_on_misses)
+                                                 / r["host_hits_per_token"])
+        assert [x["misses_per_token"] for x in p["rows"]] == pytest.approx([K3_MOE_LAYERS * k * r["tiers"]["disk"]
+                                                                            for k in (16, 8)])
