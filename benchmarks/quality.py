@@ -109,7 +109,7 @@ def convert_row(source: Path, name: str, work: Path, tokens: int | None = None,
     the seconds the conversion took (None: converted by an earlier run). `tokens`: a cal recipe's calibration tokens
     (None: the default); `chars`: the training text's size."""
     from tqbench.convert import convert
-    from tqbench.convert.calibration import DEFAULT_TOKENS, CalibrationRequest
+    from tqbench.convert.calibration_request import DEFAULT_TOKENS, CalibrationRequest
     from tqbench.layout.names import INDEX_FILE
     from tqbench.recipe import Recipe
 

@@ -24,9 +24,10 @@ from tqbench.convert import convert
 from tqbench.convert.journal import Journal
 from mlx.utils import tree_unflatten
 
-from tqbench.convert.calibration import STATS, WINDOW, CalibrationRequest, Statistics, calibrated_modules
+from tqbench.convert.calibration import STATS, Statistics, calibrated_modules
+from tqbench.convert.calibration_request import WINDOW, CalibrationRequest
 from tqbench.demo import DemoSpec
-from tqbench.events import Calibrated, ShardWritten
+from tqbench.events import CalibrationProgress, Calibrated, ConvertStarted, ShardWritten
 from tqbench.quant import turboquant as tq
 from tqbench.recipe import Recipe, group_sources, make_plan
 from tqbench.source import open_checkpoint
@@ -51,13 +52,44 @@ def run(src: Path, dst: Path, name: str, **kw) -> list:
 
 
 @pytest.fixture(scope="module")
-def pair(demo_src, tmp_path_factory) -> tuple[Path, Path]:
+def calibrated_run(demo_src, tmp_path_factory) -> tuple[Path, list]:
+    """The K3 recipe calibrated: its output and events."""
+    dst = tmp_path_factory.mktemp("cal") / "cal"
+    return dst, run(demo_src, dst, K3 + "-cal")
+
+
+@pytest.fixture(scope="module")
+def pair(demo_src, calibrated_run, tmp_path_factory) -> tuple[Path, Path]:
     """The K3 recipe converted plainly and calibrated."""
-    base = tmp_path_factory.mktemp("cal")
-    run(demo_src, base / "plain", K3)
-    events = run(demo_src, base / "cal", K3 + "-cal")
-    assert [type(e) for e in events[:2]][0] is Calibrated
-    return base / "plain", base / "cal"
+    plain = tmp_path_factory.mktemp("plain") / "plain"
+    run(demo_src, plain, K3)
+    return plain, calibrated_run[0]
+
+
+def test_calibration_progress_comes_first_weighed_by_each_inputs_modules(demo_src, calibrated_run):
+    """One CalibrationProgress per module input, in the pass's order, then Calibrated, then the conversion. The
+    fraction weighs each input by its calibrated modules' weights (recomputed from the plan and the order kept
+    with the statistics)."""
+    dst, events = calibrated_run
+    steps = [e for e in events if isinstance(e, CalibrationProgress)]
+    done = next(i for i, e in enumerate(events) if isinstance(e, Calibrated))
+    assert events[:done] == steps and isinstance(events[done + 1], ConvertStarted)
+    cal = events[done]
+    stats = Statistics.load(dst / STATS)
+    order = stats.meta["order"]
+    assert [e.done for e in steps] == list(range(1, len(order) + 1)) and [e.at for e in steps] == order
+    assert all(e.total == cal.inputs == len(order) and e.step == "inputs" and e.tokens == cal.tokens for e in steps)
+    plan = make_plan(group_sources(open_checkpoint(demo_src)), Recipe.parse(K3 + "-cal"))
+    weight = {t: 0 for t in order}
+    for m in calibrated_modules(plan):
+        if m.name in stats.taps:
+            weight[stats.taps[m.name]] += int(np.prod(m.source.shape)) * max(m.source.experts, 1)
+    total, running = sum(weight.values()), 0
+    for e in steps:
+        running += weight[e.at]
+        assert e.fraction == pytest.approx(running / total, rel=1e-12)
+    assert steps[-1].fraction == 1.0 and steps[-1].eta == 0.0
+    assert [e.elapsed for e in steps] == sorted(e.elapsed for e in steps) and steps[-1].elapsed <= cal.seconds
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +278,11 @@ def test_other_calibration_text_is_another_conversion(demo_src, pair, tmp_path, 
     assert r.code == 0, r.err
     assert file_bytes(dst) != file_bytes(pair[1])
     assert output_tensors(dst) == output_tensors(pair[1])
+    # piped stderr: a line at every tenth of the calibration, the last at 100% with every input counted
+    lines = [ln for ln in r.err.splitlines() if ln.startswith("calibrate ")]
+    inputs = len(Statistics.load(dst / STATS).meta["order"])
+    assert len(lines) >= 5 and lines[-1].startswith(f"calibrate 100%: {inputs} of {inputs} inputs, ")
+    assert [int(ln.split()[1].rstrip("%:")) for ln in lines] == sorted(int(ln.split()[1].rstrip("%:")) for ln in lines)
 
 
 @pytest.mark.parametrize("bad,why", [("missing.txt", "no such file"), ("dir", "a directory"),

@@ -582,3 +582,61 @@ async def test_an_output_that_cannot_be_made_is_refused_in_one_line(src, tmp_pat
             assert not screen.running and screen.started is None
     assert notes.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == before
     assert not Path("/proc/nope").exists()
+
+
+# ---- a calibrated recipe --------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+async def test_calibrated_recipe_runs_on_the_typed_text_and_is_complete_after(src, tmp_path, monkeypatch):
+    """A `cal` recipe shows the calibration row. A missing text file is one line naming it; the run calibrates on the
+    typed text and tokens (its progress on the bar, the Calibrated in the summary) and writes what the engine writes
+    with the same request; checked again, the output is complete (the texts' digest is in the check's fingerprint,
+    as in the run's), and another text makes it a conflict."""
+    from tqbench.convert.calibration_request import CalibrationRequest
+    from tqbench.events import CalibrationProgress, Calibrated
+    from tqbench.texts import default_texts
+    from tui.widgets.run_progress import RunProgress
+
+    text = tmp_path / "cal.txt"
+    text.write_text("\n\n".join(default_texts()[0].documents[:40]), encoding="utf-8")
+    name = RECIPE + "-cal"
+    shown: list = []
+    original = RunProgress.calibrating
+    monkeypatch.setattr(RunProgress, "calibrating", lambda self, ev: (shown.append(ev), original(self, ev))[1])
+    app = TqbenchApp(src)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_convert(pilot)
+        assert not screen.query_one("#calibration-row").display
+        app.recipe = Recipe.parse(name)
+        await settle(pilot)
+        assert screen.query_one("#calibration-row").display
+        await set_field(pilot, "#cal-text", str(tmp_path / "missing.txt"))
+        assert status_text(screen) == f"error: {tmp_path / 'missing.txt'}: no such file"
+        await set_field(pilot, "#cal-text", str(text))
+        await set_field(pilot, "#cal-tokens", "512")
+        assert status_text(screen).startswith("new output")
+        table = screen.query_one(LayerTable)
+        assert table.region.height >= 8 and table.region.bottom <= 23  # the row still fits 80x24
+        await pilot.press("r")
+        await settle(pilot)
+        dest = default_dest(src, name)
+        assert status_text(screen).startswith("complete:")
+        cal = screen.calibrated
+        assert isinstance(cal, Calibrated) and cal.tokens == 512 and not cal.reused
+        assert shown and all(isinstance(e, CalibrationProgress) for e in shown) and shown[-1].fraction == 1.0
+        assert [e.done for e in shown] == sorted(e.done for e in shown) and shown[-1].done == shown[-1].total
+        summary = " ".join(rate_text(screen).split())
+        assert f"calibrated 512 tokens, {cal.inputs} inputs for {cal.modules} modules, measured in {cal.seconds:.0f} s " \
+            "written to" in summary
+        assert screen.query_one("#convert-rate").region.height == 4  # done, rel. error, calibrated, written to
+
+        out = tmp_path / "direct"
+        request = CalibrationRequest(texts=(str(text),), tokens=512)
+        list(_real_convert(src, out, Recipe.parse(name), SHARD, calibration=request))
+        ours, theirs = output_files(dest), output_files(out)
+        assert sorted(ours) == sorted(theirs) and all(ours[n] == theirs[n] for n in theirs)
+
+        await set_field(pilot, "#cal-tokens", "1024")  # other statistics: another conversion
+        assert status_text(screen).startswith("conflict:")
+        await set_field(pilot, "#cal-tokens", "512")
+        assert status_text(screen).startswith("complete:")

@@ -12,6 +12,7 @@ from textual.message import Message
 
 import tqbench.chat.records
 import tqbench.convert
+import tqbench.convert.calibration_request
 import tqbench.events
 import tqbench.recipe
 import tqbench.runtime.conversation
@@ -30,7 +31,7 @@ MESSAGES = [c for c in vars(messages).values()
 
 def hints(cls) -> dict:
     """The resolved field types, given the engine modules the messages name under TYPE_CHECKING."""
-    names = {}
+    names = {"CalibrationRequest": tqbench.convert.calibration_request.CalibrationRequest}
     for module in (tqbench.convert, tqbench.events, tqbench.recipe, tqbench.source, tui.tally, tqbench.runtime.conversation,
                    tqbench.chat.choose, tqbench.chat.records, tqbench.stream, tqbench.serve.service):
         names.update({k: v for k, v in vars(module).items() if isinstance(v, type)})
@@ -128,6 +129,10 @@ def test_payload_types_match_what_the_workers_post(tmp_path):
         messages.RecipeChosen(recipe=recipe),
         messages.DestinationChecked(request_id=1, key=(ckpt, recipe, 5 << 30), layout=lay, status=status,
                                     dest=tmp_path / "out"),
+        messages.DestinationChecked(request_id=2, key=(ckpt, recipe, 5 << 30), layout=lay, status=status,
+                                    dest=tmp_path / "out",
+                                    calibration=tqbench.convert.calibration_request.read_calibration(texts="",
+                                                                                                     tokens="8192")),
         messages.ScanStarted(load_id=1, text="opening", path=Path(src)),
         messages.FilterApplied(filter_id=1, pattern="", rows=[(t, (Text(t.entry.name),)) for t in ckpt.tensors[:3]],
                                matches=3, total=3),

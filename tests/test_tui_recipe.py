@@ -130,7 +130,8 @@ def controls(app) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", [INITIAL_RECIPE, "tq4", "tq2-g32", "tq3a-tqTe-g64-mlpg128", "tq4-tq3a-tq2e-down3",
                                   "affine4-g32", "affine6-affine4a-affine2e-down8", "tq3-mxfp4e", "tq3-srce-g128",
-                                  "src", "srca-tq2e-down4", "srca-tqTe", "tq3-norot-seed7", "affine4-tqTe-down4"])
+                                  "src", "srca-tq2e-down4", "srca-tqTe", "tq3-norot-seed7", "affine4-tqTe-down4",
+                                  "tq3-g64-cal", "tq3a-tqTe-down4-g64-cal", "affine4-tq3e-cal"])
 def test_controls_spell_the_same_recipe_as_the_name(name):
     recipe = Recipe.parse(name)
     values = controls_from_recipe(recipe)
@@ -182,6 +183,7 @@ async def test_controls_update_the_numbers(tiny, engine):
             (["down", "left", "left"], "tq4a-tq4e-down2-g128"),  # expert down 4 -> 2 (choices: none, 2, 3, 4)
             (["down", "down", "right"], "tq4a-tq4e-down2-g128-norot"),  # rotation on -> off
             (["down", "right"], "tq4a-tq4e-down2-g128-norot-rms"),  # scales searched -> rms
+            (["down", "right"], "tq4a-tq4e-down2-g128-norot-rms-cal"),  # rounding nearest -> calibrated
         ]
         for keys, name in steps:
             await pilot.press(*keys)
@@ -215,7 +217,8 @@ async def test_typed_names_set_the_controls_and_bad_ones_are_refused(tiny, engin
         await pilot.press(*"-norot")  # typed: "-", "-n", ... are bad names for a moment, then it is good again
         await settle(pilot)
         assert controls(app) == {"base": "tq2", "group": "32", "attn": "4", "experts": "tq3", "down": "none",
-                                 "mlpg": "128", "rotation": "off", "scales": "search"}
+                                 "mlpg": "128", "rotation": "off", "scales": "search",
+                                 "rounding": "nearest"}
         assert not screen.query_one("#recipe-status").has_class("error")
         name = "tq2-tq4a-tq3e-g32-mlpg128-norot"
         assert column(table, CURRENT) == expected_cells(*engine(name, RESIDENT_MEMORY))
@@ -224,7 +227,7 @@ async def test_typed_names_set_the_controls_and_bad_ones_are_refused(tiny, engin
         assert controls(app)["base"] == "affine4" and controls(app)["experts"] == "mxfp4"
         assert screen.query_one("#down", CycleSelect).disabled and screen.query_one("#mlpg", CycleSelect).disabled
         assert screen.query_one("#rotation", CycleSelect).disabled  # no TurboQuant tier
-        assert screen.query_one("#scales", CycleSelect).disabled
+        assert screen.query_one("#scales", CycleSelect).disabled and screen.query_one("#rounding", CycleSelect).disabled
         assert column(table, CURRENT) == expected_cells(*engine("affine4-mxfp4e", RESIDENT_MEMORY))
 
 
@@ -383,7 +386,7 @@ async def test_up_on_the_first_row_stays_and_app_keys_switch_screens(tiny):
         assert screen.recipe == Recipe.parse(INITIAL_RECIPE)
         for _ in range(12):  # down to the last enabled row, and no further: never into the memory field
             await pilot.press("down")
-        assert app.focused is screen.query_one("#scales")
+        assert app.focused is screen.query_one("#rounding")
         await pilot.press("s")
         assert app.current_mode == "source"
 

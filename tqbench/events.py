@@ -147,7 +147,23 @@ class Calibrated:
     file: str
 
 
-ConvertEvent = (Calibrated | ConvertStarted | UnitConverted | SourceProgress | SourceRemoved | ShardWritten
+@dataclass(frozen=True, kw_only=True)
+class CalibrationProgress:
+    """A calibrated conversion measuring its statistics: `done` of `total` steps (in order: module inputs, each
+    counted and its modules calibrated; one pass: batches of windows), the latest at `at`. `fraction` weighs each
+    input by the weights of its modules (what calibrating them costs); the ETA follows it."""
+
+    done: int
+    total: int
+    step: str  # "inputs" or "batches"
+    at: str  # the module path of the latest input, or "batch N"
+    tokens: int  # calibration tokens each step runs through
+    fraction: float
+    elapsed: float
+    eta: float | None
+
+
+ConvertEvent = (Calibrated | CalibrationProgress | ConvertStarted | UnitConverted | SourceProgress | SourceRemoved | ShardWritten
                 | ConvertFinished)
 
 

@@ -18,7 +18,8 @@ says explicitly whether it merges:
   snapshots of a run), ChatConvertProgress (the demo's conversion before a chat: byte counts are cumulative) and
   ChatReplyProgress (a streaming reply's whole text so far, posted at most every ~50 ms), QuickEvalProgress (the
   Recipe screen shows only where a quick eval is now), ConvertSource when it carries download progress (cumulative;
-  a source shard removed is never merged away);
+  a source shard removed is never merged away), ConvertCalibrating when it carries the calibration's progress (the
+  newest says where it is; the Calibrated that ends it is never merged away);
 - never merged, because each one counts: ConvertShardWritten (the screen counts shards written), PlansReady
   (each carries plans the others lack; dropping one would only make the screen plan them again), ChatExperts
   (a streaming reply's expert page-ins since the last batch; the expert view counts every routing) and ServeFeed (a
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from tqbench.chat.events import (ConvertFinished, ConvertStarted, ModelChosen, ModelLoaded, PageIn, ReplyDone,
                                      ReplyStarted, ShardWritten, SourceRemoved, StreamReport, UnitConverted)
     from tqbench.convert import DestinationStatus, Layout
+    from tqbench.convert.calibration_request import CalibrationRequest
+    from tqbench.events import CalibrationProgress, Calibrated
     from tqbench.recipe import Machine, Plan, Recipe, Sources
     from tqbench.serve.service import RequestDone, ServeStatus
     from tqbench.source import Checkpoint, Summary, Tensor
@@ -212,14 +215,16 @@ class QuickEvalStopped(Message):
 
 @dataclass(kw_only=True)
 class DestinationChecked(Message):
-    """The conversion's layout (tqbench.convert.layout, cached per checkpoint/recipe/shard size) and what converting
-    into `dest` would do (tqbench.convert.destination_status), with the shards already finished there."""
+    """The conversion's layout (tqbench.convert.layout, cached per checkpoint/recipe/shard size and calibration
+    digest) and what converting into `dest` would do (tqbench.convert.destination_status), with the shards already
+    finished there."""
 
     request_id: int
     key: tuple[Checkpoint, Recipe, int]  # (checkpoint, recipe, shard size) the layout is for
     layout: Layout = field(repr=False)
     status: DestinationStatus  # with the shards an earlier run finished
     dest: Path
+    calibration: CalibrationRequest | None = None  # a calibrated recipe's texts and tokens (in the layout's digest)
 
 
 @dataclass(kw_only=True)
@@ -250,6 +255,20 @@ class ConvertProgress(Message):
     def can_replace(self, message: Message) -> bool:
         """Merged: the totals are cumulative, so the newest of the same run says everything."""
         return isinstance(message, ConvertProgress) and message.run_id == self.run_id
+
+
+@dataclass(kw_only=True)
+class ConvertCalibrating(Message):
+    """A calibrated conversion (recipe part `cal`) measuring its statistics (CalibrationProgress), or done with them
+    (Calibrated: measured, or read back by a resumed run)."""
+
+    run_id: int
+    event: CalibrationProgress | Calibrated
+
+    def can_replace(self, message: Message) -> bool:
+        """Merged: the newest progress of the same run says everything (the end is never merged away)."""
+        return (isinstance(message, ConvertCalibrating) and message.run_id == self.run_id
+                and not isinstance(message.event, Calibrated) and not isinstance(self.event, Calibrated))
 
 
 @dataclass(kw_only=True)
@@ -451,5 +470,5 @@ class ServeStopped(Message):
 
 # Messages that can come in bursts: each defines can_replace itself (see the module docstring).
 HIGH_RATE: tuple[type[Message], ...] = (ScanProgress, FilterApplied, PlansReady, RecipeChosen, MachineChosen,
-                                        ConvertProgress, ConvertSource, ConvertShardWritten, QuickEvalProgress,
+                                        ConvertProgress, ConvertCalibrating, ConvertSource, ConvertShardWritten, QuickEvalProgress,
                                         ChatConvertProgress, ChatReplyProgress, ChatExperts, ServeFeed)

@@ -10,17 +10,17 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 from rich.table import Table
 
 from tqbench import units
 from tqbench.cli import options
 from tqbench.cli.plan import recipes_from
 from tqbench.cli.render import show
-from tqbench.convert.calibration import DEFAULT_TOKENS, CalibrationRequest
+from tqbench.convert.calibration_request import DEFAULT_TOKENS, MAX_TOKENS, MIN_TOKENS, CalibrationRequest
 from tqbench.engine import submit
 from tqbench.errors import TqbenchError
-from tqbench.events import (Calibrated, ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved,
+from tqbench.events import (CalibrationProgress, Calibrated, ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved,
                             UnitConverted)
 from tqbench.recipe.fit import parse_size
 from tqbench.recipe.recipe import RecipeFlags
@@ -48,7 +48,7 @@ def convert(
         "--calibrate-text", metavar="FILE", help="With cal / --calibrate: UTF-8 text to calibrate on (repeat for "
                                                  "several; default: the demo's held-out code and chat).")] = None,
     calibrate_tokens: Annotated[int, typer.Option(
-        "--calibrate-tokens", metavar="N", min=256, max=2**24,
+        "--calibrate-tokens", metavar="N", min=MIN_TOKENS, max=MAX_TOKENS,
         help="With cal / --calibrate: about N tokens of calibration text.")] = DEFAULT_TOKENS,
     calibrate_one_pass: Annotated[bool, typer.Option(
         "--calibrate-one-pass", help="With cal / --calibrate: measure every module's inputs in the source model "
@@ -111,6 +111,15 @@ def _calibrated_line(ev: Calibrated) -> str:
             f"{how} {ev.file}")
 
 
+def _calibrating(ev: CalibrationProgress) -> str:
+    eta = f", {units.clock(ev.eta)} left" if ev.eta is not None else ""
+    return f"calibrate {ev.fraction:.0%}: {ev.done} of {ev.total} {ev.step}, {ev.at}, {ev.elapsed:.0f} s{eta}"
+
+
+def _sized(done: int, total: int) -> str:
+    return f"{units.gb(done)}/{units.gb(total)}"
+
+
 def _where(ev: UnitConverted) -> str:
     where = f"layer {ev.layer}" if ev.layer is not None else ev.name
     if ev.expert is not None:
@@ -126,26 +135,32 @@ def render_progress(events, err: Console) -> ConvertFinished:
     if not err.is_terminal:
         return _render_plain(events, err)
     # One ETA, the engine's (a conversion from the hub counts the downloads in it), on the conversion's bar.
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
+    # The calibration's bar counts module inputs, the conversion's and download's bytes: `size` says which.
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[size]}"),
                TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[what]}"))
     progress = Progress(*columns, console=err, transient=False)
-    task = download = None
+    task = download = calibrate = None
     with progress:
         for ev in events:
-            if isinstance(ev, Calibrated):
+            if isinstance(ev, CalibrationProgress):
+                if calibrate is None:
+                    calibrate = progress.add_task("calibrate", total=1.0, size="", rate="", eta="", what="")
+                progress.update(calibrate, completed=ev.fraction, size=f"{ev.done}/{ev.total} {ev.step}",
+                                eta=units.clock(ev.eta), what=ev.at)
+            elif isinstance(ev, Calibrated):
                 err.print(_calibrated_line(ev), highlight=False, markup=False)
             elif isinstance(ev, ConvertStarted):
                 err.print(_started_line(ev), highlight=False, markup=False)
                 task = progress.add_task("convert", total=ev.bytes_in, completed=ev.resumed_bytes_in,
-                                         rate="", eta="", what="")
+                                         size=_sized(ev.resumed_bytes_in, ev.bytes_in), rate="", eta="", what="")
             elif isinstance(ev, UnitConverted):
-                progress.update(task, completed=ev.done_in, rate=f"{units.gb(ev.rate)}/s", eta=units.clock(ev.eta),
-                                what=_where(ev))
+                progress.update(task, completed=ev.done_in, size=_sized(ev.done_in, ev.total_in),
+                                rate=f"{units.gb(ev.rate)}/s", eta=units.clock(ev.eta), what=_where(ev))
             elif isinstance(ev, SourceProgress):
                 if download is None:
-                    download = progress.add_task("download", total=ev.to_download, rate="", eta="", what="")
-                progress.update(download, completed=ev.downloaded, rate=f"{units.gb(ev.rate)}/s",
-                                what=_fetching(ev))
+                    download = progress.add_task("download", total=ev.to_download, size="", rate="", eta="", what="")
+                progress.update(download, completed=ev.downloaded, size=_sized(ev.downloaded, ev.to_download),
+                                rate=f"{units.gb(ev.rate)}/s", what=_fetching(ev))
             elif isinstance(ev, SourceRemoved):
                 progress.console.print(f"  removed source {ev.file} ({units.gb(ev.bytes)})", markup=False)
             elif isinstance(ev, ShardWritten):
@@ -163,10 +178,15 @@ def _render_plain(events, err: Console) -> ConvertFinished:
     def say(line: str) -> None:
         print(line, file=err.file, flush=True)
 
-    next_step = PLAIN_STEP
+    next_step = next_calibrate = PLAIN_STEP
     fetching = ""
     for ev in events:
-        if isinstance(ev, Calibrated):
+        if isinstance(ev, CalibrationProgress):
+            if ev.fraction >= next_calibrate - 1e-9:
+                say(_calibrating(ev))
+                while next_calibrate <= ev.fraction + 1e-9:
+                    next_calibrate += PLAIN_STEP
+        elif isinstance(ev, Calibrated):
             say(_calibrated_line(ev))
         elif isinstance(ev, ConvertStarted):
             say(_started_line(ev))

@@ -33,7 +33,6 @@ over calibration text.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import time
@@ -48,47 +47,23 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from tqbench.atomic import write_bytes
+from tqbench.convert.calibration_request import WINDOW, CalibrationRequest
 from tqbench.errors import ConvertError
-from tqbench.events import Calibrated
+from tqbench.events import CalibrationProgress, Calibrated
 from tqbench.layout.names import mlx_module_path
 from tqbench.convert.produce import rotated
 from tqbench.quant import turboquant as tq
 from tqbench.quant.calibrate import damped, expert_hessian, quantize_calibrated
 from tqbench.recipe.plan import ModulePlan, Plan
 from tqbench.recipe.recipe import Format
-from tqbench.texts import Text, default_texts, file_text, plan_windows, token_stream
+from tqbench.texts import plan_windows, token_stream
 
 STATS = ".tqbench-calibration.npz"
-DEFAULT_TOKENS = 8192
-WINDOW = 256
 BATCH_WINDOWS = 8
 EXPERT_PRIOR = 1.0  # times the input width: how many tokens of its layer's mean H each expert's H gets
 _ROWS_AT_ONCE = 1 << 24  # routed rows x width^2 per scatter of outer products (64 MB of float32)
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}  # as tqbench.runtime.load.FUSED
 _FUSED_PARTS = ("q_proj", "k_proj", "v_proj")  # their rows' order in qkv_proj
-
-
-@dataclass(frozen=True, kw_only=True)
-class CalibrationRequest:
-    """What a calibrated conversion runs the source over: `texts` (files; empty: the demo's held-out texts) and
-    about `tokens` tokens of them."""
-
-    texts: tuple[str, ...] = ()
-    tokens: int = DEFAULT_TOKENS
-    sequential: bool = True  # each module's inputs from the copy with the modules before it calibrated (measure)
-
-    def read(self) -> tuple[Text, ...]:
-        """The texts, read (a bad file raises TqbenchError naming it, before anything is converted)."""
-        return tuple(file_text(t) for t in self.texts) or default_texts()
-
-    def digest(self) -> str:
-        """sha256 of the texts and the token count: what the statistics depend on besides the source."""
-        h = hashlib.sha256(f"{self.tokens}|{WINDOW}|{'staged' if self.sequential else 'source'}\n".encode())
-        for t in self.read():
-            h.update(t.name.encode() + b"\0")
-            for d in t.documents:
-                h.update(hashlib.sha256(d.encode()).digest())
-        return h.hexdigest()
 
 
 class Statistics:
@@ -166,16 +141,17 @@ def calibrated_modules(plan: Plan) -> list[ModulePlan]:
     return [m for m in plan.modules if m.choice.format is Format.TURBOQUANT]
 
 
-def prepare(ckpt_path: Path, plan: Plan, dest: Path, request: CalibrationRequest) -> Iterator[Calibrated]:
-    """The statistics for a calibrated conversion into `dest`: read back (a resumed conversion), or measured now and
-    stored there. Yields one Calibrated event; returns the Statistics."""
+def prepare(ckpt_path: Path, plan: Plan, dest: Path,
+            request: CalibrationRequest) -> Iterator[CalibrationProgress | Calibrated]:
+    """The statistics for a calibrated conversion into `dest`: read back (a resumed conversion), or measured now
+    (CalibrationProgress events) and stored there. Yields one Calibrated event last; returns the Statistics."""
     t0 = time.monotonic()
     digest = request.digest()
     path = dest / STATS
     stats = Statistics.load(path) if path.is_file() else None
     reused = stats is not None and stats.meta.get("digest") == digest
     if not reused:
-        stats = measure(ckpt_path, plan, request)
+        stats = yield from measure(ckpt_path, plan, request)
         stats.meta["digest"] = digest
         stats.save(path)
     yield Calibrated(tokens=int(stats.meta["tokens"]), inputs=len(set(stats.taps.values())), modules=len(stats.taps),
@@ -183,8 +159,9 @@ def prepare(ckpt_path: Path, plan: Plan, dest: Path, request: CalibrationRequest
     return stats
 
 
-def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Statistics:
-    """Run the source model over the calibration windows, tapping each calibrated module's input. Sequential: the
+def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Iterator[CalibrationProgress]:
+    """Run the source model over the calibration windows, tapping each calibrated module's input; yields
+    CalibrationProgress after every step and returns the Statistics. Sequential: the
     source model and a copy run the windows in step, tap by tap (_staged); each Linear gets H of its inputs in the
     copy (X~), whose modules before it hold their calibrated values, and the correction A that makes its target the
     source model's output: W' = W A, A = I + (X - X~)^T X~ (H~ + damp)^-1 (least squares of X W^T on X~)."""
@@ -203,42 +180,73 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Statist
     rows = np.concatenate([w.x for w in windows])
     arrays: dict[str, np.ndarray] = {}
     meta = {"tokens": int(rows.size), "windows": len(rows)}
+    groups: dict[str, list[ModulePlan]] = {}
+    for m in calibrated_modules(plan):
+        if m.name in taps:
+            groups.setdefault(taps[m.name], []).append(m)
+    clock = _Clock(tokens=int(rows.size), weights={tap: sum(m.source.params for m in g) for tap, g in groups.items()})
     if not request.sequential:
-        _one_pass(model, rows, sums)
+        batches = range(0, len(rows), BATCH_WINDOWS)
+        for b in _one_pass(model, rows, sums):
+            yield clock.step(done=b + 1, total=len(batches), at=f"batch {b + 1}", fraction=(b + 1) / len(batches))
         _keep(arrays, sums, None, set(sums))
         return Statistics(arrays, taps, meta)
     copy = load(ckpt_path, tokenizer=False).model
     copy_modules = dict(copy.named_modules())
     copy_sums = _tapped(copy, copy_modules, taps)
-    groups: dict[str, list[ModulePlan]] = {}
-    for m in calibrated_modules(plan):
-        if m.name in taps:
-            groups.setdefault(taps[m.name], []).append(m)
 
     def calibrate(tap: str) -> None:
         _keep(arrays, sums, copy_sums, {tap})
-        _calibrated_into(copy, copy_modules, groups[tap], Statistics(arrays, taps, {}), plan)
+        _calibrated_into(copy, copy_modules, groups.get(tap, []), Statistics(arrays, taps, {}), plan)
 
-    meta["order"] = _staged(model, copy, rows, sums, copy_sums, calibrate=calibrate)
+    order: list[str] = []
+    for tap in _staged(model, copy, rows, sums, copy_sums, calibrate=calibrate):
+        order.append(tap)
+        yield clock.step(done=len(order), total=len(sums), at=tap, fraction=clock.weighed(order))
+    meta["order"] = order
     return Statistics(arrays, taps, meta)
 
 
-def _one_pass(model: nn.Module, rows: np.ndarray, sums: dict[str, _Sum]) -> None:
-    """The windows through the source model, batch by batch, every tap counting its inputs."""
-    for b in range(0, len(rows), BATCH_WINDOWS):
+@dataclass(kw_only=True)
+class _Clock:
+    """The calibration's progress events: elapsed time and an ETA from the weighed fraction done."""
+
+    tokens: int
+    weights: dict[str, int]  # per tap: the weights of its calibrated modules
+    start: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.start = time.monotonic()
+
+    def weighed(self, done: list[str]) -> float:
+        total = sum(self.weights.values())
+        return sum(self.weights.get(t, 0) for t in done) / total if total else 1.0
+
+    def step(self, *, done: int, total: int, at: str, fraction: float) -> CalibrationProgress:
+        elapsed = time.monotonic() - self.start
+        eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
+        return CalibrationProgress(done=done, total=total, step="batches" if at.startswith("batch ") else "inputs",
+                                   at=at, tokens=self.tokens, fraction=fraction, elapsed=elapsed, eta=eta)
+
+
+def _one_pass(model: nn.Module, rows: np.ndarray, sums: dict[str, _Sum]) -> Iterator[int]:
+    """The windows through the source model, batch by batch, every tap counting its inputs; yields each batch's
+    number (from 0) once counted."""
+    for i, b in enumerate(range(0, len(rows), BATCH_WINDOWS)):
         mx.eval(model(mx.array(rows[b:b + BATCH_WINDOWS])))
         mx.eval([a for s in sums.values() if s.h is not None for a in (s.h, s.n)])
+        yield i
 
 
 def _staged(model: nn.Module, copy: nn.Module, rows: np.ndarray, sums: dict[str, _Sum], copy_sums: dict[str, _Sum], *,
-            calibrate: Callable[[str], None]) -> list[str]:
+            calibrate: Callable[[str], None]) -> Iterator[str]:
     """Sequential calibration in one pass of each model. Every batch of windows runs through `model` and through
     `copy` in greenlets of their own (MLX stays on this thread), and each pauses at every tap, handing over its
     input. When all of them have reached the same tap: the source model's inputs are counted (routed experts: H per
     expert; dense: kept for the cross term), then the copy's (H~, C = X~^T X), `calibrate(tap)` puts that tap's
     calibrated modules into the copy, and all go on, each calling the module (calibrated, in the copy) with its input.
-    A tap reached again later in the same pass (a module called twice) counts nothing more. Returns the taps in the
-    order they were calibrated."""
+    A tap reached again later in the same pass (a module called twice) counts nothing more. Yields each tap once
+    calibrated, in order (the forward passes wait meanwhile: closing the generator drops them)."""
     from greenlet import getcurrent, greenlet
 
     for tap, s in sums.items():
@@ -253,7 +261,6 @@ def _staged(model: nn.Module, copy: nn.Module, rows: np.ndarray, sums: dict[str,
         for m in (model, copy):  # the logits are never needed: the graph past the last tap is dropped unevaluated
             runs.append(greenlet(lambda m=m, batch=batch: m(batch) is None, parent=here))
     states = [g.switch() for g in runs]
-    order: list[str] = []
     while any(isinstance(p, _Paused) for p in states):
         tap = states[0].tap if isinstance(states[0], _Paused) else None
         if tap is None or any(not isinstance(p, _Paused) or p.tap != tap for p in states):
@@ -264,11 +271,10 @@ def _staged(model: nn.Module, copy: nn.Module, rows: np.ndarray, sums: dict[str,
             copy_sums[tap].add(mine.x, mine.args)
             mx.eval([a for s in (sums[tap], copy_sums[tap]) for a in (s.h, s.n, s.c) if a is not None])
         calibrate(tap)
-        order.append(tap)
         for s in (sums[tap], copy_sums[tap]):
             s.active = s.pause = False  # counted and calibrated: a second call of it passes straight through
+        yield tap
         states = [g.switch() for g in runs]
-    return order
 
 
 def _tapped(model: nn.Module, modules: dict[str, nn.Module], taps: dict[str, str]) -> dict[str, _Sum]:

@@ -29,8 +29,9 @@ from textual.worker import Worker, WorkerState
 
 from tqbench.destination import OutputError, can_replace, can_start, kept_shards, read_output, source_base
 from tqbench.errors import TqbenchError
+from tqbench.events import Calibrated
 from tqbench.state import remember_model
-from tui.messages import (ConvertBegan, ConvertDone, ConvertFailed, ConvertProgress, ConvertShardWritten,
+from tui.messages import (ConvertBegan, ConvertCalibrating, ConvertDone, ConvertFailed, ConvertProgress, ConvertShardWritten,
                           ConvertSource, ConvertStopped, DestinationChecked, DestinationCheckFailed)
 from tui.screens import convert_check, convert_run
 from tui.screens.confirm import ConfirmScreen
@@ -75,6 +76,7 @@ class ConvertScreen(Screen):
         self.started = None  # tqbench.events.ConvertStarted
         self.finished_event = None  # tqbench.events.ConvertFinished
         self.last_unit = None  # tqbench.events.UnitConverted
+        self.calibrated = None  # tqbench.events.Calibrated (a calibrated recipe)
         self.shards_done = 0
         self._done_key = None  # (layout key, destination) of the run that finished
         self._note: Content | None = None  # what the last run ended with (cancelled, failed), above the check
@@ -154,6 +156,8 @@ class ConvertScreen(Screen):
 
     @on(Input.Changed, "#dest")
     @on(Input.Changed, "#shard-size")
+    @on(Input.Changed, "#cal-text")
+    @on(Input.Changed, "#cal-tokens")
     def _field_changed(self, event: Input.Changed) -> None:
         event.stop()
         self._note = None  # it was about the destination or shard size before
@@ -190,7 +194,7 @@ class ConvertScreen(Screen):
             self._show_status()
             return
         self._input_error = None
-        self.check.request(self.checkpoint, self.recipe, output)
+        self.check.request(self.checkpoint, self.recipe, output, self.form.calibration_texts)
         self._show_status()
 
     def on_destination_checked(self, message: DestinationChecked) -> None:
@@ -198,7 +202,7 @@ class ConvertScreen(Screen):
             return
         self.dest, self.status = message.dest, message.status
         if self._result_shown():
-            self.progress.show_summary(self.finished_event, self.started)  # the finished run's table stays
+            self.progress.show_summary(self.finished_event, self.started, self.calibrated)  # its table stays
         else:
             self.progress.show_layout(Tally(message.layout.layer_units, message.status.finished).snapshot())
         if self._start_queued:
@@ -289,10 +293,11 @@ class ConvertScreen(Screen):
         kept = kept_shards(self.status, replace)
         tally = Tally(lay.layer_units, kept)
         self._note = None
-        self.started = self.finished_event = self.last_unit = None
+        self.started = self.finished_event = self.last_unit = self.calibrated = None
         self.shards_done = sum(kept)
         remember_conversion(source_base(lay.ckpt), recipe.name, self.dest, self.form.size_text.strip())
-        self.run.start(lay, self.dest, recipe=recipe, shard_size=size, replace=replace, tally=tally)
+        self.run.start(lay, self.dest, recipe=recipe, shard_size=size, replace=replace, tally=tally,
+                       calibration=self.check.calibration)
         self.form.disable_fields(True)
         self.progress.prepare(lay.units, tally.snapshot())
         self.table.focus()
@@ -321,6 +326,15 @@ class ConvertScreen(Screen):
         self.last_unit = message.unit
         self.progress.progressed(message.unit, message.layers)
         self._show_rate()
+
+    def on_convert_calibrating(self, message: ConvertCalibrating) -> None:
+        if not self.run.current(message.run_id):
+            return
+        if isinstance(message.event, Calibrated):
+            self.calibrated = message.event
+            self.progress.calibrated(message.event)
+        else:
+            self.progress.calibrating(message.event)
 
     def on_convert_source(self, message: ConvertSource) -> None:
         if self.run.current(message.run_id):
@@ -372,7 +386,7 @@ class ConvertScreen(Screen):
         self.run.ended()
         self.form.disable_fields(False)
         if self.finished_event is not None:
-            self.progress.show_summary(self.finished_event, self.started)
+            self.progress.show_summary(self.finished_event, self.started, self.calibrated)
         else:
             self.progress.hide_lines()
         self._inputs_changed()  # takes a checkpoint or recipe chosen meanwhile, and checks the destination again

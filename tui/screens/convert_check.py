@@ -1,6 +1,8 @@
-"""The Convert screen's check of its output, before a run: a thread worker computes the conversion's layout
-(tqbench.convert.layout: a few seconds on Kimi K3; the last one is reused while the checkpoint, recipe and shard size
-stay) and what converting into the destination would do (destination_status). It posts DestinationChecked or
+"""The Convert screen's check of its output, before a run: a thread worker reads a calibrated recipe's calibration
+fields (their digest is part of the plan fingerprint, so an output converted with other texts is another
+conversion), computes the conversion's layout (tqbench.convert.layout: a few seconds on Kimi K3; the last one is reused
+while the checkpoint, recipe, shard size and calibration digest stay) and what converting into the destination would
+do (destination_status). It posts DestinationChecked or
 DestinationCheckFailed with its request id: a newer request supersedes it."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from textual.screen import Screen
 from textual.worker import get_current_worker
 
 from tqbench import units
+from tqbench.convert.calibration_request import read_calibration
 from tqbench.destination import Output
 from tqbench.engine import iterate_in_daemon
 from tqbench.errors import TqbenchError
@@ -62,15 +65,19 @@ class OutputCheck:
         # the newest check's layout (tqbench.convert.Layout) and what it is for: (checkpoint, recipe, shard size)
         self.key = None
         self.layout = None
+        self.calibration = None  # its CalibrationRequest (a calibrated recipe)
 
-    def request(self, checkpoint, recipe, output: Output) -> None:
-        """Check `output` for converting `checkpoint` with `recipe`."""
+    def request(self, checkpoint, recipe, output: Output, calibration: tuple[str, str]) -> None:
+        """Check `output` for converting `checkpoint` with `recipe`; `calibration`: the calibration fields (texts,
+        tokens) as typed, read when the recipe calibrates."""
         self.request_id += 1
         self.busy = True
         key = (checkpoint, recipe, output.shard_size)
         cached = self.layout if same_key(self.key, key) else None
-        self._screen.run_worker(partial(self._check, self.request_id, key, cached, output.dest), thread=True,
-                                exclusive=True, group=GROUP, exit_on_error=False, description="check destination")
+        fields = calibration if recipe.calibrate else None
+        check = partial(self._check, self.request_id, key, cached=cached, dest=output.dest, fields=fields)
+        self._screen.run_worker(check, thread=True, exclusive=True, group=GROUP, exit_on_error=False,
+                                description="check destination")
 
     def cancel(self) -> None:
         """No check is wanted (the fields cannot be checked): the one running is dropped."""
@@ -83,7 +90,7 @@ class OutputCheck:
         if message.request_id != self.request_id:
             return False
         self.busy = False
-        self.key, self.layout = message.key, message.layout
+        self.key, self.layout, self.calibration = message.key, message.layout, message.calibration
         return True
 
     def failed(self, request_id: int) -> bool:
@@ -93,15 +100,17 @@ class OutputCheck:
         self.busy = False
         return True
 
-    def _check(self, request_id: int, key, cached, dest: Path) -> None:
+    def _check(self, request_id: int, key, *, cached, dest: Path, fields: tuple[str, str] | None) -> None:
         from tqbench.convert import destination_status, layout
 
         worker = get_current_worker()
         ckpt, recipe, size = key
 
         def engine():
-            lay = cached if cached is not None else layout(ckpt, recipe, size)
-            yield lay, destination_status(lay, dest)
+            calibration = read_calibration(texts=fields[0], tokens=fields[1]) if fields is not None else None
+            digest = calibration.digest() if calibration is not None else ""
+            lay = cached if cached is not None and cached.calibration == digest else layout(ckpt, recipe, size, digest)
+            yield lay, destination_status(lay, dest), calibration
 
         screen = self._screen
         try:
@@ -115,6 +124,6 @@ class OutputCheck:
                                                        message=f"{e.strerror or e}: {e.filename or dest}"))
             return
         if result is not None and not worker.is_cancelled:
-            lay, status = result
+            lay, status, calibration = result
             screen.post_message(DestinationChecked(request_id=request_id, key=key, layout=lay, status=status,
-                                                   dest=dest))
+                                                   dest=dest, calibration=calibration))

@@ -19,9 +19,10 @@ from textual.worker import get_current_worker
 
 from tqbench.engine import Job, submit
 from tqbench.errors import TqbenchError
-from tqbench.events import ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved, UnitConverted
-from tui.messages import (ConvertBegan, ConvertDone, ConvertFailed, ConvertProgress, ConvertShardWritten, ConvertSource,
-                          ConvertStopped)
+from tqbench.events import (CalibrationProgress, Calibrated, ConvertFinished, ConvertStarted, ShardWritten,
+                            SourceProgress, SourceRemoved, UnitConverted)
+from tui.messages import (ConvertBegan, ConvertCalibrating, ConvertDone, ConvertFailed, ConvertProgress,
+                          ConvertShardWritten, ConvertSource, ConvertStopped)
 from tui.tally import Tally
 from tui.widgets.run_progress import where
 
@@ -65,13 +66,14 @@ class ConvertRun:
         """A message of the run going on (or of the last one, until another starts)."""
         return run_id == self.run_id
 
-    def start(self, lay, dest: Path, recipe, shard_size: int, replace: bool, tally: Tally) -> None:
+    def start(self, lay, dest: Path, *, recipe, shard_size: int, replace: bool, tally: Tally, calibration=None) -> None:
         """Convert with `lay` (tqbench.convert.Layout) into `dest`; `replace`: delete the conversion there first.
-        `tally` counts the layout's units, those of shards an earlier run finished done."""
+        `tally` counts the layout's units, those of shards an earlier run finished done; `calibration`: a calibrated
+        recipe's texts and tokens (tqbench.convert.calibration_request.CalibrationRequest)."""
         def conversion():  # on the engine thread: MLX is imported, used and released there
             from tqbench.convert import convert
 
-            return convert(lay, dest, recipe, shard_size, replace)
+            return convert(lay, dest, recipe, shard_size, replace, calibration=calibration)
 
         self.run_id += 1
         self.stopping = False
@@ -119,6 +121,8 @@ class ConvertRun:
                     post(ConvertBegan(run_id=run_id, event=event, layers=tally.snapshot()))
                 elif isinstance(event, ShardWritten):
                     post(ConvertShardWritten(run_id=run_id, event=event))
+                elif isinstance(event, (CalibrationProgress, Calibrated)):
+                    post(ConvertCalibrating(run_id=run_id, event=event))
                 elif isinstance(event, (SourceProgress, SourceRemoved)):
                     post(ConvertSource(run_id=run_id, event=event))
                 elif isinstance(event, ConvertFinished):

@@ -1,6 +1,8 @@
-"""The Convert screen's form: the source and recipe lines, the output directory and shard size fields, and the status
-line under them (what the check of the output found, or what a run is doing). The fields' defaults are those of the
-last conversion of the checkpoint with the recipe (to resume it), else `<source>-<recipe>` and 5GiB."""
+"""The Convert screen's form: the source and recipe lines, the output directory and shard size fields, a calibrated
+recipe's calibration text and tokens (shown only for one), and the status line under them (what the check of the
+output found, or what a run is doing). The fields' defaults are those of the last conversion of the checkpoint with
+the recipe (to resume it), else `<source>-<recipe>` and 5GiB; calibration on the demo's held-out texts, 8,192 tokens
+(what `tqbench convert` does without --calibrate-text / --calibrate-tokens)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from textual.content import Content
 from textual.widgets import Input, Label, Static
 
 from tqbench import units
+from tqbench.convert.calibration_request import DEFAULT_TOKENS
 from tqbench.destination import DEFAULT_SHARD_SIZE, default_dest
 from tui.state import display_path, last_conversion, source_name
 from tui.widgets.inputs import OrderedInput
@@ -59,6 +62,11 @@ class ConvertForm(Vertical):
             yield ConvertInput(placeholder="output directory", id="dest")
             yield Label("shard size", id="shard-label")
             yield ConvertInput(value=DEFAULT_SHARD_SIZE, id="shard-size")
+        with Horizontal(classes="form-row", id="calibration-row"):
+            yield Label("calibrate", classes="convert-label")
+            yield ConvertInput(placeholder="the demo's held-out texts, or files a.txt,b.txt", id="cal-text")
+            yield Label("tokens", id="cal-tokens-label")
+            yield ConvertInput(value=str(DEFAULT_TOKENS), id="cal-tokens")
         yield Static("", id="convert-status")
 
     @property
@@ -69,6 +77,11 @@ class ConvertForm(Vertical):
     def size_text(self) -> str:
         return self.query_one("#shard-size", Input).value
 
+    @property
+    def calibration_texts(self) -> tuple[str, str]:
+        """The calibration row's text files and tokens, as typed."""
+        return self.query_one("#cal-text", Input).value, self.query_one("#cal-tokens", Input).value
+
     def show_source(self, ckpt) -> None:
         """ckpt: tqbench.source.Checkpoint (present_bytes sums every tensor: once per checkpoint)."""
         self.query_one("#convert-source", Static).update(pair(
@@ -76,8 +89,10 @@ class ConvertForm(Vertical):
             f"{units.gb(ckpt.present_bytes)} in {plural(len(ckpt.shards), 'shard')} (s: open another)"))
 
     def show_recipe(self, recipe) -> None:
+        """The recipe's line, and the calibration row when the recipe calibrates (recipe part `cal`)."""
         self.query_one("#convert-recipe", Static).update(pair(
             "recipe", Content.styled(recipe.name, "bold $text-accent"), "(p: change it on the Recipe screen)"))
+        self.query_one("#calibration-row").display = recipe.calibrate
 
     def fill_defaults(self, source: Path, recipe_name: str) -> None:
         """Unless the user typed them: the destination and shard size of the last conversion of `source` with this

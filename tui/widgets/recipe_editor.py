@@ -45,7 +45,8 @@ TIER_OPTIONS = ([("same as base", "same")] + [(f"tq{b}", f"tq{b}") for b in TQ_B
 MLPG_OPTIONS = [("same", "same")] + GROUP_OPTIONS
 ROTATION_OPTIONS = [("on", "on"), ("off", "off")]
 SCALES_OPTIONS = [("searched", "search"), ("rms", "rms")]  # TurboQuant group scales (tqbench.recipe.SCALE_RULES)
-CONTROLS = ("base", "group", "attn", "experts", "down", "mlpg", "rotation", "scales")
+ROUNDING_OPTIONS = [("nearest", "nearest"), ("calibrated", "cal")]  # TurboQuant codes: recipe part `cal`
+CONTROLS = ("base", "group", "attn", "experts", "down", "mlpg", "rotation", "scales", "rounding")
 
 
 def _tier(value: str) -> tuple[Format, int | None, bool]:
@@ -69,7 +70,7 @@ def bits_options(fmt: Format, none: str) -> list[tuple[str, str]]:
 
 def recipe_from_controls(values: Mapping[str, str], seed: int = DEFAULT_SEED) -> Recipe:
     """The recipe the controls spell. Controls that do not apply (attention bits of a source base, down bits of
-    mxfp4 experts, rotation and scales without TurboQuant) are ignored. Raises RecipeError."""
+    mxfp4 experts, rotation, scales and rounding without TurboQuant) are ignored. Raises RecipeError."""
     fmt, bits, _ = _tier(values["base"])
     kw: dict = {"format": fmt, "bits": bits or DEFAULT_BITS}
     efmt = fmt
@@ -86,7 +87,8 @@ def recipe_from_controls(values: Mapping[str, str], seed: int = DEFAULT_SEED) ->
     if fmt in _QUANTIZED or efmt in _QUANTIZED:
         kw["group_size"] = int(values["group"])
     if Format.TURBOQUANT in (fmt, efmt):
-        kw.update(rotation=values["rotation"] == "on", seed=seed, scales=values["scales"])
+        kw.update(rotation=values["rotation"] == "on", seed=seed, scales=values["scales"],
+                  calibrate=values["rounding"] == "cal")
     return Recipe(**kw)
 
 
@@ -109,6 +111,7 @@ def controls_from_recipe(r: Recipe) -> dict[str, str]:
         "mlpg": "same" if r.mlp_group_size is None else str(r.mlp_group_size),
         "rotation": "on" if r.rotation else "off",
         "scales": r.scales,
+        "rounding": "cal" if r.calibrate else "nearest",
     }
 
 
@@ -218,6 +221,7 @@ class RecipeEditor(Vertical):
             yield _row("exp group", CycleSelect(MLPG_OPTIONS, value=values["mlpg"], id="mlpg"))
             yield _row("rotation", CycleSelect(ROTATION_OPTIONS, value=values["rotation"], id="rotation"))
             yield _row("scales", CycleSelect(SCALES_OPTIONS, value=values["scales"], id="scales"))
+            yield _row("rounding", CycleSelect(ROUNDING_OPTIONS, value=values["rounding"], id="rounding"))
         yield _row("memory", FormInput(id="memory"), id="memory-row")
         yield _row("disk GB/s", FormInput(id="disk"))
         yield Static("", id="machine-note")
@@ -286,7 +290,7 @@ class RecipeEditor(Vertical):
         experts_q = efmt in _QUANTIZED
         enabled = {"attn": fmt in _QUANTIZED, "down": experts_q, "mlpg": experts_q,
                    "group": fmt in _QUANTIZED or experts_q, "rotation": Format.TURBOQUANT in (fmt, efmt),
-                   "scales": Format.TURBOQUANT in (fmt, efmt)}
+                   "scales": Format.TURBOQUANT in (fmt, efmt), "rounding": Format.TURBOQUANT in (fmt, efmt)}
         for key, is_on in enabled.items():
             self.query_one(f"#{key}", CycleSelect).disabled = not is_on
 

@@ -1,6 +1,7 @@
 """The Convert screen's progress display: a bar over the source bytes, a line with the engine's rate and ETA, the shards
-written and the unit being converted, and the per-layer table (units done, bytes, errors). Before a run the table
-lists the layout's layers; after a finished run the line becomes the run's summary."""
+written and the unit being converted, and the per-layer table (units done, bytes, errors). A calibrated recipe's run
+first shows its calibration on the same bar and line (module inputs calibrated, the engine's ETA). Before a run the
+table lists the layout's layers; after a finished run the line becomes the run's summary."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from textual.content import Content
 from textual.widgets import Label, ProgressBar, Static
 
 from tqbench import units
-from tqbench.events import ConvertFinished, ConvertStarted, SourceProgress, SourceRemoved, UnitConverted
+from tqbench.events import (CalibrationProgress, Calibrated, ConvertFinished, ConvertStarted, SourceProgress,
+                            SourceRemoved, UnitConverted)
 from tui.state import display_path
 from tui.tally import LayerStats
 from tui.widgets.convert_form import KEY, plural
@@ -25,6 +27,18 @@ def where(unit: UnitConverted) -> str:
     if unit.layer is None:
         return unit.name.rsplit(".", 2)[-2] if unit.name.count(".") >= 2 else unit.name
     return f"layer {unit.layer}" + (f" expert {unit.expert}" if unit.expert is not None else "")
+
+
+def module_at(path: str) -> str:
+    """A module path as the layer table names layers: `layers.3.mlp.switch_mlp.gate_proj`, `lm_head`."""
+    for prefix in ("language_model.", "model."):
+        path = path.removeprefix(prefix)
+    return path
+
+
+def calibration_text(ev: Calibrated) -> str:
+    how = "read back from the earlier run" if ev.reused else f"measured in {ev.seconds:.0f} s"
+    return f"{ev.tokens:,} tokens, {plural(ev.inputs, 'input')} for {plural(ev.modules, 'module')}, {how}"
 
 
 class RunProgress(Vertical):
@@ -81,6 +95,18 @@ class RunProgress(Vertical):
         self.query_one("#convert-rate", Static).update(Content.styled(
             f"preparing: {unit_count:,} units to convert...", "$text-muted"))
 
+    def calibrating(self, ev: CalibrationProgress) -> None:
+        """A calibrated recipe's run measuring its statistics: the bar weighs each input by its modules' weights."""
+        self.query_one("#convert-bar", ProgressBar).update(total=1.0, progress=ev.fraction)
+        self.query_one("#convert-bytes", Label).update(f"{ev.done} of {ev.total} {ev.step}")
+        self.query_one("#convert-rate", Static).update(Content.assemble(
+            ("calibrating", "bold"), f" on {ev.tokens:,} tokens  ETA ", (units.clock(ev.eta), "bold"),
+            f"  {ev.elapsed:.0f} s  ", (module_at(ev.at), "$text-muted")))
+
+    def calibrated(self, ev: Calibrated) -> None:
+        self.query_one("#convert-rate", Static).update(Content.styled(
+            f"calibration: {calibration_text(ev)}; converting...", "$text-muted"))
+
     def began(self, ev: ConvertStarted, layers: Sequence[LayerStats]) -> None:
         self._show_bytes(ev.resumed_bytes_in, ev.bytes_in)
         if layers:
@@ -101,8 +127,9 @@ class RunProgress(Vertical):
             (f"{units.gb(unit.rate)}/s", "bold"), "  ETA ", (units.clock(unit.eta), "bold"),
             f"  shards {shards_done}/{shards}  ", (f"{where(unit)}{err}", "$text-muted")))
 
-    def show_summary(self, ev: ConvertFinished, began: ConvertStarted | None) -> None:
-        """The finished run's figures where the progress lines were, keys aligned with the form's."""
+    def show_summary(self, ev: ConvertFinished, began: ConvertStarted | None, calibrated: Calibrated | None) -> None:
+        """The finished run's figures where the progress lines were, keys aligned with the form's; a calibrated
+        recipe's calibration on a line of its own."""
         self.query_one("#convert-bar-row").display = False
         self.query_one("#convert-rate").display = True
         err = (f"{error_text(ev.mean_rel_error)}, max {error_text(ev.max_rel_error)}" if ev.mean_rel_error is not None
@@ -113,5 +140,6 @@ class RunProgress(Vertical):
                  f"in {ev.seconds:.1f} s: read {units.gb(ev.bytes_in)}, wrote ", (units.size(ev.bytes_out), "bold"),
                  f" in {plural(ev.shards, 'shard')}\n",
                  (f"{'rel. error':<{KEY}}", "bold"), f"mean {err}", resumed, "\n",
+                 *([(f"{'calibrated':<{KEY}}", "bold"), calibration_text(calibrated), "\n"] if calibrated else []),
                  (f"{'written to':<{KEY}}", "bold"), display_path(Path(ev.dest))]
         self.query_one("#convert-rate", Static).update(Content.assemble(*parts))
