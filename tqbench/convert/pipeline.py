@@ -173,7 +173,8 @@ def destination_status(lay: Layout, dest: str | Path) -> DestinationStatus:
 def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: Recipe,
             shard_size: int = SHARD_SIZE, force: bool = False,
             producer_class: type[Producer] = Producer, read_ahead: int | None = None,
-            keep_source: bool = False, calibration: CalibrationRequest | None = None) -> Iterator[Any]:
+            keep_source: bool = False, calibration: CalibrationRequest | None = None,
+            keep_statistics: bool = False) -> Iterator[Any]:
     """Convert, yielding ConvertStarted, UnitConverted per unit, ShardWritten per shard, ConvertFinished.
     `source` may be an opened Checkpoint or a Layout computed for this recipe and shard size (faces that checked
     the destination have one). `producer_class` computes each unit's tensors (a benchmark may substitute one that
@@ -184,7 +185,8 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     A source on the hub (`Checkpoint.origin`) is streamed: its shards download as the units reading them come up
     (SourceProgress events), and each downloaded shard is removed once converted unless `keep_source`
     (SourceRemoved events; tqbench.convert.streamed). A calibrated recipe (`cal`) first measures its statistics over
-    `calibration`'s texts (default: the demo's held-out texts; tqbench.convert.calibration), or reads them back."""
+    `calibration`'s texts (default: the demo's held-out texts; tqbench.convert.calibration), or reads them back; once
+    the output is complete they are deleted (they are only needed to resume), unless `keep_statistics`."""
     check_output_dir(Path(dest))  # before planning or reading a byte
     t0 = time.monotonic()
     keep_mlx_kernels()
@@ -202,7 +204,8 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     if ckpt.origin is not None:
         written = sum(journal.shards[f]["bytes"] for f, r in zip(files, resumed) if r)
         prepare(ckpt, dst, journal, lay.file_bytes - written, keep_source)
-    stats = (yield from calibrate(ckpt.path, plan, dst, request)) if request else None
+    # Statistics are only needed for shards still to write (a rerun of a finished conversion measures nothing).
+    stats = (yield from calibrate(ckpt.path, plan, dst, request)) if request and not all(resumed) else None
     partial = read_partial(journal, dst, files, resumed)
     done_in = sum(b for b, r in zip(lay.shard_in, resumed) if r) + (partial.bytes_in if partial else 0)
     yield ConvertStarted(source=ckpt.name, dest=str(dst), recipe=recipe.name, shards=len(files), units=lay.units,
@@ -230,6 +233,8 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     except OSError as e:
         raise_if_no_room(e, dst, "the final files")
         raise
+    if not keep_statistics:
+        (dst / STATS).unlink(missing_ok=True)  # complete: nothing left to resume (the demo's are 4x its model)
     count, total = sum(a[0] for a in errors.values()), sum(a[1] for a in errors.values())
     yield ConvertFinished(dest=str(dst), seconds=time.monotonic() - t0, bytes_in=total_in, bytes_out=lay.file_bytes,
                           shards=len(files), mean_rel_error=total / count if count else None,
