@@ -203,7 +203,7 @@ def test_each_module_is_calibrated_on_what_the_converted_model_feeds_it(demo_src
     wait at their shared tap together: measured 0.3-0.6%, against 10% when up_proj ran uncalibrated), and at the
     last input (the routings of the two runs part where scores nearly tie) far closer than the source model's."""
     stats = Statistics.load(pair[1] / STATS)
-    dense = [t for t in stats.meta["order"] if stats.arrays[f"{t}|h"].ndim == 2]
+    dense = [t for t in stats.meta["order"] if f"{t}|h" in stats.arrays]  # routed taps keep no H
     source = load(demo_src)  # loaded as chat loads it, as is the converted model
     windows = plan_windows({t.name: token_stream(t, source.tokenizer) for t in default_texts()}, WINDOW, TOKENS)
     rows = np.concatenate([w.x for w in windows])
@@ -228,18 +228,21 @@ def test_each_module_is_calibrated_on_what_the_converted_model_feeds_it(demo_src
 
 def test_the_pass_codes_are_written_as_the_conversion_would_choose_them(demo_src, pair, tmp_path):
     """The in-order pass keeps every calibrated module's codes (it chose them to put the module into the copy) and
-    the conversion writes those instead of choosing them again: converting with the codes taken out of the kept
-    statistics, so that every module is quantized from its H, gives the same bytes."""
+    the conversion writes those instead of choosing them again: converting with the dense modules' codes taken out
+    of the kept statistics, so that each is quantized from its H, gives the same bytes. (Routed experts keep no H:
+    their codes are checked against an independent H in the next test.)"""
     cal = pair[1]
     stats = Statistics.load(cal / STATS)
-    kept = {k.rpartition("|")[0] for k in stats.arrays if k.endswith("|codes")}
     plan = make_plan(group_sources(open_checkpoint(demo_src)), Recipe.parse(K3 + "-cal"))
-    assert kept == {m.name for m in calibrated_modules(plan)} and any(m.experts for m in calibrated_modules(plan))
+    assert {k.rpartition("|")[0] for k in stats.arrays if k.endswith("|codes")} == \
+        {m.name for m in calibrated_modules(plan)} and any(m.experts for m in calibrated_modules(plan))
+    kept = {m.name for m in calibrated_modules(plan) if not m.experts}
     dst = tmp_path / "recomputed"
     shutil.copytree(cal, dst)  # the same conversion, every shard to be written again, the statistics kept
     done = Journal.load(dst)
     Journal(path=done.path, source=done.source, plan=done.plan, recipe=done.recipe, copied=done.copied).save()
-    Statistics({k: v for k, v in stats.arrays.items() if not k.endswith(("|codes", "|scales", "|error"))},
+    Statistics({k: v for k, v in stats.arrays.items()
+                if not (k.endswith(("|codes", "|scales", "|error")) and k.rpartition("|")[0] in kept)},
                stats.taps, stats.meta).save(dst / STATS)
     events = run(demo_src, dst, K3 + "-cal")
     assert next(e for e in events if isinstance(e, Calibrated)).reused
@@ -247,6 +250,59 @@ def test_the_pass_codes_are_written_as_the_conversion_would_choose_them(demo_src
     assert Statistics.load(dst / STATS).quantized(sorted(kept)[0], None) is None  # read back as written: no codes
     mine, theirs = file_bytes(dst), file_bytes(cal)
     assert mine.pop(STATS) != theirs.pop(STATS) and mine == theirs
+
+
+def test_routed_experts_codes_fit_the_inputs_routed_to_each(demo_src, pair):
+    """In order, a routed tap keeps no H per expert, only its routing counts: each expert's H is made from the rows
+    routed to it while its modules are calibrated (memory: the tap's rows, not experts x width^2). Recomputed
+    independently (the source model's routed inputs on the calibration windows, in float64), the counts are the
+    routings and the stored codes are quantize_calibrated's for that H, for every expert of the layer."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from tqbench.convert.calibration import EXPERT_PRIOR
+    from tqbench.convert.produce import rotated
+    from tqbench.quant.calibrate import expert_hessian, quantize_calibrated
+
+    stats = Statistics.load(pair[1] / STATS)
+    recipe = Recipe.parse(K3 + "-cal")
+    routed = sorted({t for m, t in stats.taps.items() if "switch_mlp" in m})
+    assert routed and all(f"{t}|h" not in stats.arrays and f"{t}|n" in stats.arrays for t in routed)
+    tap = next(t for t in routed if t.endswith("gate_proj"))
+    module = next(m for m, t in stats.taps.items() if t == tap and m.endswith("gate_proj"))
+    source = load(demo_src)
+    windows = plan_windows({t.name: token_stream(t, source.tokenizer) for t in default_texts()}, WINDOW, TOKENS)
+    switch = dict(source.model.named_modules())[tap]
+    assert isinstance(switch, SwitchLinear) or "scales" in switch
+    seen = []
+
+    class Routed(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __call__(self, x, idx, *args, **kwargs):
+            seen.append((np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]), np.array(idx)))
+            return self.inner(x, idx, *args, **kwargs)
+
+    source.model.update_modules(tree_unflatten([(tap, Routed(switch))]))
+    mx.eval(source.model(mx.array(np.concatenate([w.x for w in windows]))))
+    x = np.concatenate([a for a, _ in seen]).astype(np.float64)
+    ids = np.concatenate([b.reshape(len(a), -1) for a, b in seen])
+    experts, k = switch.weight.shape[0], ids.shape[1]
+    assert np.array_equal(np.bincount(ids.ravel(), minlength=experts), stats.arrays[f"{tap}|n"])
+    w = (mx.dequantize(switch.weight, switch.scales, switch.get("biases"), group_size=switch.group_size,
+                       bits=switch.bits, mode=switch.mode) if "scales" in switch else switch.weight)
+    n = w.shape[-1]
+    signs = mx.array(tq.rotation_signs(module, n, recipe.seed)) if rotated(recipe, n) else None
+    pooled, agree = k * (x.T @ x), []
+    for e in range(experts):
+        mine = x[(ids == e).any(axis=1)]
+        h = expert_hessian(mine.T @ mine, len(mine), pooled, len(x) * k, EXPERT_PRIOR * n)
+        q = quantize_calibrated(w[e].astype(mx.float32), "T", 64, signs, h, rule=recipe.scales)
+        agree.append(float(np.mean(np.array(q.weight) == np.array(stats.quantized(module, e).weight))))
+    nearest = tq.quantize(w[0].astype(mx.float32), "T", 64, signs, rule=recipe.scales)
+    assert agree == [1.0] * experts, agree  # every code, float32 sums in the pass against float64 here
+    assert np.mean(np.array(nearest.weight) == np.array(stats.quantized(module, 0).weight)) < 0.9
 
 
 def _cli(src: Path, dst: Path, env: dict | None = None, *extra: str) -> subprocess.CompletedProcess:

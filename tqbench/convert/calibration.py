@@ -7,9 +7,13 @@ over calibration text.
   calibrated on other text), or the user's files (`--calibrate-text`). About `tokens` tokens in windows of WINDOW,
   spread over each text as eval spreads its windows, run in batches of BATCH_WINDOWS.
 - **Where.** Every quantized Linear's input is tapped once per distinct input: KDA's q/k/v (fused `qkv_proj` in
-  mlx-lm) share one, and so do a gate_proj and its up_proj. H is accumulated in float32 as batches run, never the
-  activations themselves: memory is the H matrices (the model's quantized widths squared).
-- **Routed experts** see only the tokens routed to them: H per expert, counted. An expert routed few tokens (fewer
+  mlx-lm) share one, and so do a gate_proj and its up_proj. A dense input's H is accumulated in float32 as batches
+  run, never the activations themselves: memory is the H matrices (the model's quantized widths squared).
+- **Routed experts** see only the tokens routed to them: H per expert, counted. In order, a routed input keeps its
+  rows and the experts each went to (tokens x width, plus indices) until its modules are calibrated, and each
+  expert's H is made from its own rows then, one at a time, and dropped: an H per expert for every expert at once
+  (experts x width^2: 46 GB for one K3 layer's gate inputs) is never held, and only the counts are stored. One pass
+  (`sequential=False`) still accumulates H per expert, for the conversion to calibrate from. An expert routed few tokens (fewer
   than its input width, H of low rank) would be fitted to a handful of inputs, so every expert's H is shrunk toward
   its layer's: H_e + EXPERT_PRIOR x width x (the mean H over all routed inputs of that projection)
   (tqbench.quant.calibrate.expert_hessian); an expert never routed is fitted to the layer's mean alone.
@@ -67,16 +71,23 @@ _FUSED_PARTS = ("q_proj", "k_proj", "v_proj")  # their rows' order in qkv_proj
 
 
 class Statistics:
-    """Per tapped input: H (in, in), or (E, in, in) for routed experts, and how many rows made it."""
+    """Per tapped input: H (in, in), or (E, in, in) for routed experts, and how many rows made it. In order, a routed
+    tap's H per expert is never kept: `routed` holds its inputs (rows, and the experts each row went to) while its
+    modules are calibrated, and each expert's H is made from them when asked for (only `|n`, the counts, is kept)."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], taps: dict[str, str], meta: dict):
+    def __init__(self, arrays: dict[str, np.ndarray], taps: dict[str, str], meta: dict,
+                 routed: dict[str, tuple[np.ndarray, np.ndarray]] | None = None):
         self.arrays, self.taps, self.meta = arrays, taps, meta
+        self.routed = routed or {}  # tap -> (rows (R, in) float32, experts (R, k) int: each row's experts)
         self._pooled: dict[str, tuple[np.ndarray, float]] = {}
+        self._members: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # routed tap: experts sorted, their rows
 
     def hessian(self, module: str, expert: int | None) -> np.ndarray | None:
         """The H a module (one expert of it) is calibrated with; None when no calibration input reached it (its codes
         are then the nearest levels)."""
         tap = self.taps.get(module)
+        if tap in self.routed and expert is not None:
+            return self._routed_hessian(tap, expert)
         if tap is None or f"{tap}|h" not in self.arrays:
             return None
         h, count = self.arrays[f"{tap}|h"], self.arrays[f"{tap}|n"]
@@ -88,6 +99,26 @@ class Statistics:
         if total <= 0:
             return None
         return expert_hessian(h[expert], float(count[expert]), pooled, total, EXPERT_PRIOR * h.shape[-1])
+
+    def _routed_hessian(self, tap: str, expert: int) -> np.ndarray | None:
+        """One expert's H from the tap's routed rows (X_e^T X_e over the rows routed to it), shrunk toward the mean
+        over every routing (rows counted once per expert they went to) as `hessian` does with stored H."""
+        rows, experts = self.routed[tap]
+        if tap not in self._pooled:
+            weight = (experts >= 0).sum(axis=1).astype(np.float32)  # routings per row
+            self._pooled[tap] = ((rows * weight[:, None]).T @ rows, float(weight.sum()))
+            flat = experts.reshape(-1)
+            owner = np.repeat(np.arange(len(rows)), experts.shape[1])[flat >= 0]
+            flat = flat[flat >= 0]
+            order = np.argsort(flat, kind="stable")  # each expert's rows together, in the order they came
+            self._members[tap] = (flat[order], owner[order])
+        pooled, total = self._pooled[tap]
+        if total <= 0:
+            return None
+        by_expert, owner = self._members[tap]
+        start, stop = np.searchsorted(by_expert, [expert, expert + 1])
+        mine = rows[owner[start:stop]]
+        return expert_hessian(mine.T @ mine, len(mine), pooled, total, EXPERT_PRIOR * rows.shape[-1])
 
     def quantized(self, module: str, expert: int | None) -> tq.Quantized | None:
         """The codes the in-order pass chose for a module (one expert of it) when it put the module's calibrated
@@ -197,7 +228,9 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Iterato
 
     def calibrate(tap: str) -> None:
         _keep(arrays, sums, copy_sums, {tap})
-        _calibrated_into(copy, copy_modules, groups.get(tap, []), Statistics(arrays, taps, {}), plan)
+        routed = sums[tap].routed_rows()
+        _calibrated_into(copy, copy_modules, groups.get(tap, []), Statistics(arrays, taps, {}, routed), plan)
+        sums[tap].rows, sums[tap].experts_of = [], []  # calibrated: its inputs go
 
     order: list[str] = []
     for tap in _staged(model, copy, rows, sums, copy_sums, calibrate=calibrate):
@@ -252,6 +285,7 @@ def _staged(model: nn.Module, copy: nn.Module, rows: np.ndarray, sums: dict[str,
     for tap, s in sums.items():
         s.active, s.pause = True, True
         s.capture = [] if s.experts is None else None
+        s.keep_rows = s.experts is not None  # routed: its rows until calibrated, no H per expert
         c = copy_sums[tap]
         c.active, c.pause, c.partner = s.experts is None, True, s
     here = getcurrent()
@@ -269,7 +303,8 @@ def _staged(model: nn.Module, copy: nn.Module, rows: np.ndarray, sums: dict[str,
         for source, mine in zip(states[0::2], states[1::2]):
             sums[tap].add(source.x, source.args)
             copy_sums[tap].add(mine.x, mine.args)
-            mx.eval([a for s in (sums[tap], copy_sums[tap]) for a in (s.h, s.n, s.c) if a is not None])
+            mx.eval([a for s in (sums[tap], copy_sums[tap]) for a in (s.h, s.n, s.c, *s.rows[-1:], *s.experts_of[-1:])
+                     if a is not None])
         calibrate(tap)
         for s in (sums[tap], copy_sums[tap]):
             s.active = s.pause = False  # counted and calibrated: a second call of it passes straight through
@@ -297,6 +332,9 @@ def _keep(arrays: dict[str, np.ndarray], sums: dict[str, _Sum], copy_sums: dict[
     rounding."""
     for tap in active:
         s = sums[tap] if copy_sums is None or sums[tap].experts is not None else copy_sums[tap]
+        if s.keep_rows and s.n is not None:
+            arrays[f"{tap}|n"] = np.array(s.n)  # the counts; each expert's H is made from the rows (routed_rows)
+            continue
         if s.h is None:
             continue
         arrays[f"{tap}|h"], arrays[f"{tap}|n"] = np.array(s.h), np.array(s.n)
@@ -409,6 +447,17 @@ class _Sum:
         self.partner: _Sum | None = None  # the copy's side: the source model's _Sum of the same tap
         self.tap = ""  # the tapped module's path
         self.pause = False  # staged: the tap hands its input to _staged and waits (a greenlet) instead of counting it
+        self.keep_rows = False  # routed experts, in order: keep the input rows and their experts, not H per expert
+        self.rows: list[mx.array] = []
+        self.experts_of: list[mx.array] = []
+
+    def routed_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """{tap: (rows, experts)} of a routed tap that kept its rows (every batch's, in order), else {}."""
+        if not self.rows:
+            return {}
+        width = max(e.shape[1] for e in self.experts_of)
+        ids = [np.pad(np.array(e), ((0, 0), (0, width - e.shape[1])), constant_values=-1) for e in self.experts_of]
+        return {self.tap: (np.concatenate([np.array(r) for r in self.rows]), np.concatenate(ids))}
 
     def add(self, x: mx.array, args: tuple) -> None:
         if not self.active:
@@ -427,10 +476,19 @@ class _Sum:
                 cross = rows.T @ self.partner.capture.pop(0)
                 self.c = cross if self.c is None else self.c + cross
             return
+        idx = args[0]  # x (..., 1, 1, d) for every expert of a token, or (..., k, 1, d) / (N, 1, d) one per index
+        if self.keep_rows:  # one row per distinct input, with the experts it goes to: (R, d) and (R, k or 1)
+            rows = x.reshape(-1, d).astype(mx.float32)
+            ids = idx.reshape(rows.shape[0], -1).astype(mx.int32)
+            if self.n is None:
+                self.n = mx.zeros((self.experts,), dtype=mx.float32)
+            self.n = self.n.at[ids.reshape(-1)].add(1.0)
+            self.rows.append(rows)
+            self.experts_of.append(ids)
+            return
         if self.h is None:
             self.h = mx.zeros((self.experts, d, d), dtype=mx.float32)
             self.n = mx.zeros((self.experts,), dtype=mx.float32)
-        idx = args[0]  # x (..., 1, 1, d) for every expert of a token, or (..., k, 1, d) / (N, 1, d) one per index
         rows = mx.broadcast_to(x, (*idx.shape, *x.shape[-2:])).reshape(-1, d).astype(mx.float32)
         ids = mx.broadcast_to(idx[..., None], (*idx.shape, x.shape[-2])).reshape(-1)
         step = max(1, _ROWS_AT_ONCE // (d * d))

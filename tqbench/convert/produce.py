@@ -113,9 +113,11 @@ class Producer:
                 kind = "T" if c.ternary else str(c.bits)
                 signs = self.signs(m, w.shape[-1])
                 rot = mx.array(signs) if signs.min() < 0 else None
-                h = self.calibration.hessian(m.name, expert) if self.calibration is not None else None
-                kept = self.calibration.quantized(m.name, expert) if h is not None else None
-                if kept is not None:  # chosen by the in-order pass already, from these weights and this H
+                # The codes the in-order pass chose (from these weights, and its H: routed experts' H is not kept),
+                # else calibrated from the kept H (one pass), else nearest.
+                kept = self.calibration.quantized(m.name, expert) if self.calibration is not None else None
+                h = self.calibration.hessian(m.name, expert) if self.calibration is not None and kept is None else None
+                if kept is not None:
                     q = kept
                 elif h is not None:
                     w = self.calibration.weights(m.name, w)
