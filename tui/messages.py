@@ -177,11 +177,12 @@ class QualitiesRead(Message):
 
 @dataclass(kw_only=True)
 class QuickEvalProgress(Message):
-    """A quick eval (tqbench.eval.quick) moved on: the demo's conversion, then the evaluation (posted at most ~10
-    times a second)."""
+    """A quick eval (tqbench.eval.quick) moved on: the demo's conversion (a calibrated recipe's calibration first),
+    then the evaluation (posted at most ~10 times a second)."""
 
     eval_id: int
-    event: ConvertStarted | UnitConverted | ConvertFinished | EvalStarted | EvalProgress
+    event: (CalibrationProgress | Calibrated | ConvertStarted | UnitConverted | ConvertFinished | EvalStarted
+            | EvalProgress)
 
     def can_replace(self, message: Message) -> bool:
         """Merged: the screen shows where the quick eval is now, which the newest event of the same eval says."""
@@ -470,5 +471,6 @@ class ServeStopped(Message):
 
 # Messages that can come in bursts: each defines can_replace itself (see the module docstring).
 HIGH_RATE: tuple[type[Message], ...] = (ScanProgress, FilterApplied, PlansReady, RecipeChosen, MachineChosen,
-                                        ConvertProgress, ConvertCalibrating, ConvertSource, ConvertShardWritten, QuickEvalProgress,
-                                        ChatConvertProgress, ChatReplyProgress, ChatExperts, ServeFeed)
+                                        ConvertProgress, ConvertCalibrating, ConvertSource, ConvertShardWritten,
+                                        QuickEvalProgress, ChatConvertProgress, ChatReplyProgress, ChatExperts,
+                                        ServeFeed)

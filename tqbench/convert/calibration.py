@@ -13,9 +13,9 @@ over calibration text.
   rows and the experts each went to (tokens x width, plus indices) until its modules are calibrated, and each
   expert's H is made from its own rows then, one at a time, and dropped: an H per expert for every expert at once
   (experts x width^2: 46 GB for one K3 layer's gate inputs) is never held, and only the counts are stored. One pass
-  (`sequential=False`) still accumulates H per expert, for the conversion to calibrate from. An expert routed few tokens (fewer
-  than its input width, H of low rank) would be fitted to a handful of inputs, so every expert's H is shrunk toward
-  its layer's: H_e + EXPERT_PRIOR x width x (the mean H over all routed inputs of that projection)
+  (`sequential=False`) still accumulates H per expert, for the conversion to calibrate from. An expert routed few
+  tokens (fewer than its input width, H of low rank) would be fitted to a handful of inputs, so every expert's H is
+  shrunk toward its layer's: H_e + EXPERT_PRIOR x width x (the mean H over all routed inputs of that projection)
   (tqbench.quant.calibrate.expert_hessian); an expert never routed is fitted to the layer's mean alone.
 - **In order, one pass** (`sequential`, the default). Fitting every layer to the source model's own inputs ignores
   that the converted model feeds each module the *calibrated* modules' outputs. So the modules are calibrated in the
@@ -219,7 +219,8 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Iterato
     if not request.sequential:
         batches = range(0, len(rows), BATCH_WINDOWS)
         for b in _one_pass(model, rows, sums):
-            yield clock.step(done=b + 1, total=len(batches), at=f"batch {b + 1}", fraction=(b + 1) / len(batches))
+            yield clock.step(done=b + 1, total=len(batches), step="batches", at=f"batch {b + 1}",
+                             fraction=(b + 1) / len(batches))
         _keep(arrays, sums, None, set(sums))
         return Statistics(arrays, taps, meta)
     copy = load(ckpt_path, tokenizer=False).model
@@ -235,7 +236,7 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Iterato
     order: list[str] = []
     for tap in _staged(model, copy, rows, sums, copy_sums, calibrate=calibrate):
         order.append(tap)
-        yield clock.step(done=len(order), total=len(sums), at=tap, fraction=clock.weighed(order))
+        yield clock.step(done=len(order), total=len(sums), step="inputs", at=tap, fraction=clock.weighed(order))
     meta["order"] = order
     return Statistics(arrays, taps, meta)
 
@@ -255,11 +256,11 @@ class _Clock:
         total = sum(self.weights.values())
         return sum(self.weights.get(t, 0) for t in done) / total if total else 1.0
 
-    def step(self, *, done: int, total: int, at: str, fraction: float) -> CalibrationProgress:
+    def step(self, *, done: int, total: int, step: str, at: str, fraction: float) -> CalibrationProgress:
         elapsed = time.monotonic() - self.start
         eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
-        return CalibrationProgress(done=done, total=total, step="batches" if at.startswith("batch ") else "inputs",
-                                   at=at, tokens=self.tokens, fraction=fraction, elapsed=elapsed, eta=eta)
+        return CalibrationProgress(done=done, total=total, step=step, at=at, tokens=self.tokens, fraction=fraction,
+                                   elapsed=elapsed, eta=eta)
 
 
 def _one_pass(model: nn.Module, rows: np.ndarray, sums: dict[str, _Sum]) -> Iterator[int]:
@@ -275,8 +276,8 @@ def _staged(model: nn.Module, copy: nn.Module, rows: np.ndarray, sums: dict[str,
             calibrate: Callable[[str], None]) -> Iterator[str]:
     """Sequential calibration in one pass of each model. Every batch of windows runs through `model` and through
     `copy` in greenlets of their own (MLX stays on this thread), and each pauses at every tap, handing over its
-    input. When all of them have reached the same tap: the source model's inputs are counted (routed experts: H per
-    expert; dense: kept for the cross term), then the copy's (H~, C = X~^T X), `calibrate(tap)` puts that tap's
+    input. When all of them have reached the same tap: the source model's inputs are counted (routed experts: their
+    rows and experts, until calibrated; dense: kept for the cross term), then the copy's (H~, C = X~^T X), `calibrate(tap)` puts that tap's
     calibrated modules into the copy, and all go on, each calling the module (calibrated, in the copy) with its input.
     A tap reached again later in the same pass (a module called twice) counts nothing more. Yields each tap once
     calibrated, in order (the forward passes wait meanwhile: closing the generator drops them)."""

@@ -245,8 +245,9 @@ class RecipeScreen(Screen):
             self.notify(f"{recipe} on the demo: evaluated, but nothing was remembered", severity="warning")
             return
         elsewhere = self.checkpoint is None or Path(self.checkpoint.path).resolve() != demo_path().resolve()
+        scored = "; calibrated on the text it was scored on" if Recipe.parse(q.recipe).calibrate else ""
         self.notify(f"{q.recipe} on the demo: perplexity {q.perplexity:.2f} ({q.perplexity_change:+.1%} vs source), "
-                    f"KL {q.kl:.3f}" + ("; the table shows the loaded source's only" if elsewhere else ""),
+                    f"KL {q.kl:.3f}{scored}" + ("; the table shows the loaded source's only" if elsewhere else ""),
                     timeout=10)
         if self.checkpoint is not None:
             self._read_qualities(self.checkpoint)  # the loaded source's: the demo's if it is the demo

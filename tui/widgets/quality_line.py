@@ -8,7 +8,7 @@ from textual.widgets import Static
 
 from tqbench.eval.records import EvalProgress, EvalStarted
 from tqbench.eval.store import RecipeQuality
-from tqbench.events import ConvertFinished, ConvertStarted, UnitConverted
+from tqbench.events import CalibrationProgress, Calibrated, ConvertFinished, ConvertStarted, UnitConverted
 
 
 def measured_on(q: RecipeQuality) -> str:
@@ -31,6 +31,11 @@ def caption(columns: list[tuple[str, RecipeQuality | None]]) -> str:
 def progress_text(recipe: str, event: object | None) -> str:
     """Where a quick eval of `recipe` is, after `event` (None: nothing heard yet)."""
     what = f"quick eval of {recipe} on the demo"
+    if isinstance(event, CalibrationProgress):
+        eta = f", {event.eta:.0f} s left" if event.eta is not None else ""
+        return f"{what}: calibrating {event.fraction:.0%}{eta}"
+    if isinstance(event, Calibrated):
+        return f"{what}: calibrated in {event.seconds:.0f} s; converting..."
     if isinstance(event, ConvertStarted):
         return f"{what}: converting..."
     if isinstance(event, UnitConverted):
