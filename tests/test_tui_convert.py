@@ -622,11 +622,11 @@ async def test_calibrated_recipe_runs_on_the_typed_text_and_is_complete_after(sr
         dest = default_dest(src, name)
         assert status_text(screen).startswith("complete:")
         cal = screen.calibrated
-        assert isinstance(cal, Calibrated) and cal.tokens == 512 and not cal.reused
+        assert isinstance(cal, Calibrated) and cal.tokens == 512 and cal.file == ""
         assert shown and all(isinstance(e, CalibrationProgress) for e in shown) and shown[-1].fraction == 1.0
         assert [e.done for e in shown] == sorted(e.done for e in shown) and shown[-1].done == shown[-1].total
         summary = " ".join(rate_text(screen).split())
-        line = f"calibrated 512 tokens, {cal.inputs} inputs for {cal.modules} modules, measured in {cal.seconds:.0f} s"
+        line = f"calibrated 512 tokens, {cal.inputs} inputs for {cal.modules} modules in {cal.seconds:.0f} s"
         assert f"{line} written to" in summary
         assert screen.query_one("#convert-rate").region.height == 4  # done, rel. error, calibrated, written to
 

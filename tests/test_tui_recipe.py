@@ -140,16 +140,16 @@ def test_controls_spell_the_same_recipe_as_the_name(name):
 
 
 def test_a_quick_evals_calibration_is_shown_as_it_goes():
-    """A calibrated recipe's quick eval calibrates before it converts: the line says how far and for how long more
-    (the engine's fraction and ETA), then that it calibrated."""
+    """A calibrated recipe's quick eval calibrates as it converts: the line says how far the pass is (the engine's
+    weighed fraction), then that it calibrated."""
     from tqbench.events import CalibrationProgress, Calibrated
     from tui.widgets.quality_line import progress_text
 
     name = "tq3-g64-cal"
     step = CalibrationProgress(done=12, total=72, step="inputs", at="language_model.model.layers.1.mlp.gate_proj",
                                tokens=8192, fraction=0.154, elapsed=10.0, eta=55.2)
-    assert progress_text(name, step) == f"quick eval of {name} on the demo: calibrating 15%, 55 s left"
-    done = Calibrated(tokens=8192, inputs=72, modules=99, seconds=61.4, reused=False, file="x")
+    assert progress_text(name, step) == f"quick eval of {name} on the demo: converting, calibrated 15%"
+    done = Calibrated(tokens=8192, inputs=72, modules=99, seconds=61.4, file="")
     assert progress_text(name, done) == f"quick eval of {name} on the demo: calibrated in 61 s; converting..."
 
 

@@ -136,15 +136,14 @@ class ConvertFinished:
 
 @dataclass(frozen=True, kw_only=True)
 class Calibrated:
-    """A calibrated conversion (recipe part `cal`) has its input statistics: measured now by running the source model
-    over `tokens` calibration tokens, or read back from `file` (`reused`: a resumed conversion)."""
+    """A calibrated conversion's (recipe part `cal`) calibration pass is done: it ran the source model over `tokens`
+    calibration tokens, for `seconds` in all, in steps among the conversion's units."""
 
     tokens: int
     inputs: int  # distinct module inputs tapped
     modules: int  # quantized modules calibrated with them
     seconds: float
-    reused: bool
-    file: str
+    file: str  # where the statistics were saved ("" unless asked: convert(keep_statistics=True))
 
 
 @dataclass(frozen=True, kw_only=True)

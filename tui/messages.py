@@ -42,13 +42,14 @@ from tqbench.chat.events import SourceProgress
 from tqbench.chat.live import ReplyRates
 from tqbench.eval.records import EvalProgress, EvalStarted
 from tqbench.eval.store import RecipeQuality
+from tqbench.events import Calibrated  # at run time: ConvertCalibrating.can_replace tells it apart
 
 if TYPE_CHECKING:
     from tqbench.chat.events import (ConvertFinished, ConvertStarted, ModelChosen, ModelLoaded, PageIn, ReplyDone,
                                      ReplyStarted, ShardWritten, SourceRemoved, StreamReport, UnitConverted)
     from tqbench.convert import DestinationStatus, Layout
     from tqbench.convert.calibration_request import CalibrationRequest
-    from tqbench.events import CalibrationProgress, Calibrated
+    from tqbench.events import CalibrationProgress
     from tqbench.recipe import Machine, Plan, Recipe, Sources
     from tqbench.serve.service import RequestDone, ServeStatus
     from tqbench.source import Checkpoint, Summary, Tensor

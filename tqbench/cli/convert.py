@@ -106,14 +106,13 @@ def _started_line(ev: ConvertStarted) -> str:
 
 
 def _calibrated_line(ev: Calibrated) -> str:
-    how = "read back from" if ev.reused else f"measured in {ev.seconds:.0f} s, kept in"
+    kept = f", kept in {ev.file}" if ev.file else ""
     return (f"calibration: {ev.tokens} tokens through {ev.inputs} module inputs for {ev.modules} modules, "
-            f"{how} {ev.file}")
+            f"{ev.seconds:.0f} s{kept}")
 
 
 def _calibrating(ev: CalibrationProgress) -> str:
-    eta = f", {units.clock(ev.eta)} left" if ev.eta is not None else ""
-    return f"calibrate {ev.fraction:.0%}: {ev.done} of {ev.total} {ev.step}, {ev.at}, {ev.elapsed:.0f} s{eta}"
+    return f"calibrate {ev.fraction:.0%}: {ev.done} of {ev.total} {ev.step}, {ev.at}, {ev.elapsed:.0f} s"
 
 
 def _sized(done: int, total: int) -> str:
@@ -146,7 +145,7 @@ def render_progress(events, err: Console) -> ConvertFinished:
                 if calibrate is None:
                     calibrate = progress.add_task("calibrate", total=1.0, size="", rate="", eta="", what="")
                 progress.update(calibrate, completed=ev.fraction, size=f"{ev.done}/{ev.total} {ev.step}",
-                                eta=units.clock(ev.eta), what=ev.at)
+                                what=ev.at)  # its steps come among the units': the conversion's ETA is the run's
             elif isinstance(ev, Calibrated):
                 err.print(_calibrated_line(ev), highlight=False, markup=False)
             elif isinstance(ev, ConvertStarted):

@@ -28,11 +28,13 @@ over calibration text.
   inputs (the two models may route a token differently). Each model runs the windows once: the cost is two passes,
   whatever the depth (the layer-by-layer form this replaced reran the prefix for every layer: 18 passes on the demo).
   `--calibrate-one-pass` measures the source model's inputs alone.
-- **Stored** in the output directory (STATS, replaced atomically) with the digest of the texts, before the first
-  shard: a resumed conversion reads it back instead of running the model again, so it writes the same bytes. The
-  digest is part of the plan fingerprint (tqbench.convert.pipeline.layout): other texts are another conversion.
-  With the statistics go the codes the in-order pass chose for each module to put it into the copy
-  (Statistics.quantized): the conversion writes those rather than choose them again from the same weights and H.
+- **Run as the conversion goes** (PassStatistics): the conversion writes units in the order a forward pass reaches
+  them (the embedding first, then layer by layer, lm_head last), so when it asks for a module's codes the pass runs
+  on until that module's input is calibrated, and the codes the in-order pass chose to put the module into the copy
+  are what it writes (not chosen again), then dropped. Nothing is stored: a resumed conversion runs the pass again
+  from the start, which gives the same codes (the same inputs, in the same order, on the one thread), and writes the
+  shards not finished. The texts' digest is part of the plan fingerprint (tqbench.convert.pipeline.layout): other
+  texts are another conversion. `keep` saves the statistics (STATS) at the end, for tests and analysis.
 """
 
 from __future__ import annotations
@@ -172,27 +174,81 @@ def calibrated_modules(plan: Plan) -> list[ModulePlan]:
     return [m for m in plan.modules if m.choice.format is Format.TURBOQUANT]
 
 
-def prepare(ckpt_path: Path, plan: Plan, dest: Path,
-            request: CalibrationRequest) -> Iterator[CalibrationProgress | Calibrated]:
-    """The statistics for a calibrated conversion into `dest`: read back (a resumed conversion), or measured now
-    (CalibrationProgress events) and stored there. Yields one Calibrated event last; returns the Statistics."""
-    t0 = time.monotonic()
-    digest = request.digest()
-    path = dest / STATS
-    stats = Statistics.load(path) if path.is_file() else None
-    reused = stats is not None and stats.meta.get("digest") == digest
-    if not reused:
-        stats = yield from measure(ckpt_path, plan, request)
-        stats.meta["digest"] = digest
-        stats.save(path)
-    yield Calibrated(tokens=int(stats.meta["tokens"]), inputs=len(set(stats.taps.values())), modules=len(stats.taps),
-                     seconds=time.monotonic() - t0, reused=reused, file=str(path))
-    return stats
+class PassStatistics(Statistics):
+    """The in-order pass run as the conversion needs it. Asking for a module's codes, H or correction runs the pass
+    until that module's input is calibrated (one pass, `sequential=False`: to its end); the codes the conversion took
+    are dropped then, so about one layer's codes are held, not the model's. `events()` hands over the progress made
+    meanwhile; `finish()` runs the pass to its end and yields Calibrated. With `keep`, nothing is dropped and the
+    statistics are saved there at the end (tests and analysis)."""
+
+    def __init__(self, ckpt_path: Path, plan: Plan, request: CalibrationRequest, *, keep: Path | None = None):
+        super().__init__({}, {}, {})
+        self._steps = measure(ckpt_path, plan, request, into=self)
+        self._sequential, self._digest, self._keep = request.sequential, request.digest(), keep
+        self._calibrated: set[str] = set()  # taps done
+        self._pending: list[CalibrationProgress] = []
+        self._taken: dict[str, int] = {}  # module -> experts whose codes the conversion took
+        self._done = False
+        self.seconds = 0.0  # spent in the pass
+        self._advance()  # the models are loaded and the taps known from here on
+
+    def _advance(self) -> bool:
+        t0 = time.monotonic()
+        try:
+            ev = next(self._steps)
+        except StopIteration:
+            self._done = True
+            return False
+        finally:
+            self.seconds += time.monotonic() - t0
+        self._pending.append(ev)
+        self._calibrated.add(ev.at)
+        return True
+
+    def _until(self, module: str) -> None:
+        tap = self.taps.get(module)
+        while tap is not None and not self._done and (not self._sequential or tap not in self._calibrated):
+            self._advance()
+
+    def hessian(self, module: str, expert: int | None) -> np.ndarray | None:
+        self._until(module)
+        return super().hessian(module, expert)
+
+    def weights(self, module: str, w: mx.array) -> mx.array:
+        self._until(module)
+        return super().weights(module, w)
+
+    def quantized(self, module: str, expert: int | None) -> tq.Quantized | None:
+        self._until(module)
+        q = super().quantized(module, expert)
+        if q is not None and self._keep is None:  # written once: its codes go when all of them were taken
+            self._taken[module] = self._taken.get(module, 0) + 1
+            if expert is None or self._taken[module] == self.arrays[f"{module}|codes"].shape[0]:
+                for part in ("codes", "scales", "error"):
+                    del self.arrays[f"{module}|{part}"]
+        return q
+
+    def events(self) -> list[CalibrationProgress]:
+        """The progress made since the last call."""
+        out, self._pending = self._pending, []
+        return out
+
+    def finish(self) -> Iterator[CalibrationProgress | Calibrated]:
+        """The pass to its end (the taps no module of this run's shards needed), then Calibrated."""
+        while self._advance():
+            pass
+        yield from self.events()
+        if self._keep is not None:
+            self.meta["digest"] = self._digest
+            self.save(self._keep)
+        yield Calibrated(tokens=int(self.meta["tokens"]), inputs=len(set(self.taps.values())), modules=len(self.taps),
+                         seconds=self.seconds, file=str(self._keep or ""))
 
 
-def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Iterator[CalibrationProgress]:
-    """Run the source model over the calibration windows, tapping each calibrated module's input; yields
-    CalibrationProgress after every step and returns the Statistics. Sequential: the
+def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest, *,
+            into: Statistics) -> Iterator[CalibrationProgress]:
+    """Run the source model over the calibration windows, tapping each calibrated module's input, into `into` (its
+    taps and meta are set before the first step); yields CalibrationProgress after every step. Sequential: the
     source model and a copy run the windows in step, tap by tap (_staged); each Linear gets H of its inputs in the
     copy (X~), whose modules before it hold their calibrated values, and the correction A that makes its target the
     source model's output: W' = W A, A = I + (X - X~)^T X~ (H~ + damp)^-1 (least squares of X W^T on X~)."""
@@ -209,8 +265,9 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Iterato
     streams = {t.name: token_stream(t, loaded.tokenizer) for t in texts}
     windows = plan_windows(streams, WINDOW, request.tokens)
     rows = np.concatenate([w.x for w in windows])
-    arrays: dict[str, np.ndarray] = {}
-    meta = {"tokens": int(rows.size), "windows": len(rows)}
+    arrays, meta = into.arrays, into.meta
+    into.taps.update(taps)
+    meta.update(tokens=int(rows.size), windows=len(rows))
     groups: dict[str, list[ModulePlan]] = {}
     for m in calibrated_modules(plan):
         if m.name in taps:
@@ -222,7 +279,7 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Iterato
             yield clock.step(done=b + 1, total=len(batches), step="batches", at=f"batch {b + 1}",
                              fraction=(b + 1) / len(batches))
         _keep(arrays, sums, None, set(sums))
-        return Statistics(arrays, taps, meta)
+        return
     copy = load(ckpt_path, tokenizer=False).model
     copy_modules = dict(copy.named_modules())
     copy_sums = _tapped(copy, copy_modules, taps)
@@ -234,11 +291,10 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest) -> Iterato
         sums[tap].rows, sums[tap].experts_of = [], []  # calibrated: its inputs go
 
     order: list[str] = []
+    meta["order"] = order  # filled as the pass goes
     for tap in _staged(model, copy, rows, sums, copy_sums, calibrate=calibrate):
         order.append(tap)
         yield clock.step(done=len(order), total=len(sums), step="inputs", at=tap, fraction=clock.weighed(order))
-    meta["order"] = order
-    return Statistics(arrays, taps, meta)
 
 
 @dataclass(kw_only=True)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 import mlx.core as mx
 
 from tqbench.atomic import temp_target, write_bytes, write_json
-from tqbench.convert.calibration import STATS, CalibrationRequest, prepare as calibrate
+from tqbench.convert.calibration import STATS, CalibrationRequest, PassStatistics
 from tqbench.convert.journal import JOURNAL, Journal
 from tqbench.convert.produce import Producer, rotated, shared_expert_piece
 from tqbench.convert.shard import Partial, Progress, ShardRun, raise_if_no_room, read_partial, shard_metadata
@@ -185,8 +185,9 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     A source on the hub (`Checkpoint.origin`) is streamed: its shards download as the units reading them come up
     (SourceProgress events), and each downloaded shard is removed once converted unless `keep_source`
     (SourceRemoved events; tqbench.convert.streamed). A calibrated recipe (`cal`) first measures its statistics over
-    `calibration`'s texts (default: the demo's held-out texts; tqbench.convert.calibration), or reads them back; once
-    the output is complete they are deleted (they are only needed to resume), unless `keep_statistics`."""
+    `calibration`'s texts (default: the demo's held-out texts; tqbench.convert.calibration) as the shards need them
+    (CalibrationProgress events among the units', Calibrated after the last); `keep_statistics` saves them in the
+    output (STATS)."""
     check_output_dir(Path(dest))  # before planning or reading a byte
     t0 = time.monotonic()
     keep_mlx_kernels()
@@ -204,8 +205,9 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     if ckpt.origin is not None:
         written = sum(journal.shards[f]["bytes"] for f, r in zip(files, resumed) if r)
         prepare(ckpt, dst, journal, lay.file_bytes - written, keep_source)
-    # Statistics are only needed for shards still to write (a rerun of a finished conversion measures nothing).
-    stats = (yield from calibrate(ckpt.path, plan, dst, request)) if request and not all(resumed) else None
+    # The calibration pass runs as the shards still to write need its codes (a finished conversion rerun: none).
+    keep = dst / STATS if keep_statistics else None
+    stats = PassStatistics(ckpt.path, plan, request, keep=keep) if request and not all(resumed) else None
     partial = read_partial(journal, dst, files, resumed)
     done_in = sum(b for b, r in zip(lay.shard_in, resumed) if r) + (partial.bytes_in if partial else 0)
     yield ConvertStarted(source=ckpt.name, dest=str(dst), recipe=recipe.name, shards=len(files), units=lay.units,
@@ -219,9 +221,14 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
         feed = open_feed(ckpt, recipe, journal, units, keep_source)
     progress = Progress(total_in, done_in, time.monotonic)
     try:
-        yield from _write_shards(lay, dst, recipe, journal=journal, resumed=resumed, partial=partial, feed=feed,
-                                 progress=progress, producer_class=producer_class, calibration=stats,
-                                 read_ahead=default_read_ahead() if read_ahead is None else read_ahead)
+        for ev in _write_shards(lay, dst, recipe, journal=journal, resumed=resumed, partial=partial, feed=feed,
+                                progress=progress, producer_class=producer_class, calibration=stats,
+                                read_ahead=default_read_ahead() if read_ahead is None else read_ahead):
+            if stats is not None:
+                yield from stats.events()  # the calibration's progress while the unit was made
+            yield ev
+        if stats is not None:
+            yield from stats.finish()
     finally:
         if feed is not None:
             feed.close()
@@ -234,7 +241,7 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
         raise_if_no_room(e, dst, "the final files")
         raise
     if not keep_statistics:
-        (dst / STATS).unlink(missing_ok=True)  # complete: nothing left to resume (the demo's are 4x its model)
+        (dst / STATS).unlink(missing_ok=True)  # left by an earlier version's interrupted run
     count, total = sum(a[0] for a in errors.values()), sum(a[1] for a in errors.values())
     yield ConvertFinished(dest=str(dst), seconds=time.monotonic() - t0, bytes_in=total_in, bytes_out=lay.file_bytes,
                           shards=len(files), mean_rel_error=total / count if count else None,

@@ -32,8 +32,7 @@ def progress_text(recipe: str, event: object | None) -> str:
     """Where a quick eval of `recipe` is, after `event` (None: nothing heard yet)."""
     what = f"quick eval of {recipe} on the demo"
     if isinstance(event, CalibrationProgress):
-        eta = f", {event.eta:.0f} s left" if event.eta is not None else ""
-        return f"{what}: calibrating {event.fraction:.0%}{eta}"
+        return f"{what}: converting, calibrated {event.fraction:.0%}"
     if isinstance(event, Calibrated):
         return f"{what}: calibrated in {event.seconds:.0f} s; converting..."
     if isinstance(event, ConvertStarted):

@@ -1,7 +1,8 @@
 """The Convert screen's progress display: a bar over the source bytes, a line with the engine's rate and ETA, the shards
 written and the unit being converted, and the per-layer table (units done, bytes, errors). A calibrated recipe's run
-first shows its calibration on the same bar and line (module inputs calibrated, the engine's ETA). Before a run the
-table lists the layout's layers; after a finished run the line becomes the run's summary."""
+shows its calibration pass, which runs as the units need it, on a line of its own (module inputs calibrated, the
+engine's ETA). Before a run the table lists the layout's layers; after a finished run the line becomes the run's
+summary."""
 
 from __future__ import annotations
 
@@ -37,8 +38,7 @@ def module_at(path: str) -> str:
 
 
 def calibration_text(ev: Calibrated) -> str:
-    how = "read back from the earlier run" if ev.reused else f"measured in {ev.seconds:.0f} s"
-    return f"{ev.tokens:,} tokens, {plural(ev.inputs, 'input')} for {plural(ev.modules, 'module')}, {how}"
+    return f"{ev.tokens:,} tokens, {plural(ev.inputs, 'input')} for {plural(ev.modules, 'module')} in {ev.seconds:.0f} s"
 
 
 class RunProgress(Vertical):
@@ -53,6 +53,7 @@ class RunProgress(Vertical):
             yield ProgressBar(total=None, show_eta=False, id="convert-bar")
             yield Label("", id="convert-bytes")
         yield Static("", id="convert-rate")
+        yield Static("", id="convert-calibration")
         yield Static("", id="convert-download")
         yield LayerTable(id="layers")
 
@@ -61,6 +62,7 @@ class RunProgress(Vertical):
         self.query_one("#convert-rate").display = shown
         if not shown:
             self.query_one("#convert-download").display = False
+            self.query_one("#convert-calibration").display = False
 
     def show_source(self, ev: SourceProgress | SourceRemoved) -> None:
         """A run streaming its source from the hub: what is downloading, how fast, what the source holds on disk."""
@@ -96,16 +98,18 @@ class RunProgress(Vertical):
             f"preparing: {unit_count:,} units to convert...", "$text-muted"))
 
     def calibrating(self, ev: CalibrationProgress) -> None:
-        """A calibrated recipe's run measuring its statistics: the bar weighs each input by its modules' weights."""
-        self.query_one("#convert-bar", ProgressBar).update(total=1.0, progress=ev.fraction)
-        self.query_one("#convert-bytes", Label).update(f"{ev.done} of {ev.total} {ev.step}")
-        self.query_one("#convert-rate", Static).update(Content.assemble(
-            ("calibrating", "bold"), f" on {ev.tokens:,} tokens  ETA ", (units.clock(ev.eta), "bold"),
-            f"  {ev.elapsed:.0f} s  ", (module_at(ev.at), "$text-muted")))
+        """A calibrated recipe's pass, as far as the units need it (the fraction weighs each input by its modules'
+        weights)."""
+        line = self.query_one("#convert-calibration", Static)
+        line.display = True
+        done = Content.assemble((f"{'calibrate':<{KEY}}", "bold"), (f"{ev.fraction:.0%}", "bold"),
+                                f" {ev.done} of {ev.total} {ev.step}")
+        line.update(done + Content.styled(f"  {module_at(ev.at)}", "$text-muted"))  # the ETA is the run's, above
 
     def calibrated(self, ev: Calibrated) -> None:
-        self.query_one("#convert-rate", Static).update(Content.styled(
-            f"calibration: {calibration_text(ev)}; converting...", "$text-muted"))
+        line = self.query_one("#convert-calibration", Static)
+        line.display = True
+        line.update(Content.assemble((f"{'calibrated':<{KEY}}", "bold"), calibration_text(ev)))
 
     def began(self, ev: ConvertStarted, layers: Sequence[LayerStats]) -> None:
         self._show_bytes(ev.resumed_bytes_in, ev.bytes_in)
@@ -131,6 +135,7 @@ class RunProgress(Vertical):
         """The finished run's figures where the progress lines were, keys aligned with the form's; a calibrated
         recipe's calibration on a line of its own."""
         self.query_one("#convert-bar-row").display = False
+        self.query_one("#convert-calibration").display = False
         self.query_one("#convert-rate").display = True
         err = (f"{error_text(ev.mean_rel_error)}, max {error_text(ev.max_rel_error)}" if ev.mean_rel_error is not None
                else "- (nothing quantized)")
