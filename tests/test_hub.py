@@ -382,3 +382,17 @@ def test_an_output_started_from_another_commit_is_a_conflict_before_it_starts(hu
     assert old[:12] in status.detail and new[:12] in status.detail and f"{REPO}@{old}" in status.detail
     at_old = destination_status(layout(open_checkpoint(f"{REPO}@{old}"), Recipe.parse(RECIPE), SHARD), dst)
     assert at_old.state == "resumable" and at_old.done_shards == 1
+
+
+def test_a_calibrated_recipe_from_the_hub_is_refused_before_a_byte_is_downloaded(hub, source, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """Calibrated rounding runs the source model over text, which needs every source shard on disk at once; a
+    conversion from the hub holds two: one line saying so, and no shard's data fetched."""
+    hub.add_repo(REPO, source)
+    got = tqbench(capsys, monkeypatch, "convert", "--hf-path", REPO, "--mlx-path", tmp_path / "out", "--recipe",
+                  RECIPE + "-cal", "--shard-size", SHARD)
+    assert got.code == 1 and got.err.count("\n") == 1, got.err
+    assert "calibrated rounding (cal) runs the source model" in got.err and "download" in got.err, got.err
+    sent = hub.stats().file_bytes  # the headers, to plan; no shard's data
+    assert {p.name: sent[p.name] for p in shards(source)} == {p.name: header_bytes(p) for p in shards(source)}
+    assert not (tmp_path / "out").exists()

@@ -77,9 +77,6 @@ def convert(
             raise TqbenchError(f"{given} given, but recipe {recipes[0].name} is not calibrated (add cal or "
                                "--calibrate)")
         calibration.read()  # a bad file: one line naming it, before the engine starts
-        if recipes[0].calibrate:
-            err.print(f"calibrating: running the source over about {calibrate_tokens} tokens", highlight=False,
-                      markup=False)
         # On the engine thread; leaving the block (Ctrl-C included) closes the conversion there first, so only
         # whole shards stay and the same command resumes.
         with submit(lambda: run_convert(hf_path, mlx_path, recipes[0], size, force, keep_source=keep_source,

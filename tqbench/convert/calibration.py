@@ -188,11 +188,11 @@ class PassStatistics(Statistics):
         self._calibrated: set[str] = set()  # taps done
         self._pending: list[CalibrationProgress] = []
         self._taken: dict[str, int] = {}  # module -> experts whose codes the conversion took
-        self._done = False
+        self._done = self._started = False
         self.seconds = 0.0  # spent in the pass
-        self._advance()  # the models are loaded and the taps known from here on
 
     def _advance(self) -> bool:
+        self._started = True  # the first step loads the models and sets the taps
         t0 = time.monotonic()
         try:
             ev = next(self._steps)
@@ -206,6 +206,8 @@ class PassStatistics(Statistics):
         return True
 
     def _until(self, module: str) -> None:
+        if not self._started:
+            self._advance()
         tap = self.taps.get(module)
         while tap is not None and not self._done and (not self._sequential or tap not in self._calibrated):
             self._advance()

@@ -197,6 +197,10 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
     dst = Path(dest)
     if any(m.choice.format is Format.TURBOQUANT for m in plan.modules):
         tq.quantizer_kernel()  # a bad TQBENCH_QUANTIZER fails here, before the destination is touched
+    if request is not None and ckpt.origin is not None:
+        raise ConvertError("calibrated rounding (cal) runs the source model, which needs every source shard on disk "
+                           "at once, and a conversion from the hub holds two: download the repository and convert "
+                           "from its directory", ckpt.name)
     if ckpt.origin is not None:
         check_revision(ckpt, dst, force)
     journal = _prepare_dest(ckpt.path, dst, recipe, source_fp=lay.source_fp, plan_fp=lay.plan_fp, force=force)
