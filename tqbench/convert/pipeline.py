@@ -184,10 +184,10 @@ def convert(source: str | Path | Checkpoint | Layout, dest: str | Path, recipe: 
 
     A source on the hub (`Checkpoint.origin`) is streamed: its shards download as the units reading them come up
     (SourceProgress events), and each downloaded shard is removed once converted unless `keep_source`
-    (SourceRemoved events; tqbench.convert.streamed). A calibrated recipe (`cal`) first measures its statistics over
-    `calibration`'s texts (default: the demo's held-out texts; tqbench.convert.calibration) as the shards need them
-    (CalibrationProgress events among the units', Calibrated after the last); `keep_statistics` saves them in the
-    output (STATS)."""
+    (SourceRemoved events; tqbench.convert.streamed). A calibrated recipe (`cal`) runs its calibration pass over
+    `calibration`'s texts (default: the demo's held-out texts; tqbench.convert.calibration) as the shards need its
+    codes (CalibrationProgress events among the units', Calibrated after the last); it is refused for a source on
+    the hub. `keep_statistics` saves the statistics in the output (STATS)."""
     check_output_dir(Path(dest))  # before planning or reading a byte
     t0 = time.monotonic()
     keep_mlx_kernels()
