@@ -147,7 +147,7 @@ def test_a_quick_evals_calibration_is_shown_as_it_goes():
 
     name = "tq3-g64-cal"
     step = CalibrationProgress(done=12, total=72, step="inputs", at="language_model.model.layers.1.mlp.gate_proj",
-                               tokens=8192, fraction=0.154, elapsed=10.0, eta=55.2)
+                               tokens=8192, fraction=0.154, elapsed=10.0)
     assert progress_text(name, step) == f"quick eval of {name} on the demo: converting, calibrated 15%"
     done = Calibrated(tokens=8192, inputs=72, modules=99, seconds=61.4, file="")
     assert progress_text(name, done) == f"quick eval of {name} on the demo: calibrated in 61 s; converting..."

@@ -150,7 +150,8 @@ class Calibrated:
 class CalibrationProgress:
     """A calibrated conversion measuring its statistics: `done` of `total` steps (in order: module inputs, each
     counted and its modules calibrated; one pass: batches of windows), the latest at `at`. `fraction` weighs each
-    input by the weights of its modules (what calibrating them costs); the ETA follows it."""
+    input by the weights of its modules (what calibrating them costs). The steps come among the conversion's units,
+    so the run's ETA is the conversion's (UnitConverted.eta)."""
 
     done: int
     total: int
@@ -158,12 +159,11 @@ class CalibrationProgress:
     at: str  # the module path of the latest input, or "batch N"
     tokens: int  # calibration tokens each step runs through
     fraction: float
-    elapsed: float
-    eta: float | None
+    elapsed: float  # seconds since the pass started, the conversion's work between its steps included
 
 
-ConvertEvent = (Calibrated | CalibrationProgress | ConvertStarted | UnitConverted | SourceProgress | SourceRemoved | ShardWritten
-                | ConvertFinished)
+ConvertEvent = (Calibrated | CalibrationProgress | ConvertStarted | UnitConverted | SourceProgress | SourceRemoved
+                | ShardWritten | ConvertFinished)
 
 
 # ---- a chat's events made below the chat ---------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from tqbench.cli.render import show
 from tqbench.convert.calibration_request import DEFAULT_TOKENS, MAX_TOKENS, MIN_TOKENS, CalibrationRequest
 from tqbench.engine import submit
 from tqbench.errors import TqbenchError
-from tqbench.events import (CalibrationProgress, Calibrated, ConvertFinished, ConvertStarted, ShardWritten, SourceProgress, SourceRemoved,
-                            UnitConverted)
+from tqbench.events import (CalibrationProgress, Calibrated, ConvertFinished, ConvertStarted, ShardWritten,
+                            SourceProgress, SourceRemoved, UnitConverted)
 from tqbench.recipe.fit import parse_size
 from tqbench.recipe.recipe import RecipeFlags
 from tqbench.state import remember_model
@@ -132,8 +132,8 @@ def render_progress(events, err: Console) -> ConvertFinished:
         return _render_plain(events, err)
     # One ETA, the engine's (a conversion from the hub counts the downloads in it), on the conversion's bar.
     # The calibration's bar counts module inputs, the conversion's and download's bytes: `size` says which.
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[size]}"),
-               TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[what]}"))
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+               TextColumn("{task.fields[size]}"), TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[what]}"))
     progress = Progress(*columns, console=err, transient=False)
     task = download = calibrate = None
     with progress:

@@ -301,7 +301,7 @@ def measure(ckpt_path: Path, plan: Plan, request: CalibrationRequest, *,
 
 @dataclass(kw_only=True)
 class _Clock:
-    """The calibration's progress events: elapsed time and an ETA from the weighed fraction done."""
+    """The calibration's progress events: the weighed fraction done and the time since the pass started."""
 
     tokens: int
     weights: dict[str, int]  # per tap: the weights of its calibrated modules
@@ -315,10 +315,8 @@ class _Clock:
         return sum(self.weights.get(t, 0) for t in done) / total if total else 1.0
 
     def step(self, *, done: int, total: int, step: str, at: str, fraction: float) -> CalibrationProgress:
-        elapsed = time.monotonic() - self.start
-        eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
         return CalibrationProgress(done=done, total=total, step=step, at=at, tokens=self.tokens, fraction=fraction,
-                                   elapsed=elapsed, eta=eta)
+                                   elapsed=time.monotonic() - self.start)
 
 
 def _one_pass(model: nn.Module, rows: np.ndarray, sums: dict[str, _Sum]) -> Iterator[int]:
@@ -335,8 +333,8 @@ def _staged(model: nn.Module, copy: nn.Module, rows: np.ndarray, sums: dict[str,
     """Sequential calibration in one pass of each model. Every batch of windows runs through `model` and through
     `copy` in greenlets of their own (MLX stays on this thread), and each pauses at every tap, handing over its
     input. When all of them have reached the same tap: the source model's inputs are counted (routed experts: their
-    rows and experts, until calibrated; dense: kept for the cross term), then the copy's (H~, C = X~^T X), `calibrate(tap)` puts that tap's
-    calibrated modules into the copy, and all go on, each calling the module (calibrated, in the copy) with its input.
+    rows and experts, until calibrated; dense: kept for the cross term), then the copy's (H~, C = X~^T X),
+    `calibrate(tap)` puts that tap's calibrated modules into the copy, and all go on, each calling the module (calibrated, in the copy) with its input.
     A tap reached again later in the same pass (a module called twice) counts nothing more. Yields each tap once
     calibrated, in order (the forward passes wait meanwhile: closing the generator drops them)."""
     from greenlet import getcurrent, greenlet

@@ -66,7 +66,8 @@ class ConvertRun:
         """A message of the run going on (or of the last one, until another starts)."""
         return run_id == self.run_id
 
-    def start(self, lay, dest: Path, *, recipe, shard_size: int, replace: bool, tally: Tally, calibration=None) -> None:
+    def start(self, lay, dest: Path, *, recipe, shard_size: int, replace: bool, tally: Tally,
+              calibration=None) -> None:
         """Convert with `lay` (tqbench.convert.Layout) into `dest`; `replace`: delete the conversion there first.
         `tally` counts the layout's units, those of shards an earlier run finished done; `calibration`: a calibrated
         recipe's texts and tokens (tqbench.convert.calibration_request.CalibrationRequest)."""

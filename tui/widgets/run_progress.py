@@ -38,7 +38,8 @@ def module_at(path: str) -> str:
 
 
 def calibration_text(ev: Calibrated) -> str:
-    return f"{ev.tokens:,} tokens, {plural(ev.inputs, 'input')} for {plural(ev.modules, 'module')} in {ev.seconds:.0f} s"
+    inputs, modules = plural(ev.inputs, "input"), plural(ev.modules, "module")
+    return f"{ev.tokens:,} tokens, {inputs} for {modules} in {ev.seconds:.0f} s"
 
 
 class RunProgress(Vertical):
