@@ -69,7 +69,6 @@ def test_captured_routing_is_the_top_k_of_the_router_scores(model):
 
 def test_capture_changes_nothing(model):
     x = mx.array(tokens(40, seed=1).reshape(2, 20))
-    y = mx.array(tokens(40, seed=2).reshape(2, 20))
     names = [k for k, _ in tree_flatten(model.parameters())]
     plain = model(x)
     with capture_routing(model) as calls:
