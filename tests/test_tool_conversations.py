@@ -7,6 +7,7 @@ import ast
 import importlib
 import inspect
 import json
+import re
 
 import pytest
 
@@ -140,7 +141,8 @@ def test_argument_types_and_attribute_escapes():
 def test_aliased_tools_are_the_real_functions_under_names_a_model_cannot_know():
     """prepare --tool-alias-share: a conversation's tools renamed (function and parameters) stay the real functions:
     the call's arguments, mapped back to the real parameter names, give the tool's result when really called; the
-    request says the renamed call; the schema keeps the description and types under the new names."""
+    request says the renamed call as a real tool's is said (`module.function(...)` for the tool `module_function`);
+    the schema keeps the description and types under the new names."""
     convs = build(seed=5, per_tool=3, heldout=False, alias_share=1.0)
     real = {t.name: t for t in tools()}
     names = {t.name for t in tools()}
@@ -151,7 +153,8 @@ def test_aliased_tools_are_the_real_functions_under_names_a_model_cannot_know():
         assert set(c.call["arguments"]) <= set(schema["parameters"]["properties"])
         assert set(schema["parameters"]["required"]) <= set(c.call["arguments"])
         request = c.messages[0]["content"]
-        assert f"{c.tool}(" in request
+        said = re.search(r"([A-Za-z_][\w.]*)\(", request).group(1)
+        assert "." in said and said.replace(".", "_") == c.tool and f"{c.tool}(" not in request
         tool = next(t for t in real.values() if t.module == c.domain and t.schema["function"]["description"]
                     == schema["description"] and len(t.kinds) == len(schema["parameters"]["properties"]))
         assert len({s["function"]["name"] for s in c.tools}) == len(c.tools)

@@ -247,7 +247,7 @@ def _call_text(tool: Tool, args: dict[str, Any], alias: Alias | None = None) -> 
     by_position = [k for k in args if k in required or params[k].kind == params[k].POSITIONAL_ONLY]
     key = (lambda k: alias.params[k]) if alias else (lambda k: k)
     parts = [repr(args[k]) for k in by_position] + [f"{key(k)}={args[k]!r}" for k in args if k not in by_position]
-    return f"{alias.name if alias else tool.qualname}({', '.join(parts)})"
+    return f"{alias.qualname if alias else tool.qualname}({', '.join(parts)})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,15 +255,22 @@ class Alias:
     """A tool renamed for one conversation: a made-up function name and parameter names (the function, its
     description and its values stay the real ones). A model trained on a few dozen tools learns their names by heart
     (the first fine-tune called held-out tools by training tools' names); with names it cannot know, it has to copy
-    them from the tool list and the request, which is what an unseen tool asks for."""
+    them from the tool list and the request, which is what an unseen tool asks for. Named as a real tool is: the
+    request writes the call as `module.function(...)` and the tool is `module_function`, so the copy a renamed tool
+    teaches is the one an unseen real tool needs (with the request's own spelling as the tool's name, the third
+    fine-tune learned to call `colorsys.rgb_to_hsv` for `colorsys_rgb_to_hsv`)."""
 
-    name: str
+    qualname: str  # how the request writes it: "river.stone_42"
     params: dict[str, str]  # real parameter -> its name here
+
+    @property
+    def name(self) -> str:
+        return self.qualname.replace(".", "_")  # as `_schema` names a real tool
 
     @classmethod
     def draw(cls, tool: Tool, rng: np.random.Generator) -> Alias:
         words = [_word(rng) for _ in range(int(rng.integers(1, 3)))]
-        name = "_".join(words) + (f"_{int(rng.integers(2, 99))}" if rng.random() < 0.3 else "")
+        function = "_".join(words) + (f"_{int(rng.integers(2, 99))}" if rng.random() < 0.3 else "")
         taken: set[str] = set()
         params = {}
         for p in tool.kinds:
@@ -272,7 +279,7 @@ class Alias:
                 new += "_" + _word(rng)[0]
             taken.add(new)
             params[p] = new
-        return cls(name=name, params=params)
+        return cls(qualname=f"{_word(rng)}.{function}", params=params)
 
     def schema(self, tool: Tool) -> dict[str, Any]:
         fn = tool.schema["function"]
