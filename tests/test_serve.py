@@ -348,7 +348,7 @@ def test_eight_clients_at_once_lose_nothing_and_memory_stays_flat(server):
     """8 clients x 5 chat requests at once: every one answered, with its greedy text; then 160 short completions to
     warm the completion path, and 160 more with other prompts of the same lengths (360 in all), over which the
     server's resident memory does not grow. The warm burst matters on CUDA: a server's first requests of a shape
-    compile MLX's kernels (an H100 server grew 2.5 GB over its first 80 completions, then 0.6-5 MB per 80)."""
+    compile MLX's kernels (an H100 server grew 2.4 GiB over its first 80 completions, then 0.6-5.2 MiB per 80)."""
     prompts = [f"def f{i}(x):" for i in range(8)]
     expected = {p: ask(server, [{"role": "user", "content": p}], max_tokens=4).choices[0].message.content
                 for p in prompts}
