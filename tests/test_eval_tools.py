@@ -145,6 +145,9 @@ def test_eval_tools_counts_what_the_model_generated(tmp_path, capsys):
         assert r["call"]["valid"] <= (calls is not None)
         assert r["answered"] == has_result(r["answer"], c.result)
     assert doc["answered"] == sum(r["answered"] for r in doc["results"]) and doc["answers"] == 2
+    near = [r for r in doc["results"] if r["call"]["valid"] and not r["exact"]]
+    assert doc["wrong_tool"] == sum(r["call"]["name"] != r["tool"] for r in near)
+    assert doc["wrong_arguments"] == sum(r["call"]["name"] == r["tool"] for r in near)
     shown = CliRunner().invoke(app, ["eval", str(model), "--tools", "--tool-cases", "2"])
     kinds = [r["call"]["problem"] for r in doc["results"] if r["call"]["problem"]]
     flat = " ".join(shown.stdout.split())  # the caption wraps at the terminal's width
@@ -181,3 +184,23 @@ def test_tool_calls_greedy_samples_outside_a_call_and_takes_the_likeliest_inside
     script = [12]
     assert int(guard(peaked(likeliest)).item()) == 12  # outside again: sampled
     assert ToolCallsGreedy.around(sampler, type("NoTools", (), {"has_tool_calling": False})()) is sampler
+
+
+def test_valid_calls_that_miss_say_whether_the_tool_or_the_arguments_were_wrong():
+    """ToolScore.wrong splits MODEL's valid, inexact calls into another tool and other arguments; exact and invalid
+    calls count in neither; --json carries both counts."""
+    from tqbench.eval.records import CallCheck, ToolCaseResult, ToolScore
+    from tqbench.eval.report import tools_dict
+
+    def case(i, name, arguments, problem=""):
+        call = CallCheck(text="", name=name, arguments=arguments, problem=problem)
+        exact = not problem and name == "f" and arguments == {"x": 1}
+        return ToolCaseResult(where=f"c:{i}", tool="f", call=call, exact=exact)
+
+    results = (case(1, "f", {"x": 1}), case(2, "g", {"x": 1}), case(3, "f", {"x": 2}), case(4, "f", {"x": 1, "x2": 1}),
+               case(5, "h", {}, problem="unknown tool 'h'"), case(6, None, None, problem="no tool call"))
+    score = ToolScore(cases=6, valid=4, exact=1, source_valid=None, source_exact=None, agree=None, answers=0,
+                      answered=0, results=results)
+    assert score.wrong == {"tool": 1, "arguments": 2}
+    doc = tools_dict(score)
+    assert (doc["wrong_tool"], doc["wrong_arguments"]) == (1, 2)

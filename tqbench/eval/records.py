@@ -267,6 +267,14 @@ class ToolScore:
         return self._rate(self.answered, self.answers)
 
     @property
+    def wrong(self) -> dict[str, int]:
+        """What MODEL's valid calls that are not the reference got wrong: "tool" (another offered tool) or
+        "arguments" (the reference tool, other arguments), and how many calls each."""
+        near = [r for r in self.results if r.call.valid and not r.exact]
+        other = sum(r.call.name != r.tool for r in near)
+        return {"tool": other, "arguments": len(near) - other}
+
+    @property
     def problems(self) -> dict[str, int]:
         """Why MODEL's calls were invalid: each kind of problem (an argument's problems as one, "arguments") and how
         many calls had it, most first."""
