@@ -133,7 +133,8 @@ def render_progress(events, err: Console) -> ConvertFinished:
     # One ETA, the engine's (a conversion from the hub counts the downloads in it), on the conversion's bar.
     # The calibration's bar counts module inputs, the conversion's and download's bytes: `size` says which.
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
-               TextColumn("{task.fields[size]}"), TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[what]}"))
+               TextColumn("{task.fields[size]}"), TextColumn("{task.fields[rate]}"),
+               TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[what]}"))
     progress = Progress(*columns, console=err, transient=False)
     task = download = calibrate = None
     with progress:

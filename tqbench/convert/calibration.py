@@ -334,7 +334,8 @@ def _staged(model: nn.Module, copy: nn.Module, rows: np.ndarray, sums: dict[str,
     `copy` in greenlets of their own (MLX stays on this thread), and each pauses at every tap, handing over its
     input. When all of them have reached the same tap: the source model's inputs are counted (routed experts: their
     rows and experts, until calibrated; dense: kept for the cross term), then the copy's (H~, C = X~^T X),
-    `calibrate(tap)` puts that tap's calibrated modules into the copy, and all go on, each calling the module (calibrated, in the copy) with its input.
+    `calibrate(tap)` puts that tap's calibrated modules into the copy, and all go on, each calling the module
+    (calibrated, in the copy) with its input.
     A tap reached again later in the same pass (a module called twice) counts nothing more. Yields each tap once
     calibrated, in order (the forward passes wait meanwhile: closing the generator drops them)."""
     from greenlet import getcurrent, greenlet

@@ -32,7 +32,8 @@ from tqbench.errors import TqbenchError
 from tqbench.events import Calibrated
 from tqbench.state import remember_model
 from tui.messages import (ConvertBegan, ConvertCalibrating, ConvertDone, ConvertFailed, ConvertProgress,
-                          ConvertShardWritten, ConvertSource, ConvertStopped, DestinationChecked, DestinationCheckFailed)
+                          ConvertShardWritten, ConvertSource, ConvertStopped, DestinationChecked,
+                          DestinationCheckFailed)
 from tui.screens import convert_check, convert_run
 from tui.screens.confirm import ConfirmScreen
 from tui.screens.convert_check import OutputCheck, check_line, checking_line, same_key
