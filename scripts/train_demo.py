@@ -246,11 +246,12 @@ def load_tools(path: Path):
     return d["tokens"].astype(np.int32), d["mask"], starts, np.diff(np.append(starts, len(d["tokens"])))
 
 
-def tool_batch(tools, pick: np.ndarray, pad: int):
+def tool_batch(tools, pick: np.ndarray, pad: int, width_step: int = 128):
     """Whole tool conversations as one batch: inputs padded with `pad`, targets -1 where the loss is masked (the
-    prompt's tokens, the padding)."""
+    prompt's tokens, the padding). The width is rounded up to a multiple of `width_step`: on CUDA every new shape
+    costs MLX kernel compiles, and conversations of 400-900 tokens would otherwise give almost every batch its own."""
     tokens, mask, starts, lengths = tools
-    width = int(lengths[pick].max()) - 1
+    width = -(-(int(lengths[pick].max()) - 1) // width_step) * width_step
     x = np.full((len(pick), width), pad, np.int32)
     y = np.full((len(pick), width), -1, np.int32)
     for row, c in enumerate(pick):
