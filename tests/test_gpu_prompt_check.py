@@ -54,7 +54,9 @@ def test_a_crashing_mode_is_reported_and_fails_the_check(tmp_path):
 
 
 def test_the_group_probe_runs_here():
-    """On a CPU gather_mm has no group limit: 1,025 matrices give per-expert products exactly."""
+    """On a CPU gather_mm has no group limit: 1,025 matrices give the per-expert products (outputs of about 8 in
+    size). Equal up to float32 rounding, not bit for bit: with OpenBLAS on an AVX-512 machine gather_mm's products
+    and the reference's one-row products take different kernels (5.7e-6 apart seen; the reference BLAS: 0)."""
     p = run("--probe", "groups")
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("BENCH-RESULT ")][-1]
-    assert json.loads(line.split(" ", 1)[1])["max_abs_err"] == 0.0
+    assert json.loads(line.split(" ", 1)[1])["max_abs_err"] <= 1e-4
