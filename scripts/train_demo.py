@@ -546,12 +546,26 @@ def training_step(model, moes: list, a: argparse.Namespace):
     return step, optimizer, set_lr
 
 
+def set_cache_limit(gb: float) -> int | None:
+    """Caps MLX's buffer cache at `gb` GiB (0: MLX's own default, nothing set); the bytes set. On CUDA, tool batches of
+    whole conversations of changing widths leave freed buffers of many sizes cached, and an H100 ran out of memory
+    with the cache uncapped (docs/gpu.md)."""
+    import mlx.core as mx
+
+    if gb <= 0:
+        return None
+    limit = int(gb * 2**30)
+    mx.set_cache_limit(limit)
+    return limit
+
+
 def train(work: Path, a: argparse.Namespace) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from training.modelstats import experts_covering, perplexity, windows
 
+    set_cache_limit(a.cache_limit_gb)
     train_ids = np.load(work / "train.npy").astype(np.int32)
     val_ids = np.load(work / "val.npy").astype(np.int32)
     chat_file = work / "val_chat.npy"
@@ -762,7 +776,8 @@ def train(work: Path, a: argparse.Namespace) -> dict:
                           "frozen_from_step": math.ceil(a.bias_freeze * total) if a.bias_freeze < 1 else None},
             "tools": {"share_of_steps": a.tool_share, "conversations_per_batch": per_tool_batch,
                       "loss": "the assistant's tool calls and answers only"} if tools is not None else None,
-            "compiled": a.compile, "kda": a.kda, "kda_chunk": a.kda_chunk if a.kda == "chunked" else None,
+            "compiled": a.compile, "cache_limit_gb": a.cache_limit_gb or None,
+            "kda": a.kda, "kda_chunk": a.kda_chunk if a.kda == "chunked" else None,
             "time_budget_s": a.time_budget if a.steps is None else None,
             "device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
             "train_seconds": round(train_s, 1), "tokens_per_second": round(total * B * T / train_s),
@@ -969,6 +984,9 @@ def main(argv=None) -> None:
     p.add_argument("--resume-dir", type=Path, default=None,
                    help="where a stopped call keeps its state (default <work>/resume); on the lent GPU an ignored "
                         "folder that is not carried, e.g. build/demo-resume, so carrying the work again keeps it")
+    p.add_argument("--cache-limit-gb", type=float, default=0,
+                   help="train: cap MLX's buffer cache at this many GiB (0: MLX's default); 16 let tool batches of 6 "
+                        "conversations train on an 80 GB H100, where the uncapped cache ran out of memory")
     p.add_argument("--no-check", action="store_true")
     a = p.parse_args(argv)
     for k, v in (CHAT_DEFAULTS if a.spec == "chat" else CODE_DEFAULTS).items():

@@ -1,5 +1,6 @@
 """scripts/train_demo.py's tool batches: whole conversations padded to a width rounded up to the step (few shapes, so
-CUDA compiles few kernels), with the loss on the assistant's tokens only, checked against a per-row construction."""
+CUDA compiles few kernels), with the loss on the assistant's tokens only, checked against a per-row construction;
+`--cache-limit-gb` caps MLX's buffer cache."""
 
 from __future__ import annotations
 
@@ -39,3 +40,15 @@ def test_tool_batch_pads_to_the_width_step_and_masks_all_but_the_assistants_toke
             assert set(x[row, n:].tolist()) <= {pad}
             want = [int(t[i + 1]) if m[i + 1] else -1 for i in range(n)] + [-1] * (width - n)
             assert y[row].tolist() == want
+
+
+def test_cache_limit_sets_mlxs_cap_in_gib_and_zero_leaves_it(td):
+    import mlx.core as mx
+
+    before = mx.set_cache_limit(3 << 30)  # a known cap to come back to
+    try:
+        assert td.set_cache_limit(0) is None and mx.set_cache_limit(3 << 30) == 3 << 30  # untouched
+        assert td.set_cache_limit(1.5) == 1610612736
+        assert mx.set_cache_limit(3 << 30) == 1610612736  # what MLX held: 1.5 GiB
+    finally:
+        mx.set_cache_limit(before)
