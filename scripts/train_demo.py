@@ -249,7 +249,9 @@ def load_tools(path: Path):
 def tool_batch(tools, pick: np.ndarray, pad: int, width_step: int = 128):
     """Whole tool conversations as one batch: inputs padded with `pad`, targets -1 where the loss is masked (the
     prompt's tokens, the padding). The width is rounded up to a multiple of `width_step`: on CUDA every new shape
-    costs MLX kernel compiles, and conversations of 400-900 tokens would otherwise give almost every batch its own."""
+    costs MLX kernel compiles, and conversations of 380-990 tokens would otherwise give almost every batch its own. The
+    padding is computed but masked (about a tenth more tokens a tool batch); causal attention and KDA's recurrence keep
+    it from the rows' own positions."""
     tokens, mask, starts, lengths = tools
     width = -(-(int(lengths[pick].max()) - 1) // width_step) * width_step
     x = np.full((len(pick), width), pad, np.int32)
@@ -548,8 +550,8 @@ def training_step(model, moes: list, a: argparse.Namespace):
 
 def set_cache_limit(gb: float) -> int | None:
     """Caps MLX's buffer cache at `gb` GiB (0: MLX's own default, nothing set); the bytes set. On CUDA, tool batches of
-    whole conversations of changing widths leave freed buffers of many sizes cached, and an H100 ran out of memory
-    with the cache uncapped (docs/gpu.md)."""
+    whole conversations of changing widths leave freed buffers of many sizes cached; on an H100 tool batches of 6
+    trained with the cache capped at 16 GiB, where batches of 8 ran out of memory (docs/gpu.md)."""
     import mlx.core as mx
 
     if gb <= 0:
@@ -985,8 +987,8 @@ def main(argv=None) -> None:
                    help="where a stopped call keeps its state (default <work>/resume); on the lent GPU an ignored "
                         "folder that is not carried, e.g. build/demo-resume, so carrying the work again keeps it")
     p.add_argument("--cache-limit-gb", type=float, default=0,
-                   help="train: cap MLX's buffer cache at this many GiB (0: MLX's default); 16 let tool batches of 6 "
-                        "conversations train on an 80 GB H100, where the uncapped cache ran out of memory")
+                   help="train: cap MLX's buffer cache at this many GiB (0: MLX's default); tool batches of 6 "
+                        "conversations trained on an 80 GB H100 with 16, where batches of 8 ran out of memory")
     p.add_argument("--no-check", action="store_true")
     a = p.parse_args(argv)
     for k, v in (CHAT_DEFAULTS if a.spec == "chat" else CODE_DEFAULTS).items():
