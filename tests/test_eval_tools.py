@@ -187,8 +187,8 @@ def test_tool_calls_greedy_samples_outside_a_call_and_takes_the_likeliest_inside
 
 
 def test_valid_calls_that_miss_say_whether_the_tool_or_the_arguments_were_wrong():
-    """ToolScore.wrong splits MODEL's valid, inexact calls into another tool and other arguments; exact and invalid
-    calls count in neither; --json carries both counts."""
+    """ToolScore.wrong_tool and wrong_arguments split MODEL's valid, inexact calls into another tool and other
+    arguments; exact and invalid calls count in neither; --json carries both counts."""
     from tqbench.eval.records import CallCheck, ToolCaseResult, ToolScore
     from tqbench.eval.report import tools_dict
 
@@ -201,6 +201,6 @@ def test_valid_calls_that_miss_say_whether_the_tool_or_the_arguments_were_wrong(
                case(5, "h", {}, problem="unknown tool 'h'"), case(6, None, None, problem="no tool call"))
     score = ToolScore(cases=6, valid=4, exact=1, source_valid=None, source_exact=None, agree=None, answers=0,
                       answered=0, results=results)
-    assert score.wrong == {"tool": 1, "arguments": 2}
+    assert (score.wrong_tool, score.wrong_arguments) == (1, 2)
     doc = tools_dict(score)
     assert (doc["wrong_tool"], doc["wrong_arguments"]) == (1, 2)

@@ -235,9 +235,8 @@ def tools_table(r):
         notes.append(f"{r.max_active_experts} of {r.native_experts} experts per token")
     if r.cache_routing:
         notes.append(f"routing changed: cache routing margin {r.cache_routing:g}")
-    if any(s.wrong.values()):
-        notes.append(f"valid, not the reference: another tool ({s.wrong['tool']}), other arguments "
-                     f"({s.wrong['arguments']})")
+    if s.wrong_tool or s.wrong_arguments:
+        notes.append(f"valid, not the reference: another tool ({s.wrong_tool}), other arguments ({s.wrong_arguments})")
     if s.problems:
         notes.append("invalid: " + ", ".join(f"{k} ({n})" for k, n in s.problems.items()))
     notes.append(f"{r.seconds:.1f} s")

@@ -267,12 +267,14 @@ class ToolScore:
         return self._rate(self.answered, self.answers)
 
     @property
-    def wrong(self) -> dict[str, int]:
-        """What MODEL's valid calls that are not the reference got wrong: "tool" (another offered tool) or
-        "arguments" (the reference tool, other arguments), and how many calls each."""
-        near = [r for r in self.results if r.call.valid and not r.exact]
-        other = sum(r.call.name != r.tool for r in near)
-        return {"tool": other, "arguments": len(near) - other}
+    def wrong_tool(self) -> int:
+        """MODEL's valid calls that are not the reference because they call another offered tool."""
+        return sum(r.call.valid and not r.exact and r.call.name != r.tool for r in self.results)
+
+    @property
+    def wrong_arguments(self) -> int:
+        """MODEL's valid calls that are not the reference although they call its tool: other arguments."""
+        return sum(r.call.valid and not r.exact and r.call.name == r.tool for r in self.results)
 
     @property
     def problems(self) -> dict[str, int]:

@@ -27,7 +27,7 @@ def tools_dict(t: ToolScore) -> dict:
             "exact_rate": t.exact_rate, "source_valid": t.source_valid, "source_exact": t.source_exact,
             "source_exact_rate": t.source_exact_rate, "agree": t.agree, "agree_rate": t.agree_rate,
             "answers": t.answers, "answered": t.answered, "answer_rate": t.answer_rate,
-            "wrong_tool": t.wrong["tool"], "wrong_arguments": t.wrong["arguments"],
+            "wrong_tool": t.wrong_tool, "wrong_arguments": t.wrong_arguments,
             "results": [{"case": r.where, "tool": r.tool, "call": call_dict(r.call), "exact": r.exact,
                          "source": call_dict(r.source) if r.source is not None else None, "agrees": r.agrees,
                          "answer": r.answer, "answered": r.answered} for r in t.results]}
